@@ -1,0 +1,806 @@
+"""The virtual index-map algebra: how a virtual tensor's indices land in physical memory.
+
+A virtual tensor owns no memory; it is an :class:`IndexMap` from its own index space onto a
+physical tensor (or several, see :class:`Piece`). Every data-movement primitive is one method
+here that returns the map of the moved tensor, so a chain of movement ops is a chain of method
+calls and the composed map is what a kernel's load/store stage evaluates (paper §4.1,
+``F_new = F_outer ∘ F_base``).
+
+Expressions are kept in the canonical "sum of atoms" form that XLA's indexing analysis and MLIR's
+affine maps use: ``const + Σ coeff·atom`` where an atom is a virtual index ``d_i``, a runtime
+symbol (``pos``), or ``floordiv``/``mod`` of an expression by a positive constant. Division and
+modulo are simplified with the ranges of the indices, which is what turns a reshape that merges
+dimensions cleanly back into plain strides (``(d0*128 + d1) floordiv 128 -> d0`` when
+``0 <= d1 < 128``). Without that, every reshape would leave a ``//``/``%`` in the kernel and every
+contiguity question would be answered "unknown".
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+__all__ = [
+    "Expr", "Atom", "Dim", "Sym", "FloorDiv", "Mod", "Cond", "SymInfo", "IndexMap", "Piece",
+    "Contiguity", "Layout", "Movements", "box_conds", "NotComposable", "dim", "sym", "const", "row_major_strides",
+]
+
+
+class NotComposable(ValueError):
+    """Raised when two maps cannot be composed into one (e.g. two pads with different fills)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Expressions
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, order=True)
+class Dim:
+    """Virtual index ``d_i``."""
+    i: int
+
+    def __str__(self) -> str:
+        return f"d{self.i}"
+
+
+@dataclass(frozen=True, order=True)
+class Sym:
+    """A runtime integer scalar (e.g. the decode position), supplied to kernels as an input."""
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class FloorDiv:
+    expr: "Expr"
+    c: int
+
+    def __str__(self) -> str:
+        return f"({self.expr}) floordiv {self.c}"
+
+
+@dataclass(frozen=True)
+class Mod:
+    expr: "Expr"
+    c: int
+
+    def __str__(self) -> str:
+        return f"({self.expr}) mod {self.c}"
+
+
+Atom = Dim | Sym | FloorDiv | Mod
+
+
+def _atom_key(a: Atom) -> tuple:
+    # Dims first (by index), then symbols, then compound atoms: gives a stable canonical order.
+    if isinstance(a, Dim):
+        return (0, a.i, "")
+    if isinstance(a, Sym):
+        return (1, 0, a.name)
+    return (2, 0, str(a))
+
+
+Bounds = Mapping[Atom, tuple[int, int]]  # inclusive ranges of dims / symbols
+
+
+@dataclass(frozen=True)
+class Expr:
+    """``const + Σ coeff·atom`` with atoms in canonical order and no zero coefficients."""
+    terms: tuple[tuple[Atom, int], ...] = ()
+    const: int = 0
+
+    # -- construction -------------------------------------------------------------------------
+    @staticmethod
+    def of(x: "Expr | int | Atom") -> "Expr":
+        if isinstance(x, Expr):
+            return x
+        if isinstance(x, (int, np.integer)):
+            return Expr((), int(x))
+        return Expr(((x, 1),), 0)
+
+    @staticmethod
+    def _make(coeffs: Mapping[Atom, int], c: int) -> "Expr":
+        items = sorted(((a, k) for a, k in coeffs.items() if k != 0), key=lambda t: _atom_key(t[0]))
+        return Expr(tuple(items), int(c))
+
+    def __add__(self, other: "Expr | int") -> "Expr":
+        o = Expr.of(other)
+        acc = dict(self.terms)
+        for a, k in o.terms:
+            acc[a] = acc.get(a, 0) + k
+        return Expr._make(acc, self.const + o.const)
+
+    __radd__ = __add__
+
+    def __neg__(self) -> "Expr":
+        return self * -1
+
+    def __sub__(self, other: "Expr | int") -> "Expr":
+        return self + (-Expr.of(other))
+
+    def __rsub__(self, other: "Expr | int") -> "Expr":
+        return Expr.of(other) - self
+
+    def __mul__(self, k: int) -> "Expr":
+        if not isinstance(k, (int, np.integer)):
+            raise TypeError("index expressions are multiplied by integer constants only")
+        k = int(k)
+        return Expr._make({a: c * k for a, c in self.terms}, self.const * k)
+
+    __rmul__ = __mul__
+
+    def floordiv(self, c: int, bounds: Bounds | None = None) -> "Expr":
+        return _floordiv(self, int(c), bounds or {})
+
+    def mod(self, c: int, bounds: Bounds | None = None) -> "Expr":
+        return _mod(self, int(c), bounds or {})
+
+    # -- queries ------------------------------------------------------------------------------
+    @property
+    def is_const(self) -> bool:
+        return not self.terms
+
+    def atoms(self) -> tuple[Atom, ...]:
+        return tuple(a for a, _ in self.terms)
+
+    def dims(self) -> frozenset[int]:
+        """Every virtual index this expression depends on, also inside floordiv/mod."""
+        out: set[int] = set()
+        for a, _ in self.terms:
+            if isinstance(a, Dim):
+                out.add(a.i)
+            elif isinstance(a, (FloorDiv, Mod)):
+                out |= a.expr.dims()
+        return frozenset(out)
+
+    def symbols(self) -> frozenset[str]:
+        out: set[str] = set()
+        for a, _ in self.terms:
+            if isinstance(a, Sym):
+                out.add(a.name)
+            elif isinstance(a, (FloorDiv, Mod)):
+                out |= a.expr.symbols()
+        return frozenset(out)
+
+    def coeff(self, a: Atom) -> int:
+        return dict(self.terms).get(a, 0)
+
+    def range(self, bounds: Bounds) -> tuple[float, float]:
+        """Inclusive [lo, hi] of the expression; ±inf where an unbounded symbol enters."""
+        lo = hi = float(self.const)
+        for a, k in self.terms:
+            alo, ahi = _atom_range(a, bounds)
+            if k > 0:
+                lo, hi = lo + k * alo, hi + k * ahi
+            else:
+                lo, hi = lo + k * ahi, hi + k * alo
+        return lo, hi
+
+    def substitute(self, mapping: Mapping[Atom, "Expr"], bounds: Bounds) -> "Expr":
+        """Replace atoms (dims, symbols) by expressions, re-simplifying floordiv/mod on the way."""
+        out = Expr.of(self.const)
+        for a, k in self.terms:
+            if a in mapping:
+                rep = mapping[a]
+            elif isinstance(a, FloorDiv):
+                rep = _floordiv(a.expr.substitute(mapping, bounds), a.c, bounds)
+            elif isinstance(a, Mod):
+                rep = _mod(a.expr.substitute(mapping, bounds), a.c, bounds)
+            else:
+                rep = Expr.of(a)
+            out = out + rep * k
+        return out
+
+    def evaluate(self, env: Mapping[Atom, Any], xp: Any = np, bounds: Bounds | None = None) -> Any:
+        """Evaluate with numpy or jax.numpy arrays bound to dims/symbols.
+
+        Inside a kernel non-negative operands use truncating ``lax.div``/``lax.rem`` (cheaper
+        than floor semantics, and identical when the operand cannot be negative).
+        """
+        val: Any = self.const
+        for a, k in self.terms:
+            if isinstance(a, (Dim, Sym)):
+                v = env[a]
+            else:
+                inner = a.expr.evaluate(env, xp, bounds)
+                nonneg = bounds is not None and a.expr.range(bounds)[0] >= 0
+                v = _div_or_mod(inner, a.c, isinstance(a, FloorDiv), nonneg, xp)
+            val = val + (v if k == 1 else v * k)
+        return val
+
+    def __str__(self) -> str:
+        parts = []
+        for a, k in self.terms:
+            s = str(a)
+            parts.append(s if k == 1 else f"-{s}" if k == -1 else f"{s}*{k}")
+        if self.const or not parts:
+            parts.append(str(self.const))
+        return " + ".join(parts).replace("+ -", "- ")
+
+    __repr__ = __str__
+
+
+def _div_or_mod(x: Any, c: int, is_div: bool, nonneg: bool, xp: Any) -> Any:
+    if xp is np or not hasattr(x, "dtype") or not nonneg:
+        return x // c if is_div else x % c
+    from jax import lax  # only needed for jnp evaluation
+    cc = np.asarray(c, dtype=x.dtype)
+    return lax.div(x, cc) if is_div else lax.rem(x, cc)
+
+
+def _atom_range(a: Atom, bounds: Bounds) -> tuple[float, float]:
+    if isinstance(a, (Dim, Sym)):
+        return bounds.get(a, (-math.inf, math.inf))
+    lo, hi = a.expr.range(bounds)
+    if isinstance(a, FloorDiv):
+        return (math.floor(lo / a.c) if lo > -math.inf else -math.inf,
+                math.floor(hi / a.c) if hi < math.inf else math.inf)
+    if lo >= 0 and hi < a.c:
+        return lo, hi
+    return 0, a.c - 1
+
+
+@functools.lru_cache(maxsize=4096)
+def _divisors_desc(c: int) -> tuple[int, ...]:
+    small = [d for d in range(1, math.isqrt(c) + 1) if c % d == 0]
+    return tuple(sorted(set(small + [c // d for d in small]), reverse=True))
+
+
+def _split_by(e: Expr, d: int) -> tuple[Expr, Expr]:
+    """e = d*big + small, with big's terms exactly those whose coefficient d divides."""
+    big = {a: k // d for a, k in e.terms if k % d == 0}
+    small = {a: k for a, k in e.terms if k % d != 0}
+    return Expr._make(big, e.const // d), Expr._make(small, e.const % d)
+
+
+def _floordiv(e: Expr, c: int, bounds: Bounds) -> Expr:
+    if c <= 0:
+        raise ValueError("floordiv by a non-positive constant")
+    if c == 1:
+        return e
+    q, r = _split_by(e, c)  # (c*q + r) floordiv c == q + r floordiv c, exactly
+    if q.terms or q.const:
+        return q + _floordiv(r, c, bounds)
+    for d in _divisors_desc(c):
+        if d == 1:
+            break
+        big, small = _split_by(e, d)
+        lo, hi = small.range(bounds)
+        if lo >= 0 and hi < d:  # small contributes nothing to e // d
+            return big if d == c else _floordiv(big, c // d, bounds)
+    if len(e.terms) == 1 and e.const == 0 and e.terms[0][1] == 1 and isinstance(e.terms[0][0], FloorDiv):
+        inner = e.terms[0][0]
+        return _floordiv(inner.expr, inner.c * c, bounds)
+    lo, hi = e.range(bounds)
+    if lo >= 0 and hi < c:
+        return Expr.of(0)
+    return Expr.of(FloorDiv(e, c))
+
+
+def _mod(e: Expr, c: int, bounds: Bounds) -> Expr:
+    if c <= 0:
+        raise ValueError("mod by a non-positive constant")
+    if c == 1:
+        return Expr.of(0)
+    big, small = _split_by(e, c)  # terms with coefficients divisible by c vanish
+    e = small
+    for d in _divisors_desc(c):
+        if d == 1:
+            break
+        big, small = _split_by(e, d)
+        lo, hi = small.range(bounds)
+        if lo >= 0 and hi < d:
+            if d == c:
+                return small
+            return _mod(big, c // d, bounds) * d + small
+    if len(e.terms) == 1 and e.const == 0 and e.terms[0][1] == 1 and isinstance(e.terms[0][0], Mod):
+        inner = e.terms[0][0]
+        if inner.c % c == 0:
+            return _mod(inner.expr, c, bounds)
+    lo, hi = e.range(bounds)
+    if lo >= 0 and hi < c:
+        return e
+    return Expr.of(Mod(e, c))
+
+
+def dim(i: int) -> Expr:
+    return Expr.of(Dim(i))
+
+
+def sym(name: str) -> Expr:
+    return Expr.of(Sym(name))
+
+
+def const(c: int) -> Expr:
+    return Expr.of(int(c))
+
+
+# --------------------------------------------------------------------------------------------
+# Index maps
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Cond:
+    """Element valid iff ``lo <= expr < hi`` (the masks that ``pad`` introduces)."""
+    expr: Expr
+    lo: int
+    hi: int
+
+    def __str__(self) -> str:
+        return f"{self.lo} <= {self.expr} < {self.hi}"
+
+
+@dataclass(frozen=True)
+class SymInfo:
+    """A runtime scalar and its range (already clamped the way lax clamps dynamic starts)."""
+    name: str
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class Contiguity:
+    """Paper §4.3: minimal contiguous dimension and the contiguous run it gives."""
+    min_contiguous_dim: int   # 0-based; 0 means fully contiguous
+    run_elems: int
+    run_bytes: int
+    full: bool
+
+    def partial(self, unit_bytes: int = 32) -> bool:
+        """Partially contiguous: each run covers at least one memory transaction (32 B sector)."""
+        return self.run_bytes >= unit_bytes
+
+
+def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= int(n)
+    return tuple(reversed(out))
+
+
+class Movements:
+    """One method per movement primitive, shared by :class:`IndexMap` and :class:`Layout`.
+
+    Each builds the primitive's own map (new index -> old index) and hands it to ``_movement``,
+    which composes it with whatever the receiver already describes.
+    """
+    _shape: tuple[int, ...]
+
+    def _movement(self, new_domain: Sequence[int], exprs: Sequence[Expr], conds: Sequence[Cond] = (),
+                  fill: float | None = None, syms: Sequence[SymInfo] = ()) -> Any:
+        inner = IndexMap(tuple(int(n) for n in new_domain), tuple(exprs), self._shape, tuple(conds),
+                         fill, tuple(syms))
+        return self.compose(inner)
+
+    def compose(self, inner: "IndexMap") -> Any:
+        raise NotImplementedError
+
+    # -- one method per movement primitive ----------------------------------------------------
+    def transpose(self, perm: Sequence[int]) -> Any:
+        perm = tuple(int(p) for p in perm)
+        new = tuple(self._shape[p] for p in perm)
+        inv = [0] * len(perm)
+        for k, p in enumerate(perm):
+            inv[p] = k
+        return self._movement(new, [dim(inv[j]) for j in range(len(perm))])
+
+    def reshape(self, new_shape: Sequence[int]) -> Any:
+        new_shape = tuple(int(n) for n in new_shape)
+        if math.prod(new_shape) != math.prod(self._shape):
+            raise ValueError(f"cannot reshape {self._shape} to {new_shape}")
+        b = {Dim(i): (0, n - 1) for i, n in enumerate(new_shape)}
+        flat = sum((dim(i) * s for i, s in enumerate(row_major_strides(new_shape))), const(0))
+        old_strides = row_major_strides(self._shape)
+        exprs = [flat.floordiv(s, b).mod(n, b) for s, n in zip(old_strides, self._shape)]
+        return self._movement(new_shape, exprs)
+
+    def broadcast(self, shape: Sequence[int], broadcast_dimensions: Sequence[int]) -> Any:
+        """``broadcast_in_dim``: many virtual elements read one physical element (read side only)."""
+        shape = tuple(int(n) for n in shape)
+        exprs = [const(0) if self._shape[j] == 1 and shape[bd] != 1 else dim(bd)
+                 for j, bd in enumerate(broadcast_dimensions)]
+        return self._movement(shape, exprs)
+
+    def slice(self, start: Sequence[int], limit: Sequence[int], strides: Sequence[int] | None = None) -> Any:
+        strides = tuple(strides) if strides else (1,) * len(start)
+        new = tuple(max(0, -(-(l - s) // st)) for s, l, st in zip(start, limit, strides))
+        return self._movement(new, [dim(i) * st + s for i, (s, st) in enumerate(zip(start, strides))])
+
+    def dynamic_slice(self, starts: Sequence[Expr | int], sizes: Sequence[int],
+                      syms: Sequence[SymInfo] = ()) -> Any:
+        """``starts`` are expressions over runtime symbols, already clamped (``syms`` give ranges)."""
+        return self._movement(sizes, [dim(i) + Expr.of(s) for i, s in enumerate(starts)], syms=syms)
+
+    def offset(self, axis: int, amount: Expr | int, size: int, syms: Sequence[SymInfo] = ()) -> Any:
+        """A window of ``size`` along ``axis`` starting at ``amount`` (concat/split pieces, DUS)."""
+        new = list(self._shape)
+        new[axis] = int(size)
+        exprs = [dim(i) + (Expr.of(amount) if i == axis else 0) for i in range(len(new))]
+        return self._movement(new, exprs, syms=syms)
+
+    def rev(self, dims: Iterable[int]) -> Any:
+        dims = set(int(d) for d in dims)
+        return self._movement(self._shape, [const(n - 1) - dim(i) if i in dims else dim(i)
+                                            for i, n in enumerate(self._shape)])
+
+    def pad(self, lo: Sequence[int], hi: Sequence[int], interior: Sequence[int], fill: float) -> Any:
+        """``lax.pad``: the padded tensor reads the original where the mask holds, else ``fill``."""
+        new, exprs, conds = [], [], []
+        b: dict[Atom, tuple[int, int]] = {}
+        for i, (n, l, h, it) in enumerate(zip(self._shape, lo, hi, interior)):
+            size = l + h + n + max(n - 1, 0) * it
+            new.append(size)
+            b[Dim(i)] = (0, size - 1)
+        for i, (n, l, it) in enumerate(zip(self._shape, lo, interior)):
+            shifted = dim(i) - l
+            step = it + 1
+            exprs.append(shifted.floordiv(step, b) if step > 1 else shifted)
+            conds.append(Cond(shifted, 0, (n - 1) * step + 1))
+            if step > 1:
+                conds.append(Cond(shifted.mod(step, b), 0, 1))
+        return self._movement(new, exprs, _prune_conds(conds, b), float(fill))
+
+    def squeeze(self, dims: Iterable[int]) -> Any:
+        dims = set(int(d) for d in dims)
+        keep = [i for i in range(len(self._shape)) if i not in dims]
+        pos = {j: k for k, j in enumerate(keep)}
+        return self._movement([self._shape[j] for j in keep],
+                              [dim(pos[j]) if j in pos else const(0) for j in range(len(self._shape))])
+
+    def expand_dims(self, dims: Iterable[int]) -> Any:
+        dims = sorted(int(d) for d in dims)
+        rank = len(self._shape) + len(dims)
+        old = [i for i in range(rank) if i not in dims]
+        new = [1] * rank
+        for j, i in enumerate(old):
+            new[i] = self._shape[j]
+        return self._movement(new, [dim(i) for i in old])
+
+
+@dataclass(frozen=True)
+class IndexMap(Movements):
+    """Map from a virtual tensor's indices (``domain``) onto a physical tensor (``target``).
+
+    Methods named after movement primitives return the map of the moved tensor onto the same
+    target: ``m.transpose(p)`` describes ``transpose(V, p)`` where ``V`` is what ``m`` describes.
+    """
+    domain: tuple[int, ...]
+    exprs: tuple[Expr, ...]
+    target: tuple[int, ...]
+    conds: tuple[Cond, ...] = ()
+    fill: float | None = None
+    syms: tuple[SymInfo, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.exprs) != len(self.target):
+            raise ValueError(f"{len(self.exprs)} expressions for a rank-{len(self.target)} target")
+
+    # -- basics -------------------------------------------------------------------------------
+    @staticmethod
+    def identity(shape: Sequence[int]) -> "IndexMap":
+        shape = tuple(int(s) for s in shape)
+        return IndexMap(shape, tuple(dim(i) if s != 1 else const(0) for i, s in enumerate(shape)), shape)
+
+    @property
+    def bounds(self) -> dict[Atom, tuple[int, int]]:
+        b: dict[Atom, tuple[int, int]] = {Dim(i): (0, n - 1) for i, n in enumerate(self.domain)}
+        b.update({Sym(s.name): (s.lo, s.hi) for s in self.syms})
+        return b
+
+    @property
+    def is_identity(self) -> bool:
+        return (self.domain, self.exprs, self.conds) == (self.target, IndexMap.identity(self.domain).exprs, ())
+
+    @property
+    def _shape(self) -> tuple[int, ...]:
+        return self.domain
+
+    def compose(self, inner: "IndexMap", refine: Sequence[Cond] = ()) -> "IndexMap":
+        """``self ∘ inner``: inner maps X -> self.domain, the result maps X -> self.target.
+
+        ``refine`` are conditions known to hold on X (a piece's membership box): they tighten
+        the index ranges used to simplify floordiv/mod, never change the result.
+        """
+        if tuple(inner.target) != tuple(self.domain):
+            raise NotComposable(f"cannot compose: inner target {inner.target} != domain {self.domain}")
+        if self.conds and inner.conds and self.fill != inner.fill:
+            raise NotComposable("two masks with different fill values")
+        syms = _merge_syms(self.syms, inner.syms)
+        b: dict[Atom, tuple[int, int]] = {Dim(i): (0, n - 1) for i, n in enumerate(inner.domain)}
+        b.update({Sym(s.name): (s.lo, s.hi) for s in syms})
+        b = _refine_bounds(b, refine)
+        sub = {Dim(i): e for i, e in enumerate(inner.exprs)}
+        exprs = tuple(e.substitute(sub, b) for e in self.exprs)
+        conds = list(inner.conds) + [Cond(c.expr.substitute(sub, b), c.lo, c.hi) for c in self.conds]
+        conds = _prune_conds(conds, b)
+        fill = self.fill if self.conds else inner.fill
+        # size-1 domain dims are always index 0: drop them from the expressions.
+        zero = {Dim(i): const(0) for i, n in enumerate(inner.domain) if n == 1}
+        if zero:
+            exprs = tuple(e.substitute(zero, b) for e in exprs)
+            conds = _prune_conds([Cond(c.expr.substitute(zero, b), c.lo, c.hi) for c in conds], b)
+        return IndexMap(inner.domain, exprs, self.target, tuple(conds), fill if conds else None, syms)
+
+    def restrict(self, box: Sequence[tuple[int, int]]) -> "IndexMap":
+        """The map seen from inside ``box`` (box-relative indices): a piece's local view."""
+        return self._movement([hi - lo for lo, hi in box], [dim(i) + lo for i, (lo, _) in enumerate(box)])
+
+    # -- evaluation ---------------------------------------------------------------------------
+    def evaluate(self, indices: Sequence[Any], symbols: Mapping[str, Any] | None = None,
+                 xp: Any = np) -> tuple[tuple[Any, ...], Any]:
+        """Target index arrays (and a validity mask, None if no conds) for given virtual indices."""
+        env: dict[Atom, Any] = {Dim(i): x for i, x in enumerate(indices)}
+        env.update({Sym(k): v for k, v in (symbols or {}).items()})
+        b = self.bounds
+        tgt = tuple(e.evaluate(env, xp, b) for e in self.exprs)
+        mask = None
+        for c in self.conds:
+            v = c.expr.evaluate(env, xp, b)
+            m = (v >= c.lo) & (v < c.hi)
+            mask = m if mask is None else mask & m
+        return tgt, mask
+
+    def block_indices(self, origin: Sequence[Any], block: Sequence[int], xp: Any = np) -> tuple[list[Any], Any]:
+        """Virtual index arrays of a block at ``origin`` and the in-bounds mask for ragged edges."""
+        idx, inb = [], None
+        rank = len(block)
+        for k, (o, n) in enumerate(zip(origin, block)):
+            shape = [1] * rank
+            shape[k] = n
+            ar = xp.arange(n, dtype=np.int32).reshape(shape) + o
+            idx.append(ar)
+            m = ar < self.domain[k]
+            inb = m if inb is None else inb & m
+        return idx, inb
+
+    def flat_offsets(self, origin: Sequence[Any], block: Sequence[int], symbols: Mapping[str, Any] | None = None,
+                     xp: Any = np, strides: Sequence[int] | None = None) -> tuple[Any, Any]:
+        """Flat physical offsets of a power-of-two block and its mask (in bounds and cond-valid).
+
+        Out-of-bounds lanes keep whatever offset they compute; callers must use the mask.
+        """
+        idx, inb = self.block_indices(origin, block, xp)
+        tgt, mask = self.evaluate(idx, symbols, xp)
+        strides = tuple(strides) if strides is not None else row_major_strides(self.target)
+        off = sum((t * s for t, s in zip(tgt, strides) if s), 0)
+        off = xp.broadcast_to(off, tuple(block)) if hasattr(xp, "broadcast_to") else off
+        full = inb if mask is None else inb & mask
+        return off, xp.broadcast_to(full, tuple(block))
+
+    # -- analysis -----------------------------------------------------------------------------
+    def flat_expr(self) -> Expr:
+        """The physical element offset as one expression (row-major target)."""
+        acc = const(0)
+        for e, s in zip(self.exprs, row_major_strides(self.target)):
+            acc = acc + e * s
+        return acc
+
+    def contiguity(self, itemsize: int) -> Contiguity:
+        """Minimal contiguous dimension (paper Def. 3) of the map, from the simplified offset.
+
+        Dimension ``d`` is contiguous when every dim ``i >= d`` appears only as a bare index with
+        coefficient equal to the suffix product of the domain, and no floordiv/mod atom involves
+        those dims (so the bias is constant once the outer indices are fixed).
+        """
+        flat = self.flat_expr()
+        compound_dims: set[int] = set()
+        for a, _ in flat.terms:
+            if isinstance(a, (FloorDiv, Mod)):
+                compound_dims |= a.expr.dims()
+        cond_dims: set[int] = set()
+        for c in self.conds:
+            cond_dims |= c.expr.dims()
+        d, run = len(self.domain), 1
+        for i in reversed(range(len(self.domain))):
+            n = self.domain[i]
+            if n == 1:
+                d = i
+                continue
+            if i in compound_dims or i in cond_dims or flat.coeff(Dim(i)) != run:
+                break
+            run *= n
+            d = i
+        full = d == 0 or all(n == 1 for n in self.domain[:d])
+        return Contiguity(0 if full else d, run, run * itemsize, full)
+
+    def strided_box(self) -> tuple[tuple[int | None, int, Expr], ...] | None:
+        """Per target dim ``(domain dim or None, stride, offset)`` when the map is a strided box.
+
+        That is the case a kernel can serve with ``ref.at[pl.ds(...)]`` plus an in-register
+        transpose instead of a gather: every target index is ``offset + stride*d_j`` for at most
+        one distinct domain dim ``j`` (offsets may contain runtime symbols, not dims).
+        """
+        if self.conds:
+            return None
+        out, used = [], set()
+        for e in self.exprs:
+            dims = [(a, k) for a, k in e.terms if isinstance(a, Dim)]
+            rest = Expr._make({a: k for a, k in e.terms if not isinstance(a, Dim)}, e.const)
+            if rest.dims() or len(dims) > 1:
+                return None
+            if dims:
+                (a, k), = dims
+                if a.i in used:
+                    return None
+                used.add(a.i)
+                out.append((a.i, k, rest))
+            else:
+                out.append((None, 0, rest))
+        return tuple(out)
+
+    def __str__(self) -> str:
+        ds = ", ".join(f"d{i}" for i in range(len(self.domain)))
+        s = f"({ds}) -> ({', '.join(str(e) for e in self.exprs)})"
+        if self.conds:
+            s += f" if {' and '.join(str(c) for c in self.conds)} else {self.fill}"
+        return s
+
+
+def _merge_syms(a: Sequence[SymInfo], b: Sequence[SymInfo]) -> tuple[SymInfo, ...]:
+    out = {s.name: s for s in a}
+    for s in b:
+        if s.name in out and out[s.name] != s:
+            old = out[s.name]
+            s = SymInfo(s.name, max(old.lo, s.lo), min(old.hi, s.hi))
+        out[s.name] = s
+    return tuple(sorted(out.values(), key=lambda s: s.name))
+
+
+def _normalise_cond(c: Cond, bounds: Bounds) -> Cond:
+    """``lo <= k*q + r < hi`` with ``0 <= r < k`` and ``k | lo, hi`` is ``lo/k <= q < hi/k``."""
+    g = math.gcd(c.lo, c.hi)
+    for d in _divisors_desc(g) if g > 1 else ():
+        if d == 1:
+            break
+        big, small = _split_by(c.expr, d)
+        lo, hi = small.range(bounds)
+        if lo >= 0 and hi < d:
+            return Cond(big, c.lo // d, c.hi // d)
+    return c
+
+
+def _prune_conds(conds: Sequence[Cond], bounds: Bounds) -> list[Cond]:
+    """Drop conditions the index ranges already guarantee."""
+    out = []
+    for c in map(lambda c: _normalise_cond(c, bounds), conds):
+        lo, hi = c.expr.range(bounds)
+        if lo >= c.lo and hi < c.hi:
+            continue
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def _refine_bounds(bounds: dict[Atom, tuple[int, int]], conds: Sequence[Cond]) -> dict[Atom, tuple[int, int]]:
+    """Tighten dim ranges with conditions of the form ``lo <= d_i + c < hi``."""
+    out = dict(bounds)
+    for c in conds:
+        if len(c.expr.terms) == 1 and c.expr.terms[0][1] == 1 and isinstance(c.expr.terms[0][0], Dim):
+            a = c.expr.terms[0][0]
+            lo, hi = out.get(a, (-math.inf, math.inf))
+            out[a] = (max(lo, c.lo - c.expr.const), min(hi, c.hi - 1 - c.expr.const))
+    return out
+
+
+def box_conds(box: Sequence[tuple[int, int]], shape: Sequence[int]) -> tuple[Cond, ...]:
+    """Membership conditions of a box, omitting dims the box spans entirely."""
+    return tuple(Cond(dim(i), lo, hi) for i, ((lo, hi), n) in enumerate(zip(box, shape)) if (lo, hi) != (0, n))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of a virtual tensor: where ``where`` holds, index ``x`` lives in ``target`` at ``map(x)``.
+
+    ``map`` takes the virtual index itself (not piece-relative), so composing a movement op onto a
+    layout is the same substitution for the map and for the membership conditions.
+    """
+    target: int
+    map: IndexMap
+    where: tuple[Cond, ...] = ()
+
+    def member(self, idx: Sequence[Any], xp: Any = np) -> Any:
+        m = True
+        for c in self.where:
+            v = c.expr.evaluate({Dim(i): x for i, x in enumerate(idx)}, xp)
+            m = m & (v >= c.lo) & (v < c.hi)
+        return m
+
+    def box(self) -> tuple[tuple[int, int], ...] | None:
+        """The membership as a static box, when it is one (the common concat/split case)."""
+        b = _refine_bounds({Dim(i): (0, n - 1) for i, n in enumerate(self.map.domain)}, self.where)
+        if len(_prune_conds(self.where, b)) != 0:
+            return None
+        return tuple((int(b[Dim(i)][0]), int(b[Dim(i)][1]) + 1) for i in range(len(self.map.domain)))
+
+
+@dataclass(frozen=True)
+class Layout(Movements):
+    """A tensor's layout: physical (one identity piece) or virtual (pieces onto physical tensors).
+
+    This is the paper's virtual tensor ``(F, {P_1..P_n})``: ``F`` is the piecewise map, the
+    pieces' targets are the ``P_j``. Movement methods return the layout of the moved tensor.
+    Elements covered by no piece (only ``pad`` makes them) read as ``fill``.
+    """
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    @staticmethod
+    def physical(target: int, shape: Sequence[int]) -> "Layout":
+        shape = tuple(int(n) for n in shape)
+        return Layout(shape, (Piece(target, IndexMap.identity(shape)),))
+
+    @property
+    def _shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    @property
+    def targets(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(p.target for p in self.pieces))
+
+    @property
+    def fill(self) -> float:
+        fills = [p.map.fill for p in self.pieces if p.map.fill is not None]
+        return fills[0] if fills else 0.0
+
+    def compose(self, inner: IndexMap) -> "Layout":
+        """The layout of a tensor whose index ``x`` is this tensor's index ``inner(x)``."""
+        b = inner.bounds
+        sub = {Dim(i): e for i, e in enumerate(inner.exprs)}
+        pieces = []
+        for p in self.pieces:
+            where = tuple(_prune_conds([Cond(c.expr.substitute(sub, b), c.lo, c.hi) for c in p.where], b))
+            if any(_never(c, b) for c in where):
+                continue
+            pieces.append(Piece(p.target, p.map.compose(inner, refine=where), where))
+        return Layout(inner.domain, tuple(pieces))
+
+    def restrict_box(self, box: Sequence[tuple[int, int]]) -> "Layout":
+        """The same layout, with membership limited to ``box`` (one edge of a concat/split)."""
+        extra = box_conds(box, self.shape)
+        return Layout(self.shape, tuple(Piece(p.target, p.map, tuple(dict.fromkeys(p.where + extra)))
+                                        for p in self.pieces))
+
+    @staticmethod
+    def concatenate(layouts: Sequence["Layout"], axis: int) -> "Layout":
+        """Layout of ``concatenate(layouts, axis)``: each operand becomes pieces in its slab."""
+        total = sum(l.shape[axis] for l in layouts)
+        shape = list(layouts[0].shape)
+        shape[axis] = total
+        pieces: list[Piece] = []
+        off = 0
+        for l in layouts:
+            n = l.shape[axis]
+            m = IndexMap(tuple(shape), tuple(dim(i) - (off if i == axis else 0) for i in range(len(shape))),
+                         l.shape)
+            box = [(0, s) for s in shape]
+            box[axis] = (off, off + n)
+            pieces += l.compose(m).restrict_box(box).pieces
+            off += n
+        return Layout(tuple(shape), tuple(pieces))
+
+    def evaluate(self, buffers: Mapping[int, np.ndarray], symbols: Mapping[str, Any] | None = None) -> np.ndarray:
+        """Materialise the tensor from physical buffers with numpy (the reference semantics)."""
+        idx = list(np.indices(self.shape, dtype=np.int64)) if self.shape else []
+        dtype = np.result_type(*[buffers[p.target].dtype for p in self.pieces]) if self.pieces else np.float32
+        out = np.full(self.shape, self.fill, dtype=dtype)
+        for p in self.pieces:
+            tgt, valid = p.map.evaluate(idx, symbols)
+            m = np.broadcast_to(p.member(idx) & (True if valid is None else valid), self.shape)
+            buf = buffers[p.target]
+            safe = tuple(np.clip(np.broadcast_to(t, self.shape), 0, n - 1) for t, n in zip(tgt, buf.shape))
+            out = np.where(m, buf[safe] if buf.ndim else buf, out)
+        return out
+
+    def __str__(self) -> str:
+        return " | ".join(f"t{p.target}{list(p.box() or p.where)}: {p.map}" for p in self.pieces)
+
+
+def _never(c: Cond, bounds: Bounds) -> bool:
+    lo, hi = c.expr.range(bounds)
+    return hi < c.lo or lo >= c.hi
