@@ -1,0 +1,435 @@
+"""Virtual tensor I/O: the one place where kernels touch global memory (paper §4.2, Listing 1).
+
+A kernel template is written against *logical* tensors: stage 1 asks ``VRef.load(origin, block)``
+for a block of its input, stage 2 computes in registers, stage 3 calls ``VRef.store``. Whether
+that logical tensor is a plain array, a transpose of a KV cache, the concatenation of three
+buffers or a padded window is the layout's business, decided here and nowhere else.
+
+Contract for someone adding a template
+--------------------------------------
+* Inputs/outputs are :class:`VTensor` (or plain arrays, meaning physical). Build a :class:`Plan`
+  with ``Plan.build(inputs, outputs)`` and launch with ``plan.call(body, grid=..., backend=...)``;
+  ``body(ins, outs)`` gets one :class:`VRef` per input and output. Read program ids inside.
+* Blocks are tuples of powers of two; ``origin`` entries may be traced int32. Lanes outside the
+  logical shape read ``fill`` and are never written: templates do not mask ragged edges themselves.
+* A load may cover several pieces (a QKV block straddling Q and the K cache): every piece is
+  loaded under its own mask and merged. A store only touches the pieces whose static box meets
+  the block (``pl.when``), each under its own mask.
+* Never accumulate into one output block from several grid programs (they race on a GPU).
+
+How a piece is accessed (cheapest first)
+----------------------------------------
+1. *Strided box with unit strides* (identity, transpose, slice, dynamic_slice at ``pos``, reshape
+   that merges cleanly, broadcast): the buffer keeps its shape and the block is read with
+   ``ref.at[pl.ds(start, n), ...]``, then transposed/broadcast in registers. For a physical,
+   contiguous operand this is exactly what a ``BlockSpec`` lowers to in Triton (pointer plus
+   ``arange`` offsets, masked), so templates need no second code path for the plain case.
+2. *General*: the buffer is passed flattened (a free bitcast in XLA) and the block's flat offsets
+   are computed from the map (``//`` and ``%`` only where simplification could not remove them) —
+   a masked gather/scatter. Masked-off scatter lanes point past the end of the buffer, because the
+   interpreter writes the old value back on masked lanes and would clobber element 0.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ..indexmap import Atom, Dim, Expr, Layout, Piece, Sym, SymInfo
+
+__all__ = ["VTensor", "VRef", "Plan", "compiler_params", "next_pow2"]
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def compiler_params(num_warps: int = 4, num_stages: int = 2) -> Any:
+    """Triton compiler params: without them jax 0.10.2 routes pallas_call to Mosaic GPU."""
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+# --------------------------------------------------------------------------------------------
+# Values
+# --------------------------------------------------------------------------------------------
+
+@jax.tree_util.register_pytree_node_class
+@dataclass(frozen=True, eq=False)
+class VTensor:
+    """A logical tensor: a layout onto physical buffers plus the runtime scalars its map uses.
+
+    Buffers that are ``jax.ShapeDtypeStruct`` (outputs only) are created by the kernel that
+    writes them; array buffers of an output are written in place (``input_output_aliases``).
+    """
+    layout: Layout
+    dtype: np.dtype
+    buffers: tuple[Any, ...]
+    symbols: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        n = len(self.buffers)
+        for p in self.layout.pieces:
+            if not 0 <= p.target < n:
+                raise ValueError(f"layout piece targets buffer {p.target}, but only {n} buffers given")
+            if len(p.map.target) != len(self.buffers[p.target].shape) or \
+                    tuple(p.map.target) != tuple(self.buffers[p.target].shape):
+                raise ValueError(f"piece maps onto shape {p.map.target}, buffer {p.target} has shape "
+                                 f"{tuple(self.buffers[p.target].shape)}")
+        missing = {s.name for p in self.layout.pieces for s in p.map.syms} - {k for k, _ in self.symbols}
+        if missing:
+            raise ValueError(f"layout uses runtime symbols {sorted(missing)} that were not supplied")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.layout.shape
+
+    @staticmethod
+    def physical(x: Any) -> "VTensor":
+        return VTensor(Layout.physical(0, x.shape), x.dtype, (x,))
+
+    @staticmethod
+    def fresh(shape: Sequence[int], dtype: Any) -> "VTensor":
+        """A new physical output buffer, allocated by the kernel that writes it."""
+        shape = tuple(int(s) for s in shape)
+        return VTensor(Layout.physical(0, shape), np.dtype(dtype), (jax.ShapeDtypeStruct(shape, dtype),))
+
+    @staticmethod
+    def of(x: Any) -> "VTensor":
+        return x if isinstance(x, VTensor) else VTensor.physical(jnp.asarray(x))
+
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        return (self.buffers, tuple(v for _, v in self.symbols)), (self.layout, self.dtype,
+                                                                   tuple(k for k, _ in self.symbols))
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple[Any, ...], children: tuple[Any, ...]) -> "VTensor":
+        layout, dtype, names = aux
+        buffers, values = children
+        return cls(layout, dtype, tuple(buffers), tuple(zip(names, values)))
+
+
+def _is_fresh(b: Any) -> bool:
+    return isinstance(b, jax.ShapeDtypeStruct)
+
+
+def _unit_strided(p: Piece) -> tuple[tuple[int | None, int, Expr], ...] | None:
+    """The piece's strided-box form when every mapped stride is +1 (what ``pl.ds`` can serve)."""
+    sb = p.map.strided_box()
+    if sb is None or any(j is not None and k != 1 for j, k, _ in sb):
+        return None
+    return sb
+
+
+# --------------------------------------------------------------------------------------------
+# Plan: how a template's VTensors become pallas_call operands
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Binding:
+    """Static description of one VTensor inside a kernel: layout, dtype and its buffers' slots."""
+    layout: Layout
+    dtype: np.dtype
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+    flat: tuple[bool, ...]           # buffer passed flattened (general gather/scatter path)
+    slots: tuple[int, ...]           # input: arg index; output: output index
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    inputs: tuple[_Binding, ...]
+    outputs: tuple[_Binding, ...]
+    sym_names: tuple[str, ...]
+    sym_ranges: tuple[tuple[int, int], ...]
+    args: tuple[Any, ...]
+    out_shape: tuple[jax.ShapeDtypeStruct, ...]
+    input_output_aliases: dict[int, int]
+
+    @staticmethod
+    def build(inputs: Sequence[Any], outputs: Sequence[VTensor]) -> "Plan":
+        args: list[Any] = []
+        out_shape: list[jax.ShapeDtypeStruct] = []
+        aliases: dict[int, int] = {}
+        syms: dict[str, Any] = {}
+
+        def flat_flags(v: VTensor) -> tuple[bool, ...]:
+            flags = [False] * len(v.buffers)
+            for p in v.layout.pieces:
+                if _unit_strided(p) is None:
+                    flags[p.target] = True
+            return tuple(flags)
+
+        def collect_syms(v: VTensor) -> None:
+            for k, val in v.symbols:
+                syms.setdefault(k, val)
+
+        in_b = []
+        for x in inputs:
+            v = VTensor.of(x)
+            collect_syms(v)
+            flat = flat_flags(v)
+            slots = []
+            for b, f in zip(v.buffers, flat):
+                if _is_fresh(b):
+                    raise ValueError("an input VTensor cannot have unallocated (ShapeDtypeStruct) buffers")
+                slots.append(len(args))
+                args.append(b.reshape(-1) if f else b)
+            in_b.append(_Binding(v.layout, v.dtype, tuple(tuple(b.shape) for b in v.buffers),
+                                 tuple(np.dtype(b.dtype) for b in v.buffers), flat, tuple(slots)))
+        out_b = []
+        for v in outputs:
+            collect_syms(v)
+            flat = flat_flags(v)
+            slots = []
+            for b, f in zip(v.buffers, flat):
+                shape = (math.prod(b.shape),) if f else tuple(b.shape)
+                slots.append(len(out_shape))
+                if not _is_fresh(b):
+                    aliases[len(args)] = len(out_shape)
+                    args.append(b.reshape(-1) if f else b)
+                out_shape.append(jax.ShapeDtypeStruct(shape, b.dtype))
+            out_b.append(_Binding(v.layout, v.dtype, tuple(tuple(b.shape) for b in v.buffers),
+                                  tuple(np.dtype(b.dtype) for b in v.buffers), flat, tuple(slots)))
+        names = tuple(sorted(syms))
+        ranges = {}
+        for v in list(inputs) + list(outputs):
+            if isinstance(v, VTensor):
+                for p in v.layout.pieces:
+                    for s in p.map.syms:
+                        ranges[s.name] = (s.lo, s.hi)
+        sym_args = [jnp.asarray(syms[k], jnp.int32).reshape(1) for k in names]
+        return Plan(tuple(in_b), tuple(out_b), names, tuple(ranges.get(k, (0, 2**31 - 1)) for k in names),
+                    tuple(args) + tuple(sym_args), tuple(out_shape), aliases)
+
+    @property
+    def n_args(self) -> int:
+        return len(self.args)
+
+    def refs(self, *refs: Any) -> tuple[list["VRef"], list["VRef"]]:
+        """Group pallas_call refs back into one VRef per input and output VTensor."""
+        n_in = self.n_args
+        in_refs, out_refs = refs[:n_in], refs[n_in:]
+        n_sym = len(self.sym_names)
+        sym_vals = {k: in_refs[n_in - n_sym + i][0] for i, k in enumerate(self.sym_names)}
+        ins = [VRef(b, tuple(in_refs[s] for s in b.slots), sym_vals) for b in self.inputs]
+        outs = [VRef(b, tuple(out_refs[s] for s in b.slots), sym_vals) for b in self.outputs]
+        return ins, outs
+
+    def unflatten(self, results: Sequence[Any]) -> list[tuple[Any, ...]]:
+        """Per output VTensor, its physical buffers in their own shapes."""
+        return [tuple(results[s].reshape(shape) for s, shape in zip(b.slots, b.shapes)) for b in self.outputs]
+
+    def call(self, body: Callable[[list["VRef"], list["VRef"]], None], *, grid: tuple[int, ...],
+             backend: str = "interpret", num_warps: int = 4, num_stages: int = 2,
+             name: str | None = None) -> list[tuple[Any, ...]]:
+        """Launch ``body(ins, outs)`` over ``grid``; returns ``unflatten`` of the results."""
+        if backend not in ("interpret", "triton"):
+            raise ValueError(f"backend must be 'interpret' or 'triton', got {backend!r}")
+
+        def kernel(*refs: Any) -> None:
+            ins, outs = self.refs(*refs)
+            body(ins, outs)
+
+        any_spec = pl.BlockSpec(memory_space=pl.ANY)
+        res = pl.pallas_call(
+            kernel, grid=grid, out_shape=self.out_shape,
+            in_specs=[any_spec] * self.n_args, out_specs=[any_spec] * len(self.out_shape),
+            input_output_aliases=self.input_output_aliases,
+            compiler_params=compiler_params(num_warps, num_stages),
+            interpret=backend == "interpret", name=name,
+        )(*self.args)
+        return self.unflatten(res)
+
+
+# --------------------------------------------------------------------------------------------
+# In-kernel access
+# --------------------------------------------------------------------------------------------
+
+def _iota(block: Sequence[int], k: int) -> jax.Array:
+    return jax.lax.broadcasted_iota(jnp.int32, tuple(block), k)
+
+
+def _all(masks: Sequence[Any]) -> Any:
+    out = None
+    for m in masks:
+        if m is None or m is True:
+            continue
+        out = m if out is None else out & m
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class VRef:
+    """A VTensor inside a kernel: its static layout, its buffer refs and the symbol values."""
+    binding: _Binding
+    refs: tuple[Any, ...]
+    syms: dict[str, Any]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.binding.layout.shape
+
+    def _env(self, origin: Sequence[Any], block: Sequence[int]) -> tuple[dict[Atom, Any], Any]:
+        idx = [jnp.asarray(o, jnp.int32) + _iota(block, k) for k, o in enumerate(origin)]
+        inb = _all([(i < n) if n < b or not isinstance(o, int) or o + b > n else None
+                    for i, n, b, o in zip(idx, self.shape, block, origin)])
+        env: dict[Atom, Any] = {Dim(k): i for k, i in enumerate(idx)}
+        env.update({Sym(k): v.astype(jnp.int32) for k, v in self.syms.items()})
+        return env, inb
+
+    def _piece_mask(self, p: Piece, env: dict[Atom, Any], inb: Any) -> Any:
+        masks = [inb]
+        bounds = p.map.bounds
+        for c in p.where + p.map.conds:
+            v = c.expr.evaluate(env, jnp, bounds)
+            masks.append((v >= c.lo) & (v < c.hi))
+        return _all(masks)
+
+    def _strided_index(self, p: Piece, sb: Any, origin: Sequence[Any], block: Sequence[int],
+                       env: dict[Atom, Any]) -> tuple[Any, ...]:
+        bounds = p.map.bounds
+        out = []
+        for k, (j, _, off) in enumerate(sb):
+            start = off.evaluate(env, jnp, bounds)
+            if j is not None:
+                out.append(pl.ds(jnp.asarray(start + origin[j], jnp.int32), block[j]))
+            else:
+                out.append(pl.ds(jnp.asarray(start, jnp.int32), 1))
+        return tuple(out)
+
+    def load(self, origin: Sequence[Any], block: Sequence[int], fill: float = 0.0) -> jax.Array:
+        """Stage 1: a ``block`` of the logical tensor at ``origin``; ``fill`` outside its shape."""
+        block = tuple(int(b) for b in block)
+        env, inb = self._env(origin, block)
+        dtype = self.binding.dtype
+        pad_fill = self.binding.layout.fill
+        base = jnp.full(block, fill, dtype) if inb is None else \
+            jnp.where(inb, jnp.asarray(pad_fill, dtype), jnp.asarray(fill, dtype))
+        pieces = self.binding.layout.pieces
+        result = base
+        for p in pieces:
+            mask = self._piece_mask(p, env, inb)
+            val = self._load_piece(p, origin, block, env, mask).astype(dtype)
+            result = val if mask is None else jnp.where(mask, val, result)
+        return result
+
+    def _load_piece(self, p: Piece, origin: Sequence[Any], block: tuple[int, ...], env: dict[Atom, Any],
+                    mask: Any) -> jax.Array:
+        ref = self.refs[p.target]
+        sb = None if self.binding.flat[p.target] else _unit_strided(p)
+        if sb is None:
+            offs = _flat_offsets(p, env, self.binding.shapes[p.target], block)
+            if mask is not None:
+                offs = jnp.where(mask, offs, 0)
+            return plgpu.load(ref.at[offs], mask=mask, other=0)
+        idx = self._strided_index(p, sb, origin, block, env)
+        tmask = None if mask is None else _to_target_order(mask, sb, block)
+        val = plgpu.load(ref.at[idx], mask=tmask, other=0)
+        return _from_target_order(val, sb, block)
+
+    def store(self, origin: Sequence[Any], block: Sequence[int], value: jax.Array) -> None:
+        """Stage 3: write ``value`` (shape ``block``) at ``origin``; lanes outside the shape are dropped."""
+        block = tuple(int(b) for b in block)
+        env, inb = self._env(origin, block)
+        for p in self.binding.layout.pieces:
+            box = p.box()
+            hit = _box_hit(box, origin, block)
+            if hit is False:
+                continue
+
+            def write(p: Piece = p) -> None:
+                mask = self._piece_mask(p, env, inb)
+                self._store_piece(p, origin, block, env, mask, value)
+
+            if hit is None:
+                write()
+            else:
+                pl.when(hit)(write)
+
+    def _store_piece(self, p: Piece, origin: Sequence[Any], block: tuple[int, ...], env: dict[Atom, Any],
+                     mask: Any, value: jax.Array) -> None:
+        ref = self.refs[p.target]
+        val = value.astype(self.binding.dtypes[p.target])
+        sb = None if self.binding.flat[p.target] else _unit_strided(p)
+        if sb is not None and len([j for j, _, _ in sb if j is not None]) < sum(b > 1 for b in block):
+            sb = None  # a block dim with no home: cannot be a one-to-one write
+        if sb is None:
+            shape = self.binding.shapes[p.target]
+            offs = _flat_offsets(p, env, shape, block)
+            if mask is not None:
+                offs = jnp.where(mask, offs, math.prod(shape))  # masked lanes point past the end
+            plgpu.store(ref.at[offs], val, mask=mask)
+            return
+        idx = self._strided_index(p, sb, origin, block, env)
+        tmask = None if mask is None else _to_target_order(mask, sb, block)
+        plgpu.store(ref.at[idx], _to_target_order(val, sb, block), mask=tmask)
+
+
+def _flat_offsets(p: Piece, env: dict[Atom, Any], shape: Sequence[int], block: Sequence[int]) -> jax.Array:
+    bounds = p.map.bounds
+    strides = [int(np.prod(shape[k + 1:], dtype=np.int64)) for k in range(len(shape))]
+    off: Any = jnp.zeros(tuple(block), jnp.int32)
+    for e, s in zip(p.map.exprs, strides):
+        if s:
+            off = off + e.evaluate(env, jnp, bounds) * s
+    return jnp.broadcast_to(off, tuple(block)).astype(jnp.int32)
+
+
+def _box_hit(box: Any, origin: Sequence[Any], block: Sequence[int]) -> Any:
+    """Whether the block meets the piece's static box: True/False when static, traced otherwise."""
+    if box is None:
+        return None
+    conds = []
+    for (lo, hi), o, b in zip(box, origin, block):
+        if isinstance(o, int):
+            if o >= hi or o + b <= lo:
+                return False
+            continue
+        conds.append((o < hi) & (o + b > lo))
+    if not conds:
+        return None
+    out = conds[0]
+    for c in conds[1:]:
+        out = out & c
+    return out
+
+
+def _to_target_order(x: jax.Array, sb: Any, block: Sequence[int]) -> jax.Array:
+    """Rearrange a block from virtual dim order into the buffer's dim order (size 1 for unmapped).
+
+    Virtual dims with no physical home are folded: for a mask with a max (a physical element is
+    read if any virtual lane that maps to it is valid: broadcast reads); for a stored value they
+    have size 1 (the caller falls back to a scatter otherwise).
+    """
+    mapped = [j for j, _, _ in sb if j is not None]
+    extra = tuple(k for k in range(len(block)) if k not in mapped)
+    if extra:
+        if x.dtype == jnp.bool_:
+            x = jnp.max(x.astype(jnp.int32), axis=extra) > 0
+        else:
+            x = x.reshape([b for k, b in enumerate(block) if k not in extra])
+    kept = sorted(mapped)
+    perm = [kept.index(j) for j in mapped]
+    if perm != list(range(len(perm))):
+        x = jnp.transpose(x, perm)
+    return x.reshape([block[j] if j is not None else 1 for j, _, _ in sb])
+
+
+def _from_target_order(val: jax.Array, sb: Any, block: Sequence[int]) -> jax.Array:
+    """Inverse of ``_to_target_order`` for loads: transpose back and broadcast unmapped dims."""
+    mapped = [j for j, _, _ in sb if j is not None]
+    x = val.reshape([block[j] for j in mapped])
+    kept = sorted(mapped)
+    perm = [mapped.index(j) for j in kept]
+    if perm != list(range(len(perm))):
+        x = jnp.transpose(x, perm)
+    shape = [block[k] if k in mapped else 1 for k in range(len(block))]
+    return jnp.broadcast_to(x.reshape(shape), tuple(block))

@@ -1,0 +1,176 @@
+"""Kernel test helpers: rung 1 and rung 2 of the verification ladder on a CPU-only machine.
+
+Interpret mode alone is not enough: it ignores the Triton backend's power-of-two rule and accepts
+value-level slices/pads/gathers that do not lower (PALLAS-TRITON-NOTES.md, "Pitfalls" 1). So every
+kernel test both runs the kernel in interpret mode against a reference *and* cross-lowers it for
+CUDA, asserting that real Triton IR comes out.
+
+Convention: a kernel entry point takes a keyword ``backend`` in {"interpret", "triton"}.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import jax
+import numpy as np
+
+TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"
+
+
+class TritonKernel(tuple):
+    """One Triton custom call. A 2-tuple ``(name, ir)`` — so ``for name, ir in m.triton_kernels``
+    works — that also carries the launch configuration found next to the IR in the backend config.
+
+    ``ir`` is the serialized Triton MLIR (bytecode) that XLA's Triton compiler consumes; feed it to
+    ``vtc_jax.offline.compile_kernel``.
+    """
+
+    num_warps: int | None
+    num_stages: int | None
+    grid: tuple[int, int, int]
+
+    def __new__(cls, name: str, ir: bytes, num_warps: int | None = None,
+                num_stages: int | None = None, grid: tuple[int, int, int] = (1, 1, 1)):
+        self = super().__new__(cls, (name, ir))
+        self.num_warps, self.num_stages, self.grid = num_warps, num_stages, tuple(grid)
+        return self
+
+    name = property(lambda self: self[0], doc="kernel (pallas_call) name")
+    ir = property(lambda self: self[1], doc="Triton IR bytes from the backend config")
+
+    def __repr__(self) -> str:
+        return (f"TritonKernel(name={self.name!r}, ir=<{len(self.ir)} bytes>, "
+                f"num_warps={self.num_warps}, num_stages={self.num_stages}, grid={self.grid})")
+
+
+def _walk(op) -> Iterator[Any]:
+    """All operations nested in ``op`` (pre-order), including ``op`` itself."""
+    op = getattr(op, "operation", op)
+    yield op
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                yield from _walk(inner)
+
+
+def _int_attr(d, key: str) -> int | None:
+    from jax._src.lib.mlir import ir
+    return ir.IntegerAttr(d[key]).value if key in d else None
+
+
+@dataclass(frozen=True)
+class LoweredModule:
+    """A StableHLO module lowered for CUDA, with the parsed pieces tests and accounting need.
+
+    ``count`` walks every function in the module once: a private function called twice counts once.
+    """
+
+    text: str
+    triton_kernels: tuple[TritonKernel, ...]
+    op_counts: dict[str, int]
+
+    def count(self, op_name: str) -> int:
+        """Number of ``op_name`` ops (e.g. ``"stablehlo.transpose"``) in the module."""
+        return self.op_counts.get(op_name, 0)
+
+    @classmethod
+    def from_text(cls, text: str) -> "LoweredModule":
+        """Parse module text with JAX's MLIR context (it registers the stablehlo/mhlo dialects)."""
+        from jax._src.interpreters import mlir
+        from jax._src.lib.mlir import ir
+
+        module = ir.Module.parse(text, context=mlir.make_ir_context())
+        kernels: list[TritonKernel] = []
+        counts: dict[str, int] = {}
+        for op in _walk(module.operation):
+            counts[op.name] = counts.get(op.name, 0) + 1
+            if op.name != "stablehlo.custom_call":
+                continue
+            if ir.StringAttr(op.attributes["call_target_name"]).value != TRITON_CALL_TARGET:
+                continue
+            # Pallas puts a dictionary here: {debug, grid_x/y/z, ir, name, num_stages, num_warps}.
+            cfg = ir.DictAttr(op.attributes["mhlo.backend_config"])
+            kernels.append(TritonKernel(
+                ir.StringAttr(cfg["name"]).value if "name" in cfg else "?",
+                ir.StringAttr(cfg["ir"]).value_bytes,
+                _int_attr(cfg, "num_warps"), _int_attr(cfg, "num_stages"),
+                tuple(_int_attr(cfg, f"grid_{a}") or 1 for a in "xyz")))
+        return cls(text, tuple(kernels), counts)
+
+
+def _sds(x: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    return jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
+
+
+def cross_lower(fn: Callable, *args: Any) -> LoweredModule:
+    """Lower ``jax.jit(fn)`` for CUDA on this CPU machine (``jax.export``, platforms=["cuda"]).
+
+    ``args`` may be arrays or ``jax.ShapeDtypeStruct`` pytrees. The Triton custom call is not on
+    export's stable list, so that safety check is disabled: we only inspect the module.
+    Needs jax-cuda12-plugin installed (the Pallas Triton lowering lives behind it).
+    """
+    exported = jax.export.export(
+        jax.jit(fn), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL_TARGET)],
+    )(*jax.tree.map(_sds, args))
+    return LoweredModule.from_text(exported.mlir_module())
+
+
+@dataclass(frozen=True)
+class KernelCheck:
+    """What ``check_kernel`` saw: the interpret-mode output and the CUDA lowering (if requested)."""
+
+    output: Any
+    lowered: LoweredModule | None
+
+    @property
+    def text(self) -> str:
+        return self.lowered.text if self.lowered else ""
+
+    @property
+    def triton_kernels(self) -> tuple[TritonKernel, ...]:
+        return self.lowered.triton_kernels if self.lowered else ()
+
+
+def _as_numpy(x: Any) -> np.ndarray:
+    a = np.asarray(x)
+    # Compare floating types (bf16/f16 included) in f32: assert_allclose does not handle bf16.
+    return a.astype(np.float32) if jax.numpy.issubdtype(a.dtype, jax.numpy.floating) else a
+
+
+def check_kernel(kernel_call: Callable, ref_fn: Callable, args: tuple, *, rtol: float,
+                 atol: float, lower: bool = True, name: str | None = None,
+                 check_dtype: bool = True) -> KernelCheck:
+    """Check a kernel entry point ``kernel_call(*args, backend=...)`` against ``ref_fn(*args)``.
+
+    (a) ``backend="interpret"`` under ``jax.jit``: shapes (and dtypes) must match the reference and
+        values agree within ``rtol``/``atol`` (floats compared in f32); outputs may be pytrees.
+    (b) if ``lower``: ``backend="triton"`` cross-lowered for CUDA must contain at least one
+        ``__gpu$xla.gpu.triton`` custom call — the check interpret mode cannot do.
+    ``name`` only labels failure messages. Static configuration belongs in a ``functools.partial``.
+    """
+    label = name or getattr(kernel_call, "__name__", repr(kernel_call))
+    out = jax.jit(functools.partial(kernel_call, backend="interpret"))(*args)
+    ref = ref_fn(*args)
+    out_leaves, out_tree = jax.tree.flatten(out)
+    ref_leaves, ref_tree = jax.tree.flatten(ref)
+    assert out_tree == ref_tree, f"{label}: output structure {out_tree} != reference {ref_tree}"
+    for i, (o, r) in enumerate(zip(out_leaves, ref_leaves)):
+        where = f"{label} output {i}"
+        assert np.shape(o) == np.shape(r), f"{where}: shape {np.shape(o)} != {np.shape(r)}"
+        if check_dtype:
+            od, rd = jax.numpy.result_type(o), jax.numpy.result_type(r)
+            assert od == rd, f"{where}: dtype {od} != {rd}"
+        np.testing.assert_allclose(_as_numpy(o), _as_numpy(r), rtol=rtol, atol=atol,
+                                   err_msg=where)
+    lowered = None
+    if lower:
+        lowered = cross_lower(functools.partial(kernel_call, backend="triton"), *args)
+        assert lowered.triton_kernels, (
+            f"{label}: the CUDA lowering has no {TRITON_CALL_TARGET} custom call — did the "
+            "pallas_call get compiler_params=plgpu.CompilerParams(...)?")
+    return KernelCheck(out, lowered)
