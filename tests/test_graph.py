@@ -1,0 +1,179 @@
+"""vtc_jax.graph: tracing into a flat, inlined, faithful Graph."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vtc_jax.graph import Graph, trace
+
+
+def _rand(key: int, *shape: int, dtype=jnp.float32) -> jax.Array:
+    return jax.random.normal(jax.random.key(key), shape, dtype)
+
+
+def _check_faithful(fn, *args, **kwargs) -> Graph:
+    """Graph.evaluate (eager and under jit) reproduces jax.jit(fn), pytree structure included."""
+    g = trace(fn, *args, **kwargs)
+    flat = jax.tree_util.tree_leaves((args, kwargs))
+    want = jax.jit(fn)(*args, **kwargs)
+    for got in (g.evaluate(*flat), jax.jit(g.evaluate)(*flat)):
+        got_tree = g.unflatten_outputs(got)
+        assert jax.tree_util.tree_structure(got_tree) == jax.tree_util.tree_structure(want)
+        for a, b in zip(jax.tree_util.tree_leaves(got_tree), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    _check_well_formed(g)
+    return g
+
+
+def _check_well_formed(g: Graph) -> None:
+    assert [t.id for t in g.tensors] == list(range(len(g.tensors)))
+    assert [op.id for op in g.ops] == list(range(len(g.ops)))
+    defined = set(g.inputs) | {t.id for t in g.tensors if t.const is not None}
+    for op in g.ops:  # topological: every input defined before use, each tensor written once
+        assert set(op.inputs) <= defined, op
+        assert not set(op.outputs) & defined
+        defined |= set(op.outputs)
+        for t in op.outputs:
+            assert g.producer(t) is op
+        for t in op.inputs:
+            assert op in g.consumers(t)
+    assert set(g.outputs) <= defined
+
+
+def test_pytrees_and_kwargs():
+    def fn(params, x, *, scale, extra):
+        h = jnp.tanh(x @ params["w"] + params["b"]) * scale
+        return {"h": h, "pair": (h.sum(), extra[0] - extra[1].T)}
+
+    params = {"w": _rand(0, 8, 4), "b": _rand(1, 4)}
+    g = _check_faithful(fn, params, _rand(2, 3, 8), scale=_rand(3), extra=(_rand(4, 2, 5), _rand(5, 5, 2)))
+    assert g.in_tree == jax.tree_util.tree_structure(((params, 0), {"scale": 0, "extra": (0, 0)}))
+    assert len(g.inputs) == 6
+
+
+def test_nested_jit_is_inlined():
+    @jax.jit
+    def inner(x):
+        return jnp.sin(x) * 2.0
+
+    @jax.jit
+    def middle(x, y):
+        return inner(x) + jax.jit(jnp.cos)(y)
+
+    g = _check_faithful(lambda x, y: middle(x, y) * inner(y), _rand(0, 4, 4), _rand(1, 4, 4))
+    prims = [op.primitive for op in g.ops]
+    assert "jit" not in prims and "pjit" not in prims
+    assert prims.count("sin") == 2 and prims.count("cos") == 1
+
+
+def test_custom_jvp_is_inlined():
+    g = _check_faithful(lambda x: jax.nn.softmax(jax.nn.relu(x) * jax.nn.gelu(x), axis=-1), _rand(0, 3, 7))
+    prims = {op.primitive for op in g.ops}
+    assert not prims & {"custom_jvp_call", "jit", "pjit"}
+    assert {"max", "exp", "reduce_sum", "reduce_max"} <= prims
+
+
+def test_custom_vjp_keeps_primal():
+    @jax.custom_vjp
+    def clip_grad(x):
+        return jnp.sin(x)
+
+    clip_grad.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (jnp.clip(g, -1, 1),))
+    g = _check_faithful(lambda x: clip_grad(x) + 1.0, _rand(0, 5))
+    assert [op.primitive for op in g.ops] == ["sin", "add"]
+
+
+def test_remat_is_inlined():
+    fn = jax.checkpoint(lambda x, w: jnp.tanh(x @ w) @ w.T)
+    g = _check_faithful(fn, _rand(0, 4, 6), _rand(1, 6, 6))
+    assert [op.primitive for op in g.ops] == ["dot_general", "tanh", "transpose", "dot_general"]
+
+
+def test_scan_kept_opaque():
+    def fn(xs):
+        carry, ys = jax.lax.scan(lambda c, x: (c + x, c * x), jnp.zeros(xs.shape[1:]), xs)
+        return carry, ys
+
+    g = _check_faithful(fn, _rand(0, 5, 3))
+    (scan,) = [op for op in g.ops if op.primitive == "scan"]
+    assert scan.opaque_reason == "control flow (scan) kept opaque"
+    assert all(op.opaque_reason is None for op in g.ops if op is not scan)
+
+
+def test_consts_and_literals():
+    table_np = np.arange(6.0, dtype=np.float32)
+    table_jax = jnp.arange(6.0) * 3
+
+    def fn(x):
+        return x * 2.0 + table_np + table_jax, x, x, 7.0
+
+    g = _check_faithful(fn, _rand(0, 6))
+    consts = [t for t in g.tensors if t.const is not None]
+    assert any(np.array_equal(t.const, table_np) for t in consts)
+    assert any(np.array_equal(t.const, np.asarray(table_jax)) for t in consts)
+    assert any(t.shape == () and t.const == 2.0 and t.dtype == np.float32 for t in consts)
+    assert g.outputs[1] == g.outputs[2] == g.inputs[0]  # outputs may repeat and may be inputs
+    assert g.producer(g.outputs[3]) is None and g.tensors[g.outputs[3]].const == 7.0
+
+
+def test_dead_code_removed_effects_kept():
+    def fn(x):
+        unused = jnp.sin(x) @ x.T  # noqa: F841  (dead)
+        jax.debug.callback(lambda v: None, x)  # effectful, no outputs used: must stay
+        return jnp.exp(x)
+
+    g = trace(fn, _rand(0, 3, 3))
+    prims = [op.primitive for op in g.ops]
+    assert "sin" not in prims and "dot_general" not in prims and "transpose" not in prims
+    assert "exp" in prims and "debug_callback" in prims
+    # dead tensors are gone too
+    assert all(g.producer(t.id) is not None or t.id in g.inputs or t.const is not None for t in g.tensors)
+
+
+def test_int64_params_normalised():
+    def fn(x):
+        a = jax.lax.slice(x, (np.int64(1),), (np.int64(5),))
+        b = jax.lax.broadcast_in_dim(a, (np.int64(2), np.int64(4)), (np.int64(1),))
+        return b, jnp.pad(x, ((np.int64(1), np.int64(2)),))
+
+    g = _check_faithful(fn, _rand(0, 6))
+
+    def ints_only(v):
+        if isinstance(v, tuple):
+            return all(ints_only(i) for i in v)
+        return not isinstance(v, np.integer)
+
+    by_prim = {op.primitive: op.params for op in g.ops}
+    assert by_prim["slice"]["start_indices"] == (1,) and type(by_prim["slice"]["start_indices"][0]) is int
+    assert type(by_prim["broadcast_in_dim"]["shape"][0]) is int
+    assert by_prim["pad"]["padding_config"] == ((1, 2, 0),)
+    assert all(ints_only(v) for op in g.ops for v in op.params.values())
+
+
+def test_shape_dtype_struct_paper_size_without_allocating():
+    shape = (16, 4096, 8, 128)
+    sds = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((128, 128), jnp.bfloat16)
+
+    def fn(k, w):
+        return jnp.swapaxes(k, 1, 2).reshape(16, 8, 4096 * 128 // 128, 128) @ w
+
+    before = {id(a) for a in jax.live_arrays()}
+    g = trace(fn, sds, w)
+    new = [a for a in jax.live_arrays() if id(a) not in before]
+    assert all(a.size < 1 << 20 for a in new)
+    assert g.tensors[g.inputs[0]].shape == shape and g.tensors[g.inputs[0]].dtype == jnp.bfloat16
+    assert [op.primitive for op in g.ops] == ["transpose", "dot_general"]  # reshape is an identity here
+    assert g.tensors[g.outputs[0]].shape == (16, 8, 4096, 128)
+
+
+def test_not_callable_raises_type_error():
+    with pytest.raises(TypeError, match="not callable"):
+        trace(3, jnp.ones(2))
+
+
+def test_bad_args_propagate_jax_error():
+    with pytest.raises(TypeError):
+        trace(lambda a, b: a @ b, jnp.ones((2, 3)), jnp.ones((4, 5)))

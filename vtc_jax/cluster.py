@@ -1,0 +1,349 @@
+"""Stage 2: group the ops of a `Graph` into kernel-shaped clusters (see docs/INTERNALS.md).
+
+The paper's input is "a computation graph after operator fusion": VTC removes the data movement
+*between* fused kernels. This module plays the fusion pass. Every op lands in exactly one cluster:
+
+* attention — dot_general -> (scale / mask / soft-cap / transpose) -> softmax -> dot_general, found
+  by pattern: nothing inside may be used outside (a flash kernel never materialises the scores).
+* matmul / conv — dot_general / conv_general_dilated plus an elementwise epilogue whose other
+  operands are small or broadcast (bias). The epilogue may branch (SiLU reads the dot output twice)
+  but the cluster keeps a single escaping tensor, so fusion never duplicates work.
+* reduction — a reduce op with its elementwise prologue/epilogue (RMSNorm, LayerNorm, softmax).
+  The keepdims re-broadcast of a reduced value is part of it: it never touches memory.
+* pointwise — connected elementwise ops with equal or broadcast-compatible shapes (incl. iota).
+* movement — each data-movement op alone, *including* broadcasts of scalars/iotas: eliminating
+  those is exactly the VTOG's job (an Expand read edge), so fusion must not hide them.
+* glue — scalar/tiny integer index arithmetic (clamping `pos`, ...), left to XLA.
+* opaque — everything else (sort, control flow, custom calls), with a reason naming the primitive.
+
+Merges are checked so the cluster graph stays acyclic; clusters come out in topological order.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from .graph import Graph, Op
+
+MOVEMENT_PRIMITIVES = frozenset({
+    "transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "slice", "dynamic_slice",
+    "dynamic_update_slice", "concatenate", "split", "rev", "pad", "copy", "copy_p", "gather", "scatter",
+})  # plus convert_element_type when it keeps the dtype: see is_movement_op
+ELEMENTWISE_PRIMITIVES = frozenset({
+    "add", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "sign", "abs", "floor", "ceil",
+    "round", "nextafter", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos",
+    "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "sqrt", "rsqrt",
+    "cbrt", "square", "integer_pow", "erf", "erfc", "erf_inv", "lgamma", "digamma", "is_finite",
+    "convert_element_type", "reduce_precision", "stop_gradient", "select_n", "clamp", "copysign",
+    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "shift_left",
+    "shift_right_logical", "shift_right_arithmetic", "population_count", "real", "imag", "conj",
+    "iota",
+})
+REDUCTION_PRIMITIVES = frozenset({
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax",
+    "argmin",
+})
+CONTRACTION_KINDS = {"dot_general": "matmul", "conv_general_dilated": "conv"}
+# Movement ops a reduction cluster may keep inside (the keepdims re-broadcast of a reduced value).
+_INTERNAL_MOVEMENT = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
+GLUE_MAX_ELEMENTS = 32  # "tiny": integer tensors up to this size are index arithmetic, not kernels
+
+
+@dataclass(frozen=True)
+class Cluster:
+    id: int
+    kind: str  # "matmul" | "attention" | "pointwise" | "reduction" | "conv" | "movement" | "glue" | "opaque"
+    ops: tuple[int, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    reason: str = ""
+
+
+def is_movement_primitive(name: str) -> bool:
+    """True for primitives that only move data (convert_element_type needs the op: is_movement_op)."""
+    return name in MOVEMENT_PRIMITIVES
+
+
+def is_movement_op(op: Op, graph: Graph) -> bool:
+    """Data movement, including a convert_element_type that keeps the dtype (a copy)."""
+    if op.primitive == "convert_element_type":
+        return graph.tensors[op.inputs[0]].dtype == graph.tensors[op.outputs[0]].dtype
+    return is_movement_primitive(op.primitive)
+
+
+def _is_glue(op: Op, graph: Graph) -> bool:
+    """Index arithmetic: every tensor tiny, outputs integer/bool (or all scalars)."""
+    ts = [graph.tensors[t] for t in (*op.inputs, *op.outputs)]
+    outs = [graph.tensors[t] for t in op.outputs]
+    small = all(t.size <= GLUE_MAX_ELEMENTS for t in ts)
+    indexy = all(np.issubdtype(t.dtype, np.integer) or t.dtype == np.bool_ for t in outs)
+    return small and (indexy or all(t.shape == () for t in ts))
+
+
+def _role(op: Op, graph: Graph) -> str:
+    """One of dot, conv, reduce, elementwise, movement, glue, opaque."""
+    if op.opaque_reason is not None:
+        return "opaque"
+    if op.primitive in CONTRACTION_KINDS:
+        return CONTRACTION_KINDS[op.primitive]
+    if is_movement_op(op, graph):
+        role = "movement"
+    elif op.primitive in ELEMENTWISE_PRIMITIVES:
+        role = "elementwise"
+    elif op.primitive in REDUCTION_PRIMITIVES:
+        role = "reduce"
+    else:
+        return "opaque"
+    return "glue" if _is_glue(op, graph) else role
+
+
+def _broadcastable(small: tuple[int, ...], big: tuple[int, ...]) -> bool:
+    return len(small) <= len(big) and all(s in (1, b) for s, b in zip(small[::-1], big[::-1]))
+
+
+class _Groups:
+    """Working state of one `cluster` call: op -> group, with merges that keep the DAG acyclic."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.of: list[int | None] = [None] * len(graph.ops)
+        self.members: dict[int, set[int]] = {}
+        self.kind: dict[int, str] = {}
+        self._next_id = 0
+
+    def free(self, op: int) -> bool:
+        return self.of[op] is None
+
+    def new(self, kind: str, ops: set[int]) -> int | None:
+        """A new group of free `ops`, or None if contracting them would create a cycle."""
+        return self.make(kind, ops) if len(ops) == 1 or self._acyclic(ops) else None
+
+    def make(self, kind: str, ops: set[int]) -> int:
+        """Unchecked `new`: a single op can never close a cycle."""
+        gid = self._next_id
+        self._next_id += 1
+        self.kind[gid], self.members[gid] = kind, set(ops)
+        for o in ops:
+            self.of[o] = gid
+        return gid
+
+    def try_add(self, gid: int, op: int) -> bool:
+        if not self.free(op) or not self._acyclic(self.members[gid] | {op}):
+            return False
+        self.members[gid].add(op)
+        self.of[op] = gid
+        return True
+
+    def remove(self, gid: int, op: int) -> None:
+        self.members[gid].discard(op)
+        self.of[op] = None
+
+    def try_merge(self, a: int, b: int) -> bool:
+        if a == b or not self._acyclic(self.members[a] | self.members[b]):
+            return a == b
+        moved = self.members.pop(b)
+        for o in moved:
+            self.of[o] = a
+        self.members[a] |= moved
+        del self.kind[b]
+        return True
+
+    def _acyclic(self, ops: set[int]) -> bool:
+        """No path leaves `ops` and re-enters it (other groups count as contracted nodes)."""
+        g = self.graph
+        stack = [c.id for o in ops for t in g.ops[o].outputs for c in g.consumers(t) if c.id not in ops]
+        seen: set[int] = set()
+        while stack:
+            o = stack.pop()
+            if o in seen:
+                continue
+            unit = self.members[self.of[o]] if self.of[o] is not None else {o}
+            seen |= unit
+            for u in unit:
+                for c in (c for t in g.ops[u].outputs for c in g.consumers(t)):
+                    if c.id in ops:
+                        return False
+                    stack.append(c.id)
+        return True
+
+    def escaping(self, gid: int) -> list[int]:
+        """Tensors made inside the group and used outside it (or returned by the graph)."""
+        g, ops = self.graph, self.members[gid]
+        return [t for o in sorted(ops) for t in g.ops[o].outputs
+                if t in g.outputs or any(c.id not in ops for c in g.consumers(t))]
+
+
+def _attention(graph: Graph, roles: list[str], d1: Op) -> set[int] | None:
+    """Ops of dot -> ... softmax ... -> dot starting at `d1`, if no intermediate escapes."""
+    region: set[int] = set()
+    dots: set[int] = set()
+    stack = [d1]
+    while stack:
+        for c in (c for t in stack.pop().outputs for c in graph.consumers(t)):
+            if roles[c.id] == "matmul":
+                dots.add(c.id)
+            elif roles[c.id] in ("elementwise", "reduce", "movement") and c.id not in region:
+                region.add(c.id)
+                stack.append(c)
+    for d2 in sorted(dots):
+        path: set[int] = set()
+        stack = [graph.ops[d2]]
+        while stack:
+            for p in (graph.producer(t) for t in stack.pop().inputs):
+                if p is not None and p.id in region and p.id not in path:
+                    path.add(p.id)
+                    stack.append(p)
+        if not {"exp", "reduce_sum"} <= {graph.ops[o].primitive for o in path}:
+            continue
+        ops = path | {d1.id, d2}
+        scores = {t for o in ops - {d2} for t in graph.ops[o].outputs}
+        if not scores & set(graph.outputs) and all(c.id in ops for t in scores for c in graph.consumers(t)):
+            return ops
+    return None
+
+
+def _small_operand(graph: Graph, t: int, size: int) -> bool:
+    """Bias-like operand of an epilogue: a const, smaller than the output, or an explicit broadcast."""
+    p = graph.producer(t)
+    info = graph.tensors[t]
+    return info.const is not None or info.size < size or (p is not None and p.primitive == "broadcast_in_dim")
+
+
+def _grow_epilogue(graph: Graph, roles: list[str], groups: _Groups, gid: int, root: Op) -> None:
+    """Absorb elementwise consumers of a dot/conv, then shrink back to one escaping tensor."""
+    shape = graph.tensors[root.outputs[0]].shape
+    size = graph.tensors[root.outputs[0]].size
+    changed = True
+    while changed:
+        changed = False
+        made = {t for o in groups.members[gid] for t in graph.ops[o].outputs}
+        for c in sorted({c.id for t in made for c in graph.consumers(t)}):
+            op = graph.ops[c]
+            if (groups.free(c) and roles[c] == "elementwise"
+                    and all(graph.tensors[t].shape == shape for t in op.outputs)
+                    and all(t in made or _small_operand(graph, t, size) for t in op.inputs)):
+                changed |= groups.try_add(gid, c)
+    while len(groups.escaping(gid)) > 1:  # the last op has no dependents inside: drop it first
+        groups.remove(gid, max(groups.members[gid] - {root.id}))
+
+
+def _grow_reduction(graph: Graph, roles: list[str], groups: _Groups, gid: int, seed: Op) -> None:
+    """Absorb the row-wise prologue/epilogue of a reduce op (norms, softmax)."""
+    domain = graph.tensors[seed.inputs[0]].size
+
+    def fits(o: int) -> bool:  # stays within the row space of the reduction's input
+        return all(graph.tensors[t].size <= domain for t in graph.ops[o].outputs)
+
+    changed = True
+    while changed:
+        changed = False
+        members = groups.members[gid]
+        made = {t for o in members for t in graph.ops[o].outputs}
+        forward = {c.id for t in made for c in graph.consumers(t)}
+        for c in sorted(forward):
+            op = graph.ops[c]
+            ok = roles[c] in ("elementwise", "reduce") or (
+                op.primitive in _INTERNAL_MOVEMENT and roles[c] == "movement" and set(op.inputs) <= made)
+            if groups.free(c) and ok and fits(c):
+                changed |= groups.try_add(gid, c)
+        backward = {p.id for o in members for t in graph.ops[o].inputs if (p := graph.producer(t))}
+        for p in sorted(backward, reverse=True):
+            users = {c.id for t in graph.ops[p].outputs for c in graph.consumers(t)}
+            if (groups.free(p) and roles[p] == "elementwise" and fits(p) and users <= members
+                    and not set(graph.ops[p].outputs) & set(graph.outputs)):
+                changed |= groups.try_add(gid, p)
+    _drop_escaping_movement(graph, groups, gid)
+
+
+def _drop_escaping_movement(graph: Graph, groups: _Groups, gid: int) -> None:
+    """A movement op whose result is needed outside is a real tensor: give it back, with its dependents."""
+    while bad := [o for o in sorted(groups.members[gid]) if is_movement_op(graph.ops[o], graph)
+                  and set(graph.ops[o].outputs) & set(groups.escaping(gid))]:
+        drop = {bad[0]}
+        for o in sorted(groups.members[gid]):
+            if any((p := graph.producer(t)) is not None and p.id in drop for t in graph.ops[o].inputs):
+                drop.add(o)
+        for o in drop:
+            groups.remove(gid, o)
+
+
+def _merge_connected(graph: Graph, roles: list[str], groups: _Groups, role: str, kind: str,
+                     same_shape: bool) -> None:
+    """Union producer/consumer pairs of free `role` ops into `kind` groups.
+
+    With `same_shape`, only pairs whose output shapes are equal or broadcast-compatible merge
+    (a pointwise kernel iterates over one index space)."""
+    def compatible(a: Op, b: Op) -> bool:
+        sa, sb = graph.tensors[a.outputs[0]].shape, graph.tensors[b.outputs[0]].shape
+        return not same_shape or _broadcastable(sa, sb) or _broadcastable(sb, sa)
+
+    for op in graph.ops:
+        if roles[op.id] != role or not groups.free(op.id):
+            continue
+        groups.make(kind, {op.id})
+        for p in (graph.producer(t) for t in op.inputs):
+            pg = None if p is None else groups.of[p.id]
+            if pg is not None and roles[p.id] == role and groups.kind[pg] == kind and compatible(p, op):
+                groups.try_merge(pg, groups.of[op.id])
+
+
+def cluster(graph: Graph) -> tuple[Cluster, ...]:
+    """Partition `graph.ops` into kernel-shaped clusters, in topological order."""
+    roles = [_role(op, graph) for op in graph.ops]
+    groups = _Groups(graph)
+    for op in graph.ops:
+        if roles[op.id] == "matmul" and groups.free(op.id):
+            ops = _attention(graph, roles, op)
+            if ops is not None and all(groups.free(o) for o in ops):
+                groups.new("attention", ops)
+    for op in graph.ops:
+        if roles[op.id] in ("matmul", "conv") and groups.free(op.id):
+            _grow_epilogue(graph, roles, groups, groups.make(roles[op.id], {op.id}), op)
+    while seeds := [op for op in graph.ops if roles[op.id] == "reduce" and groups.free(op.id)]:
+        _grow_reduction(graph, roles, groups, groups.make("reduction", {seeds[0].id}), seeds[0])
+    _merge_connected(graph, roles, groups, "elementwise", "pointwise", same_shape=True)
+    _merge_connected(graph, roles, groups, "glue", "glue", same_shape=False)
+    for op in graph.ops:
+        if groups.free(op.id):
+            groups.make(roles[op.id], {op.id})
+    return _finalise(graph, groups)
+
+
+def _reason(graph: Graph, kind: str, ops: tuple[int, ...]) -> str:
+    if kind == "glue":
+        return "scalar index arithmetic left to XLA"
+    if kind == "opaque":
+        op = graph.ops[ops[0]]
+        return op.opaque_reason or f"unsupported primitive '{op.primitive}' kept opaque"
+    return ""
+
+
+def _finalise(graph: Graph, groups: _Groups) -> tuple[Cluster, ...]:
+    """Build `Cluster`s with inputs/outputs and order them topologically (ties: earliest op first)."""
+    gids = [g for g in groups.kind if groups.members.get(g)]
+    deps = {g: {groups.of[p.id] for o in groups.members[g] for t in graph.ops[o].inputs
+                if (p := graph.producer(t)) is not None} - {g} for g in gids}
+    users: dict[int, set[int]] = {g: set() for g in gids}
+    for g, ds in deps.items():
+        for d in ds:
+            users[d].add(g)
+    heap = [(min(groups.members[g]), g) for g in gids if not deps[g]]
+    heapq.heapify(heap)
+    order: list[int] = []
+    while heap:
+        order.append(g := heapq.heappop(heap)[1])
+        for u in users[g]:
+            deps[u].discard(g)
+            if not deps[u]:
+                heapq.heappush(heap, (min(groups.members[u]), u))
+    assert len(order) == len(gids), "cluster graph has a cycle"  # _Groups merges prevent this
+    out: list[Cluster] = []
+    for cid, g in enumerate(order):
+        ops = tuple(sorted(groups.members[g]))
+        made = {t for o in ops for t in graph.ops[o].outputs}
+        inputs = tuple(dict.fromkeys(t for o in ops for t in graph.ops[o].inputs if t not in made))
+        kind = {"elementwise": "pointwise", "reduce": "reduction"}.get(groups.kind[g], groups.kind[g])
+        out.append(Cluster(cid, kind, ops, inputs, tuple(groups.escaping(g)), _reason(graph, kind, ops)))
+    return tuple(out)

@@ -1,0 +1,211 @@
+"""Stage 1: trace a JAX function into a flat, inlined dataflow `Graph` (see docs/INTERNALS.md).
+
+Why a graph of our own instead of the jaxpr: later stages need dense tensor ids, producer/consumer
+lookups and one flat op list. Call-like primitives (`jit`, `custom_jvp_call`, `remat2`, ...) only
+wrap ordinary ops, so they are inlined; primitives with their own semantics (control flow, ...) stay
+single ops with `opaque_reason` set. Tracing goes through `jax.make_jaxpr`, which only needs shapes
+and dtypes, so `jax.ShapeDtypeStruct` arguments describe paper-size models without allocating.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+import numpy as np
+from jax.tree_util import PyTreeDef
+
+# Call-like primitives whose body is spliced into the graph, and the param holding that body.
+# custom_jvp/custom_vjp calls keep only the primal computation (what the forward pass executes).
+INLINED_PRIMITIVES: Mapping[str, tuple[str, ...]] = {
+    "pjit": ("jaxpr",), "jit": ("jaxpr",), "closed_call": ("call_jaxpr",), "core_call": ("call_jaxpr",),
+    "custom_jvp_call": ("call_jaxpr",),
+    "custom_vjp_call": ("call_jaxpr", "fun_jaxpr"), "custom_vjp_call_jaxpr": ("fun_jaxpr", "call_jaxpr"),
+    "remat": ("jaxpr",), "remat2": ("jaxpr",), "checkpoint": ("jaxpr",),
+}
+CONTROL_FLOW_PRIMITIVES = frozenset({"scan", "while", "cond"})
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    id: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    const: object | None = None  # numpy value for literals / closed-over consts, else None
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclass(frozen=True, eq=False)
+class Op:
+    id: int
+    primitive: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    params: Mapping[str, Any]
+    prim: jcore.Primitive
+    opaque_reason: str | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Graph:
+    tensors: tuple[TensorInfo, ...]
+    ops: tuple[Op, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    in_tree: PyTreeDef
+    out_tree: PyTreeDef
+
+    @functools.cached_property
+    def _producers(self) -> dict[int, Op]:
+        return {t: op for op in self.ops for t in op.outputs}
+
+    @functools.cached_property
+    def _consumers(self) -> dict[int, tuple[Op, ...]]:
+        users: dict[int, list[Op]] = {}
+        for op in self.ops:
+            for t in dict.fromkeys(op.inputs):  # an op reading a tensor twice is one consumer
+                users.setdefault(t, []).append(op)
+        return {t: tuple(ops) for t, ops in users.items()}
+
+    def producer(self, t: int) -> Op | None:
+        """The op writing tensor `t`, or None for graph inputs and consts."""
+        return self._producers.get(t)
+
+    def consumers(self, t: int) -> tuple[Op, ...]:
+        """The ops reading tensor `t`, in graph order, each once."""
+        return self._consumers.get(t, ())
+
+    def evaluate(self, *flat_inputs: Any) -> tuple[Any, ...]:
+        """Re-bind every op in order; equal to the traced function (proves the graph is faithful)."""
+        if len(flat_inputs) != len(self.inputs):
+            raise TypeError(f"evaluate expects {len(self.inputs)} flat inputs, got {len(flat_inputs)}")
+        env: dict[int, Any] = {t.id: t.const for t in self.tensors if t.const is not None}
+        env.update(zip(self.inputs, flat_inputs))
+        for op in self.ops:
+            out = op.prim.bind(*(env[t] for t in op.inputs), **op.params)
+            env.update(zip(op.outputs, out if op.prim.multiple_results else (out,)))
+        return tuple(env[t] for t in self.outputs)
+
+    def unflatten_outputs(self, flat: Any) -> Any:
+        return jax.tree_util.tree_unflatten(self.out_tree, list(flat))
+
+
+def normalize_param(value: Any) -> Any:
+    """np.integer -> int, recursively inside tuples (params must hash/compare like jax's own)."""
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, tuple):
+        return tuple(normalize_param(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class _RawOp:
+    eqn: jcore.JaxprEqn
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+
+class _Builder:
+    """Mutable scratch state of one `trace` call: tensors and ops in creation order."""
+
+    def __init__(self) -> None:
+        self.tensors: list[tuple[tuple[int, ...], np.dtype, object | None]] = []
+        self.ops: list[_RawOp] = []
+
+    def tensor(self, aval: Any, const: object | None = None) -> int:
+        dtype = np.dtype(getattr(aval, "dtype", np.dtype(object)))
+        if const is not None:
+            const = np.asarray(const, dtype=dtype)
+        self.tensors.append((tuple(int(d) for d in getattr(aval, "shape", ())), dtype, const))
+        return len(self.tensors) - 1
+
+    def read(self, env: dict[jcore.Var, int], atom: Any) -> int:
+        if isinstance(atom, jcore.Literal):
+            return self.tensor(atom.aval, atom.val)
+        return env[atom]
+
+    def inline(self, jaxpr: jcore.Jaxpr, consts: list[Any], args: list[int]) -> list[int]:
+        """Splice `jaxpr` into the graph with its invars bound to `args`; returns its outputs."""
+        env: dict[jcore.Var, int] = {v: self.tensor(v.aval, c) for v, c in zip(jaxpr.constvars, consts)}
+        env.update(zip(jaxpr.invars, args))
+        for eqn in jaxpr.eqns:
+            ins = [self.read(env, a) for a in eqn.invars]
+            body = _inlined_body(eqn)
+            if body is not None:
+                outs = self.inline(body[0], body[1], ins)
+            else:
+                outs = [self.tensor(v.aval) for v in eqn.outvars]
+                self.ops.append(_RawOp(eqn, tuple(ins), tuple(outs)))
+            env.update(zip(eqn.outvars, outs))
+        return [self.read(env, a) for a in jaxpr.outvars]
+
+
+def _inlined_body(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, list[Any]] | None:
+    """(jaxpr, consts) of a call-like equation to inline, or None to keep the equation as an op."""
+    for name in INLINED_PRIMITIVES.get(eqn.primitive.name, ()):
+        body = eqn.params.get(name)
+        if isinstance(body, jcore.ClosedJaxpr):
+            body, consts = body.jaxpr, list(body.consts)
+        else:
+            consts = []
+        if isinstance(body, jcore.Jaxpr) and len(body.invars) == len(eqn.invars) \
+                and len(body.outvars) == len(eqn.outvars):
+            return body, consts
+    return None
+
+
+def _opaque_reason(eqn: jcore.JaxprEqn) -> str | None:
+    name = eqn.primitive.name
+    if name in CONTROL_FLOW_PRIMITIVES:
+        return f"control flow ({name}) kept opaque"
+    if any(True for _ in jcore.jaxprs_in_params(eqn.params)):
+        return f"higher-order primitive ({name}) kept opaque"
+    return None
+
+
+def _live_ops(raw: list[_RawOp], outputs: list[int]) -> list[_RawOp]:
+    """Dead-code elimination: keep ops some output needs, and every effectful op."""
+    needed, kept = set(outputs), []
+    for r in reversed(raw):
+        if r.eqn.effects or needed.intersection(r.outputs):
+            needed.update(r.inputs)
+            kept.append(r)
+    return kept[::-1]
+
+
+def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
+    """Trace `fn(*args, **kwargs)` into a `Graph`. Leaves may be arrays or `jax.ShapeDtypeStruct`s."""
+    if not callable(fn):
+        raise TypeError(f"trace: expected a callable, {fn!r} is not callable")
+    leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+
+    def flat_fn(*flat: Any) -> Any:
+        a, k = jax.tree_util.tree_unflatten(in_tree, flat)
+        return fn(*a, **k)
+
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    b = _Builder()
+    inputs = [b.tensor(v.aval) for v in closed.jaxpr.invars]
+    outputs = b.inline(closed.jaxpr, list(closed.consts), inputs)
+    live = _live_ops(b.ops, outputs)
+
+    # Renumber densely: tensors still referenced, ops by position.
+    used = dict.fromkeys([*inputs, *outputs, *(t for r in live for t in (*r.inputs, *r.outputs))])
+    new_id = {t: i for i, t in enumerate(sorted(used))}
+    tensors = tuple(TensorInfo(new_id[t], *b.tensors[t]) for t in sorted(used))
+    ops = tuple(
+        Op(id=i, primitive=r.eqn.primitive.name,
+           inputs=tuple(new_id[t] for t in r.inputs), outputs=tuple(new_id[t] for t in r.outputs),
+           params={k: normalize_param(v) for k, v in r.eqn.params.items()},
+           prim=r.eqn.primitive, opaque_reason=_opaque_reason(r.eqn))
+        for i, r in enumerate(live))
+    return Graph(tensors=tensors, ops=ops, inputs=tuple(new_id[t] for t in inputs),
+                 outputs=tuple(new_id[t] for t in outputs), in_tree=in_tree, out_tree=out_tree)
