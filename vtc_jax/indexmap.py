@@ -105,8 +105,9 @@ class Expr:
 
     @staticmethod
     def _make(coeffs: Mapping[Atom, int], c: int) -> "Expr":
+        coeffs, c = _recombine(coeffs, int(c))
         items = sorted(((a, k) for a, k in coeffs.items() if k != 0), key=lambda t: _atom_key(t[0]))
-        return Expr(tuple(items), int(c))
+        return Expr(tuple(items), c)
 
     def __add__(self, other: "Expr | int") -> "Expr":
         o = Expr.of(other)
@@ -223,6 +224,30 @@ class Expr:
         return " + ".join(parts).replace("+ -", "- ")
 
     __repr__ = __str__
+
+
+def _recombine(coeffs: Mapping[Atom, int], c: int) -> tuple[dict[Atom, int], int]:
+    """Fold ``k*c*(e floordiv c) + k*(e mod c)`` back into ``k*e`` (exact for floor semantics).
+
+    This is what makes a reshape of a reshape, or the flat offset of an unravelled index, collapse
+    back to plain strides (``(d0 floordiv 6)*6 + d0 mod 6 -> d0``).
+    """
+    out = {a: k for a, k in coeffs.items() if k != 0}
+    changed = True
+    while changed:
+        changed = False
+        for a in [a for a in out if isinstance(a, Mod)]:
+            k, fd = out.get(a, 0), FloorDiv(a.expr, a.c)
+            if k == 0 or out.get(fd, 0) != k * a.c:
+                continue
+            del out[a], out[fd]
+            for b, kb in a.expr.terms:
+                out[b] = out.get(b, 0) + k * kb
+            out = {b: kb for b, kb in out.items() if kb != 0}
+            c += k * a.expr.const
+            changed = True
+            break
+    return out, c
 
 
 def _div_or_mod(x: Any, c: int, is_div: bool, nonneg: bool, xp: Any) -> Any:
@@ -645,9 +670,8 @@ class IndexMap(Movements):
 def _merge_syms(a: Sequence[SymInfo], b: Sequence[SymInfo]) -> tuple[SymInfo, ...]:
     out = {s.name: s for s in a}
     for s in b:
-        if s.name in out and out[s.name] != s:
-            old = out[s.name]
-            s = SymInfo(s.name, max(old.lo, s.lo), min(old.hi, s.hi))
+        if out.get(s.name, s) != s:  # a symbol is a clamped value: two clamps are two values
+            raise NotComposable(f"symbol {s.name} used with two ranges: {out[s.name]} and {s}")
         out[s.name] = s
     return tuple(sorted(out.values(), key=lambda s: s.name))
 

@@ -1,0 +1,350 @@
+"""The analytical cost model: hand-computed bytes, peak memory and edge savings on tiny graphs,
+Type II penalties, the library loss, the memory objective, and the profiler interface."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vtc_jax.cluster import cluster
+from vtc_jax.costmodel import GPUS, CostModel, ProfiledSavings, TimingProfiler, access_penalty, modeled_bytes
+from vtc_jax.graph import trace
+from vtc_jax.indexmap import IndexMap, Layout
+from vtc_jax.movement import Edge
+from vtc_jax.strategy import from_edges, greedy
+from vtc_jax.vtog import build_vtog, build_vtog_from_edges
+
+H100 = GPUS["h100-sxm"]
+BW, LAUNCH = H100.hbm_bandwidth, H100.launch_overhead
+
+
+def setup(fn, *args):
+    g = trace(fn, *args)
+    cl = cluster(g)
+    return g, cl, build_vtog(g, cl)
+
+
+def edge_of(v, g, src_prim, direction):
+    """The edge of the (only) op `src_prim` in the given direction."""
+    op = next(o for o in g.ops if o.primitive == src_prim)
+    return next(i for i, e in enumerate(v.edges) if e.op == op.id and e.direction == direction)
+
+
+def mm_t_mm(x, w1, w2):
+    return (x @ w1).T @ w2
+
+
+MM_ARGS = (jnp.ones((8, 16)), jnp.ones((16, 32)), jnp.ones((8, 4)))
+# f32 bytes: x 512, w1 2048, y = x@w1 1024, z = y.T 1024, w2 128, out (32, 4) 512
+
+
+def test_gpu_table():
+    assert set(GPUS) >= {"a100-80gb-pcie", "h100-sxm", "h100-nvl", "h200"}
+    assert CostModel().gpu is GPUS["h100-sxm"]
+    assert GPUS["h200"].hbm_bandwidth > GPUS["h100-nvl"].hbm_bandwidth > GPUS["h100-sxm"].hbm_bandwidth \
+        > GPUS["a100-80gb-pcie"].hbm_bandwidth
+    assert H100.peak_flops(jnp.bfloat16) == H100.peak_flops_bf16
+    assert H100.peak_flops(jnp.float32) == H100.peak_flops_f32
+    with pytest.raises(ValueError):
+        CostModel(objective="speed")
+
+
+def test_bytes_and_peak_baseline_by_hand():
+    g, cl, v = setup(mm_t_mm, *MM_ARGS)
+    m = modeled_bytes(g, cl)
+    assert m["bytes_baseline"] == (512 + 2048 + 1024) + (1024 + 1024) + (1024 + 128 + 512)
+    assert m["bytes_optimized"] == m["bytes_baseline"]
+    assert m["bytes_compulsory"] == 512 + 2048 + 128 + 512
+    # inputs + output live throughout (3200); y then z are live together at the transpose
+    assert m["peak_baseline"] == 3200 + 1024 + 1024
+    assert m["kernels_baseline"] == 3
+
+
+def test_bytes_and_peak_with_a_virtual_transpose():
+    g, cl, v = setup(mm_t_mm, *MM_ARGS)
+    s = from_edges(v, [edge_of(v, g, "transpose", "read")])    # z = y.T is virtual of y
+    s.validate()
+    m = modeled_bytes(g, cl, s)
+    assert m["bytes_optimized"] == (512 + 2048 + 1024) + 0 + (1024 + 128 + 512)
+    # y now lives until the second matmul reads it as z; z takes no memory
+    assert m["peak_optimized"] == 3200 + 1024
+    assert m["kernels_optimized"] == 2
+    # write direction: y is written by the first matmul straight into z's buffer
+    s = from_edges(v, [edge_of(v, g, "transpose", "write")])
+    m = modeled_bytes(g, cl, s)
+    assert m["bytes_optimized"] == 3584 + 1664 and m["peak_optimized"] == 3200 + 1024
+
+
+def test_edge_saving_by_hand():
+    g, cl, v = setup(mm_t_mm, *MM_ARGS)
+    cm = CostModel()
+    i = edge_of(v, g, "transpose", "read")
+    w = cm.savings(v.edges[i], frozenset(), v, g, cl)
+    # the transpose (1024 B read + 1024 B write, one launch) is gone; the second matmul reads y
+    # through a transposed map whose unit-stride axis spans 32 floats = 128 B (no sector waste),
+    # and becomes a Pallas kernel: (1 - 0.85) * 2*32*4*8 flops at the f32 peak.
+    lib = 0.15 * (2 * 32 * 4 * 8) / H100.peak_flops_f32
+    assert w == pytest.approx(2048 / BW + LAUNCH - lib, rel=1e-9)
+    # the model's whole-program time agrees with the edge saving
+    s = from_edges(v, [i])
+    t = cm.modeled_time(g, cl, s)
+    assert t["time_baseline"] - t["time_optimized"] == pytest.approx(w, rel=1e-9)
+    # memory objective: z's 1024 bytes no longer need a buffer
+    assert CostModel(objective="memory").savings(v.edges[i], frozenset(), v, g, cl) == 1024
+
+
+def test_type2_penalty_is_less_profitable_than_type1():
+    """rev along axis 0 moves the same 2048 bytes either way; on (256, 2) f32 the runs are 8 bytes
+    (a quarter of a 32-byte sector: 4x traffic for the reader), on (2, 256) they are 1 KiB."""
+    cm = CostModel()
+
+    def fn(x):
+        return jnp.cos(jnp.sin(x)[::-1])
+
+    ws, klass = [], []
+    for shape in ((2, 256), (256, 2)):
+        g, cl, v = setup(fn, jnp.ones(shape))
+        i = edge_of(v, g, "rev", "read")
+        klass.append(v.edges[i].klass)
+        ws.append(cm.savings(v.edges[i], frozenset(), v, g, cl))
+    assert klass == ["I", "II"]
+    assert ws[0] == pytest.approx(4096 / BW + LAUNCH, rel=1e-9)
+    assert ws[1] == pytest.approx(4096 / BW + LAUNCH - 3 * 2048 / BW, rel=1e-9)
+    assert ws[1] < ws[0]
+
+
+def test_access_penalty():
+    assert access_penalty(None, 4) == 1.0
+    assert access_penalty(Layout.physical(0, (64, 64)), 2) == 1.0
+    # transposed (256, 2) f32: the unit-stride axis has 2 elements = 8 B -> 32/8
+    assert access_penalty(Layout.physical(0, (256, 2)).transpose((1, 0)), 4) == pytest.approx(4.0)
+    # transposed (64, 64) bf16: a 2-D tile coalesces along the 64-element (128 B) axis
+    assert access_penalty(Layout.physical(0, (64, 64)).transpose((1, 0)), 2) == pytest.approx(1.0)
+    # a 48-byte run needs two sectors
+    assert access_penalty(Layout.physical(0, (4, 12)).slice((0, 0), (4, 12), (1, 1)).transpose((1, 0)), 4) \
+        == pytest.approx(64 / 48)
+    # concat slabs are judged inside their box: each is contiguous
+    cat = Layout.concatenate([Layout.physical(0, (4, 64)), Layout.physical(1, (4, 64))], 1)
+    assert access_penalty(cat, 4) == pytest.approx(1.0)
+
+
+def test_library_loss_charged_once_per_cluster():
+    n = 64
+
+    def fn(a, b):
+        x, y = jnp.sin(a), jnp.cos(b)
+        return x.T @ y.T
+
+    g, cl, v = setup(fn, jnp.ones((n, n)), jnp.ones((n, n)))
+    cm = CostModel()
+    reads = [i for i, e in enumerate(v.edges) if e.primitive == "transpose" and e.direction == "read"]
+    assert len(reads) == 2
+    lib = 0.15 * 2 * n ** 3 / H100.peak_flops_f32
+    w0 = cm.savings(v.edges[reads[0]], frozenset(), v, g, cl)
+    w1 = cm.savings(v.edges[reads[1]], frozenset(), v, g, cl)
+    w1_after = cm.savings(v.edges[reads[1]], frozenset({reads[0]}), v, g, cl)
+    assert w0 == pytest.approx(w1)
+    assert w1_after - w1 == pytest.approx(lib, rel=1e-6)
+
+
+def test_broadcast_read_counts_physical_bytes():
+    g, cl, v = setup(lambda x, b: x + jnp.broadcast_to(b, x.shape), jnp.ones((64, 32)), jnp.ones((32,)))
+    assert [o.primitive for o in g.ops] == ["broadcast_in_dim", "add"]
+    m = modeled_bytes(g, cl)
+    assert m["bytes_baseline"] == (8192 + 128) + (8192 + 8192 + 8192)
+    s = from_edges(v, [edge_of(v, g, "broadcast_in_dim", "read")])
+    m = modeled_bytes(g, cl, s)
+    assert m["bytes_optimized"] == 8192 + 128 + 8192
+    assert m["peak_optimized"] == 8192 + 128 + 8192 and m["peak_baseline"] == 8192 + 128 + 8192 + 8192
+
+
+def test_bitcast_reshape_is_free_until_broken():
+    def fn(x):
+        y = jnp.sin(x)
+        return jnp.cos(y.reshape(8, 8))
+
+    g, cl, v = setup(fn, jnp.ones((64,)))
+    m = modeled_bytes(g, cl)
+    assert m["bytes_baseline"] == (256 + 256) + 0 + (256 + 256)      # XLA's reshape is a bitcast
+    assert m["kernels_baseline"] == 2
+    cm = CostModel()
+    for i, e in enumerate(v.edges):
+        assert cm.savings(e, frozenset(), v, g, cl) == pytest.approx(0.0, abs=1e-18)
+    # a bitcast output shares its operand's buffer
+    assert m["peak_baseline"] == 256 + 256 + 256
+
+
+def kv_layer(x, w, cache, pos):
+    """QKV projection whose K slice goes into the KV cache at `pos` (the paper's Fig. 1/5)."""
+    qkv = x @ w
+    q, k = jnp.split(qkv, [64], axis=1)
+    k = k.reshape(1, 1, 2, 32)
+    cache = jax.lax.dynamic_update_slice(cache, k, (0, pos, 0, 0))
+    return q * 2.0, cache
+
+
+KV_ARGS = (jnp.ones((1, 64)), jnp.ones((64, 128)), jnp.zeros((1, 16, 2, 32)), 3)
+
+
+def test_dus_copy_accounting():
+    g, cl, v = setup(kv_layer, *KV_ARGS)
+    m = modeled_bytes(g, cl)
+    cache_bytes, upd = 16 * 2 * 32 * 4, 64 * 4
+    matmul = 256 + 64 * 128 * 4 + 512
+    split = 2 * 512
+    reshape = 0                          # a bitcast
+    glue = 4 * 4                         # clamping pos: 3 int32 scalars in, 1 out
+    dus = 2 * cache_bytes + 2 * upd      # graph input, not donated: XLA copies it, then updates
+    pointwise = 256 + 4 + 256            # q * 2.0 (the literal is a 4-byte constant)
+    assert m["bytes_baseline"] == matmul + split + reshape + glue + dus + pointwise
+    assert m["kernels_baseline"] == 5
+
+
+def test_greedy_writes_the_projection_into_the_kv_cache():
+    """The motivating example: split, reshape and the cache update all disappear; the projection
+    kernel writes K straight into the (output) cache buffer. The bitcast reshape is picked up by
+    the one-step lookahead."""
+    g, cl, v = setup(kv_layer, *KV_ARGS)
+    cm = CostModel()
+    s = greedy(v, cm.bind(v, g, cl))
+    s.validate()
+    dot = next(o for o in g.ops if o.primitive == "dot_general")
+    qkv = dot.outputs[0]
+    new_cache = g.outputs[1]
+    assert s.is_virtual(qkv)
+    assert new_cache in s.layout(qkv).targets
+    t = cm.modeled_time(g, cl, s)
+    assert t["time_optimized"] < t["time_baseline"]
+    m = modeled_bytes(g, cl, s)
+    assert m["kernels_optimized"] < m["kernels_baseline"]
+    assert m["bytes_optimized"] < m["bytes_baseline"]
+
+
+def test_greedy_declines_type2_when_it_does_not_pay():
+    """Reading a (256, 2) f32 tensor reversed costs 4x sectors: 3 * 2048 wasted bytes are less than
+    the 4096 bytes + a launch saved, so still taken; with a slow launch-free GPU it is not."""
+    g, cl, v = setup(lambda x: jnp.cos(jnp.sin(x)[::-1]), jnp.ones((256, 2)))
+    assert greedy(v, CostModel().bind(v, g, cl)).chosen
+    import dataclasses
+    free_launch = dataclasses.replace(GPUS["h100-sxm"], launch_overhead=0.0)
+    s = greedy(v, CostModel(gpu=free_launch).bind(v, g, cl))
+    # 4096 B saved vs 6144 B wasted either way (both directions pay the 8-byte runs)
+    assert s.chosen == ()
+
+
+# --------------------------------------------------------------------------------------------
+# Profiling
+# --------------------------------------------------------------------------------------------
+
+class FakeTimer:
+    """Deterministic t(C): 10 µs minus per-edge gains, plus an interaction (edges 0 and 1 only
+    pay off together); counts measurements."""
+
+    def __init__(self, gains, pair_bonus=0.0):
+        self.gains, self.pair_bonus, self.calls = gains, pair_bonus, 0
+
+    def measure(self, edge_set):
+        self.calls += 1
+        t = 10e-6 - sum(self.gains[i] for i in edge_set)
+        if {0, 1} <= edge_set:
+            t -= self.pair_bonus
+        return t
+
+
+def _chain_vtog():
+    n = (4,)
+    es = [Edge(0, 3, 0, "copy", "read", ((0, 4),), IndexMap.identity(n), "I"),
+          Edge(1, 0, 1, "copy", "read", ((0, 4),), IndexMap.identity(n), "I"),
+          Edge(2, 3, 2, "copy", "read", ((0, 4),), IndexMap.identity(n), "I")]
+    return build_vtog_from_edges(range(4), es, physical={3}, shapes={i: n for i in range(4)})
+
+
+def test_profiled_savings_and_cache():
+    v = _chain_vtog()
+    timer = FakeTimer({0: 1e-6, 1: -0.5e-6, 2: 0.2e-6}, pair_bonus=2e-6)
+    w = ProfiledSavings(timer, v)
+    assert w(v.edges[0], frozenset()) == pytest.approx(1e-6)
+    assert w(1, frozenset()) == pytest.approx(-0.5e-6)
+    assert w(1, frozenset({0})) == pytest.approx(1.5e-6)   # the interaction shows up
+    calls = timer.calls
+    assert w(1, frozenset({0})) == pytest.approx(1.5e-6)
+    assert timer.calls == calls                             # cached by edge set
+    s = greedy(v, w)
+    s.validate()
+    assert set(s.chosen) == {0, 1, 2}
+    assert [p.node for p in s.trace] == [0, 1, 2]           # edge 1 re-profiled after edge 0's pick
+    with pytest.raises(TypeError):
+        ProfiledSavings(timer)(v.edges[0], frozenset())
+
+
+def test_timing_profiler_needs_a_gpu():
+    assert jax.default_backend() != "gpu"
+    with pytest.raises(RuntimeError, match="needs a GPU"):
+        TimingProfiler(lambda edges: (lambda x: x), (np.ones(3),), repeats=3)
+
+
+def test_donated_cache_is_updated_in_place():
+    g, cl, v = setup(kv_layer, *KV_ARGS)
+    cache = g.inputs[2]
+    plain, donated = modeled_bytes(g, cl), modeled_bytes(g, cl, donated=[cache])
+    cache_bytes, upd = 16 * 2 * 32 * 4, 64 * 4
+    assert plain["bytes_baseline"] - donated["bytes_baseline"] == 2 * cache_bytes   # no copy
+    assert donated["bytes_compulsory"] == plain["bytes_compulsory"] - cache_bytes + upd
+    cm = CostModel()
+    s = greedy(v, cm.bind(v, g, cl, donated=[cache]))
+    s.validate()
+    m = modeled_bytes(g, cl, s, donated=[cache])
+    # split, reshape and the update are all gone: only the projection and q * 2 remain (+ glue)
+    assert m["kernels_optimized"] == 3
+    assert m["bytes_optimized"] <= m["bytes_compulsory"] + 4 * 4 + 4 + 256 + 256
+
+
+def test_greedy_total_is_the_modelled_saving():
+    """The bitcast lookahead's companions and the refresh hook keep Algorithm 2's tot_saving
+    equal to the model's T(∅) - T(C), pick by pick."""
+    g, cl, v = setup(kv_layer, *KV_ARGS)
+    cm = CostModel()
+    s = greedy(v, cm.bind(v, g, cl))
+    t = cm.modeled_time(g, cl, s)
+    assert s.total_saving == pytest.approx(t["time_baseline"] - t["time_optimized"], rel=1e-9)
+    assert any(p.companion_of is not None for p in s.trace)
+    # pick by pick: a pick plus its companions saves exactly what the trace says
+    prev, chosen, pending = t["time_baseline"], [], 0.0
+    for k, p in enumerate(s.trace):
+        chosen += p.edges
+        pending += p.saving
+        last = k + 1 == len(s.trace) or s.trace[k + 1].companion_of is None
+        if last:
+            now = cm.modeled_time(g, cl, from_edges(v, chosen))["time_optimized"]
+            assert prev - now == pytest.approx(pending, rel=1e-9)
+            prev, pending = now, 0.0
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_llama_decode_layer_end_to_end(donate):
+    """Paper-size Llama-3-8B decode layer (shapes only): every movement op but the cache updates
+    is eliminated (all of them once the caches are donated), the GQA repeat is read through the
+    index map (no Expand buffer), and the greedy's total equals the modelled saving."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    llama = pytest.importorskip("llama3_decode")
+    g, cl, v = setup(llama.step, *llama.example_args("paper", batch=1))
+    caches = g.inputs[-3:-1] if donate else ()
+    cm = CostModel()
+    s = greedy(v, cm.bind(v, g, cl, donated=caches))
+    s.validate()
+    t = cm.modeled_time(g, cl, s, donated=caches)
+    assert s.total_saving == pytest.approx(t["time_baseline"] - t["time_optimized"], rel=1e-9)
+    m = modeled_bytes(g, cl, s, donated=caches)
+    from vtc_jax.costmodel import _Ctx, _cluster_cost, _strategy_oracles
+    ctx, (lay, by_op) = _Ctx(g, cl, v, caches), _strategy_oracles(s)
+    left = [g.ops[c.ops[0]].primitive for k, c in enumerate(cl)
+            if c.kind == "movement" and _cluster_cost(ctx, k, lay, by_op, lambda k: 0.0).launches]
+    assert left == ([] if donate else ["dynamic_update_slice"] * 2)
+    gqa = [o for o in g.ops if o.primitive == "broadcast_in_dim" and len(g.tensors[o.outputs[0]].shape) == 5
+           and g.tensors[o.outputs[0]].size > g.tensors[o.inputs[0]].size]
+    assert len(gqa) == 2 and all(s.is_virtual(o.outputs[0]) for o in gqa)    # K and V repeats
+    for o in gqa:    # the attention reads the repeated heads from the cache (or its free bitcast)
+        assert all(g.tensors[x].size == 4096 * 8 * 128 for x in s.layout(o.outputs[0]).targets)
+    assert m["bytes_optimized"] < 0.7 * m["bytes_baseline"]
+    assert m["peak_optimized"] < m["peak_baseline"]

@@ -1,0 +1,391 @@
+"""The index-map algebra: random movement chains against jax.lax, and hand-computed cases.
+
+The backbone property (ARCHITECTURE.md, "Index maps"): for a random chain of movement ops, the
+composed `Layout` evaluated on the physical numpy buffers equals the same ops applied with jax.lax.
+"""
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+from vtc_jax.indexmap import (Dim, Expr, IndexMap, Layout, NotComposable, SymInfo, const, dim, row_major_strides,
+                              sym)
+
+MAX_ELEMS = 2000
+MAX_RANK = 4
+
+
+class Chain:
+    """A virtual tensor under construction: its Layout, the lax reference value, the physical
+    buffers and runtime symbols the Layout needs."""
+
+    def __init__(self, data, fill: float):
+        self.data, self.fill = data, fill
+        self.buffers: dict[int, np.ndarray] = {}
+        self.symbols: dict[str, int] = {}
+        self.steps: list[str] = []
+        shape = tuple(self.draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
+        self.ref = self.fresh(shape)
+        self.layout = Layout.physical(0, shape)
+
+    def draw(self, strategy):
+        return self.data.draw(strategy)
+
+    def fresh(self, shape) -> np.ndarray:
+        """A new physical tensor; values are distinct across all buffers and never equal the fill."""
+        tid = len(self.buffers)
+        rng = np.random.default_rng(self.draw(st.integers(0, 2**32 - 1)))
+        self.buffers[tid] = (rng.permutation(math.prod(shape)) + 1 + 10_000 * tid).astype(np.float32).reshape(shape)
+        return self.buffers[tid]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.layout.shape
+
+    def fits(self, shape) -> bool:
+        return len(shape) <= MAX_RANK and 0 < math.prod(shape) <= MAX_ELEMS and min(shape, default=1) >= 1
+
+
+def _factors(n: int) -> list[int]:
+    out, p = [], 2
+    while p * p <= n:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return out + ([n] if n > 1 else [])
+
+
+# Each op: draws its parameters, returns (new layout, new lax value, description) or None.
+
+def op_transpose(c):
+    perm = c.draw(st.permutations(range(len(c.shape))))
+    return c.layout.transpose(perm), lax.transpose(c.ref, perm), f"transpose{tuple(perm)}"
+
+
+def op_reshape(c):
+    shape = list(c.shape)
+    if c.draw(st.booleans()):  # a clean merge of adjacent dims or split of one dim
+        i = c.draw(st.integers(0, len(shape) - 1))
+        fs = _factors(shape[i])
+        if len(fs) > 1 and len(shape) < MAX_RANK and c.draw(st.booleans()):
+            a = math.prod(fs[:c.draw(st.integers(1, len(fs) - 1))])
+            shape[i:i + 1] = [a, shape[i] // a]
+        elif i + 1 < len(shape):
+            shape[i:i + 2] = [shape[i] * shape[i + 1]]
+    else:  # any factorisation of the element count
+        fs = c.draw(st.permutations(_factors(math.prod(shape))))
+        k = c.draw(st.integers(1, MAX_RANK))
+        cuts = sorted(c.draw(st.lists(st.integers(0, len(fs)), min_size=k - 1, max_size=k - 1)))
+        shape = [math.prod(fs[a:b]) for a, b in zip([0] + cuts, cuts + [len(fs)])]
+    return c.layout.reshape(shape), lax.reshape(c.ref, tuple(shape)), f"reshape{tuple(shape)}"
+
+
+def op_slice(c):
+    start, limit, strides = [], [], []
+    for n in c.shape:
+        s = c.draw(st.integers(0, n - 1))
+        start.append(s)
+        limit.append(c.draw(st.integers(s + 1, n)))
+        strides.append(c.draw(st.integers(1, 3)))
+    return (c.layout.slice(start, limit, strides), lax.slice(c.ref, start, limit, strides),
+            f"slice{start, limit, strides}")
+
+
+def op_expand_dims(c):
+    if len(c.shape) >= MAX_RANK:
+        return None
+    d = c.draw(st.integers(0, len(c.shape)))
+    return c.layout.expand_dims([d]), lax.expand_dims(c.ref, (d,)), f"expand_dims({d})"
+
+
+def op_squeeze(c):
+    ones = [i for i, n in enumerate(c.shape) if n == 1]
+    if not ones:
+        return None
+    dims = c.draw(st.lists(st.sampled_from(ones), min_size=1, unique=True))
+    return c.layout.squeeze(dims), lax.squeeze(c.ref, dims), f"squeeze{tuple(dims)}"
+
+
+def op_broadcast(c):
+    r = len(c.shape)
+    r2 = c.draw(st.integers(r, MAX_RANK))
+    bdims = sorted(c.draw(st.lists(st.integers(0, r2 - 1), min_size=r, max_size=r, unique=True)))
+    shape = [c.draw(st.integers(1, 3)) for _ in range(r2)]
+    for j, bd in enumerate(bdims):
+        shape[bd] = c.shape[j] if c.shape[j] != 1 else c.draw(st.integers(1, 3))
+    if not c.fits(shape):
+        return None
+    return (c.layout.broadcast(shape, bdims), lax.broadcast_in_dim(c.ref, shape, bdims),
+            f"broadcast{tuple(shape), tuple(bdims)}")
+
+
+def op_concatenate(c):
+    axis = c.draw(st.integers(0, len(c.shape) - 1))
+    shape = list(c.shape)
+    shape[axis] = c.draw(st.integers(1, 3))
+    grown = list(c.shape)
+    grown[axis] += shape[axis]
+    if not c.fits(grown):
+        return None
+    tid = len(c.buffers)
+    other, lay = c.fresh(tuple(shape)), Layout.physical(tid, shape)
+    first = c.draw(st.booleans())
+    lays, vals = ([c.layout, lay], [c.ref, other]) if first else ([lay, c.layout], [other, c.ref])
+    return Layout.concatenate(lays, axis), lax.concatenate(vals, axis), f"concatenate(t{tid}, axis={axis}, first={first})"
+
+
+def op_split(c):
+    axes = [i for i, n in enumerate(c.shape) if n >= 2]
+    if not axes:
+        return None
+    axis = c.draw(st.sampled_from(axes))
+    n = c.shape[axis]
+    cuts = sorted(set(c.draw(st.lists(st.integers(1, n - 1), min_size=1, max_size=2))))
+    sizes = [b - a for a, b in zip([0] + cuts, cuts + [n])]
+    k = c.draw(st.integers(0, len(sizes) - 1))
+    off = sum(sizes[:k])
+    return (c.layout.offset(axis, off, sizes[k]), lax.split(c.ref, sizes, axis)[k],
+            f"split({sizes}, axis={axis})[{k}]")
+
+
+def op_rev(c):
+    dims = c.draw(st.lists(st.integers(0, len(c.shape) - 1), unique=True))
+    return c.layout.rev(dims), lax.rev(c.ref, dims), f"rev{tuple(dims)}"
+
+
+def op_pad(c):
+    config = []
+    for n in c.shape:
+        lo, hi, it = c.draw(st.integers(-2, 2)), c.draw(st.integers(-2, 2)), c.draw(st.integers(0, 2))
+        if lo + hi + n + (n - 1) * it < 1:
+            lo = hi = 0
+        config.append((lo, hi, it))
+    shape = [lo + hi + n + (n - 1) * it for (lo, hi, it), n in zip(config, c.shape)]
+    if not c.fits(shape):
+        return None
+    lo, hi, it = zip(*config)
+    return (c.layout.pad(lo, hi, it, c.fill), lax.pad(c.ref, np.float32(c.fill), config), f"pad{config}")
+
+
+def op_dynamic_slice(c):
+    sizes, raw, starts, syms = [], [], [], []
+    for i, n in enumerate(c.shape):
+        size = c.draw(st.integers(1, n))
+        r = c.draw(st.integers(-3, n + 3))
+        clamped = min(max(r + n if r < 0 else r, 0), n - size)  # lax wraps negatives, then clamps
+        sizes.append(size)
+        raw.append(jnp.int32(r))
+        if c.draw(st.booleans()):  # a traced start: a runtime symbol with the clamped range
+            name = f"p{len(c.symbols)}"
+            c.symbols[name] = clamped
+            starts.append(sym(name))
+            syms.append(SymInfo(name, 0, n - size))
+        else:
+            starts.append(clamped)
+    return (c.layout.dynamic_slice(starts, sizes, syms), lax.dynamic_slice(c.ref, raw, sizes),
+            f"dynamic_slice({[int(r) for r in raw]}, {sizes})")
+
+
+OPS = {f.__name__[3:]: f for f in [op_transpose, op_reshape, op_slice, op_expand_dims, op_squeeze, op_broadcast,
+                                    op_concatenate, op_split, op_rev, op_pad, op_dynamic_slice]}
+
+
+def _check_contiguity(m: IndexMap, symbols) -> None:
+    """The claimed contiguous run really is consecutive physical elements (maps without masks)."""
+    if m.conds or not m.domain:
+        return
+    c = m.contiguity(4)
+    idx = np.indices(m.domain)
+    tgt, _ = m.evaluate(list(idx), symbols)
+    flat = sum(np.broadcast_to(t, m.domain) * s for t, s in zip(tgt, row_major_strides(m.target)))
+    rows = flat.reshape(-1, c.run_elems)  # row-major: each row is one claimed run
+    assert (np.diff(rows, axis=1) == 1).all(), (str(m), c)
+
+
+@settings(max_examples=500, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.data())
+def test_random_chain_matches_lax(data):
+    c = Chain(data, fill=float(data.draw(st.sampled_from([-1.0, -2.5, 0.0]))))
+    n_ops = data.draw(st.integers(6, 9))
+    while len(c.steps) < n_ops:
+        name = data.draw(st.sampled_from(sorted(OPS)))
+        res = OPS[name](c)
+        if res is None:
+            continue
+        c.layout, c.ref, step = res
+        c.steps.append(step)
+    got = c.layout.evaluate(c.buffers, c.symbols)
+    want = np.asarray(c.ref)
+    assert got.shape == want.shape, c.steps
+    np.testing.assert_array_equal(got, want, err_msg=" -> ".join(c.steps) + f"\n{c.layout}")
+    for p in c.layout.pieces:
+        if not p.where:
+            _check_contiguity(p.map, c.symbols)
+
+
+# --------------------------------------------------------------------------------------------
+# Contiguity, by hand
+# --------------------------------------------------------------------------------------------
+
+def _contig(m: IndexMap, itemsize=4):
+    c = m.contiguity(itemsize)
+    return c.min_contiguous_dim, c.run_elems, c.run_bytes, c.full
+
+
+def test_contiguity_identity():
+    assert _contig(IndexMap.identity((4, 6, 8))) == (0, 192, 768, True)
+
+
+def test_contiguity_transpose_last_two():
+    assert _contig(IndexMap.identity((4, 6, 8)).transpose((0, 2, 1))) == (3, 1, 4, False)
+
+
+def test_contiguity_transpose_keeps_innermost():
+    assert _contig(IndexMap.identity((4, 6, 8)).transpose((1, 0, 2))) == (2, 8, 32, False)
+
+
+def test_contiguity_slice_axis0_is_full():
+    assert _contig(IndexMap.identity((16, 64)).slice((4, 0), (12, 64))) == (0, 512, 2048, True)
+
+
+def test_contiguity_slice_axis1_of_wide_matrix():
+    m = IndexMap.identity((4, 6144)).slice((0, 2048), (4, 3072))
+    assert _contig(m, itemsize=2) == (1, 1024, 2048, False)  # bf16: 2 KiB runs
+    assert m.contiguity(2).partial()
+
+
+def test_contiguity_strided_slice_axis0_is_not_full():
+    assert _contig(IndexMap.identity((16, 64)).slice((0, 0), (16, 64), (2, 1))) == (1, 64, 256, False)
+
+
+def test_contiguity_gqa_repeat_then_transpose():
+    """K cache (1, T, 8, 128) bf16 repeated to 32 heads then transposed to (1, 32, T, 128)."""
+    t = 4096
+    m = (IndexMap.identity((1, t, 8, 128)).expand_dims([3]).broadcast((1, t, 8, 4, 128), range(5))
+         .reshape((1, t, 32, 128)).transpose((0, 2, 1, 3)))
+    assert m.exprs == (const(0), dim(2), dim(1).floordiv(4), dim(3))
+    assert _contig(m, itemsize=2) == (3, 128, 256, False)
+
+
+def test_contiguity_gqa_heads_major_cache():
+    """Heads-major cache (8, T, 128) repeated to (32, T, 128): each head is one contiguous run."""
+    t = 4096
+    m = IndexMap.identity((8, t, 128)).reshape((8, 1, t, 128)).broadcast((8, 4, t, 128), range(4)).reshape((32, t, 128))
+    assert m.exprs == (dim(0).floordiv(4), dim(1), dim(2))
+    assert _contig(m, itemsize=2) == (1, t * 128, t * 256, False)
+
+
+def test_contiguity_clean_reshapes_are_full():
+    for a, b in [((4, 6), (24,)), ((24,), (4, 6)), ((4, 6), (6, 4)), ((2, 3, 4), (6, 4)), ((6, 4), (2, 3, 2, 2))]:
+        m = IndexMap.identity(a).reshape(b)
+        assert m.contiguity(4).full, (a, b, m)
+        assert IndexMap.identity(a).reshape(b).reshape(a).is_identity
+
+
+def test_contiguity_pad_breaks_at_padded_dim():
+    m = IndexMap.identity((4, 6)).pad((0, 0), (0, 2), (0, 0), 0.0)  # pad the last dim
+    assert _contig(m) == (2, 1, 4, False)
+    m = IndexMap.identity((4, 6)).pad((1, 0), (0, 0), (0, 0), 0.0)  # pad rows only
+    assert _contig(m) == (1, 6, 24, False)
+
+
+def test_contiguity_dynamic_slice_axis0_is_full():
+    m = IndexMap.identity((1, 4096, 8, 128)).dynamic_slice([0, sym("pos"), 0, 0], (1, 1, 8, 128),
+                                                           [SymInfo("pos", 0, 4095)])
+    assert _contig(m, itemsize=2) == (0, 1024, 2048, True)
+
+
+# --------------------------------------------------------------------------------------------
+# Simplification
+# --------------------------------------------------------------------------------------------
+
+def test_floordiv_mod_simplify_with_ranges():
+    b = {Dim(0): (0, 7), Dim(1): (0, 127)}
+    e = dim(0) * 128 + dim(1)
+    assert e.floordiv(128, b) == dim(0)
+    assert e.mod(128, b) == dim(1)
+    assert (e * 2 + 1).floordiv(2, b) == e
+    assert dim(1).floordiv(128, b) == const(0)
+    assert str(dim(1).floordiv(64, b)) == "(d1) floordiv 64"  # no range information helps here
+
+
+def test_floordiv_mod_recombine():
+    e = dim(0) * 4 + dim(1)
+    assert e.floordiv(6) * 6 + e.mod(6) == e
+    assert (e.floordiv(6) * 12 + e.mod(6) * 2) == e * 2
+    m = IndexMap.identity((3, 8)).reshape((2, 12)).reshape((24,))
+    assert m.exprs == (dim(0).floordiv(8), dim(0).mod(8))
+
+
+def test_nested_floordiv():
+    e = dim(0).floordiv(4).floordiv(3)
+    assert e == dim(0).floordiv(12)
+
+
+def test_merge_then_split_is_identity():
+    m = IndexMap.identity((8, 128)).reshape((1024,)).reshape((8, 128))
+    assert m.is_identity
+
+
+def test_conflicting_symbol_ranges_do_not_compose():
+    a = IndexMap.identity((10,)).dynamic_slice([sym("s")], (4,), [SymInfo("s", 0, 6)])
+    with pytest.raises(NotComposable):
+        a.dynamic_slice([sym("s")], (2,), [SymInfo("s", 0, 2)])
+
+
+# --------------------------------------------------------------------------------------------
+# Block evaluation
+# --------------------------------------------------------------------------------------------
+
+def test_flat_offsets_ragged_block():
+    m = IndexMap.identity((5, 6)).transpose((1, 0))  # virtual (6, 5) over physical (5, 6)
+    off, mask = m.flat_offsets((0, 0), (8, 8))
+    i, j = np.indices((8, 8))
+    assert mask.shape == (8, 8)
+    np.testing.assert_array_equal(mask, (i < 6) & (j < 5))
+    np.testing.assert_array_equal(off[mask], (j * 6 + i)[mask])
+
+
+def test_flat_offsets_with_symbol_and_origin():
+    m = IndexMap.identity((16, 8)).dynamic_slice([sym("pos"), 0], (4, 8), [SymInfo("pos", 0, 12)])
+    off, mask = m.flat_offsets((2, 4), (4, 4), {"pos": 5})
+    i, j = np.indices((4, 4))
+    np.testing.assert_array_equal(mask, (i + 2 < 4) & (j + 4 < 8))
+    np.testing.assert_array_equal(off[mask], ((i + 2 + 5) * 8 + j + 4)[mask])
+
+
+def test_flat_offsets_pad_mask():
+    m = IndexMap.identity((3,)).pad((1,), (0,), (1,), 0.0)  # [f, a, f, b, f, c]
+    off, mask = m.flat_offsets((0,), (8,))
+    np.testing.assert_array_equal(mask, [False, True, False, True, False, True, False, False])
+    np.testing.assert_array_equal(off[mask], [0, 1, 2])
+
+
+def test_strided_box():
+    assert IndexMap.identity((5, 6)).transpose((1, 0)).strided_box() == ((1, 1, const(0)), (0, 1, const(0)))
+    assert IndexMap.identity((5, 6)).slice((1, 0), (5, 6), (2, 3)).strided_box() == \
+        ((0, 2, const(1)), (1, 3, const(0)))
+    m = IndexMap.identity((16, 8)).dynamic_slice([sym("pos"), 2], (4, 4), [SymInfo("pos", 0, 12)])
+    assert m.strided_box() == ((0, 1, sym("pos")), (1, 1, const(2)))
+    assert IndexMap.identity((4, 6)).reshape((6, 4)).strided_box() is None  # floordiv/mod: not a box
+    assert IndexMap.identity((4, 6)).pad((1, 0), (0, 0), (0, 0), 0.0).strided_box() is None
+
+
+def test_layout_concat_pieces_and_boxes():
+    lay = Layout.concatenate([Layout.physical(1, (1, 64)), Layout.physical(2, (1, 16)),
+                              Layout.physical(3, (1, 16))], 1)
+    assert [p.target for p in lay.pieces] == [1, 2, 3]
+    assert [p.box() for p in lay.pieces] == [((0, 1), (0, 64)), ((0, 1), (64, 80)), ((0, 1), (80, 96))]
+    heads = lay.reshape((1, 6, 16)).transpose((1, 0, 2))
+    assert [p.box() for p in heads.pieces] == [((0, 4), (0, 1), (0, 16)), ((4, 5), (0, 1), (0, 16)),
+                                               ((5, 6), (0, 1), (0, 16))]
+    bufs = {1: np.arange(64.0).reshape(1, 64), 2: 100 + np.arange(16.0).reshape(1, 16),
+            3: 200 + np.arange(16.0).reshape(1, 16)}
+    want = np.concatenate([bufs[1], bufs[2], bufs[3]], 1).reshape(1, 6, 16).transpose(1, 0, 2)
+    np.testing.assert_array_equal(heads.evaluate(bufs), want)

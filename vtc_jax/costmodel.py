@@ -1,0 +1,856 @@
+"""Edge savings ``w(e)`` for the greedy (paper §5.2), modelled analytically or measured by profiling.
+
+The analytical model
+====================
+
+The program is modelled as a sequence of memory-bound kernels, one per cluster (the graph "after
+operator fusion" the paper starts from). Under a strategy ``C`` (a set of chosen VTOG edges)::
+
+    T(C) = Σ_clusters  bytes_eff(cluster, C) / HBM_bandwidth  +  launches(cluster, C) · launch_overhead
+                       +  library_loss(cluster, C)
+
+and the saving of an edge is its discrete derivative ``w(e) = T(C) - T(C ∪ {e})``, evaluated only on
+the clusters whose cost can change (the edge's movement op and the producers/consumers of the
+tensors whose layout changes), so one evaluation costs a few map compositions, not a graph walk.
+
+* **Movement ops.** A movement op reads and writes ``B(op) = Σ out bytes + min(Σ data-input bytes,
+  Σ out bytes)`` (a slice reads only what it keeps, a broadcast reads its small input once). Each
+  chosen edge of the op absorbs ``b(e) = src bytes in e.box + min(same, dst bytes)``; the op costs
+  what is left, ``max(0, B - Σ b)``, plus one launch while anything is left. The launch saving
+  therefore lands on the pick that completes the op (the last slab of a concat written in place).
+  Exceptions: a *bitcast* (reshape / squeeze / expand_dims / size-1 broadcast / same-dtype
+  convert) is free in XLA while both sides are physical, but becomes a real copy (``2·bytes`` + a
+  launch) once one side is virtual through another op; ``dynamic_update_slice`` costs ``2·update``
+  plus ``2·operand`` only when XLA must copy the operand (a graph input that is not donated, a
+  graph output, or read again later) — its in-place edge absorbs exactly that copy.
+* **Kernels.** A compute cluster reads its inputs and writes its outputs once; a virtual input
+  that repeats elements (a broadcast, a repeat-gather) costs only the physical bytes behind it
+  (the repeats hit L2/L1). Accesses through a non-contiguous map pay a sector penalty: with
+  ``run`` the contiguous run in bytes (``IndexMap.contiguity``, or the tile run — up to 64
+  elements — along any unit-stride virtual dim, since Triton coalesces a block along whichever
+  axis is unit-stride), the traffic is multiplied by ``ceil(run / 32) · 32 / run``: a 4-byte run
+  moves a whole 32-byte sector (8×), a 48-byte run two sectors (1.33×), full contiguity 1×. This
+  is what makes Type II edges (paper §4.3) cost something and Type I free.
+* **Library loss.** A matmul / conv cluster that touches a virtual tensor becomes a Pallas kernel
+  instead of a cuBLAS / cuDNN call: ``(1 - library_efficiency) · flops / peak_flops(dtype)``,
+  charged once per cluster (on the first edge that makes it touch a virtual tensor).
+* **Memory objective.** ``w(e)`` is the bytes of ``e.src`` covered by ``e.box`` (its buffer is no
+  longer needed).
+
+Pieces (slabs of a concat/split that must be chosen together, :func:`vtog.piece_group`) are
+evaluated as a group and each piece is credited its share by volume.
+
+**Bitcast lookahead.** Judged one edge at a time, ``c ⇢ d`` (the reshaped K slice into the KV
+cache) breaks the free reshape ``b -> c`` and looks like a loss, while ``b ⇢ c`` saves nothing
+until ``c`` moved: the chain would never start. So an edge's estimate also makes its undecided
+bitcast neighbours follow it (``T(C) - T(C ∪ {e} ∪ followers)``), and the bound model tells the
+greedy to take those followers in the same pick (``companions``) and which estimates to redo
+after a pick (``refresh``). With ``CostModel.bind`` passed to the greedy, its ``total_saving`` is
+exactly ``T(∅) - T(C)``.
+
+``modeled_bytes`` uses the same per-cluster accounting to report total HBM bytes and a liveness-based
+peak, for plain XLA (``baseline``) and under a strategy (``optimized``). All of this is a model:
+it knows nothing about caches beyond the repeat rule, overlap of kernels, or compute-bound kernels
+other than the library loss. On a GPU, :class:`TimingProfiler` + :class:`ProfiledSavings` measure
+``w(e)`` instead (Algorithm 2's profiling lines).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from .indexmap import Dim, FloorDiv, Layout, Mod
+from .movement import Edge
+from .vtog import VTOG, box_volume, piece_group
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
+    from .graph import Graph, Op
+    from .strategy import Strategy
+
+__all__ = ["GPU", "GPUS", "CostModel", "modeled_bytes", "Profiler", "ProfiledSavings", "TimingProfiler",
+           "access_penalty", "piece_penalty", "LIBRARY_KINDS"]
+
+INF = float("inf")
+LIBRARY_KINDS = frozenset({"matmul", "conv"})          # XLA hands these to cuBLAS / cuDNN
+BITCAST_PRIMITIVES = frozenset({"reshape", "squeeze", "expand_dims"})
+TILE = 64                                               # block extent a kernel coalesces along
+
+
+@dataclass(frozen=True)
+class GPU:
+    """Published figures of one GPU (dense tensor-core bf16, CUDA-core fp32).
+
+    ``launch_overhead`` is not a published figure: it is the typical gap one extra kernel adds to a
+    stream of short kernels (launch + tail), about 2 µs on recent GPUs.
+    """
+    name: str
+    hbm_bandwidth: float       # bytes / s
+    launch_overhead: float     # s
+    l2_bytes: int
+    peak_flops_bf16: float     # flop / s, dense
+    peak_flops_f32: float      # flop / s, non-tensor-core
+    memory_bytes: int = 0
+    sector_bytes: int = 32
+    line_bytes: int = 128
+
+    def peak_flops(self, dtype: Any) -> float:
+        return self.peak_flops_f32 if np.dtype(dtype).itemsize >= 4 else self.peak_flops_bf16
+
+
+GPUS: Mapping[str, GPU] = {
+    # NVIDIA A100 datasheet (80GB PCIe): 1,935 GB/s HBM2e, 312 TFLOPS bf16, 19.5 TFLOPS fp32, 40 MB L2
+    "a100-80gb-pcie": GPU("A100 80GB PCIe", 1.935e12, 2.0e-6, 40 * 2**20, 312e12, 19.5e12, 80 * 10**9),
+    # NVIDIA H100 datasheet (SXM5): 3.35 TB/s HBM3, 989 TFLOPS bf16 dense, 67 TFLOPS fp32, 50 MB L2
+    "h100-sxm": GPU("H100 SXM", 3.35e12, 2.0e-6, 50 * 2**20, 989.4e12, 66.9e12, 80 * 10**9),
+    # H100 NVL: 3.9 TB/s HBM3, 835 TFLOPS bf16 dense (1,671 sparse), 60 TFLOPS fp32, 94 GB
+    "h100-nvl": GPU("H100 NVL", 3.9e12, 2.0e-6, 50 * 2**20, 835.5e12, 60e12, 94 * 10**9),
+    # H200 (SXM): 4.8 TB/s HBM3e, 989 TFLOPS bf16 dense, 67 TFLOPS fp32, 141 GB
+    "h200": GPU("H200 SXM", 4.8e12, 2.0e-6, 50 * 2**20, 989.4e12, 66.9e12, 141 * 10**9),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Access penalty of a layout (the Type II cost)
+# --------------------------------------------------------------------------------------------
+
+def _map_run_bytes(m: Any, itemsize: int) -> tuple[bool, int]:
+    """(fully contiguous?, best contiguous run in bytes) of one piece map.
+
+    Besides the innermost run of the paper's contiguity, any virtual dim that maps to consecutive
+    physical elements (coefficient 1, not inside a floordiv/mod, not masked) gives a run as long as
+    the tile a kernel loads along it: Triton's coalescing pass orders threads along whichever axis
+    of a block is unit-stride, so a transposed or head-repeated block still reads whole sectors.
+    """
+    c = m.contiguity(itemsize)
+    if c.full:
+        return True, c.run_bytes
+    run = c.run_bytes
+    flat = m.flat_expr()
+    blocked: set[int] = set()
+    for a, _ in flat.terms:
+        if isinstance(a, (FloorDiv, Mod)):
+            blocked |= a.expr.dims()
+    for cond in m.conds:
+        blocked |= cond.expr.dims()
+    for i, n in enumerate(m.domain):
+        if n > 1 and i not in blocked and flat.coeff(Dim(i)) == 1:
+            run = max(run, min(n, TILE) * itemsize)
+    return False, run
+
+
+def piece_penalty(p: Any, itemsize: int, sector: int = 32) -> tuple[int, float]:
+    """(volume, traffic multiplier) of one piece, its map looked at inside its own box."""
+    box = p.box()
+    m = p.map
+    if box is not None and any(b != (0, n) for b, n in zip(box, m.domain)):
+        m = m.restrict(box)
+    vol = max(1, math.prod(m.domain))
+    full, run = _map_run_bytes(m, itemsize)
+    return vol, 1.0 if full else (math.ceil(max(run, 1) / sector) * sector) / max(run, 1)
+
+
+def access_penalty(layout: Layout | None, itemsize: int, sector: int = 32,
+                   piece_fn: Callable[[Any, int], tuple[int, float]] | None = None) -> float:
+    """Traffic multiplier of reading/writing a tensor through ``layout`` (1.0 when physical).
+
+    Volume-weighted over the pieces; each piece's map is looked at inside its own box (a slab of a
+    concat is contiguous in its target even if the full map is not).
+    """
+    if layout is None:
+        return 1.0
+    tot, acc = 0, 0.0
+    for p in layout.pieces:
+        vol, pen = piece_fn(p, itemsize) if piece_fn is not None else piece_penalty(p, itemsize, sector)
+        tot += vol
+        acc += vol * pen
+    return acc / tot if tot else 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Static per-graph facts
+# --------------------------------------------------------------------------------------------
+
+def _data_inputs(op: "Op") -> tuple[int, ...]:
+    """The operands that carry data (not dynamic start indices / gather indices)."""
+    if op.primitive in ("dynamic_slice", "gather"):
+        return op.inputs[:1]
+    if op.primitive == "dynamic_update_slice":
+        return op.inputs[:2]
+    if op.primitive == "pad":
+        return op.inputs[:1]
+    return op.inputs
+
+
+def _flops(op: "Op", graph: "Graph") -> int:
+    out = graph.tensors[op.outputs[0]]
+    if op.primitive == "dot_general":
+        (lc, _), _ = op.params["dimension_numbers"]
+        lhs = graph.tensors[op.inputs[0]].shape
+        return 2 * out.size * math.prod(lhs[d] for d in lc)
+    if op.primitive == "conv_general_dilated":
+        rhs = graph.tensors[op.inputs[1]].shape
+        dn = op.params.get("dimension_numbers")
+        o = dn.rhs_spec[0] if dn is not None and hasattr(dn, "rhs_spec") else 0
+        return 2 * out.size * math.prod(rhs) // max(1, rhs[o])
+    return 0
+
+
+class _Ctx:
+    """Everything about (graph, clusters, vtog) the model needs, computed once."""
+
+    def __init__(self, graph: "Graph", clusters: Sequence["Cluster"], vtog: VTOG | None,
+                 donated: Iterable[int] = ()) -> None:
+        self.graph, self.clusters, self.vtog = graph, tuple(clusters), vtog
+        self.donated = donated = frozenset(donated)
+        self.nbytes = [int(t.size) * t.dtype.itemsize for t in graph.tensors]
+        self.itemsize = [t.dtype.itemsize for t in graph.tensors]
+        self.pos = {oid: k for k, c in enumerate(self.clusters) for oid in c.ops}
+        self.producer: dict[int, int] = {}
+        self.users: dict[int, list[int]] = {}
+        for k, c in enumerate(self.clusters):
+            for t in c.outputs:
+                self.producer[t] = k
+            for t in c.inputs:
+                self.users.setdefault(t, []).append(k)
+        outs = set(graph.outputs)
+        ins = set(graph.inputs) | {t.id for t in graph.tensors if t.const is not None}
+        self.bitcast: dict[int, bool] = {}
+        self.dus_copy: dict[int, bool] = {}
+        self.base: dict[int, int] = {}
+        for c in self.clusters:
+            if c.kind != "movement":
+                continue
+            for oid in c.ops:
+                op = graph.ops[oid]
+                self.bitcast[oid] = self._is_bitcast(op)
+                if op.primitive == "dynamic_update_slice":
+                    operand = op.inputs[0]
+                    later = any(self.pos.get(u.id, u.id) > self.pos.get(oid, oid)
+                                for u in graph.consumers(operand) if u.id != oid)
+                    if operand in donated:   # XLA updates a donated input buffer in place
+                        self.dus_copy[oid] = later or operand in outs
+                    else:
+                        self.dus_copy[oid] = operand in ins or operand in outs or later
+                    self.base[oid] = 2 * self.nbytes[op.inputs[1]] + (
+                        2 * self.nbytes[operand] if self.dus_copy[oid] else 0)
+                else:
+                    w = sum(self.nbytes[t] for t in op.outputs)
+                    r = sum(self.nbytes[t] for t in _data_inputs(op))
+                    self.base[oid] = w + min(r, w)
+        self.flops = {k: sum(_flops(graph.ops[o], graph) for o in c.ops)
+                      for k, c in enumerate(self.clusters) if c.kind in LIBRARY_KINDS}
+        self.flop_dtype = {k: graph.tensors[graph.ops[c.ops[0]].outputs[0]].dtype
+                           for k, c in enumerate(self.clusters) if c.kind in LIBRARY_KINDS}
+        self.edge_bytes: list[int] = []
+        self.by_op: dict[int, list[int]] = {}
+        if vtog is not None:
+            for i, e in enumerate(vtog.edges):
+                self.edge_bytes.append(self._edge_bytes(e))
+                self.by_op.setdefault(e.op, []).append(i)
+        self._pen: dict[int, tuple] = {}
+
+    def _is_bitcast(self, op: "Op") -> bool:
+        g = self.graph
+        if op.primitive in BITCAST_PRIMITIVES:
+            return op.primitive != "reshape" or op.params.get("dimensions") is None
+        if op.primitive == "broadcast_in_dim":
+            return g.tensors[op.inputs[0]].size == g.tensors[op.outputs[0]].size
+        if op.primitive == "convert_element_type":
+            return g.tensors[op.inputs[0]].dtype == g.tensors[op.outputs[0]].dtype
+        return False
+
+    def _edge_bytes(self, e: Edge) -> int:
+        if e.inplace and not self.dus_copy.get(e.op, True):
+            return 0
+        vol = box_volume(e.box)
+        dst_elems = self.graph.tensors[e.dst].size
+        return vol * self.itemsize[e.src] + min(vol, dst_elems) * self.itemsize[e.dst]
+
+    def penalty(self, t: int, layout: Layout | None) -> float:
+        return 1.0 if layout is None else access_penalty(layout, self.itemsize[t], piece_fn=self._piece)
+
+    def _piece(self, p: Any, itemsize: int) -> tuple[int, float]:
+        """Cached :func:`piece_penalty` (pieces are reused across evaluations by identity)."""
+        hit = self._pen.get(id(p))
+        if hit is None or hit[0] is not p or hit[1] != itemsize:
+            hit = (p, itemsize, piece_penalty(p, itemsize))
+            self._pen[id(p)] = hit
+        return hit[2]
+
+    def read_bytes(self, t: int, layout: Layout | None) -> int:
+        """Bytes a kernel reads for tensor ``t``: repeated elements are read once."""
+        if layout is None:
+            return self.nbytes[t]
+        total = 0
+        for p in layout.pieces:
+            vol = self._piece(p, self.itemsize[t])[0]     # the piece's box volume (cached)
+            total += min(vol, self.graph.tensors[p.target].size) * self.itemsize[t]
+        return min(total, self.nbytes[t])
+
+
+@dataclass
+class _Cost:
+    raw: float = 0.0        # bytes, as counted by modeled_bytes
+    eff: float = 0.0        # bytes including sector waste
+    launches: int = 0
+    extra: float = 0.0      # seconds (library loss)
+
+
+def _cluster_cost(ctx: _Ctx, k: int, layout: Callable[[int], Layout | None],
+                  chosen_of_op: Callable[[int], Sequence[int]], lib_loss: Callable[[int], float]) -> _Cost:
+    """Cost of cluster ``k`` given a layout oracle (None = physical) and the chosen edges."""
+    c = ctx.clusters[k]
+    g = ctx.graph
+    if c.kind == "movement":
+        cost = _Cost()
+        for oid in c.ops:
+            op = g.ops[oid]
+            mine = chosen_of_op(oid)
+            data = (*_data_inputs(op), *op.outputs)
+            if oid not in ctx.base:      # a movement op outside the model (should not happen)
+                continue
+            if ctx.bitcast[oid]:
+                if mine or all(layout(t) is None for t in data):
+                    continue
+                rem = 2 * ctx.nbytes[op.outputs[0]]
+            else:
+                rem = ctx.base[oid] - sum(ctx.edge_bytes[i] for i in mine)
+            if rem <= 0:
+                continue
+            srcs = {ctx.vtog.edges[i].src for i in mine} if mine else set()
+            wts = [(ctx.nbytes[t], ctx.penalty(t, layout(t))) for t in data if t not in srcs]
+            tw = sum(w for w, _ in wts)
+            pen = sum(w * p for w, p in wts) / tw if tw else 1.0
+            cost.raw += rem
+            cost.eff += rem * pen
+            cost.launches += 1
+        return cost
+    raw = eff = 0.0
+    touched = False
+    for t in c.inputs:
+        lay = layout(t)
+        touched |= lay is not None
+        b = ctx.read_bytes(t, lay)
+        raw += b
+        eff += b * ctx.penalty(t, lay)
+    for t in c.outputs:
+        lay = layout(t)
+        touched |= lay is not None
+        raw += ctx.nbytes[t]
+        eff += ctx.nbytes[t] * ctx.penalty(t, lay)
+    extra = lib_loss(k) if touched and c.kind in LIBRARY_KINDS else 0.0
+    return _Cost(raw, eff, 1, extra)
+
+
+# --------------------------------------------------------------------------------------------
+# Chosen-set state (incremental layouts)
+# --------------------------------------------------------------------------------------------
+
+class _State:
+    """Layouts under a chosen edge set ``C``, extended incrementally as the greedy grows ``C``."""
+
+    def __init__(self, ctx: _Ctx) -> None:
+        self.ctx, self.vtog = ctx, ctx.vtog
+        self.C: frozenset[int] = frozenset()
+        self.by_src: dict[int, list[int]] = {}
+        self.by_op: dict[int, list[int]] = {}
+        self.rev: dict[int, set[int]] = {}
+        self.memo: dict[int, Layout] = {}
+        self.piece_cache: dict[int, tuple[Layout, tuple]] = {}
+        self.phys: dict[int, Layout] = {}
+
+    def sync(self, C: frozenset[int]) -> None:
+        if C is self.C or C == self.C:
+            return
+        if not self.C <= C:
+            self.__init__(self.ctx)  # type: ignore[misc]
+        new = C - self.C
+        for i in new:
+            e = self.vtog.edges[i]
+            self.by_src.setdefault(e.src, []).append(i)
+            self.by_op.setdefault(e.op, []).append(i)
+            self.rev.setdefault(e.dst, set()).add(e.src)
+        for s in self.in_tree({self.vtog.edges[i].src for i in new}):
+            self.memo.pop(s, None)
+        self.C = C
+
+    def in_tree(self, roots: Iterable[int]) -> set[int]:
+        """``roots`` and every tensor whose chosen edges lead to one of them."""
+        seen = set(roots)
+        stack = list(seen)
+        while stack:
+            for s in self.rev.get(stack.pop(), ()):
+                if s not in seen:
+                    seen.add(s)
+                    stack.append(s)
+        return seen
+
+    def layout(self, t: int) -> Layout | None:
+        if t not in self.by_src:
+            return None
+        got = self.memo.get(t)
+        if got is None:
+            got = self.compose(t, self.by_src[t], self._full)
+            self.memo[t] = got
+        return got
+
+    def _full(self, t: int) -> Layout:
+        lay = self.layout(t)
+        if lay is not None:
+            return lay
+        got = self.phys.get(t)     # one object per physical tensor: keeps piece_cache hits
+        if got is None:
+            got = self.phys[t] = Layout.physical(t, self.vtog.shapes[t])
+        return got
+
+    def compose(self, t: int, idxs: Sequence[int], full: Callable[[int], Layout]) -> Layout:
+        """``t``'s layout through edges ``idxs`` given its targets' layouts (``full``).
+
+        Each edge's piece list is cached against the identity of the target layout it was built
+        from: the greedy re-evaluates the same edges over an unchanged target many times.
+        """
+        shape = tuple(self.vtog.shapes[t])
+        whole = tuple((0, n) for n in shape)
+        pieces: list = []
+        for i in idxs:
+            e = self.vtog.edges[i]
+            base = full(e.dst)
+            hit = self.piece_cache.get(i)
+            if hit is None or hit[0] is not base:
+                lay = base.compose(e.map)
+                if tuple(e.box) != whole:
+                    lay = lay.restrict_box(e.box)
+                hit = (base, lay.pieces)
+                self.piece_cache[i] = hit
+            pieces.extend(hit[1])
+        return Layout(shape, tuple(pieces))
+
+
+# --------------------------------------------------------------------------------------------
+# The cost model
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CostModel:
+    """Analytical ``w(e)`` (see the module docstring). ``objective``: "latency" (s) or "memory" (B)."""
+    gpu: GPU = GPUS["h100-sxm"]
+    objective: str = "latency"
+    library_efficiency: float = 0.85
+    _bound: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.objective not in ("latency", "memory"):
+            raise ValueError(f"objective must be 'latency' or 'memory', not {self.objective!r}")
+
+    def bind(self, vtog: VTOG, graph: "Graph", clusters: Sequence["Cluster"] | None = None,
+             donated: Iterable[int] = ()) -> "BoundCostModel":
+        """A ``savings(edge, chosen)`` callable for :func:`strategy.greedy` (state is cached).
+
+        Prefer passing the bound object itself to ``greedy`` (not a lambda around ``savings``):
+        its ``companions`` and ``refresh`` methods keep the greedy's total exact.
+        ``donated`` are graph inputs whose buffers the caller donates (a KV cache updated in place).
+        """
+        donated = frozenset(donated)
+        key = (id(vtog), id(graph), id(clusters), donated)
+        got = self._bound.get(key)
+        if got is None or got.vtog is not vtog or got.ctx.graph is not graph:
+            if clusters is None:
+                from .cluster import cluster
+                clusters = cluster(graph)
+            got = BoundCostModel(self, _Ctx(graph, clusters, vtog, donated))
+            self._bound.clear()
+            self._bound[key] = got
+        return got
+
+    def savings(self, edge: Edge, chosen: frozenset[int], vtog: VTOG, graph: "Graph",
+                clusters: Sequence["Cluster"] | None = None) -> float:
+        """Seconds (latency) or bytes (memory) saved by adding ``edge`` to ``chosen``."""
+        return self.bind(vtog, graph, clusters)(edge, chosen)
+
+    def seconds(self, cost: _Cost) -> float:
+        return cost.eff / self.gpu.hbm_bandwidth + cost.launches * self.gpu.launch_overhead + cost.extra
+
+    def modeled_time(self, graph: "Graph", clusters: Sequence["Cluster"],
+                     strategy: "Strategy | None" = None, donated: Iterable[int] = ()) -> dict[str, float]:
+        """Modelled seconds of the whole program, plain XLA vs under ``strategy``."""
+        ctx = _Ctx(graph, clusters, strategy.vtog if strategy is not None else None, donated)
+        lib = self._lib_loss(ctx)
+        base = sum(self.seconds(_cluster_cost(ctx, k, lambda t: None, lambda o: (), lib))
+                   for k in range(len(ctx.clusters)))
+        if strategy is None:
+            return {"time_baseline": base, "time_optimized": base}
+        lay, by_op = _strategy_oracles(strategy)
+        opt = sum(self.seconds(_cluster_cost(ctx, k, lay, by_op, lib)) for k in range(len(ctx.clusters)))
+        return {"time_baseline": base, "time_optimized": opt}
+
+    def _lib_loss(self, ctx: _Ctx) -> Callable[[int], float]:
+        loss = 1.0 - self.library_efficiency
+        return lambda k: loss * ctx.flops.get(k, 0) / self.gpu.peak_flops(ctx.flop_dtype.get(k, np.float32))
+
+
+class BoundCostModel:
+    """``CostModel`` bound to one (vtog, graph, clusters): the callable greedy consumes."""
+
+    def __init__(self, model: CostModel, ctx: _Ctx) -> None:
+        self.model, self.ctx, self.vtog = model, ctx, ctx.vtog
+        self.state = _State(ctx)
+        self.lib = model._lib_loss(ctx)
+
+    def __call__(self, edge: Edge | int, chosen: frozenset[int]) -> float:
+        i = edge if isinstance(edge, int) else self.vtog.index(edge)
+        group = piece_group(self.vtog, i)
+        vols = [box_volume(self.vtog.edges[j].box) for j in group]
+        share = box_volume(self.vtog.edges[i].box) / sum(vols)
+        if self.model.objective == "memory":
+            e = self.vtog.edges[i]
+            return float(box_volume(e.box) * self.ctx.itemsize[e.src])
+        return share * self._group_delta(group, frozenset(chosen))
+
+    def companions(self, picked: Sequence[int], chosen: frozenset[int]) -> tuple[int, ...]:
+        """The lookahead edges the estimate of ``picked`` (chosen on top of ``chosen``) assumed.
+
+        :func:`strategy.greedy` takes them in the same pick, so the recorded saving is exactly
+        the model's ``T(C) - T(C ∪ picked ∪ companions)`` instead of counting the bitcast twice.
+        """
+        if self.model.objective != "latency" or not picked:
+            return ()
+        self.state.sync(frozenset(chosen))
+        srcs = {self.vtog.edges[i].src for i in picked}
+        reach = set().union(*(self._reach(self.vtog.edges[i].dst) for i in picked))
+        return tuple(self._followers(srcs, reach))
+
+    def refresh(self, new_edges: Sequence[int], chosen: frozenset[int]) -> set[int]:
+        """Edges whose estimate the greedy must redo after ``new_edges`` joined ``chosen``.
+
+        An edge's estimate includes its bitcast followers (lookahead), so it depends on what lives
+        in the tensors of its bitcast-connected neighbourhood: after a pick, the undecided tensors
+        the new virtual tensors live in, and their undecided bitcast neighbours, get their
+        out-edges re-estimated.
+        """
+        st, vt, g = self.state, self.vtog, self.ctx.graph
+        st.sync(frozenset(chosen))
+        roots: set[int] = set()
+        for i in new_edges:
+            roots |= {t for t in self._reach(vt.edges[i].dst) if t not in st.by_src}
+        seen, stack = set(roots), list(roots)
+        while stack:
+            t = stack.pop()
+            near = [*g.consumers(t)] + ([g.producer(t)] if g.producer(t) is not None else [])
+            for op in near:
+                if self.ctx.bitcast.get(op.id):
+                    for o in (*op.inputs, *op.outputs):
+                        if o not in seen and o not in st.by_src and o not in vt.physical:
+                            seen.add(o)
+                            stack.append(o)
+        return {i for t in seen for i in vt.out_edges(t)}
+
+    def _followers(self, srcs: set[int], reach: set[int]) -> list[int]:
+        """Bitcast edges that would follow the new virtual tensors for free (one-step lookahead).
+
+        Making ``c`` virtual breaks the bitcast ``b -> c`` (XLA's free reshape becomes a real copy
+        while ``b`` stays physical), and the bitcast's own edge ``b ⇢ c`` saves nothing until then:
+        judged one edge at a time, the chain ``b ⇢ c ⇢ d`` would never start. So the hypothetical
+        state also makes each undecided bitcast neighbour ``b`` virtual through its edge into the
+        new tensor; after the pick, ``b ⇢ c`` is re-estimated (it now removes a real copy) and taken.
+        """
+        st, vt, ctx, g = self.state, self.vtog, self.ctx, self.ctx.graph
+        out: list[int] = []
+        frontier = list(srcs)
+        while frontier:
+            t = frontier.pop()
+            near = [*g.consumers(t)] + ([g.producer(t)] if g.producer(t) is not None else [])
+            for op in near:
+                if not ctx.bitcast.get(op.id):
+                    continue
+                for j in ctx.by_op.get(op.id, ()):
+                    e = vt.edges[j]
+                    o = e.src
+                    if (e.dst == t and o not in st.by_src and o not in srcs and o not in reach
+                            and o not in vt.physical):
+                        out.append(j)
+                        srcs.add(o)
+                        frontier.append(o)
+        return out
+
+    def _group_delta(self, group: Sequence[int], chosen: frozenset[int]) -> float:
+        st = self.state
+        st.sync(chosen)
+        vt, ctx = self.vtog, self.ctx
+        src = vt.edges[group[0]].src
+        if src in st.by_src:      # already virtual: nothing more to gain
+            return -INF
+        if any(src in self._reach(vt.edges[j].dst) for j in group):
+            return -INF           # would close a cycle
+        hyp_edges: dict[int, list[int]] = {src: list(group)}
+        srcs = {src}
+        reach = set().union(*(self._reach(vt.edges[j].dst) for j in group))
+        for j in self._followers(srcs, reach):
+            hyp_edges.setdefault(vt.edges[j].src, []).append(j)
+        tree = st.in_tree(srcs)
+        hyp: dict[int, Layout] = {}
+
+        def full(t: int) -> Layout:
+            if t in hyp:
+                return hyp[t]
+            if t in hyp_edges:
+                lay = st.compose(t, hyp_edges[t], full)
+            elif t in tree:
+                lay = st.compose(t, st.by_src[t], full)
+            else:
+                return st._full(t)
+            hyp[t] = lay
+            return lay
+
+        try:
+            for t in tree:
+                full(t)
+        except Exception:  # noqa: BLE001 - a map that does not compose cannot be chosen
+            return -INF
+
+        def lay_after(t: int) -> Layout | None:
+            return hyp[t] if t in hyp else st.layout(t)
+
+        extra: dict[int, list[int]] = {}
+        for idxs in hyp_edges.values():
+            for j in idxs:
+                extra.setdefault(vt.edges[j].op, []).append(j)
+
+        def chosen_after(oid: int) -> Sequence[int]:
+            return [*st.by_op.get(oid, ()), *extra.get(oid, ())]
+
+        def chosen_before(oid: int) -> Sequence[int]:
+            return st.by_op.get(oid, ())
+
+        affected: set[int] = {ctx.pos[o] for o in extra if o in ctx.pos}
+        for t in tree:
+            if t in ctx.producer:
+                affected.add(ctx.producer[t])
+            affected.update(ctx.users.get(t, ()))
+        sec = self.model.seconds
+        before = sum(sec(_cluster_cost(ctx, k, st.layout, chosen_before, self.lib)) for k in affected)
+        after = sum(sec(_cluster_cost(ctx, k, lay_after, chosen_after, self.lib)) for k in affected)
+        return before - after
+
+    def _reach(self, t: int) -> set[int]:
+        """``t`` and every tensor its chosen edges lead to."""
+        st = self.state
+        seen, stack = {t}, [t]
+        while stack:
+            for i in st.by_src.get(stack.pop(), ()):
+                d = self.vtog.edges[i].dst
+                if d not in seen:
+                    seen.add(d)
+                    stack.append(d)
+        return seen
+
+
+def _strategy_oracles(strategy: "Strategy") -> tuple[Callable[[int], Layout | None], Callable[[int], Sequence[int]]]:
+    by_op: dict[int, list[int]] = {}
+    for i in strategy.chosen:
+        by_op.setdefault(strategy.vtog.edges[i].op, []).append(i)
+    return ((lambda t: strategy.layout(t) if strategy.is_virtual(t) else None),
+            (lambda oid: by_op.get(oid, ())))
+
+
+# --------------------------------------------------------------------------------------------
+# Whole-program accounting
+# --------------------------------------------------------------------------------------------
+
+def modeled_bytes(graph: "Graph", clusters: Sequence["Cluster"], strategy: "Strategy | None" = None,
+                  donated: Iterable[int] = ()) -> dict[str, int]:
+    """HBM bytes and peak memory, plain XLA (``*_baseline``) vs under ``strategy`` (``*_optimized``).
+
+    * ``bytes_baseline``: every cluster reads its inputs and writes its outputs once (a fused
+      cluster's internal tensors never reach memory); a movement op moves ``B(op)`` (bitcasts 0).
+    * ``bytes_optimized``: eliminated movement ops move nothing, the rest move what no chosen edge
+      absorbed; kernels read/write through their maps (a broadcast input costs its physical bytes).
+      ``bytes_optimized_effective`` adds the sector waste of non-contiguous maps.
+    * ``bytes_compulsory``: graph inputs read once plus graph outputs written once (an output
+      updated in place in a donated input only writes its update).
+    * ``peak_*``: a liveness walk over the clusters in order: a tensor is allocated when produced
+      and freed after its last consumer; graph inputs, constants and outputs live throughout;
+      virtual tensors take no memory; a bitcast (or in-place dynamic_update_slice) output shares
+      its operand's buffer, as XLA's buffer assignment does.
+    * ``kernels_*``: kernel launches (clusters plus movement ops that still run).
+
+    ``donated`` graph inputs are updated in place by dynamic_update_slice (no copy).
+    """
+    ctx = _Ctx(graph, clusters, strategy.vtog if strategy is not None else None, donated)
+    zero = lambda k: 0.0  # noqa: E731 - bytes only
+    phys = (lambda t: None)
+    none = (lambda o: ())
+    base = [_cluster_cost(ctx, k, phys, none, zero) for k in range(len(ctx.clusters))]
+    if strategy is None:
+        opt = base
+        lay, by_op = phys, none
+    else:
+        lay, by_op = _strategy_oracles(strategy)
+        opt = [_cluster_cost(ctx, k, lay, by_op, zero) for k in range(len(ctx.clusters))]
+    comp_in = [t for t in dict.fromkeys(graph.inputs)]
+    comp_out = [t for t in dict.fromkeys(graph.outputs) if t not in set(graph.inputs)]
+    out_bytes = {t: ctx.nbytes[t] for t in comp_out}
+    for oid, copy in ctx.dus_copy.items():   # an output updated in place in a donated input:
+        op = graph.ops[oid]                   # only the update has to be written
+        if not copy and op.inputs[0] in ctx.donated and op.outputs[0] in out_bytes:
+            out_bytes[op.outputs[0]] = ctx.nbytes[op.inputs[1]]
+    return {
+        "bytes_baseline": int(sum(c.raw for c in base)),
+        "bytes_optimized": int(sum(c.raw for c in opt)),
+        "bytes_optimized_effective": int(round(sum(c.eff for c in opt))),
+        "bytes_compulsory": int(sum(ctx.nbytes[t] for t in comp_in) + sum(out_bytes.values())),
+        "peak_baseline": _peak(ctx, None),
+        "peak_optimized": _peak(ctx, strategy),
+        "kernels_baseline": int(sum(c.launches for c in base)),
+        "kernels_optimized": int(sum(c.launches for c in opt)),
+    }
+
+
+def _peak(ctx: _Ctx, strategy: "Strategy | None") -> int:
+    """Peak live bytes of a walk over the clusters (see :func:`modeled_bytes`).
+
+    A physical buffer that virtual tensors live in is allocated from the first time any of them
+    is produced (a kernel writing into a concat buffer ahead of the other slabs) until the last
+    time any of them is read (a kernel reading a transposed view after the original's last use).
+    """
+    g = ctx.graph
+    virtual = strategy.is_virtual if strategy is not None else (lambda t: False)
+    _, chosen_of_op = _strategy_oracles(strategy) if strategy is not None else (None, lambda o: ())
+    parent: dict[int, int] = {}
+
+    def find(t: int) -> int:
+        while parent.get(t, t) != t:
+            parent[t] = parent.get(parent[t], parent[t])
+            t = parent[t]
+        return t
+
+    for c in ctx.clusters:
+        if c.kind != "movement":
+            continue
+        for oid in c.ops:
+            op = g.ops[oid]
+            alias = ctx.bitcast.get(oid) or (op.primitive == "dynamic_update_slice" and not ctx.dus_copy.get(oid))
+            if alias and not chosen_of_op(oid) and not virtual(op.inputs[0]) and not virtual(op.outputs[0]):
+                parent[find(op.outputs[0])] = find(op.inputs[0])
+    pinned = set(g.inputs) | set(g.outputs) | {t.id for t in g.tensors if t.const is not None}
+    tensors = pinned | set(ctx.producer)
+    n = len(ctx.clusters)
+    start: dict[int, int] = {}
+    end: dict[int, int] = {}
+    size: dict[int, int] = {}
+    always: set[int] = set()
+    for t in tensors:
+        if virtual(t):
+            continue
+        r = find(t)
+        size[r] = max(size.get(r, 0), ctx.nbytes[t])
+        if t in pinned:
+            always.add(r)
+        born = ctx.producer.get(t, -1)
+        start[r] = min(start.get(r, n), born)
+        end[r] = max(end.get(r, -1), born, *ctx.users.get(t, ()))
+    if strategy is not None:
+        for t in strategy.virtual:
+            born = ctx.producer.get(t)
+            uses = ctx.users.get(t, ())
+            for tgt in strategy.layout(t).targets:
+                r = find(tgt)
+                if r not in size:
+                    continue
+                if born is not None:
+                    start[r] = min(start[r], born)
+                end[r] = max(end[r], *(uses or (-1,)), born if born is not None else -1)
+    live = sum(size[r] for r in always)
+    peak = live
+    born_at: dict[int, list[int]] = {}
+    dies_at: dict[int, list[int]] = {}
+    for r in size:
+        if r in always:
+            continue
+        born_at.setdefault(start[r], []).append(r)
+        dies_at.setdefault(end[r], []).append(r)
+    for k in range(n):
+        live += sum(size[r] for r in born_at.get(k, ()))
+        peak = max(peak, live)
+        live -= sum(size[r] for r in dies_at.get(k, ()))
+    return int(peak)
+
+
+# --------------------------------------------------------------------------------------------
+# Profiling
+# --------------------------------------------------------------------------------------------
+
+class Profiler(Protocol):
+    """Anything that can time the program under a set of chosen edges (seconds)."""
+
+    def measure(self, edge_set: frozenset[int]) -> float: ...
+
+
+class ProfiledSavings:
+    """``w(e) = t(C) - t(C ∪ G(e))`` from a profiler (Algorithm 2, lines 8 and 19), cached by set.
+
+    ``G(e)`` is the edge's piece group (all slabs of a concat/split together: a half-virtual
+    tensor is not a runnable strategy); each piece is credited its share by volume.
+    """
+
+    def __init__(self, profiler: Profiler, vtog: VTOG | None = None) -> None:
+        self.profiler, self.vtog = profiler, vtog
+        self.cache: dict[frozenset[int], float] = {}
+        self.calls = 0
+
+    def time(self, edge_set: frozenset[int]) -> float:
+        edge_set = frozenset(edge_set)
+        if edge_set not in self.cache:
+            self.calls += 1
+            self.cache[edge_set] = float(self.profiler.measure(edge_set))
+        return self.cache[edge_set]
+
+    def __call__(self, edge: Edge | int, chosen: frozenset[int]) -> float:
+        if isinstance(edge, int):
+            i = edge
+        elif self.vtog is None:
+            raise TypeError("ProfiledSavings needs vtog= to map Edge objects to indices")
+        else:
+            i = self.vtog.index(edge)
+        if self.vtog is not None:
+            group = piece_group(self.vtog, i)
+            vols = [box_volume(self.vtog.edges[j].box) for j in group]
+            share = box_volume(self.vtog.edges[i].box) / sum(vols)
+        else:
+            group, share = (i,), 1.0
+        chosen = frozenset(chosen)
+        return share * (self.time(chosen) - self.time(chosen | set(group)))
+
+
+class TimingProfiler:
+    """Times ``build_fn(edge_set)(*args)`` on the GPU (median of ``repeats`` after a warm-up).
+
+    ``build_fn`` lowers the program under the given strategy edges and returns a callable. Timing a
+    CPU backend would measure nothing VTC is about (no HBM, no Triton kernels), so this refuses to
+    run anywhere but on a GPU.
+    """
+
+    def __init__(self, build_fn: Callable[[frozenset[int]], Callable[..., Any]], args: Sequence[Any],
+                 repeats: int = 20) -> None:
+        import jax
+        if jax.default_backend() != "gpu":
+            raise RuntimeError(f"TimingProfiler needs a GPU (jax.default_backend() is "
+                               f"{jax.default_backend()!r}); use CostModel for an analytical w(e)")
+        self.build_fn, self.args, self.repeats = build_fn, tuple(args), int(repeats)
+
+    def measure(self, edge_set: frozenset[int]) -> float:
+        import jax
+        fn = self.build_fn(frozenset(edge_set))
+        jax.block_until_ready(fn(*self.args))          # compile + warm up
+        times = []
+        for _ in range(self.repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*self.args))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)

@@ -1,0 +1,323 @@
+"""Decode attention template: flash-decoding (split-K) with grouped-query heads (paper §3.1, §4.2).
+
+One query token per sequence attends to a KV cache. The template is written against *logical*
+tensors and reads them through :mod:`vio`, so the data-movement chain of the motivating example
+(Split of the QKV projection, ScatterND into the cache, Slice up to ``pos``, Unsqueeze+Expand of
+K/V for GQA, Reshape+Transpose for the kernel) never runs:
+
+* ``q``: logical ``(B, Hkv, G, D)``, G query heads per KV head (G = 1 is MHA). Typically a slice
+  of the fused QKV projection output reshaped — a layout, not a copy.
+* ``k``, ``v``: logical ``(B, Hkv, T, D)``. Typically the ``(B, T, Hkv, D)`` KV cache through a
+  transpose layout. GQA is served by loading **one** K/V block per KV head for all G query heads
+  of its group (the G rows of the q tile): the repeated K/V of ``Expand`` never exists, not even
+  as a broadcast layout.
+* ``out``: logical ``(B, Hkv, G, D)``, a :class:`vio.VTensor` (e.g. the ``(B, Hq*D)`` input of the
+  output projection through a reshape layout); default a fresh physical array.
+
+Kernels (the paper's Listing 1 stages: load through vio / untouched compute / store through vio)::
+
+    attn_split  grid (B, Hkv, S): program (b, h, s) owns a contiguous run of KV blocks
+        q = Q.load((b, h, 0, 0), (1, 1, Gp, Dp))                      # once, stays in registers
+        for j in run:                                                  # lax.fori_loop
+            kb = K.load((b, h, j*bk, 0), (1, 1, bk, Dp)); vb = V.load(...)
+            s = dot(q, kb.T) * sm_scale  [cap*tanh(s/cap)]  masked to lo <= t < hi   # (Gp, bk) f32
+            online softmax: running max m, sum l, acc (Gp, Dv) in f32
+        S == 1: OUT.store(acc / l)            (no second kernel)
+        S  > 1: (m, l, acc) -> f32 scratch (B, Hkv, S, G[, Dv])
+    attn_combine  grid (B, Hkv), only when S > 1: loops over the S partials, rescales them by
+        exp(m_s - max m), sums, divides by the combined l, OUT.store.
+
+Valid keys are ``lo <= t < hi`` with ``hi = pos + 1`` (or ``kv_len``, or ``T``) and, with a sliding
+``window``, ``lo = hi - window`` (keys ``t > pos - window``). The split is decided at run time from
+``[lo, hi)``: the valid KV blocks are dealt out evenly over the S programs of a head, so a short
+prefix of a long cache, or a sliding window, does not leave most programs idle while one works.
+
+Power-of-two tiles everywhere, masked by vio: ``Gp = max(16, next_pow2(G))`` rows for ``tt.dot``
+(padded rows read q = 0 and are dropped before the store), ``Dp = max(16, next_pow2(D))``,
+``bk`` keys per block (lanes ``t >= T`` masked). Stores use ``Gs = next_pow2(G)`` rows (the q tile
+is folded from Gp to Gs rows in registers: a masked reshape-sum, since value slices do not lower
+on Triton), so a G = 1 output is never addressed with a block wider than its size-1 dim.
+
+f32 inputs use ``precision=HIGHEST`` in both dots (IEEE f32 on the GPU: the algorithm interpret mode
+runs, not TF32). 16-bit inputs: scores and accumulators are f32, the probabilities are rounded to
+the V dtype for the second dot (standard flash attention).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .vio import Plan, VTensor, next_pow2
+
+__all__ = ["decode_attention", "default_num_splits", "NUM_SMS"]
+
+NUM_SMS = 132          # H100 SXM: the default split count aims to give every SM a program
+MIN_DOT = 16           # tt.dot wants M, N, K >= 16
+MAX_SPLITS = 64
+_LEN_SYM = "__vtc_attn_len"  # runtime symbol carrying pos (or kv_len) into the kernel
+_NEG = -1e30           # initial running max: finite, so exp(m_prev - m_next) is never inf - inf
+
+
+def default_num_splits(batch_heads: int, seq_len: int, block_k: int) -> int:
+    """S such that ``batch_heads * S`` programs cover ``NUM_SMS`` SMs, with at least two KV blocks
+    per split and at most ``MAX_SPLITS``; 1 when ``batch_heads`` already fills the GPU."""
+    if batch_heads >= NUM_SMS:
+        return 1
+    want = -(-NUM_SMS // batch_heads)
+    blocks = -(-seq_len // block_k)
+    return int(max(1, min(want, blocks // 2, MAX_SPLITS)))
+
+
+def _is_static_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _fold_rows(x: jax.Array, g: int, gs: int) -> jax.Array:
+    """(Gp, ...) -> (Gs, ...): keep rows < g (g <= gs), without a value-level slice.
+
+    Rows >= g are zeroed, the tile is viewed as (Gp/Gs, Gs, ...) and summed over the first axis:
+    every kept row sits in the first slab, the other slabs are zeros (exact)."""
+    gp = x.shape[0]
+    if gp == gs:
+        return x
+    rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    x = jnp.where(rows < g, x, jnp.zeros_like(x))
+    return x.reshape((gp // gs, gs) + x.shape[1:]).sum(axis=0)
+
+
+def _pid(axis: int, size: int) -> Any:
+    """The program id along a grid axis, as the Python int 0 when the axis has one program: vio
+    then knows the block origin statically (no bounds mask, no broadcast-fold of a size-1 dim)."""
+    return 0 if size == 1 else pl.program_id(axis)
+
+
+@dataclass(frozen=True)
+class _Cfg:
+    B: int
+    H: int
+    G: int
+    D: int
+    Dv: int
+    T: int
+    Gp: int
+    Gs: int
+    Dp: int
+    Dvp: int
+    bk: int
+    S: int
+    scale: float
+    soft_cap: float | None
+    window: int | None
+    hi_static: int | None     # static end of the valid keys (None: runtime)
+    hi_offset: int            # runtime end = scalar + hi_offset (pos + 1, or kv_len + 0)
+    compute: np.dtype
+    precision: Any
+
+
+def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = None,
+                     sm_scale: float | None = None, soft_cap: float | None = None,
+                     window: int | None = None, out: VTensor | None = None, block_k: int = 64,
+                     num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                     backend: str = "interpret") -> Any:
+    """Single-token (decode) attention ``softmax(mask(cap(q·kᵀ·scale)))·v`` per query head.
+
+    q: logical (B, Hkv, G, D); k: (B, Hkv, T, D); v: (B, Hkv, T, Dv) — :class:`vio.VTensor` or
+        arrays, read through their layouts (e.g. K/V straight from a (B, T, Hkv, D) cache).
+    pos: runtime int32 scalar, the decode position: keys ``t <= pos`` are valid (causal).
+    kv_len: instead of ``pos``: keys ``t < kv_len`` are valid (static int or runtime scalar).
+        Neither: all T keys. Both: error.
+    sm_scale: logit scale, default ``1/sqrt(D)``.
+    soft_cap: logit soft-capping ``cap * tanh(s / cap)`` after scaling (Gemma-2), before masking.
+    window: sliding window: additionally keys ``t >= end - window`` only (``t > pos - window``).
+    out: VTensor of logical shape (B, Hkv, G, Dv) receiving the result (written in place when its
+        buffers are arrays); default a fresh physical array of q's dtype.
+    block_k: keys per block, a power of two >= 16 (capped at next_pow2(T)).
+    num_splits: split-K programs per (batch, KV head); default :func:`default_num_splits`.
+        1 runs a single kernel; > 1 adds the small combine kernel.
+    num_warps, num_stages: Triton launch configuration of the main kernel.
+    backend: "interpret" (CPU) or "triton".
+
+    Returns like :func:`vtc_jax.kernels.matmul.matmul`: the array for a fresh/one-buffer output,
+    else the tuple of ``out``'s physical buffers.
+    """
+    q, k, v = VTensor.of(q), VTensor.of(k), VTensor.of(v)
+    if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
+        raise ValueError(f"expected q (B, Hkv, G, D), k/v (B, Hkv, T, D); got {q.shape}, {k.shape}, "
+                         f"{v.shape}")
+    B, H, G, D = q.shape
+    T = k.shape[2]
+    Dv = v.shape[3]
+    if tuple(k.shape) != (B, H, T, D) or tuple(v.shape[:3]) != (B, H, T):
+        raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
+    if block_k < MIN_DOT or block_k & (block_k - 1):
+        raise ValueError(f"block_k={block_k} must be a power of two >= {MIN_DOT}")
+    if pos is not None and kv_len is not None:
+        raise ValueError("give pos or kv_len, not both")
+    if window is not None and int(window) < 1:
+        raise ValueError(f"window={window} must be >= 1")
+    for v_ in (q, k, v):
+        if not jnp.issubdtype(v_.dtype, jnp.floating):
+            raise NotImplementedError(f"floating dtypes only, got {v_.dtype}")
+
+    out_shape = (B, H, G, Dv)
+    if out is None:
+        out = VTensor.fresh(out_shape, q.dtype)
+    elif tuple(out.shape) != out_shape:
+        raise ValueError(f"out has logical shape {out.shape}, expected {out_shape}")
+
+    bk = min(block_k, max(MIN_DOT, next_pow2(T)))
+    S = default_num_splits(B * H, T, bk) if num_splits is None else int(num_splits)
+    S = max(1, min(S, -(-T // bk)))  # never more splits than KV blocks
+
+    # Where the valid keys end: static, or a runtime scalar. The scalar rides along as a runtime
+    # symbol of q (vio passes symbols as (1,) int32 operands and hands their values to every VRef):
+    # a (1,) physical operand loaded with VRef.load would be an unmasked load with `other`, which
+    # the Triton lowering rejects (see vio._load_piece).
+    scalar: Any = None
+    hi_static: int | None = T
+    hi_offset = 0
+    if pos is not None:
+        if _is_static_int(pos):
+            hi_static = min(int(pos) + 1, T)
+        else:
+            hi_static, hi_offset = None, 1
+            scalar = pos
+    elif kv_len is not None:
+        if _is_static_int(kv_len):
+            hi_static = min(int(kv_len), T)
+        else:
+            hi_static = None
+            scalar = kv_len
+
+    if scalar is not None:
+        if _LEN_SYM in dict(q.symbols):
+            raise ValueError(f"q already carries a runtime symbol named {_LEN_SYM!r}")
+        q = dataclasses.replace(q, symbols=q.symbols + ((_LEN_SYM, jnp.asarray(scalar, jnp.int32)),))
+
+    compute = np.dtype(jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype))
+    cfg = _Cfg(B=B, H=H, G=G, D=D, Dv=Dv, T=T, Gp=max(MIN_DOT, next_pow2(G)), Gs=next_pow2(G),
+               Dp=max(MIN_DOT, next_pow2(D)), Dvp=max(MIN_DOT, next_pow2(Dv)), bk=bk, S=S,
+               scale=float(1.0 / math.sqrt(D) if sm_scale is None else sm_scale),
+               soft_cap=None if soft_cap is None else float(soft_cap),
+               window=None if window is None else int(window), hi_static=hi_static,
+               hi_offset=hi_offset, compute=compute,
+               precision=lax.Precision.HIGHEST if compute == np.float32 else None)
+
+    if S == 1:
+        plan = Plan.build([q, k, v], [out])
+        (res,) = plan.call(lambda ins, outs: _split_body(cfg, ins, outs), grid=(B, H, 1),
+                           backend=backend, num_warps=num_warps, num_stages=num_stages,
+                           name="vtc_decode_attention")
+        return res[0] if len(res) == 1 else res
+
+    parts = [VTensor.fresh((B, H, S, G), jnp.float32), VTensor.fresh((B, H, S, G), jnp.float32),
+             VTensor.fresh((B, H, S, G, Dv), jnp.float32)]
+    plan = Plan.build([q, k, v], parts)
+    (m,), (l,), (acc,) = plan.call(lambda ins, outs: _split_body(cfg, ins, outs), grid=(B, H, S),
+                                   backend=backend, num_warps=num_warps, num_stages=num_stages,
+                                   name="vtc_decode_attention_split")
+    plan2 = Plan.build([m, l, acc], [out])
+    (res,) = plan2.call(lambda ins, outs: _combine_body(cfg, ins, outs), grid=(B, H),
+                        backend=backend, num_warps=4, num_stages=1,
+                        name="vtc_decode_attention_combine")
+    return res[0] if len(res) == 1 else res
+
+
+def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
+    q_ref, k_ref, v_ref = ins[:3]
+    b, h, s = _pid(0, c.B), _pid(1, c.H), _pid(2, c.S)
+
+    # The valid keys [lo, hi): scalars (traced or static).
+    if c.hi_static is None:
+        n = q_ref.syms[_LEN_SYM]
+        hi: Any = jnp.minimum(n + c.hi_offset, c.T)
+    else:
+        hi = c.hi_static
+    lo: Any = 0
+    if c.window is not None:
+        lo = jnp.maximum(hi - c.window, 0) if c.hi_static is None else max(hi - c.window, 0)
+
+    # This program's run of KV blocks: the blocks meeting [lo, hi) dealt out evenly over S.
+    first = lo // c.bk
+    last = (hi + c.bk - 1) // c.bk
+    if c.S == 1:
+        j0, j1 = first, last
+    else:
+        per = (last - first + c.S - 1) // c.S
+        j0 = first + s * per
+        j1 = jnp.minimum(j0 + per, last)
+
+    # Stage 1 (once): the q tile of this KV head's G query heads, padded to Gp rows.
+    qt = q_ref.load((b, h, 0, 0), (1, 1, c.Gp, c.Dp)).reshape(c.Gp, c.Dp).astype(c.compute)
+    lanes = lax.broadcasted_iota(jnp.int32, (1, c.bk), 1)
+
+    def step(j: Any, carry: Any) -> Any:
+        m_prev, l_prev, acc_prev = carry
+        t0 = j * c.bk
+        # Stage 1: one K and one V block, shared by all G query heads of the group.
+        kb = k_ref.load((b, h, t0, 0), (1, 1, c.bk, c.Dp)).reshape(c.bk, c.Dp).astype(c.compute)
+        vb = v_ref.load((b, h, t0, 0), (1, 1, c.bk, c.Dvp)).reshape(c.bk, c.Dvp).astype(c.compute)
+        # Stage 2: scores and the online softmax, in f32.
+        sc = jnp.dot(qt, kb.T, preferred_element_type=jnp.float32, precision=c.precision)
+        sc = sc * c.scale
+        if c.soft_cap is not None:
+            sc = c.soft_cap * jnp.tanh(sc / c.soft_cap)
+        t = lanes + t0
+        valid = t < hi
+        if c.window is not None:
+            valid = valid & (t >= lo)
+        sc = jnp.where(valid, sc, -jnp.inf)
+        m_next = jnp.maximum(m_prev, sc.max(axis=1))
+        corr = jnp.exp(m_prev - m_next)
+        p = jnp.exp(sc - m_next[:, None])
+        l_next = l_prev * corr + p.sum(axis=1)
+        pv = jnp.dot(p.astype(c.compute), vb, preferred_element_type=jnp.float32,
+                     precision=c.precision)
+        return m_next, l_next, acc_prev * corr[:, None] + pv
+
+    init = (jnp.full((c.Gp,), _NEG, jnp.float32), jnp.zeros((c.Gp,), jnp.float32),
+            jnp.zeros((c.Gp, c.Dvp), jnp.float32))
+    m, l, acc = lax.fori_loop(j0, j1, step, init)
+
+    # Stage 3.
+    if c.S == 1:
+        (o_ref,) = outs
+        o = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        o = _fold_rows(o, c.G, c.Gs).astype(o_ref.binding.dtype)
+        o_ref.store((b, h, 0, 0), (1, 1, c.Gs, c.Dvp), o.reshape(1, 1, c.Gs, c.Dvp))
+        return
+    m_ref, l_ref, a_ref = outs
+    m_ref.store((b, h, s, 0), (1, 1, 1, c.Gs), _fold_rows(m, c.G, c.Gs).reshape(1, 1, 1, c.Gs))
+    l_ref.store((b, h, s, 0), (1, 1, 1, c.Gs), _fold_rows(l, c.G, c.Gs).reshape(1, 1, 1, c.Gs))
+    a_ref.store((b, h, s, 0, 0), (1, 1, 1, c.Gs, c.Dvp),
+                _fold_rows(acc, c.G, c.Gs).reshape(1, 1, 1, c.Gs, c.Dvp))
+
+
+def _combine_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
+    m_ref, l_ref, a_ref = ins
+    (o_ref,) = outs
+    b, h = _pid(0, c.B), _pid(1, c.H)
+
+    def step(s: Any, carry: Any) -> Any:
+        m_run, l_run, acc_run = carry
+        m = m_ref.load((b, h, s, 0), (1, 1, 1, c.Gs), fill=_NEG).reshape(c.Gs)
+        l = l_ref.load((b, h, s, 0), (1, 1, 1, c.Gs)).reshape(c.Gs)
+        a = a_ref.load((b, h, s, 0, 0), (1, 1, 1, c.Gs, c.Dvp)).reshape(c.Gs, c.Dvp)
+        m_next = jnp.maximum(m_run, m)
+        c_run, c_new = jnp.exp(m_run - m_next), jnp.exp(m - m_next)
+        return (m_next, l_run * c_run + l * c_new,
+                acc_run * c_run[:, None] + a * c_new[:, None])
+
+    init = (jnp.full((c.Gs,), _NEG, jnp.float32), jnp.zeros((c.Gs,), jnp.float32),
+            jnp.zeros((c.Gs, c.Dvp), jnp.float32))
+    _, l, acc = lax.fori_loop(0, c.S, step, init)
+    o = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.binding.dtype)
+    o_ref.store((b, h, 0, 0), (1, 1, c.Gs, c.Dvp), o.reshape(1, 1, c.Gs, c.Dvp))

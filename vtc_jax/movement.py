@@ -1,0 +1,399 @@
+"""Stage 3: the virtual-tensor rules of each data-movement primitive (paper §4.4, Algorithm 1's VTRules).
+
+``rules(op, graph)`` lists the VTOG edges one movement op offers: ``src ⇢ dst`` means "src can be
+made a virtual tensor of dst by eliminating only this op". Every map is built with the
+:mod:`indexmap` movement methods (never by hand), maps *src* indices to *dst* indices, and its
+profitability class comes from its contiguity (paper §4.3: full contiguity is Type I, always
+profitable; anything else is Type II, for the cost model to decide):
+
+* the direction is ``read`` when src is the op's output (its consumers read through the map) and
+  ``write`` when src is an input (its producer writes through the map);
+* broadcasts, pads and repeat-gathers are read side only (one-to-one restriction, paper §4.1);
+* a transpose/rev that keeps the innermost dim in place is Type I when each run still covers a
+  32-byte sector (paper: partial contiguity "does not break the minimal transfer granularity");
+* a piece of a concat/split is Type I only if the piece is itself one row-major run of src.
+
+Runtime starts (dynamic_slice, dynamic_update_slice) become symbols named ``s{tensor id}`` whose
+value is the start *after* lax's clamping to ``[0, dim - size]``; the SymInfo carries that range.
+Starts that are compile-time constants (also when computed from constants) are folded.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import numpy as np
+from jax.lax import GatherDimensionNumbers
+
+from .graph import CONTROL_FLOW_PRIMITIVES, Graph, Op
+from .indexmap import Expr, IndexMap, Layout, SymInfo, const, sym
+
+__all__ = ["Edge", "rules", "is_movement", "explain_no_edges", "static_value", "RULES"]
+
+SECTOR_BYTES = 32          # a partially contiguous run covers at least one 32-byte sector
+STATIC_FOLD_LIMIT = 1 << 16  # fold compile-time-constant tensors up to this many elements
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: int              # tensor that becomes virtual
+    dst: int              # tensor it points to
+    op: int               # the movement op eliminated
+    primitive: str
+    direction: str        # "read" (src is the op's output) | "write" (src is an input)
+    box: tuple[tuple[int, int], ...]  # the part of src's index space this edge covers
+    map: IndexMap         # src index -> dst index, domain = src.shape (meaningful inside box)
+    klass: str            # "I" or "II"
+    inplace: bool = False  # dynamic_update_slice out ⇢ operand: needs the legality check
+    note: str = ""        # why this class (for the report)
+
+
+class NoEdges(Exception):
+    """Raised by a rule that offers no edge; the message is the reason shown in the report."""
+
+
+# --------------------------------------------------------------------------------------------
+# Rule context: what every rule needs, so each rule is a few lines
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Ctx:
+    op: Op
+    graph: Graph
+
+    @property
+    def x(self) -> int:
+        return self.op.inputs[0]
+
+    @property
+    def y(self) -> int:
+        return self.op.outputs[0]
+
+    @property
+    def p(self):
+        return self.op.params
+
+    def shape(self, t: int) -> tuple[int, ...]:
+        return self.graph.tensors[t].shape
+
+    def ident(self, t: int) -> IndexMap:
+        return IndexMap.identity(self.shape(t))
+
+    def start(self, t: int, dim: int, size: int) -> tuple[Expr, tuple[SymInfo, ...]]:
+        """A dynamic start as lax uses it: clamped to ``[0, dim - size]``; a symbol unless static."""
+        v = static_value(t, self.graph)
+        if v is not None:
+            return const(int(np.clip(int(v), 0, dim - size))), ()
+        name = f"s{t}"
+        return sym(name), (SymInfo(name, 0, dim - size),)
+
+    def starts(self, ts, dims, sizes) -> tuple[list[Expr], tuple[SymInfo, ...]]:
+        pairs = [self.start(t, d, s) for t, d, s in zip(ts, dims, sizes)]
+        return [e for e, _ in pairs], tuple(s for _, ss in pairs for s in ss)
+
+    def edge(self, src: int, dst: int, m: IndexMap, box=None, *, innermost: bool = False,
+             klass: str | None = None, note: str = "", inplace: bool = False) -> Edge:
+        full = tuple((0, n) for n in self.shape(src))
+        box = full if box is None else tuple(box)
+        if klass is None:
+            klass, note = _classify(m, box, self.graph.tensors[src].dtype.itemsize, innermost)
+        return Edge(src, dst, self.op.id, self.op.primitive, "read" if src in self.op.outputs else "write",
+                    box, m, klass, inplace, note)
+
+    def pair(self, out_to_in: IndexMap, in_to_out: IndexMap, innermost: bool = False) -> tuple[Edge, ...]:
+        """The two edges of a bijective movement op (out ⇢ in read, in ⇢ out write)."""
+        return (self.edge(self.y, self.x, out_to_in, innermost=innermost),
+                self.edge(self.x, self.y, in_to_out, innermost=innermost))
+
+
+def _box_run(box, shape) -> int:
+    """Length of the row-major runs a box makes in a tensor of ``shape`` (box volume if one run)."""
+    run = 1
+    for (lo, hi), n in reversed(list(zip(box, shape))):
+        run *= hi - lo
+        if hi - lo != n:
+            break
+    return run
+
+
+def _classify(m: IndexMap, box, itemsize: int, innermost: bool) -> tuple[str, str]:
+    shape = m.domain
+    whole = all(b == (0, n) for b, n in zip(box, shape))
+    c = (m if whole else m.restrict(box)).contiguity(itemsize)
+    vol = math.prod(hi - lo for lo, hi in box)
+    if not whole and _box_run(box, shape) != vol:
+        run = min(c.run_elems, _box_run(box, shape)) * itemsize
+        return "II", f"piece is a strided slab of src ({run} B runs)"
+    if c.full:
+        return "I", "fully contiguous"
+    if innermost and c.run_elems > 1 and c.partial(SECTOR_BYTES):
+        return "I", f"innermost dim kept ({c.run_bytes} B runs)"
+    why = "masked (pad) " if m.conds else ""
+    return "II", f"{why}min contiguous dim {c.min_contiguous_dim}, {c.run_bytes} B runs"
+
+
+def _inverse(perm) -> tuple[int, ...]:
+    inv = [0] * len(perm)
+    for k, p in enumerate(perm):
+        inv[p] = k
+    return tuple(inv)
+
+
+def _norm(dims, rank: int) -> tuple[int, ...]:
+    return tuple(int(d) % rank for d in dims)
+
+
+# --------------------------------------------------------------------------------------------
+# Compile-time constants (pad values, static starts, gather indices)
+# --------------------------------------------------------------------------------------------
+
+_STATIC: "weakref.WeakKeyDictionary[Graph, dict[int, np.ndarray | None]]" = weakref.WeakKeyDictionary()
+
+
+def static_value(t: int, graph: Graph) -> np.ndarray | None:
+    """The value of tensor ``t`` if it is a compile-time constant (a literal, or computed from
+    literals by small side-effect-free ops, e.g. ``jnp.take``'s index normalisation), else None."""
+    memo = _STATIC.setdefault(graph, {})
+    if t not in memo:
+        memo[t] = _fold(t, graph)
+    return memo[t]
+
+
+def _fold(t: int, graph: Graph) -> np.ndarray | None:
+    info = graph.tensors[t]
+    if info.const is not None:
+        return np.asarray(info.const)
+    op = graph.producer(t)
+    if (op is None or info.size > STATIC_FOLD_LIMIT or op.primitive in CONTROL_FLOW_PRIMITIVES
+            or any(k in op.primitive for k in ("callback", "rng", "random"))):
+        return None
+    vals = [static_value(i, graph) for i in op.inputs]
+    if any(v is None for v in vals):
+        return None
+    try:
+        with jax.ensure_compile_time_eval():
+            outs = op.prim.bind(*vals, **op.params)
+    except Exception:  # noqa: BLE001 - anything that does not fold is simply not static
+        return None
+    outs = outs if op.prim.multiple_results else (outs,)
+    return np.asarray(outs[op.outputs.index(t)])
+
+
+# --------------------------------------------------------------------------------------------
+# One rule per primitive
+# --------------------------------------------------------------------------------------------
+
+def _transpose(c: _Ctx) -> tuple[Edge, ...]:
+    perm = c.p["permutation"]
+    return c.pair(c.ident(c.x).transpose(perm), c.ident(c.y).transpose(_inverse(perm)), innermost=True)
+
+
+def _reshape(c: _Ctx) -> tuple[Edge, ...]:
+    dims, xs, ys = c.p.get("dimensions"), c.shape(c.x), c.shape(c.y)
+    if dims is None:
+        return c.pair(c.ident(c.x).reshape(ys), c.ident(c.y).reshape(xs))
+    moved = tuple(xs[d] for d in dims)  # lax: reshape(transpose(x, dimensions), new_sizes)
+    return c.pair(c.ident(c.x).transpose(dims).reshape(ys),
+                  c.ident(c.y).reshape(moved).transpose(_inverse(dims)), innermost=True)
+
+
+def _squeeze(c: _Ctx) -> tuple[Edge, ...]:
+    dims = _norm(c.p["dimensions"], len(c.shape(c.x)))
+    return c.pair(c.ident(c.x).squeeze(dims), c.ident(c.y).expand_dims(dims))
+
+
+def _broadcast_in_dim(c: _Ctx) -> tuple[Edge, ...]:
+    if len(c.op.inputs) != 1:
+        raise NoEdges("broadcast_in_dim with dynamic shape operands")
+    xs, ys = c.shape(c.x), c.shape(c.y)
+    if math.prod(xs) == math.prod(ys):  # only inserts size-1 dims: an expand_dims, a reshape
+        return c.pair(c.ident(c.x).reshape(ys), c.ident(c.y).reshape(xs))
+    m = c.ident(c.x).broadcast(ys, c.p["broadcast_dimensions"])
+    return (c.edge(c.y, c.x, m, klass="II", note="broadcast: repeated reads, read side only"),)
+
+
+def _slice(c: _Ctx) -> tuple[Edge, ...]:
+    m = c.ident(c.x).slice(c.p["start_indices"], c.p["limit_indices"], c.p["strides"])
+    return (c.edge(c.y, c.x, m),)
+
+
+def _dynamic_slice(c: _Ctx) -> tuple[Edge, ...]:
+    sizes = c.p["slice_sizes"]
+    starts, syms = c.starts(c.op.inputs[1:], c.shape(c.x), sizes)
+    return (c.edge(c.y, c.x, c.ident(c.x).dynamic_slice(starts, sizes, syms)),)
+
+
+def _dynamic_update_slice(c: _Ctx) -> tuple[Edge, ...]:
+    upd = c.op.inputs[1]
+    starts, syms = c.starts(c.op.inputs[2:], c.shape(c.x), c.shape(upd))
+    return (c.edge(c.y, c.x, c.ident(c.x), klass="I", inplace=True,
+                   note="in place: out is operand's buffer after the update (legality check)"),
+            c.edge(upd, c.y, c.ident(c.y).dynamic_slice(starts, c.shape(upd), syms)))
+
+
+def _slabs(c: _Ctx, whole: int, parts, axis: int, stacked: bool) -> tuple[Edge, ...]:
+    """concatenate/stack (whole = out) and split/unstack (whole = in): whole ⇢ each part
+    piecewise (box = the part's slab), and each part ⇢ whole (a window of whole)."""
+    lays = [Layout.physical(t, c.shape(t)) for t in parts]
+    lays = [l.expand_dims([axis]) for l in lays] if stacked else lays
+    pieces = Layout.concatenate(lays, axis).pieces
+    edges = [c.edge(whole, p.target, p.map, p.box()) for p in pieces]
+    off = 0
+    for t, l in zip(parts, lays):
+        m = c.ident(whole).offset(axis, off, l.shape[axis])
+        edges.append(c.edge(t, whole, m.squeeze([axis]) if stacked else m))
+        off += l.shape[axis]
+    return tuple(edges)
+
+
+def _concatenate(c: _Ctx) -> tuple[Edge, ...]:
+    return _slabs(c, c.y, c.op.inputs, c.p["dimension"], stacked=False)
+
+
+def _split(c: _Ctx) -> tuple[Edge, ...]:
+    return _slabs(c, c.x, c.op.outputs, c.p["axis"], stacked=False)
+
+
+def _stack(c: _Ctx) -> tuple[Edge, ...]:
+    return _slabs(c, c.y, c.op.inputs, c.p["axis"] % len(c.shape(c.y)), stacked=True)
+
+
+def _unstack(c: _Ctx) -> tuple[Edge, ...]:
+    return _slabs(c, c.x, c.op.outputs, c.p["axis"] % len(c.shape(c.x)), stacked=True)
+
+
+def _rev(c: _Ctx) -> tuple[Edge, ...]:
+    dims = c.p["dimensions"]
+    return c.pair(c.ident(c.x).rev(dims), c.ident(c.y).rev(dims), innermost=True)
+
+
+def _pad(c: _Ctx) -> tuple[Edge, ...]:
+    fill = static_value(c.op.inputs[1], c.graph)
+    if fill is None:
+        raise NoEdges("pad value is computed at runtime (a mask needs a compile-time fill)")
+    lo, hi, interior = zip(*c.p["padding_config"]) if c.p["padding_config"] else ((), (), ())
+    m = c.ident(c.x).pad(lo, hi, interior, fill.item())
+    return (c.edge(c.y, c.x, m),)
+
+
+def _copy(c: _Ctx) -> tuple[Edge, ...]:
+    return c.pair(c.ident(c.x), c.ident(c.y))
+
+
+def _convert_element_type(c: _Ctx) -> tuple[Edge, ...]:
+    if c.graph.tensors[c.x].dtype != c.graph.tensors[c.y].dtype:
+        raise NoEdges("convert_element_type changes the dtype: compute, not movement")
+    return _copy(c)
+
+
+def _device_put(c: _Ctx) -> tuple[Edge, ...]:
+    if any(d is not None for d in c.p.get("devices", ())):
+        raise NoEdges("device_put to an explicit device")
+    return tuple(e for x, y in zip(c.op.inputs, c.op.outputs)
+                 for e in (c.edge(y, x, c.ident(x)), c.edge(x, y, c.ident(y))))
+
+
+def _gather(c: _Ctx) -> tuple[Edge, ...]:
+    """``x[..., idx, ...]`` / ``jnp.take`` with static indices forming ``i0 + st*(j // r)``: a
+    strided slice (r = 1) or a repeat (r > 1, read side only) along one axis."""
+    dn, xs = c.p["dimension_numbers"], c.shape(c.x)
+    dn = dn if hasattr(dn, "offset_dims") else GatherDimensionNumbers(*dn)  # tolerate a plain tuple
+    idx = static_value(c.op.inputs[1], c.graph)
+    if idx is None:
+        raise NoEdges("gather with runtime indices")
+    (a,) = dn.start_index_map if len(dn.start_index_map) == 1 else (None,)
+    sizes = tuple(1 if j == a else n for j, n in enumerate(xs))
+    if (a is None or tuple(dn.collapsed_slice_dims) != (a,) or dn.operand_batching_dims
+            or tuple(c.p["slice_sizes"]) != sizes or idx.shape[-1:] != (1,)):
+        raise NoEdges("gather is not a take along one axis")
+    batch, v = idx.shape[:-1], idx.reshape(-1).astype(np.int64)
+    if "CLIP" in str(c.p["mode"]):
+        v = np.clip(v, 0, xs[a] - 1)
+    if v.size == 0 or v.min() < 0 or v.max() >= xs[a]:
+        raise NoEdges("gather indices empty or out of bounds")
+    r = int(np.argmax(v != v[0])) or v.size  # length of the first run of equal indices
+    n, mm = v.size, -(-v.size // r)
+    st = int(v[r] - v[0]) if mm > 1 else 1
+    if st == 0 or not np.array_equal(v, v[0] + st * (np.arange(n) // r)):
+        raise NoEdges("gather indices are not a strided run or a repeat")
+    m, i0 = c.ident(c.x), int(v[0])
+    if st < 0:
+        m, i0, st = m.rev([a]), xs[a] - 1 - i0, -st
+    shp = list(xs)
+    lo, hi, step = [0] * len(xs), list(xs), [1] * len(xs)
+    lo[a], hi[a], step[a] = i0, i0 + (mm - 1) * st + 1, st
+    m = m.slice(lo, hi, step)
+    if r > 1:  # repeat each index r times: expand, broadcast, merge, trim
+        shp[a] = mm
+        m = m.expand_dims([a + 1]).broadcast(shp[:a + 1] + [r] + shp[a + 1:], range(len(xs) + 1))
+        shp[a] = mm * r
+        m = m.reshape(shp)
+        if mm * r != n:
+            shp[a] = n
+            m = m.slice([0] * len(xs), shp)
+    shp[a:a + 1] = batch
+    m = m.reshape(shp)  # the gathered axis becomes the index batch dims
+    # output dims: offset_dims hold x's other dims in order, the rest the batch dims in order
+    rest = [j if j < a else j + len(batch) - 1 for j in range(len(xs)) if j != a]
+    bdims = iter(range(a, a + len(batch)))
+    perm = [rest[dn.offset_dims.index(o)] if o in dn.offset_dims else next(bdims)
+            for o in range(len(c.shape(c.y)))]
+    m = m.transpose(perm)
+    if r > 1:
+        return (c.edge(c.y, c.x, m, klass="II", note="repeat-gather: repeated reads, read side only"),)
+    return (c.edge(c.y, c.x, m),)
+
+
+def _opaque(reason: str) -> Callable[[_Ctx], tuple[Edge, ...]]:
+    def rule(c: _Ctx) -> tuple[Edge, ...]:
+        raise NoEdges(reason)
+    return rule
+
+
+RULES: dict[str, Callable[[_Ctx], tuple[Edge, ...]]] = {
+    "transpose": _transpose, "reshape": _reshape, "squeeze": _squeeze,
+    "broadcast_in_dim": _broadcast_in_dim, "slice": _slice, "dynamic_slice": _dynamic_slice,
+    "dynamic_update_slice": _dynamic_update_slice, "concatenate": _concatenate, "split": _split,
+    "stack": _stack, "unstack": _unstack, "rev": _rev, "pad": _pad, "copy": _copy, "copy_p": _copy,
+    "convert_element_type": _convert_element_type, "device_put": _device_put, "gather": _gather,
+    **{s: _opaque(f"{s} writes at data-dependent indices") for s in
+       ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
+        "scatter_min", "scatter-max", "scatter_max", "scatter-sub", "scatter_sub")},
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry points
+# --------------------------------------------------------------------------------------------
+
+def _analyse(op: Op, graph: Graph) -> tuple[tuple[Edge, ...], str | None]:
+    if op.opaque_reason:
+        return (), op.opaque_reason
+    rule = RULES.get(op.primitive)
+    if rule is None:
+        return (), f"{op.primitive} is not a data-movement primitive"
+    if any(graph.tensors[t].size == 0 for t in (*op.inputs, *op.outputs)):
+        return (), "empty tensor"
+    try:
+        return rule(_Ctx(op, graph)), None
+    except NoEdges as e:
+        return (), str(e)
+
+
+def rules(op: Op, graph: Graph) -> tuple[Edge, ...]:
+    """The VTOG edges this op offers (empty for non-movement ops and movement ops it cannot drop)."""
+    return _analyse(op, graph)[0]
+
+
+def explain_no_edges(op: Op, graph: Graph) -> str | None:
+    """Why ``op`` offers no edge (for the report), or None when it offers some."""
+    edges, why = _analyse(op, graph)
+    return None if edges else why
+
+
+def is_movement(op: Op, graph: Graph) -> bool:
+    """True when ``op`` is a data-movement op VTC can eliminate (it offers at least one edge)."""
+    return bool(rules(op, graph))

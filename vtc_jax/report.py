@@ -1,0 +1,176 @@
+"""What the analysis found and decided, for people: a table, JSON, and a Graphviz picture.
+
+The report is the contract of ``vtc_jax.explain``: every data-movement op with its fate and the
+reason, the VTOG with its conflicts, the edges the greedy chose in the order it chose them, and
+the modelled bytes and peak memory. Numbers here are *modelled* (see ``costmodel``): no timing on
+this machine says anything about a GPU.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .cluster import Cluster
+from .graph import Graph
+from .strategy import Strategy
+from .vtog import VTOG
+
+
+@dataclass(frozen=True)
+class MovementInfo:
+    """One data-movement op of the traced program and what VTC does with it."""
+    op: int
+    primitive: str
+    in_shapes: tuple[tuple[int, ...], ...]
+    out_shape: tuple[int, ...]
+    eliminated: bool
+    reason: str
+    edges: tuple[int, ...] = ()     # VTOG edge indices offered by this op
+    chosen: tuple[int, ...] = ()    # of those, the ones in the points-to graph
+
+
+@dataclass(frozen=True)
+class Modeled:
+    """Modelled HBM traffic and peak memory, in bytes (see ``costmodel.modeled_bytes``)."""
+    bytes_baseline: int
+    bytes_optimized: int
+    bytes_compulsory: int
+    peak_baseline: int
+    peak_optimized: int
+
+
+@dataclass(frozen=True, eq=False)
+class Report:
+    name: str
+    graph: Graph
+    clusters: tuple[Cluster, ...]
+    vtog: VTOG
+    strategy: Strategy
+    movement: tuple[MovementInfo, ...]
+    modeled: Modeled
+    analysis_seconds: float
+    opaque: tuple[tuple[str, str], ...] = ()     # (primitive, reason) for ops left to XLA unanalysed
+    notes: tuple[str, ...] = ()
+
+    @property
+    def eliminated(self) -> tuple[MovementInfo, ...]:
+        return tuple(m for m in self.movement if m.eliminated)
+
+    @property
+    def kept(self) -> tuple[MovementInfo, ...]:
+        return tuple(m for m in self.movement if not m.eliminated)
+
+    # -- text ---------------------------------------------------------------------------------
+    def __str__(self) -> str:
+        g, v, s, m = self.graph, self.vtog, self.strategy, self.modeled
+        lines = [
+            f"VTC analysis of {self.name}: {len(g.ops)} ops, {len(self.clusters)} clusters, "
+            f"{len(self.movement)} movement ops, {len(self.eliminated)} eliminated "
+            f"(analysis {self.analysis_seconds:.3f} s)",
+            f"VTOG: {len(v.nodes)} tensors, {len(v.edges)} edges, {len(v.conflicts)} conflicting pairs; "
+            f"points-to graph: {len(s.chosen)} edges",
+            "",
+            "Data-movement ops",
+            _table(["op", "primitive", "in -> out", "status", "reason"],
+                   [[f"#{x.op}", x.primitive, f"{_shapes(x.in_shapes)} -> {_shape(x.out_shape)}",
+                     "eliminated" if x.eliminated else "kept", x.reason] for x in self.movement]),
+            "",
+            "Chosen points-to edges (in greedy order)",
+        ]
+        rows = []
+        for step in s.trace:
+            for e_idx in step.edges:
+                e = v.edges[e_idx]
+                rows.append([f"t{e.src} {_tensor(g, e.src)}", f"t{e.dst} {_tensor(g, e.dst)}",
+                             f"{e.primitive} #{e.op}", e.direction, f"Type {e.klass}", e.note,
+                             f"{step.saving * 1e6:.2f}"])
+        lines.append(_table(["virtual", "points to", "via", "dir", "class", "why", "saving µs (model)"], rows)
+                     if rows else "  (none)")
+        lines += [
+            "",
+            "Modelled HBM traffic and peak memory (analytical model, not a measurement)",
+            _table(["", "baseline (plain XLA)", "optimized", "compulsory"], [
+                ["bytes moved", _mb(m.bytes_baseline), _mb(m.bytes_optimized), _mb(m.bytes_compulsory)],
+                ["peak memory", _mb(m.peak_baseline), _mb(m.peak_optimized), ""],
+            ]),
+        ]
+        if self.opaque:
+            lines += ["", "Left to XLA without analysis"] + [f"  {p}: {r}" for p, r in self.opaque]
+        if self.notes:
+            lines += [""] + [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    # -- machine-readable ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        g, v, s = self.graph, self.vtog, self.strategy
+        return {
+            "name": self.name,
+            "analysis_seconds": self.analysis_seconds,
+            "ops": len(g.ops),
+            "clusters": [{"id": c.id, "kind": c.kind, "ops": list(c.ops), "reason": c.reason} for c in self.clusters],
+            "movement": [{"op": x.op, "primitive": x.primitive, "in_shapes": [list(a) for a in x.in_shapes],
+                          "out_shape": list(x.out_shape), "eliminated": x.eliminated, "reason": x.reason,
+                          "edges": list(x.edges), "chosen": list(x.chosen)} for x in self.movement],
+            "vtog": {
+                "nodes": [{"id": t, "shape": list(g.tensors[t].shape), "dtype": str(g.tensors[t].dtype),
+                           "physical": t in v.physical, "reason": v.reasons.get(t, "")} for t in v.nodes],
+                "edges": [{"index": i, "src": e.src, "dst": e.dst, "op": e.op, "primitive": e.primitive,
+                           "direction": e.direction, "class": e.klass, "box": [list(b) for b in e.box],
+                           "map": str(e.map), "inplace": e.inplace, "note": e.note}
+                          for i, e in enumerate(v.edges)],
+                "conflicts": sorted([list(p) for p in v.conflicts]),
+            },
+            "strategy": {"chosen": list(s.chosen), "total_saving": s.total_saving,
+                         "trace": [{"node": st.node, "edges": list(st.edges), "saving": st.saving} for st in s.trace]},
+            "modeled": {k: int(getattr(self.modeled, k)) for k in self.modeled.__dataclass_fields__},
+            "opaque": [list(p) for p in self.opaque],
+            "notes": list(self.notes),
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **({"indent": 1} | kwargs))
+
+    def to_dot(self) -> str:
+        """Graphviz DOT of the VTOG: physical tensors grey, chosen points-to edges bold red."""
+        g, v, s = self.graph, self.vtog, self.strategy
+        chosen = set(s.chosen)
+        touched = {e.src for e in v.edges} | {e.dst for e in v.edges}
+        out = ["digraph VTOG {", '  rankdir=LR; node [shape=box, fontname="Helvetica", fontsize=10];']
+        for t in v.nodes:
+            if t not in touched:
+                continue
+            virtual = s.is_virtual(t)
+            style = 'style=filled, fillcolor="#dddddd"' if not virtual else 'style=dashed'
+            out.append(f'  t{t} [label="t{t}\\n{_tensor(g, t)}", {style}];')
+        for i, e in enumerate(v.edges):
+            attrs = (f'color=red, penwidth=2.5' if i in chosen else 'color="#888888", style=dashed')
+            out.append(f'  t{e.src} -> t{e.dst} [label="{e.primitive}#{e.op} {e.klass}", {attrs}];')
+        out.append("}")
+        return "\n".join(out)
+
+
+def _shape(s: tuple[int, ...]) -> str:
+    return "[" + ",".join(str(x) for x in s) + "]"
+
+
+def _shapes(ss: tuple[tuple[int, ...], ...]) -> str:
+    return " ".join(_shape(s) for s in ss)
+
+
+def _tensor(g: Graph, t: int) -> str:
+    info = g.tensors[t]
+    return f"{np.dtype(info.dtype).name}{_shape(info.shape)}"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    cols = [header] + rows
+    widths = [max(len(str(r[i])) for r in cols) for i in range(len(header))]
+    fmt = lambda r: "  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])

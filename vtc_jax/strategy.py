@@ -1,0 +1,464 @@
+"""Stage 5: the points-to graph — which tensors become virtual (paper §5.2, Algorithm 2).
+
+``greedy(vtog, savings)`` is the paper's global greedy algorithm: keep an anchor set ``A`` and a
+chosen edge set ``C``; in each iteration give every non-anchor node ``v`` its best compatible edge
+set ``P(v)`` (MaxEdges) with the sum ``s(v)`` of the edges' marginal savings ``w(e)``, pick the node
+with the largest sum, add it to ``A`` and ``P`` to ``C``, and re-estimate ``w`` of the edges pointing
+to the picked node. Stop when no pick saves anything.
+
+Where this implementation deliberately departs from the pseudo-code, and why:
+
+* **Edge targets need not be anchors.** Read literally, MaxEdges only considers edges into ``A``,
+  and ``A`` starts as the nodes without outgoing edges. A tensor between two compute kernels (a
+  transpose between two matmuls) has edges both ways, so neither end would ever enter ``A`` and
+  nothing could be chosen. We allow an edge to any node, as long as ``C`` stays acyclic; a target
+  not yet decided is physical *for now*, and if it later becomes virtual itself the edges into it
+  are re-estimated (Algorithm 2, line 19) — the layouts simply compose. ``A`` keeps its role of
+  "decided": a picked node is never reconsidered. Acyclicity is checked per pick (the picked node
+  has no chosen out-edge yet, so a cycle exists iff a target already reaches it through ``C``).
+* **Exact cover.** A tensor is either physical or fully virtual: the boxes of its chosen edges must
+  partition its index space (a half-virtual tensor still needs its whole buffer and the movement op
+  still runs). MaxEdges therefore returns the best-weight set of pairwise compatible edges whose
+  boxes cover the node exactly: any full-box edge alone, or a combination of disjoint pieces
+  (e.g. every slab of a concat). Pairwise-disjoint boxes inside the node cover it exactly iff their
+  volumes add up to the node's volume, which keeps the search a small subset enumeration.
+* **Only strictly positive picks** (``s > 0``): a zero-saving virtual tensor is pure risk.
+* **Re-estimation** also covers the sibling edges of the picked edges' movement ops (whether an op
+  and its launch are gone can depend on edges of other nodes: each input of a concat written into
+  the output buffer) and the out-edges of the undecided tensors the new virtual tensor now lives
+  in (if such a tensor later becomes virtual, the new one moves with it: a transposed view that
+  then reads through a broadcast reads fewer bytes).
+  A savings function may name further edges to re-estimate (``refresh``) and edges its estimate
+  assumed would be taken along (``companions``, the cost model's bitcast lookahead); the greedy
+  takes those in the same pick, so ``total_saving`` stays the exact sum of what was chosen.
+* **Ties** (equal to 9 significant digits) go to picks made of read-direction edges: a consumer
+  reading through a map leaves the producer side free, e.g. the broadcast behind a transposed
+  KV-head repeat can still be eliminated; writing the repeat transposed would materialise it.
+* **Near-linear time.** Instead of rescanning every node per iteration (``O(|V|^2)``), candidate
+  nodes sit in a max-heap keyed by their last computed sum (lazy greedy). A popped node is
+  re-evaluated; if its value dropped (a cycle became possible) it is pushed back, otherwise it is
+  the true maximum. Keys only go stale downwards (``C`` growing only removes options), except when
+  weights are re-estimated — those nodes are recomputed eagerly and re-keyed.
+
+``greedy(..., anchored=True)`` runs the pseudo-code literally instead (targets must be anchors;
+when nothing positive is left the next undecided node is anchored physical), for comparison.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .indexmap import Layout
+from .movement import Edge
+from .vtog import VTOG, box_volume, boxes_overlap
+
+__all__ = ["Strategy", "Pick", "greedy", "max_edges", "SavingsFn", "StrategyError"]
+
+SavingsFn = Callable[[Edge, frozenset[int]], float]
+EPS = 1e-15           # picks must save more than this (seconds or bytes: both far above it)
+MAX_PIECES = 24       # partial-box edges per node searched exhaustively (more: per-op groups only)
+
+
+class StrategyError(ValueError):
+    """A points-to graph that is not a valid virtual tensor strategy."""
+
+
+@dataclass(frozen=True)
+class Pick:
+    """One greedy iteration: ``node`` became virtual through ``edges``, saving ``saving``.
+
+    ``companion_of`` is set for an edge taken together with another pick because the savings
+    function's estimate of that pick assumed it (see ``companions`` in :func:`greedy`); its own
+    saving is already included in that pick's.
+    """
+    node: int
+    edges: tuple[int, ...]
+    saving: float
+    weights: tuple[float, ...] = ()
+    companion_of: int | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Strategy:
+    """A points-to graph over a VTOG: the chosen edges (indices into ``vtog.edges``).
+
+    A tensor with chosen out-edges is virtual; its layout is the composition of its edges' maps
+    with its targets' layouts (paper §4.1 ``F_new = F_outer ∘ F_base``), piecewise over the boxes.
+    ``total_saving`` is Algorithm 2's ``tot_saving``: the sum of the picks' ``w`` when they were
+    picked (with the cost model bound via ``CostModel.bind`` it equals the model's
+    ``T(∅) - T(C)``; ``trace`` lists the picks in order).
+    """
+    chosen: tuple[int, ...]
+    total_saving: float
+    trace: tuple[Pick, ...]
+    vtog: VTOG
+    _memo: dict[int, Layout] = field(default_factory=dict, repr=False, compare=False)
+    _by_src: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by: dict[int, list[int]] = {}
+        for i in self.chosen:
+            by.setdefault(self.vtog.edges[i].src, []).append(i)
+        self._by_src.update({k: tuple(v) for k, v in by.items()})
+
+    # -- queries ------------------------------------------------------------------------------
+    @property
+    def virtual(self) -> frozenset[int]:
+        return frozenset(self._by_src)
+
+    def is_virtual(self, t: int) -> bool:
+        return t in self._by_src
+
+    def points_to(self, t: int) -> tuple[Edge, ...]:
+        """The chosen edges out of ``t`` (empty when ``t`` is physical)."""
+        return tuple(self.vtog.edges[i] for i in self._by_src.get(t, ()))
+
+    def layout(self, t: int) -> Layout:
+        """``t``'s layout over physical tensors, composing chosen edges recursively (memoised)."""
+        if t in self._memo:
+            return self._memo[t]
+        lay = _compose_layout(t, self.vtog, self.points_to(t), self.layout)
+        self._memo[t] = lay
+        return lay
+
+    # -- checking -----------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise :class:`StrategyError` unless this is a valid points-to graph.
+
+        Checked: chosen edges exist and are unique; no pinned tensor is virtual; no conflicting
+        pair is chosen; the chosen edges are acyclic; every virtual tensor is covered exactly once
+        by its edges' boxes; every layout resolves to physical tensors only.
+        """
+        v = self.vtog
+        if len(set(self.chosen)) != len(self.chosen):
+            raise StrategyError("an edge is chosen twice")
+        if any(not 0 <= i < len(v.edges) for i in self.chosen):
+            raise StrategyError("chosen edge index out of range")
+        for t in self._by_src:
+            if t in v.physical:
+                raise StrategyError(f"t{t} is pinned physical ({v.reasons.get(t)}) but virtual")
+        chosen = set(self.chosen)
+        for i, j in v.conflicts:
+            if i in chosen and j in chosen:
+                raise StrategyError(f"conflicting edges e{i} and e{j} (t{v.edges[i].src}) both chosen")
+        # acyclic: iterative DFS with colours over chosen edges
+        colour: dict[int, int] = {}
+        for root in self._by_src:
+            if colour.get(root):
+                continue
+            stack: list[tuple[int, Any]] = [(root, iter(self._by_src.get(root, ())))]
+            colour[root] = 1
+            while stack:
+                node, it = stack[-1]
+                nxt = next(it, None)
+                if nxt is None:
+                    colour[node] = 2
+                    stack.pop()
+                    continue
+                d = v.edges[nxt].dst
+                if colour.get(d) == 1:
+                    raise StrategyError(f"cycle through t{node} -> t{d}")
+                if not colour.get(d):
+                    colour[d] = 1
+                    stack.append((d, iter(self._by_src.get(d, ()))))
+        for t, idxs in self._by_src.items():
+            if not exact_cover(v, idxs, t):
+                raise StrategyError(f"the chosen edges of t{t} do not cover it exactly once: "
+                                    f"{[v.edges[i].box for i in idxs]}")
+        for t in self._by_src:
+            try:
+                lay = self.layout(t)
+            except Exception as exc:  # NotComposable and friends
+                raise StrategyError(f"t{t}'s layout does not compose: {exc}") from exc
+            bad = [p.target for p in lay.pieces if self.is_virtual(p.target)]
+            if bad:
+                raise StrategyError(f"t{t} resolves to virtual tensors {bad}")
+
+    def summary(self) -> str:
+        lines = [f"strategy: {len(self.chosen)} edges, {len(self._by_src)} virtual tensors, "
+                 f"saving {self.total_saving:.6g}"]
+        for p in self.trace:
+            es = ", ".join(f"t{self.vtog.edges[i].src}⇢t{self.vtog.edges[i].dst} ({self.vtog.edges[i].primitive})"
+                           for i in p.edges)
+            how = f"  (with t{p.companion_of})" if p.companion_of is not None else f"  saving {p.saving:.6g}"
+            lines.append(f"  pick t{p.node}: {es}{how}")
+        return "\n".join(lines)
+
+
+def _compose_layout(t: int, vtog: VTOG, edges: Sequence[Edge], layout_of: Callable[[int], Layout]) -> Layout:
+    """Layout of ``t`` given its chosen out-edges and a way to get the targets' layouts."""
+    shape = tuple(vtog.shapes[t])
+    if not edges:
+        return Layout.physical(t, shape)
+    full = tuple((0, n) for n in shape)
+    pieces = []
+    for e in edges:
+        lay = layout_of(e.dst).compose(e.map)
+        if tuple(e.box) != full:
+            lay = lay.restrict_box(e.box)
+        pieces.extend(lay.pieces)
+    return Layout(shape, tuple(pieces))
+
+
+def exact_cover(vtog: VTOG, idxs: Sequence[int], node: int) -> bool:
+    """True when the boxes of ``idxs`` are pairwise disjoint and together cover ``node``."""
+    boxes = [vtog.edges[i].box for i in idxs]
+    for a, b in itertools.combinations(range(len(idxs)), 2):
+        if vtog.in_conflict(idxs[a], idxs[b]) or boxes_overlap(boxes[a], boxes[b]):
+            return False
+    return sum(box_volume(b) for b in boxes) == vtog.volume(node)
+
+
+# --------------------------------------------------------------------------------------------
+# MaxEdges
+# --------------------------------------------------------------------------------------------
+
+def max_edges(vtog: VTOG, node: int, weight: Mapping[int, float] | Callable[[int], float],
+              allowed: Callable[[int], bool] = lambda i: True) -> tuple[float, tuple[int, ...]]:
+    """Best exact cover of ``node`` by compatible out-edges: ``(sum of weights, edge indices)``.
+
+    ``allowed(i)`` filters edges (the greedy passes its cycle check). Returns ``(-inf, ())`` when
+    no allowed edge set covers the node. Full-box edges are single candidates; partial-box edges
+    are searched as subsets (branch and bound on remaining volume and weight), capped at
+    ``MAX_PIECES`` — beyond that only the pieces of one movement op are combined.
+    """
+    w = weight if callable(weight) else weight.__getitem__
+    total = vtog.volume(node)
+    best: tuple[float, tuple[int, ...]] = (float("-inf"), ())
+    partial: list[tuple[int, int, float]] = []   # (edge, volume, weight)
+    for i in vtog.out_edges(node):
+        if not allowed(i):
+            continue
+        wi = w(i)
+        if wi != wi or wi == float("-inf"):   # NaN or infeasible
+            continue
+        vol = box_volume(vtog.edges[i].box)
+        if vol == total:
+            if wi > best[0]:
+                best = (wi, (i,))
+        elif vol > 0:
+            partial.append((i, vol, wi))
+    if not partial:
+        return best
+    if len(partial) > MAX_PIECES:
+        groups: dict[int, list[tuple[int, int, float]]] = {}
+        for p in partial:
+            groups.setdefault(vtog.edges[p[0]].op, []).append(p)
+        for g in groups.values():
+            if len(g) <= MAX_PIECES:
+                best = max(best, _best_cover(vtog, g, total), key=lambda x: x[0])
+        return best
+    return max(best, _best_cover(vtog, partial, total), key=lambda x: x[0])
+
+
+def _best_cover(vtog: VTOG, pieces: list[tuple[int, int, float]], total: int) -> tuple[float, tuple[int, ...]]:
+    """Max-weight subset of pairwise compatible pieces whose volumes sum to ``total``."""
+    pieces = sorted(pieces, key=lambda p: -p[2])
+    n = len(pieces)
+    suffix_vol = [0] * (n + 1)
+    suffix_pos = [0.0] * (n + 1)
+    for k in range(n - 1, -1, -1):
+        suffix_vol[k] = suffix_vol[k + 1] + pieces[k][1]
+        suffix_pos[k] = suffix_pos[k + 1] + max(0.0, pieces[k][2])
+    best: list[Any] = [float("-inf"), ()]
+    chosen: list[int] = []
+
+    def compatible(i: int) -> bool:
+        bi = vtog.edges[i].box
+        return all(not vtog.in_conflict(i, j) and not boxes_overlap(bi, vtog.edges[j].box) for j in chosen)
+
+    def rec(k: int, vol: int, wsum: float) -> None:
+        if vol == total:
+            if wsum > best[0]:
+                best[0], best[1] = wsum, tuple(chosen)
+            return
+        if k == n or vol + suffix_vol[k] < total or wsum + suffix_pos[k] <= best[0]:
+            return
+        i, v, wi = pieces[k]
+        if vol + v <= total and compatible(i):
+            chosen.append(i)
+            rec(k + 1, vol + v, wsum + wi)
+            chosen.pop()
+        rec(k + 1, vol, wsum)
+
+    rec(0, 0, 0.0)
+    return best[0], tuple(sorted(best[1]))
+
+
+# --------------------------------------------------------------------------------------------
+# Algorithm 2
+# --------------------------------------------------------------------------------------------
+
+def greedy(vtog: VTOG, savings: SavingsFn, *, anchored: bool = False) -> Strategy:
+    """Algorithm 2 (global greedy) with lazy re-evaluation; see the module docstring.
+
+    ``savings(edge, C)`` is ``w(e) = ℓ(C ∪ {e}) - ℓ(C)``: the cost model's estimate or a
+    profiler's measurement. It is called once per edge up front and again for the edges a pick
+    affects (edges into the picked node and sibling edges of the same movement ops).
+
+    If ``savings`` has a ``companions(picked_edges, C) -> edge indices`` method, the edges it names
+    are taken together with each pick (when still legal): a savings estimate that assumed them
+    (the cost model's bitcast lookahead) is then exactly the saving of what was chosen. If it has
+    ``refresh(new_edges, C) -> edge indices``, those edges are re-estimated after each pick too
+    (dependencies only the savings function knows about).
+
+    ``anchored=True`` runs the pseudo-code literally: a node may only point to anchors, and when
+    no node has a positive pick the first undecided node (in ``vtog.nodes`` order) is anchored as
+    physical (MaxEdges' empty set, saving 0), until every node is decided. The default relaxes
+    the target rule to "any node, keeping C acyclic" (module docstring).
+    """
+    edges = vtog.edges
+    chosen: list[int] = []
+    chosen_set: set[int] = set()
+    chosen_out: dict[int, list[int]] = {}
+    anchors: set[int] = {v for v in vtog.nodes if not vtog.out_edges(v)}
+    frozen_c: frozenset[int] = frozenset()
+    w: dict[int, float] = {i: float(savings(e, frozen_c)) for i, e in enumerate(edges)}
+    companions = getattr(savings, "companions", None)
+    refresh = getattr(savings, "refresh", None)
+
+    by_op: dict[int, list[int]] = {}
+    for i, e in enumerate(edges):
+        by_op.setdefault(e.op, []).append(i)
+
+    def reaches(u: int, target: int) -> bool:
+        """Does ``u`` reach ``target`` through chosen edges (u == target counts)?"""
+        if u == target:
+            return True
+        seen, stack = {u}, [u]
+        while stack:
+            x = stack.pop()
+            for i in chosen_out.get(x, ()):
+                d = edges[i].dst
+                if d == target:
+                    return True
+                if d not in seen:
+                    seen.add(d)
+                    stack.append(d)
+        return False
+
+    def roots(starts: Sequence[int]) -> set[int]:
+        """Undecided tensors reached from ``starts`` through chosen edges."""
+        seen, stack, out = set(starts), list(starts), set()
+        while stack:
+            x = stack.pop()
+            if x not in anchors:
+                out.add(x)
+            for i in chosen_out.get(x, ()):
+                d = edges[i].dst
+                if d not in seen:
+                    seen.add(d)
+                    stack.append(d)
+        return out
+
+    if anchored:
+        def evaluate(v: int) -> tuple[float, tuple[int, ...]]:
+            return max_edges(vtog, v, w, allowed=lambda i: edges[i].dst in anchors)
+    else:
+        def evaluate(v: int) -> tuple[float, tuple[int, ...]]:
+            return max_edges(vtog, v, w, allowed=lambda i: not reaches(edges[i].dst, v))
+
+    heap: list[tuple[float, int, int, int, float]] = []   # (-saving, rank, version, node, saving)
+    version: dict[int, int] = {}
+
+    def key(val: float, picked: tuple[int, ...], v: int) -> tuple:
+        """Heap order: larger saving first (equal to 9 significant digits counts as a tie); on a
+        tie, a pick made of read-direction edges first (the consumer reads through a map and the
+        producer side keeps its options: a broadcast, which has only a read edge, can still be
+        eliminated behind it), then by version and node id for determinism."""
+        rank = 0 if all(edges[i].direction == "read" for i in picked) else 1
+        return (-float(f"{val:.9g}"), rank, version[v], v, val)
+
+    def push(v: int) -> None:
+        val, picked = evaluate(v)
+        version[v] = version.get(v, 0) + 1
+        if val > EPS:
+            heapq.heappush(heap, key(val, picked, v))
+
+    for v in vtog.nodes:
+        if v not in anchors:
+            push(v)
+
+    trace: list[Pick] = []
+    total = 0.0
+    order = iter(vtog.nodes)     # anchored mode: next node to decide as physical
+
+    def anchor(v: int) -> None:
+        anchors.add(v)
+        if anchored:             # new targets for the nodes pointing at v
+            for u in {edges[i].src for i in vtog.in_edges(v)} - anchors:
+                push(u)
+
+    while True:
+        if not heap:
+            if not anchored:
+                break
+            v = next((u for u in order if u not in anchors), None)
+            if v is None:
+                break
+            anchor(v)            # nothing positive left: v stays physical (P = {}, s = 0)
+            continue
+        _, _, ver, v, stored = heapq.heappop(heap)
+        if v in anchors or ver != version.get(v):
+            continue
+        val, picked = evaluate(v)          # lazy check: cycles may have removed options
+        if val < stored - 1e-12 * max(1.0, abs(stored)):
+            version[v] += 1
+            if val > EPS:
+                heapq.heappush(heap, key(val, picked, v))
+            continue
+        if val <= EPS:
+            continue
+        before = frozen_c
+        for i in picked:
+            chosen.append(i)
+            chosen_set.add(i)
+            chosen_out.setdefault(v, []).append(i)
+        total += val
+        trace.append(Pick(v, picked, val, tuple(w[i] for i in picked)))
+        anchor(v)
+        new_nodes, new_edges = [v], list(picked)
+        for f in (companions(picked, before) if companions is not None else ()):
+            u = edges[f].src
+            if (u in anchors or u in vtog.physical or f in chosen_set or reaches(edges[f].dst, u)
+                    or box_volume(edges[f].box) != vtog.volume(u)):
+                continue
+            chosen.append(f)
+            chosen_set.add(f)
+            chosen_out.setdefault(u, []).append(f)
+            trace.append(Pick(u, (f,), 0.0, (w[f],), companion_of=v))
+            anchor(u)
+            new_nodes.append(u)
+            new_edges.append(f)
+        frozen_c = frozenset(chosen_set)
+        # Re-estimate w(e) for the edges whose marginal saving this pick may have changed: the
+        # edges into the new virtual tensors (the paper's line 19), the other edges of their
+        # movement ops, and the options of the undecided tensors they now live in (whatever
+        # those do next moves the new virtual tensors too).
+        affected = {i for n in new_nodes for i in vtog.in_edges(n)}
+        for i in new_edges:
+            affected.update(by_op[edges[i].op])
+        for r in roots(new_nodes):
+            affected.update(vtog.out_edges(r))
+        if refresh is not None:
+            affected.update(refresh(tuple(new_edges), frozen_c))
+        dirty: set[int] = set()
+        for i in affected:
+            src = edges[i].src
+            if i in chosen_set or src in anchors:
+                continue
+            nw = float(savings(edges[i], frozen_c))
+            if nw != w[i]:
+                w[i] = nw
+                dirty.add(src)
+        for u in dirty:
+            push(u)
+    return Strategy(tuple(chosen), total, tuple(trace), vtog)
+
+
+def from_edges(vtog: VTOG, chosen: Sequence[int], total_saving: float = 0.0) -> Strategy:
+    """A strategy from an explicit edge set (tests, hand-written strategies, the paper's Fig. 7)."""
+    return Strategy(tuple(chosen), total_saving, (), vtog)
