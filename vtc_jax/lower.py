@@ -216,6 +216,20 @@ class _Run:
         for tid, b in zip(self.strategy.layout(t).targets, buffers):
             self.env[tid] = b
 
+    def update_in_place(self, op: Op) -> None:
+        """A dynamic_update_slice whose output *is* its operand's buffer (in-place edge chosen) but
+        whose update was computed in XLA: write just the update into that buffer."""
+        out, upd = op.outputs[0], op.inputs[1]
+        edge = next(e for e in self.strategy.vtog.edges if e.op == op.id and e.src == upd)
+        self.scatter(self.strategy.layout(out).compose(edge.map), self.value(upd))
+
+    def scatter(self, lay: Layout, value: Any) -> None:
+        syms = dict(self.symbols(lay))
+        for p in lay.pieces:
+            ti = self.graph.tensors[p.target]
+            buf = self.env.get(p.target, jnp.zeros(ti.shape, ti.dtype))
+            self.env[p.target] = _scatter(p, value, buf, syms)
+
     def store(self, t: int, value: Any) -> None:
         """An XLA-computed tensor: physical -> keep; virtual written through -> scatter it home."""
         if not self.strategy.is_virtual(t):
@@ -223,12 +237,7 @@ class _Run:
             return
         self.vals[t] = value
         if all(e.direction == "write" for e in self.strategy.points_to(t)):
-            lay = self.strategy.layout(t)
-            syms = dict(self.symbols(lay))
-            for p in lay.pieces:
-                ti = self.graph.tensors[p.target]
-                buf = self.env.get(p.target, jnp.zeros(ti.shape, ti.dtype))
-                self.env[p.target] = _scatter(p, value, buf, syms)
+            self.scatter(self.strategy.layout(t), value)
 
 
 def _indices(shape: Sequence[int]) -> list[Any]:
@@ -275,6 +284,9 @@ def _xla_step(graph: Graph, op_ids: Sequence[int]) -> Step:
 
     def step(run: _Run) -> None:
         for op in ops:
+            if op.primitive == "dynamic_update_slice" and run.strategy.is_virtual(op.outputs[0]):
+                run.update_in_place(op)
+                continue
             out = op.prim.bind(*(run.value(t) for t in op.inputs), **op.params)
             for t, v in zip(op.outputs, out if op.prim.multiple_results else (out,)):
                 run.store(t, v)

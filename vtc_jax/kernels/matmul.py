@@ -200,13 +200,13 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
     epilogue: ``epilogue(acc, *extra) -> block`` applied in registers before the store; ``acc`` is
         the (bm, bn) accumulator tile (f32 for floating inputs), ``extra`` the matching (bm, bn)
         tiles of ``epilogue_args`` (VTensors of the output's logical shape, or arrays broadcast to
-        it by numpy rules), in their own dtypes. Must be elementwise over the tile (its rows/cols
-        are the flattened M/N groups, lanes outside the logical shape hold garbage-free zeros
-        from the masked loads but are never stored).
+        it by numpy rules), in their own dtypes. Must be elementwise over the tile: its rows/cols
+        are the flattened M/N groups, and lanes outside the logical shape (acc 0, extras 0) are
+        computed but never stored.
     preferred_element_type: result dtype when ``out`` is None (default: the promoted input dtype,
         as ``lax.dot_general``); accumulation is f32 regardless for 16/32-bit floats.
-    precision: in-kernel dot precision. None means ``HIGHEST`` for f32 operands (IEEE f32 on the
-        GPU, bit-for-bit the algorithm interpret mode runs); pass the original dot_general's
+    precision: in-kernel dot precision. None means ``HIGHEST`` for f32 operands (IEEE f32 FMA on
+        the GPU, as exact as interpret mode; only the summation order differs); pass the original dot_general's
         precision (``DEFAULT``: TF32 tensor cores on Ampere+) to match XLA's own GPU numerics.
     block_m/n/k: caps on the block of each group (powers of two >= 16); the effective block is
         ``max(16, next_pow2(group size))`` capped here (see :func:`choose_blocks`).

@@ -121,9 +121,17 @@ def _is_fresh(b: Any) -> bool:
 
 
 def _unit_strided(p: Piece) -> tuple[tuple[int | None, int, Expr], ...] | None:
-    """The piece's strided-box form when every mapped stride is +1 (what ``pl.ds`` can serve)."""
+    """The piece's strided-box form when every mapped stride is +1 (what ``pl.ds`` can serve).
+
+    Window starts must be provably non-negative: a piece of a concatenation seen from a block
+    that starts before the piece (start ``d - 8`` at ``d = 0``) would need a negative ``pl.ds``
+    start, which the interpreter clamps; such pieces take the gather path instead.
+    """
     sb = p.map.strided_box()
     if sb is None or any(j is not None and k != 1 for j, k, _ in sb):
+        return None
+    bounds = p.map.bounds
+    if any(off.range(bounds)[0] < 0 for _, _, off in sb):
         return None
     return sb
 
