@@ -113,7 +113,7 @@ def op_squeeze(c):
 
 def op_broadcast(c):
     r = len(c.shape)
-    r2 = c.draw(st.integers(r, MAX_RANK))
+    r2 = c.draw(st.integers(max(r, 1), MAX_RANK))
     bdims = sorted(c.draw(st.lists(st.integers(0, r2 - 1), min_size=r, max_size=r, unique=True)))
     shape = [c.draw(st.integers(1, 3)) for _ in range(r2)]
     for j, bd in enumerate(bdims):

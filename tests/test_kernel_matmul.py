@@ -29,20 +29,14 @@ B16 = dict(rtol=2e-2, atol=2e-2)
 HI = lax.Precision.HIGHEST
 
 # Known vio gaps, tracked as strict xfails (they XPASS, i.e. fail, once vio is fixed: then drop
-# the marker). The passing variants next to them are the temporary workarounds.
+# the marker).
 # 1. VRef.store of a block wider than 1 along a logical dim of size 1 (M = 1 or N = 1 with a 2-D
 #    output buffer) takes the flat-scatter fallback on a ref that Plan did not flatten.
 VIO_SIZE1_STORE = pytest.mark.xfail(
     raises=ValueError, strict=True,
     reason="vio store: block > 1 on a size-1 logical dim falls back to a flat scatter on an "
            "unflattened ref (Invalid shape for `swap`)")
-# 2. A concat piece that begins inside a block has a negative pl.ds start; interpret mode clamps it
-#    to 0 (shifting every lane), the GPU does not. Interpret-only: wrong values, Triton IR is fine.
-VIO_NEG_START = pytest.mark.xfail(
-    raises=AssertionError, strict=True,
-    reason="vio strided path: negative pl.ds start (piece boundary inside a block) is clamped in "
-           "interpret mode")
-# 3. A load whose block exactly covers the tensor at static origins has no mask; vio still passes
+# 2. A load whose block exactly covers the tensor at static origins has no mask; vio still passes
 #    other=0 to plgpu.load, which the Triton lowering rejects ("other requires mask").
 VIO_UNMASKED_LOAD = pytest.mark.xfail(
     raises=ValueError, strict=True,
@@ -164,11 +158,10 @@ def test_slice_piece_operand():
     check_kernel(call, lambda wide, b: ref_dot(wide[:, k:2 * k], b), (wide, b), **F32)
 
 
-@pytest.mark.parametrize("k1,k2", [(32, 20), pytest.param(20, 28, marks=VIO_NEG_START)],
-                         ids=["aligned", "straddle"])
+@pytest.mark.parametrize("k1,k2", [(32, 20), (20, 28)], ids=["aligned", "straddle"])
 def test_concat_pieces_read_along_k(k1, k2):
-    """a = concat([a1 (M, k1), a2 (M, k2)], axis=1); with k1 = 20 a K block straddles the buffers
-    (the workaround keeps the piece boundary on a multiple of bk = 32)."""
+    """a = concat([a1 (M, k1), a2 (M, k2)], axis=1): with k1 = 32 every K block lies in one piece
+    (strided pl.ds path), with k1 = 20 a K block straddles the buffers (vio's gather path)."""
     def call(a1, a2, b, *, backend):
         lay = Layout.concatenate([Layout.physical(0, a1.shape), Layout.physical(1, a2.shape)], 1)
         a = VTensor(lay, a1.dtype, (a1, a2))
@@ -215,11 +208,10 @@ def test_epilogue_residual_from_transposed_layout():
 # Write side: concat pieces, transposed write, dynamic_update_slice at pos, QKV
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("n1,n2,bn", [(32, 40, 32), pytest.param(40, 56, 64, marks=VIO_NEG_START)],
-                         ids=["aligned", "straddle"])
+@pytest.mark.parametrize("n1,n2,bn", [(32, 40, 32), (40, 56, 64)], ids=["aligned", "straddle"])
 def test_concat_pieces_write(n1, n2, bn):
     """out (M, n1 + n2) = concat of two fresh buffers (M, n1), (M, n2); with n1 = 40, bn = 64
-    tile 0 straddles both (the workaround puts the boundary on a multiple of bn)."""
+    tile 0 straddles both (two masked stores), with n1 = bn = 32 each tile hits one piece."""
     m, k = 50, 32
 
     def call(a, b, *, backend):
@@ -265,12 +257,12 @@ def test_dynamic_update_slice_write_at_pos():
     assert "output_operand_alias<output_tuple_indices = [], operand_index = 2" in res.text
 
 
-@pytest.mark.parametrize("s,bn", [(1, 16), (3, 16), pytest.param(1, 64, marks=VIO_NEG_START)],
+@pytest.mark.parametrize("s,bn", [(1, 16), (3, 16), (1, 64)],
                          ids=["decode", "prefill", "decode-straddle"])
 def test_qkv_one_output_three_buffers(s, bn):
     """x (B, S, D) @ W (D, 64) -> one (B, S, 64) output onto Q (B, S, 2, 16) fresh, and the K and
-    V caches (B, T, 1, 16) at runtime ``pos`` (decode S = 1, prefill chunk S = 3). With bn = 64
-    one tile spans Q, K and V (the workaround: bn = 16 = head_dim keeps tiles inside a piece)."""
+    V caches (B, T, 1, 16) at runtime ``pos`` (decode S = 1, prefill chunk S = 3). With bn = 16 = head_dim
+    each tile lies in one piece; with bn = 64 one tile spans Q, K and V."""
     bsz, d, t, hq, hkv, dh = 2, 32, 8, 2, 1, 16
     qw, kw = hq * dh, hkv * dh
     dn = (((2,), (0,)), ((), ()))

@@ -16,7 +16,7 @@ from . import costmodel, movement
 from .cluster import Cluster, cluster
 from .graph import Graph, trace
 from .report import Modeled, MovementInfo, Report
-from .strategy import Strategy, greedy
+from .strategy import Strategy, complete_inplace, greedy
 from .vtog import VTOG, build_vtog
 
 
@@ -27,6 +27,7 @@ class Analysis:
     vtog: VTOG
     strategy: Strategy
     seconds: float
+    donated: frozenset[int] = frozenset()
 
 
 def _cost_model(cost_model: Any, objective: str, gpu: str | None) -> Any:
@@ -43,15 +44,37 @@ def _cost_model(cost_model: Any, objective: str, gpu: str | None) -> Any:
 
 
 def analyze(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], *,
-            cost_model: Any = None, objective: str = "latency", gpu: str | None = None) -> Analysis:
-    """The analysis half of VTC for one input signature (no kernels are built here)."""
+            cost_model: Any = None, objective: str = "latency", gpu: str | None = None,
+            donate_argnums: Sequence[int] = ()) -> Analysis:
+    """The analysis half of VTC for one input signature (no kernels are built here).
+
+    ``donate_argnums`` (positions in ``args``) tell the cost model which inputs XLA may update in
+    place (a donated KV cache costs only its update).
+    """
     t0 = time.perf_counter()
     graph = trace(fn, *args, **kwargs)
     clusters = cluster(graph)
-    vtog = build_vtog(graph, clusters)
+    from .lower import TEMPLATE_KINDS
+    vtog = build_vtog(graph, clusters, kernel_kinds=TEMPLATE_KINDS)
     model = _cost_model(cost_model, objective, gpu)
-    strategy = greedy(vtog, lambda e, chosen: model.savings(e, chosen, vtog, graph))
-    return Analysis(graph, clusters, vtog, strategy, time.perf_counter() - t0)
+    donated = donated_inputs(graph, args, kwargs, donate_argnums)
+    if hasattr(model, "bind"):
+        savings = model.bind(vtog, graph, clusters, donated=donated)
+    else:  # a user cost model with only savings(edge, chosen, vtog, graph)
+        savings = lambda e, chosen: model.savings(e, chosen, vtog, graph)
+    strategy = complete_inplace(greedy(vtog, savings))
+    return Analysis(graph, clusters, vtog, strategy, time.perf_counter() - t0, donated)
+
+
+def donated_inputs(graph: Graph, args: Sequence[Any], kwargs: dict[str, Any],
+                   donate_argnums: Sequence[int]) -> frozenset[int]:
+    """Graph input tensor ids of the leaves of the donated positional arguments."""
+    if not donate_argnums:
+        return frozenset()
+    counts = [len(jax.tree_util.tree_leaves(a)) for a in args]
+    starts = [sum(counts[:i]) for i in range(len(args))]
+    nums = {i % len(args) for i in donate_argnums} if args else set()
+    return frozenset(graph.inputs[starts[i] + j] for i in nums for j in range(counts[i]))
 
 
 def _split_static(fn: Callable[..., Any], args: tuple, kwargs: dict, static_argnums: Sequence[int],
@@ -115,7 +138,7 @@ def make_report(name: str, a: Analysis) -> Report:
                                                              if g.tensors[t].const is None or g.tensors[t].shape),
                                   g.tensors[op.outputs[0]].shape, gone, reason, edges,
                                   tuple(i for i in edges if i in chosen)))
-    mb = costmodel.modeled_bytes(g, a.clusters, s)
+    mb = costmodel.modeled_bytes(g, a.clusters, s, donated=a.donated)
     modeled = Modeled(**{k: int(mb[k]) for k in Modeled.__dataclass_fields__})
     opaque = tuple((g.ops[c.ops[0]].primitive, c.reason) for c in a.clusters if c.kind == "opaque")
     return Report(name, g, a.clusters, v, s, tuple(infos), modeled, a.seconds, opaque)
@@ -209,6 +232,7 @@ class Optimized:
                  profile: bool, strict: bool, gpu: str | None) -> None:
         self.fn = fn
         self._static = (tuple(static_argnums), tuple(static_argnames))
+        self._donate = tuple(donate_argnums)
         self._opts = dict(objective=objective, cost_model=cost_model, gpu=gpu)
         self.backend = _resolve_backend(backend)
         self.strict = strict
@@ -240,7 +264,7 @@ class Optimized:
             self._fallback("profile=True needs a GPU to time candidates; using the analytical cost model")
         try:
             abstract_a, abstract_k = jax.tree_util.tree_map(_abstract, (a, k))
-            analysis = analyze(f, abstract_a, abstract_k, **self._opts)
+            analysis = analyze(f, abstract_a, abstract_k, donate_argnums=self._donate, **self._opts)
             lowered = lower(analysis.graph, analysis.clusters, analysis.strategy, backend=self.backend)
         except VTCError:
             raise

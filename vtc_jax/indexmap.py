@@ -728,10 +728,13 @@ class Piece:
     map: IndexMap
     where: tuple[Cond, ...] = ()
 
-    def member(self, idx: Sequence[Any], xp: Any = np) -> Any:
+    def member(self, idx: Sequence[Any], xp: Any = np, symbols: Mapping[str, Any] | None = None) -> Any:
+        """Membership mask of virtual indices ``idx`` (conditions may involve runtime symbols)."""
+        env: dict[Atom, Any] = {Sym(k): v for k, v in (symbols or {}).items()}
+        env.update({Dim(i): x for i, x in enumerate(idx)})
         m = True
         for c in self.where:
-            v = c.expr.evaluate({Dim(i): x for i, x in enumerate(idx)}, xp)
+            v = c.expr.evaluate(env, xp)
             m = m & (v >= c.lo) & (v < c.hi)
         return m
 
@@ -815,7 +818,7 @@ class Layout(Movements):
         out = np.full(self.shape, self.fill, dtype=dtype)
         for p in self.pieces:
             tgt, valid = p.map.evaluate(idx, symbols)
-            m = np.broadcast_to(p.member(idx) & (True if valid is None else valid), self.shape)
+            m = np.broadcast_to(p.member(idx, np, symbols) & (True if valid is None else valid), self.shape)
             buf = buffers[p.target]
             safe = tuple(np.clip(np.broadcast_to(t, self.shape), 0, n - 1) for t, n in zip(tgt, buf.shape))
             out = np.where(m, buf[safe] if buf.ndim else buf, out)

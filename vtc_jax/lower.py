@@ -245,7 +245,15 @@ def _indices(shape: Sequence[int]) -> list[Any]:
 
 
 def _materialise(layout: Layout, dtype: Any, env: Mapping[int, Any], syms: Mapping[str, Any]) -> Any:
-    """Gather a virtual tensor into a physical array (the XLA fallback's stage 1)."""
+    """Gather a virtual tensor into a physical array (the XLA fallback's stage 1).
+
+    A layout that is its whole target unchanged (a cache updated in place, returned) is that
+    buffer: no gather.
+    """
+    if len(layout.pieces) == 1:
+        p = layout.pieces[0]
+        if not p.where and p.map.is_identity and tuple(env[p.target].shape) == tuple(layout.shape):
+            return env[p.target].astype(dtype)
     idx = _indices(layout.shape)
     out = jnp.full(layout.shape, layout.fill, dtype)
     for p in layout.pieces:

@@ -462,3 +462,35 @@ def greedy(vtog: VTOG, savings: SavingsFn, *, anchored: bool = False) -> Strateg
 def from_edges(vtog: VTOG, chosen: Sequence[int], total_saving: float = 0.0) -> Strategy:
     """A strategy from an explicit edge set (tests, hand-written strategies, the paper's Fig. 7)."""
     return Strategy(tuple(chosen), total_saving, (), vtog)
+
+
+def complete_inplace(strategy: Strategy) -> Strategy:
+    """Add the in-place edge of every cache update whose update is already written by its producer.
+
+    Once the producer writes the update into ``dynamic_update_slice``'s output buffer, that buffer
+    must *be* the operand's (``out ⇢ operand``), or the update op still copies the whole operand.
+    The VTOG only offers the in-place edge where it is legal (no later reader of the old
+    contents), so taking it is always a saving; the additive cost model cannot see that, because
+    the saving only exists in combination. Each addition is kept only if the result validates.
+    """
+    v = strategy.vtog
+    chosen = list(strategy.chosen)
+    picks = list(strategy.trace)
+    for i in strategy.chosen:
+        e = v.edges[i]
+        if e.primitive != "dynamic_update_slice" or e.direction != "write":
+            continue
+        for j in v.out_edges(e.dst):  # e.dst is the update op's output
+            f = v.edges[j]
+            if not f.inplace or f.op != e.op or j in chosen or strategy.is_virtual(f.src):
+                continue
+            trial = Strategy(tuple(chosen + [j]), strategy.total_saving, tuple(picks), v)
+            try:
+                trial.validate()
+            except StrategyError:
+                continue
+            chosen.append(j)
+            picks.append(Pick(f.src, (j,), 0.0, (0.0,), companion_of=e.src))
+    if len(chosen) == len(strategy.chosen):
+        return strategy
+    return Strategy(tuple(chosen), strategy.total_saving, tuple(picks), v)

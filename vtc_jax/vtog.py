@@ -188,20 +188,31 @@ def piece_group(vtog: VTOG, i: int) -> tuple[int, ...]:
     return (i,)
 
 
-def pinned_tensors(graph: "Graph", clusters: Sequence["Cluster"]) -> dict[int, str]:
-    """Tensors that must stay physical, each with the reason (first reason wins)."""
+def pinned_tensors(graph: "Graph", clusters: Sequence["Cluster"],
+                   kernel_kinds: frozenset[str] = KERNEL_KINDS) -> dict[int, str]:
+    """Tensors that must stay physical, each with the reason (first reason wins).
+
+    A graph output written by ``dynamic_update_slice`` is the exception: its only edge is the
+    in-place one (identity map onto the operand), so returning it returns the operand's buffer
+    updated in place — the KV cache a decode step hands back. Tensors touching a cluster whose
+    kind has no kernel template able to read/write through a map stay physical too.
+    """
     reasons: dict[int, str] = {}
     for t in graph.inputs:
         reasons.setdefault(t, "graph input")
     for t in graph.outputs:
-        reasons.setdefault(t, "graph output")
+        producer = graph.producer(t)
+        if producer is None or producer.primitive != "dynamic_update_slice" or graph.outputs.count(t) > 1:
+            reasons.setdefault(t, "graph output")
     for info in graph.tensors:
         if info.const is not None:
             reasons.setdefault(info.id, "compile-time constant")
     for c in clusters:
-        if c.kind in TRANSPARENT_KINDS:
+        if c.kind in kernel_kinds or c.kind == "movement":
             continue
         why = f"touches {c.kind} cluster #{c.id}" + (f" ({c.reason})" if c.reason else "")
+        if c.kind in KERNEL_KINDS:
+            why = f"touches {c.kind} cluster #{c.id}, which has no virtual-I/O kernel template yet"
         for t in (*c.inputs, *c.outputs):
             reasons.setdefault(t, why)
     return reasons
@@ -239,7 +250,8 @@ def _inplace_problem(e: Edge, op: "Op", graph: "Graph", candidates: Sequence[Edg
 
 
 def build_vtog(graph: "Graph", clusters: Sequence["Cluster"],
-               rules: Callable[["Op", "Graph"], Sequence[Edge]] | None = None) -> VTOG:
+               rules: Callable[["Op", "Graph"], Sequence[Edge]] | None = None,
+               kernel_kinds: frozenset[str] = KERNEL_KINDS) -> VTOG:
     """Algorithm 1: every tensor is a node; every movement op contributes its rule edges.
 
     Only ops of ``movement`` clusters are asked for edges: a movement op fused inside a compute
@@ -251,7 +263,7 @@ def build_vtog(graph: "Graph", clusters: Sequence["Cluster"],
     if rules is None:
         from .movement import rules as rules_fn
         rules = rules_fn
-    reasons = pinned_tensors(graph, clusters)
+    reasons = pinned_tensors(graph, clusters, kernel_kinds)
     order = {oid: pos for pos, c in enumerate(clusters) for oid in c.ops}
     movement_ops = [oid for c in clusters if c.kind == "movement" for oid in c.ops]
     candidates: list[Edge] = []
