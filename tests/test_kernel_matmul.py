@@ -257,7 +257,7 @@ def test_dynamic_update_slice_write_at_pos():
     assert "output_operand_alias<output_tuple_indices = [], operand_index = 2" in res.text
 
 
-@pytest.mark.parametrize("s,bn", [(1, 16), (3, 16), (1, 64)],
+@pytest.mark.parametrize("s,bn", [(1, 16), (3, 16), pytest.param(1, 64, marks=VIO_UNMASKED_LOAD)],
                          ids=["decode", "prefill", "decode-straddle"])
 def test_qkv_one_output_three_buffers(s, bn):
     """x (B, S, D) @ W (D, 64) -> one (B, S, 64) output onto Q (B, S, 2, 16) fresh, and the K and

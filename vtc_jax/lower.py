@@ -457,8 +457,10 @@ def _match_attention(graph: Graph, c: Cluster) -> _AttnMatch | str:
                 return "unrecognised tanh soft-cap"
             cap = capv
             u = t2[0]
-        elif u.primitive == "convert_element_type":
-            pass
+        elif u.primitive in ("convert_element_type", "reshape", "squeeze", "expand_dims") or (
+                u.primitive == "broadcast_in_dim"
+                and graph.tensors[u.outputs[0]].size == graph.tensors[cur].size):
+            pass  # dtype or view changes of the scores: nothing to do in the kernel
         elif u.primitive == "select_n":
             pred, on_false, on_true = u.inputs
             if on_true != cur or _scalar_const_of(graph, on_false) != -np.inf:
@@ -559,14 +561,20 @@ def _attention_template(graph: Graph, c: Cluster, *, backend: str) -> Step | str
     if isinstance(m, str):
         return m
     qs, ks = graph.tensors[m.q].shape, graph.tensors[m.k].shape
-    if len(m.q_dims[0]) != 2 or int(np.prod([qs[i] for i in m.q_dims[1]])) != 1:
-        return "not a single-query (decode) attention with (batch, head) batch dims"
+    if not 1 <= len(m.q_dims[0]) <= 2 or int(np.prod([qs[i] for i in m.q_dims[1]])) != 1:
+        return "not a single-query (decode) attention with (batch, head) or (head) batch dims"
+    H = ks[m.k_dims[0][-1]]                      # the last batch dim is the head axis
+    B = int(np.prod([ks[i] for i in m.k_dims[0]])) // H
+    T, D = ks[m.k_dims[1][0]], ks[m.k_dims[2][0]]
+    Dv = graph.tensors[m.v].shape[m.v_dims[2][0]]
+
+    def view(x: VTensor, shape: tuple[int, ...]) -> VTensor:
+        return VTensor(x.layout.reshape(shape), x.dtype, x.buffers, x.symbols)
 
     def step(run: _Run) -> None:
-        q = _canonical(run.vtensor(m.q), m.q_dims)             # (B, H, 1, D)
-        k = _canonical(run.vtensor(m.k), (m.k_dims[0], m.k_dims[1], m.k_dims[2]))  # (B, H, T, D)
-        v = _canonical(run.vtensor(m.v), m.v_dims)             # (B, H, T, Dv)
-        B, H, T, D = k.shape
+        q = view(_canonical(run.vtensor(m.q), m.q_dims), (B, H, 1, D))
+        k = view(_canonical(run.vtensor(m.k), m.k_dims), (B, H, T, D))
+        v = view(_canonical(run.vtensor(m.v), m.v_dims), (B, H, T, Dv))
         g = min(_group_size(k, H), _group_size(v, H))
         hk = H // g
 
@@ -575,9 +583,9 @@ def _attention_template(graph: Graph, c: Cluster, *, backend: str) -> Step | str
                 (0,) * 5, (B, hk, 1) + tuple(x.shape[2:])).reshape((B, hk) + tuple(x.shape[2:]))
             return VTensor(lay, x.dtype, x.buffers, x.symbols)
 
-        qg = VTensor(q.layout.reshape((B, hk, g, q.shape[3])), q.dtype, q.buffers, q.symbols)
+        qg = view(q, (B, hk, g, D))
         out = run.out_vtensor(m.out)
-        og = VTensor(out.layout.reshape((B, hk, g, out.shape[-1])), out.dtype, out.buffers, out.symbols)
+        og = view(out, (B, hk, g, Dv))
         kw = {}
         if m.pos is not None:
             kw["pos"] = jnp.asarray(run.value(m.pos), jnp.int32)

@@ -75,6 +75,36 @@ class LoweredModule:
         """Number of ``op_name`` ops (e.g. ``"stablehlo.transpose"``) in the module."""
         return self.op_counts.get(op_name, 0)
 
+    def movement_into_consumers(self) -> list[tuple[str, str, str]]:
+        """Data-movement ops whose result reaches a Triton kernel, a dot or a function result.
+
+        Each entry is ``(movement op, consumer, result type)``. Reshapes (bitcasts in XLA) and dtype
+        conversions are looked through, so ``transpose -> reshape -> kernel`` counts. Broadcasts
+        count only when they enlarge (more result elements than operand elements).
+        """
+        from jax._src.interpreters import mlir
+        from jax._src.lib.mlir import ir
+
+        module = ir.Module.parse(self.text, context=mlir.make_ir_context())
+        found = []
+        for op in _walk(module.operation):
+            name = op.name
+            if name == "stablehlo.custom_call":
+                if ir.StringAttr(op.attributes["call_target_name"]).value != TRITON_CALL_TARGET:
+                    continue
+                consumer = "triton kernel"
+            elif name in ("stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"):
+                consumer = name
+            elif name == "func.return":
+                consumer = "function result"
+            else:
+                continue
+            for value in op.operands:
+                src = _defining_movement(value)
+                if src is not None:
+                    found.append((src.name, consumer, str(src.results[0].type)))
+        return found
+
     @classmethod
     def from_text(cls, text: str) -> "LoweredModule":
         """Parse module text with JAX's MLIR context (it registers the stablehlo/mhlo dialects)."""
@@ -98,6 +128,39 @@ class LoweredModule:
                 _int_attr(cfg, "num_warps"), _int_attr(cfg, "num_stages"),
                 tuple(_int_attr(cfg, f"grid_{a}") or 1 for a in "xyz")))
         return cls(text, tuple(kernels), counts)
+
+
+_MOVEMENT_HLO = frozenset({
+    "stablehlo.transpose", "stablehlo.slice", "stablehlo.dynamic_slice", "stablehlo.concatenate",
+    "stablehlo.dynamic_update_slice", "stablehlo.pad", "stablehlo.reverse", "stablehlo.gather",
+    "stablehlo.scatter", "stablehlo.broadcast_in_dim", "stablehlo.copy",
+})
+
+
+def _elements(t: Any) -> int:
+    from jax._src.lib.mlir import ir
+    shaped = ir.RankedTensorType(t)
+    return int(np.prod(shaped.shape)) if shaped.rank else 1
+
+
+def _defining_movement(value: Any) -> Any:
+    """The movement op behind ``value`` (through reshapes/converts), or None."""
+    from jax._src.lib.mlir import ir
+    for _ in range(64):
+        owner = value.owner
+        if not isinstance(owner, ir.Operation) and not hasattr(owner, "name"):
+            return None  # a block argument
+        op = getattr(owner, "operation", owner)
+        if op.name in ("stablehlo.reshape", "stablehlo.convert", "stablehlo.bitcast_convert"):
+            value = op.operands[0]
+            continue
+        if op.name not in _MOVEMENT_HLO:
+            return None
+        if op.name == "stablehlo.broadcast_in_dim" and \
+                _elements(op.results[0].type) <= _elements(op.operands[0].type):
+            return None
+        return op
+    return None
 
 
 def _sds(x: Any) -> Any:

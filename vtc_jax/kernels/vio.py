@@ -337,10 +337,10 @@ class VRef:
             offs = _flat_offsets(p, env, self.binding.shapes[p.target], block)
             if mask is not None:
                 offs = jnp.where(mask, offs, 0)
-            return plgpu.load(ref.at[offs], mask=mask, other=0)
+            return _masked_load(ref.at[offs], mask)
         idx = self._strided_index(p, sb, origin, block, env)
         tmask = None if mask is None else _to_target_order(mask, sb, block)
-        val = plgpu.load(ref.at[idx], mask=tmask, other=0)
+        val = _masked_load(ref.at[idx], tmask)
         return _from_target_order(val, sb, block)
 
     def store(self, origin: Sequence[Any], block: Sequence[int], value: jax.Array) -> None:
@@ -367,8 +367,6 @@ class VRef:
         ref = self.refs[p.target]
         val = value.astype(self.binding.dtypes[p.target])
         sb = None if self.binding.flat[p.target] else _unit_strided(p)
-        if sb is not None and len([j for j, _, _ in sb if j is not None]) < sum(b > 1 for b in block):
-            sb = None  # a block dim with no home: cannot be a one-to-one write
         if sb is None:
             shape = self.binding.shapes[p.target]
             offs = _flat_offsets(p, env, shape, block)
@@ -377,8 +375,12 @@ class VRef:
             plgpu.store(ref.at[offs], val, mask=mask)
             return
         idx = self._strided_index(p, sb, origin, block, env)
-        tmask = None if mask is None else _to_target_order(mask, sb, block)
-        plgpu.store(ref.at[idx], _to_target_order(val, sb, block), mask=tmask)
+        tmask = None if mask is None else _to_target_order(mask, sb, block, fold_first=True)
+        plgpu.store(ref.at[idx], _to_target_order(val, sb, block, fold_first=True), mask=tmask)
+
+
+def _masked_load(ref: Any, mask: Any) -> jax.Array:
+    return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0)
 
 
 def _flat_offsets(p: Piece, env: dict[Atom, Any], shape: Sequence[int], block: Sequence[int]) -> jax.Array:
@@ -410,17 +412,28 @@ def _box_hit(box: Any, origin: Sequence[Any], block: Sequence[int]) -> Any:
     return out
 
 
-def _to_target_order(x: jax.Array, sb: Any, block: Sequence[int]) -> jax.Array:
+def _to_target_order(x: jax.Array, sb: Any, block: Sequence[int], fold_first: bool = False) -> jax.Array:
     """Rearrange a block from virtual dim order into the buffer's dim order (size 1 for unmapped).
 
-    Virtual dims with no physical home are folded: for a mask with a max (a physical element is
-    read if any virtual lane that maps to it is valid: broadcast reads); for a stored value they
-    have size 1 (the caller falls back to a scatter otherwise).
+    Virtual dims with no physical home are folded away. Loads fold the mask with a max (a
+    physical element is read if any virtual lane that maps to it is valid: broadcast reads).
+    Stores (``fold_first``) keep lane 0: a one-to-one layout only leaves a dim unmapped when its
+    logical size is 1, so the other lanes are padding of a power-of-two block — selected with a
+    masked sum, since value-level slices do not lower on Triton.
     """
     mapped = [j for j, _, _ in sb if j is not None]
     extra = tuple(k for k in range(len(block)) if k not in mapped)
     if extra:
-        if x.dtype == jnp.bool_:
+        if fold_first:
+            first = _all([_iota(block, k) == 0 for k in extra if block[k] > 1])
+            if x.dtype == jnp.bool_:
+                x = x if first is None else x & first
+                x = jnp.max(x.astype(jnp.int32), axis=extra) > 0
+            elif first is None:
+                x = x.reshape([b for k, b in enumerate(block) if k not in extra])
+            else:
+                x = jnp.sum(jnp.where(first, x, jnp.zeros((), x.dtype)), axis=extra).astype(x.dtype)
+        elif x.dtype == jnp.bool_:
             x = jnp.max(x.astype(jnp.int32), axis=extra) > 0
         else:
             x = x.reshape([b for k, b in enumerate(block) if k not in extra])
