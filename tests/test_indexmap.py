@@ -5,7 +5,7 @@ composed `Layout` evaluated on the physical numpy buffers equals the same ops ap
 """
 import math
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -17,6 +17,8 @@ from vtc_jax.indexmap import (Dim, Expr, IndexMap, Layout, NotComposable, SymInf
 
 MAX_ELEMS = 2000
 MAX_RANK = 4
+# One XLA compile per chain dominates the run time: tiny programs need no optimisation.
+LAX_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 class Chain:
@@ -26,10 +28,12 @@ class Chain:
     def __init__(self, data, fill: float):
         self.data, self.fill = data, fill
         self.buffers: dict[int, np.ndarray] = {}
-        self.symbols: dict[str, int] = {}
+        self.symbols: dict[str, int] = {}  # the symbols' (clamped) runtime values
+        self.raw: dict[str, int] = {}      # the raw dynamic starts given to lax
+        self.fns: list = []                # the lax program, one closure per op
         self.steps: list[str] = []
         shape = tuple(self.draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
-        self.ref = self.fresh(shape)
+        self.fresh(shape)
         self.layout = Layout.physical(0, shape)
 
     def draw(self, strategy):
@@ -60,11 +64,12 @@ def _factors(n: int) -> list[int]:
     return out + ([n] if n > 1 else [])
 
 
-# Each op: draws its parameters, returns (new layout, new lax value, description) or None.
+# Each op: draws its parameters, returns (new layout, lax closure (x, raw starts) -> y, description),
+# or None when it does not apply to the current shape.
 
 def op_transpose(c):
     perm = c.draw(st.permutations(range(len(c.shape))))
-    return c.layout.transpose(perm), lax.transpose(c.ref, perm), f"transpose{tuple(perm)}"
+    return c.layout.transpose(perm), lambda x, e: lax.transpose(x, perm), f"transpose{tuple(perm)}"
 
 
 def op_reshape(c):
@@ -82,7 +87,7 @@ def op_reshape(c):
         k = c.draw(st.integers(1, MAX_RANK))
         cuts = sorted(c.draw(st.lists(st.integers(0, len(fs)), min_size=k - 1, max_size=k - 1)))
         shape = [math.prod(fs[a:b]) for a, b in zip([0] + cuts, cuts + [len(fs)])]
-    return c.layout.reshape(shape), lax.reshape(c.ref, tuple(shape)), f"reshape{tuple(shape)}"
+    return c.layout.reshape(shape), lambda x, e: lax.reshape(x, tuple(shape)), f"reshape{tuple(shape)}"
 
 
 def op_slice(c):
@@ -92,7 +97,7 @@ def op_slice(c):
         start.append(s)
         limit.append(c.draw(st.integers(s + 1, n)))
         strides.append(c.draw(st.integers(1, 3)))
-    return (c.layout.slice(start, limit, strides), lax.slice(c.ref, start, limit, strides),
+    return (c.layout.slice(start, limit, strides), lambda x, e: lax.slice(x, start, limit, strides),
             f"slice{start, limit, strides}")
 
 
@@ -100,7 +105,7 @@ def op_expand_dims(c):
     if len(c.shape) >= MAX_RANK:
         return None
     d = c.draw(st.integers(0, len(c.shape)))
-    return c.layout.expand_dims([d]), lax.expand_dims(c.ref, (d,)), f"expand_dims({d})"
+    return c.layout.expand_dims([d]), lambda x, e: lax.expand_dims(x, (d,)), f"expand_dims({d})"
 
 
 def op_squeeze(c):
@@ -108,7 +113,7 @@ def op_squeeze(c):
     if not ones:
         return None
     dims = c.draw(st.lists(st.sampled_from(ones), min_size=1, unique=True))
-    return c.layout.squeeze(dims), lax.squeeze(c.ref, dims), f"squeeze{tuple(dims)}"
+    return c.layout.squeeze(dims), lambda x, e: lax.squeeze(x, dims), f"squeeze{tuple(dims)}"
 
 
 def op_broadcast(c):
@@ -120,7 +125,7 @@ def op_broadcast(c):
         shape[bd] = c.shape[j] if c.shape[j] != 1 else c.draw(st.integers(1, 3))
     if not c.fits(shape):
         return None
-    return (c.layout.broadcast(shape, bdims), lax.broadcast_in_dim(c.ref, shape, bdims),
+    return (c.layout.broadcast(shape, bdims), lambda x, e: lax.broadcast_in_dim(x, shape, bdims),
             f"broadcast{tuple(shape), tuple(bdims)}")
 
 
@@ -137,8 +142,10 @@ def op_concatenate(c):
     tid = len(c.buffers)
     other, lay = c.fresh(tuple(shape)), Layout.physical(tid, shape)
     first = c.draw(st.booleans())
-    lays, vals = ([c.layout, lay], [c.ref, other]) if first else ([lay, c.layout], [other, c.ref])
-    return Layout.concatenate(lays, axis), lax.concatenate(vals, axis), f"concatenate(t{tid}, axis={axis}, first={first})"
+    lays = [c.layout, lay] if first else [lay, c.layout]
+    return (Layout.concatenate(lays, axis),
+            lambda x, e: lax.concatenate([x, other] if first else [other, x], axis),
+            f"concatenate(t{tid}, axis={axis}, first={first})")
 
 
 def op_split(c):
@@ -151,7 +158,7 @@ def op_split(c):
     sizes = [b - a for a, b in zip([0] + cuts, cuts + [n])]
     k = c.draw(st.integers(0, len(sizes) - 1))
     off = sum(sizes[:k])
-    return (c.layout.offset(axis, off, sizes[k]), lax.split(c.ref, sizes, axis)[k],
+    return (c.layout.offset(axis, off, sizes[k]), lambda x, e: lax.split(x, sizes, axis)[k],
             f"split({sizes}, axis={axis})[{k}]")
 
 
@@ -159,10 +166,12 @@ def op_rev(c):
     if not c.shape:
         return None
     dims = c.draw(st.lists(st.integers(0, len(c.shape) - 1), unique=True))
-    return c.layout.rev(dims), lax.rev(c.ref, dims), f"rev{tuple(dims)}"
+    return c.layout.rev(dims), lambda x, e: lax.rev(x, dims), f"rev{tuple(dims)}"
 
 
 def op_pad(c):
+    if not c.shape:
+        return None
     config = []
     for n in c.shape:
         lo, hi, it = c.draw(st.integers(-2, 2)), c.draw(st.integers(-2, 2)), c.draw(st.integers(0, 2))
@@ -173,26 +182,28 @@ def op_pad(c):
     if not c.fits(shape):
         return None
     lo, hi, it = zip(*config)
-    return (c.layout.pad(lo, hi, it, c.fill), lax.pad(c.ref, np.float32(c.fill), config), f"pad{config}")
+    return (c.layout.pad(lo, hi, it, c.fill), lambda x, e: lax.pad(x, np.float32(c.fill), config), f"pad{config}")
 
 
 def op_dynamic_slice(c):
-    sizes, raw, starts, syms = [], [], [], []
-    for i, n in enumerate(c.shape):
+    sizes, starts, syms, names = [], [], [], []
+    for n in c.shape:
         size = c.draw(st.integers(1, n))
         r = c.draw(st.integers(-3, n + 3))
+        name = f"p{len(c.raw)}"
+        c.raw[name] = r  # passed to the jitted lax program as a traced int32
         clamped = min(max(r + n if r < 0 else r, 0), n - size)  # lax wraps negatives, then clamps
         sizes.append(size)
-        raw.append(jnp.int32(r))
-        if c.draw(st.booleans()):  # a traced start: a runtime symbol with the clamped range
-            name = f"p{len(c.symbols)}"
+        names.append(name)
+        if c.draw(st.booleans()):  # the map sees a runtime symbol with the clamped range
             c.symbols[name] = clamped
             starts.append(sym(name))
             syms.append(SymInfo(name, 0, n - size))
         else:
             starts.append(clamped)
-    return (c.layout.dynamic_slice(starts, sizes, syms), lax.dynamic_slice(c.ref, raw, sizes),
-            f"dynamic_slice({[int(r) for r in raw]}, {sizes})")
+    return (c.layout.dynamic_slice(starts, sizes, syms),
+            lambda x, e: lax.dynamic_slice(x, [e[k] for k in names], sizes),
+            f"dynamic_slice({[c.raw[k] for k in names]}, {sizes})")
 
 
 OPS = {f.__name__[3:]: f for f in [op_transpose, op_reshape, op_slice, op_expand_dims, op_squeeze, op_broadcast,
@@ -223,10 +234,18 @@ def test_random_chain_matches_lax(data):
         res = OPS[name](c)
         if res is None:
             continue
-        c.layout, c.ref, step = res
+        c.layout, fn, step = res
+        c.fns.append(fn)
         c.steps.append(step)
+
+    def program(x, raw):
+        for fn in c.fns:
+            x = fn(x, raw)
+        return x
+
+    raw = {k: np.int32(v) for k, v in c.raw.items()}
+    want = np.asarray(jax.jit(program).lower(c.buffers[0], raw).compile(LAX_COMPILE_OPTIONS)(c.buffers[0], raw))
     got = c.layout.evaluate(c.buffers, c.symbols)
-    want = np.asarray(c.ref)
     assert got.shape == want.shape, c.steps
     np.testing.assert_array_equal(got, want, err_msg=" -> ".join(c.steps) + f"\n{c.layout}")
     for p in c.layout.pieces:

@@ -28,20 +28,6 @@ F32 = dict(rtol=1e-5, atol=1e-5)
 B16 = dict(rtol=2e-2, atol=2e-2)
 HI = lax.Precision.HIGHEST
 
-# Known vio gaps, tracked as strict xfails (they XPASS, i.e. fail, once vio is fixed: then drop
-# the marker).
-# 1. VRef.store of a block wider than 1 along a logical dim of size 1 (M = 1 or N = 1 with a 2-D
-#    output buffer) takes the flat-scatter fallback on a ref that Plan did not flatten.
-VIO_SIZE1_STORE = pytest.mark.xfail(
-    raises=ValueError, strict=True,
-    reason="vio store: block > 1 on a size-1 logical dim falls back to a flat scatter on an "
-           "unflattened ref (Invalid shape for `swap`)")
-# 2. A load whose block exactly covers the tensor at static origins has no mask; vio still passes
-#    other=0 to plgpu.load, which the Triton lowering rejects ("other requires mask").
-VIO_UNMASKED_LOAD = pytest.mark.xfail(
-    raises=ValueError, strict=True,
-    reason="vio load: plgpu.load(mask=None, other=0) does not lower to Triton")
-
 
 def rand(shape, dtype=jnp.float32, seed=0):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
@@ -81,14 +67,14 @@ def test_physical_f32(m, k, n):
                  (rand((m, k)), rand((k, n), seed=1)), **F32)
 
 
-@pytest.mark.parametrize("m,k,n", [pytest.param(1, 48, 96, marks=VIO_SIZE1_STORE),
-                                   pytest.param(100, 3, 1, marks=VIO_SIZE1_STORE)])
+@pytest.mark.parametrize("m,k,n", [(1, 48, 96), (100, 3, 1)])
 def test_physical_size1_output_dim(m, k, n):
+    """M = 1 (decode, one sequence) / N = 1: a 16-wide block over a size-1 dim of a 2-D output;
+    vio folds the padding lanes before the strided store."""
     check_kernel(functools.partial(matmul, dimension_numbers=MM), ref_dot,
                  (rand((m, k)), rand((k, n), seed=1)), **F32)
 
 
-@VIO_UNMASKED_LOAD
 def test_exact_single_block():
     """(16, 32) @ (32, 64): one tile, static origins, no ragged edge: loads need no mask."""
     check_kernel(functools.partial(matmul, dimension_numbers=MM), ref_dot,
@@ -257,7 +243,7 @@ def test_dynamic_update_slice_write_at_pos():
     assert "output_operand_alias<output_tuple_indices = [], operand_index = 2" in res.text
 
 
-@pytest.mark.parametrize("s,bn", [(1, 16), (3, 16), pytest.param(1, 64, marks=VIO_UNMASKED_LOAD)],
+@pytest.mark.parametrize("s,bn", [(1, 16), (3, 16), (1, 64)],
                          ids=["decode", "prefill", "decode-straddle"])
 def test_qkv_one_output_three_buffers(s, bn):
     """x (B, S, D) @ W (D, 64) -> one (B, S, 64) output onto Q (B, S, 2, 16) fresh, and the K and

@@ -269,6 +269,10 @@ class Optimized:
         except VTCError:
             raise
         except Exception as exc:  # the whole rewrite failed: plain jax.jit behaviour
+            try:  # unless the function itself is at fault: then jax.jit's own error, unchanged
+                jax.eval_shape(functools.partial(f, **k), *a)
+            except Exception:
+                raise
             self._fallback(f"optimisation of {getattr(self.fn, '__name__', 'fn')} failed "
                            f"({type(exc).__name__}: {exc}); running it as plain XLA", exc)
             return f(*a, **k)

@@ -1,0 +1,180 @@
+"""vtc_jax.optimize end to end: same numbers as jax.jit, jax.jit's conventions, honest fallbacks.
+
+Equivalence runs the Pallas kernels in interpret mode (small shapes); the paper-size checks only
+trace and lower for CUDA (no execution).
+"""
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vtc_jax
+from vtc_jax.testing import cross_lower
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import llama3_decode as L  # noqa: E402
+
+F32_RTOL, BF16_RTOL = 1e-4, 2e-2
+
+
+def _max_rel(out, ref):
+    errs = []
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert a.shape == b.shape
+        errs.append(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+    return max(errs)
+
+
+@pytest.mark.parametrize("dtype,tol,batch", [(jnp.float32, F32_RTOL, 2), (jnp.bfloat16, BF16_RTOL, 2),
+                                             (jnp.float32, F32_RTOL, 1)])
+def test_llama_layer_equals_jit(dtype, tol, batch):
+    args = L.example_args("small", batch=batch, dtype=dtype)
+    ref = jax.jit(L.step)(*args)
+    f = vtc_jax.optimize(L.step, backend="interpret")
+    out = f(*args)
+    assert jax.tree.structure(out) == jax.tree.structure(ref)
+    assert _max_rel(out, ref) <= tol
+    _, lowered = f.last
+    kinds = {k.split()[0] for k in lowered.kernels}
+    assert {"matmul", "attention", "pointwise"} <= kinds, lowered.kernels
+    assert not lowered.fallbacks
+    assert len(lowered.skipped) >= 10  # movement ops nobody executes
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_paper_size_lowering_leaves_no_movement(batch):
+    """Fig. 2 at Llama-3-8B size: no movement op reaches a kernel, a dot or a result; caches alias."""
+    args = L.example_args("paper", batch=batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        f = vtc_jax.optimize(L.step, backend="triton", donate_argnums=(2, 3))
+        opt = cross_lower(f, *args)
+        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    base = cross_lower(jax.jit(L.step, donate_argnums=(2, 3)), *args)
+    assert base.movement_into_consumers(), "the baseline should have movement feeding dots/results"
+    assert opt.movement_into_consumers() == []
+    for op in ("transpose", "concatenate", "dynamic_update_slice", "slice", "dynamic_slice", "pad",
+               "reverse", "gather", "scatter"):
+        assert opt.count(f"stablehlo.{op}") == 0, op
+    assert len(opt.triton_kernels) >= 3
+    assert "tf.aliasing_output = 1" in text and "tf.aliasing_output = 2" in text  # K and V caches
+
+
+def test_jit_conventions_pytrees_kwargs_static_and_nesting():
+    def fn(tree, *, scale, mode):
+        a, b = tree["a"], tree["b"]
+        y = jnp.dot(a, b.T) * scale
+        return {"y": jnp.transpose(y) if mode == "t" else y, "n": jnp.sum(a)}
+
+    tree = {"a": jnp.arange(48.0).reshape(6, 8) / 48, "b": jnp.ones((5, 8))}
+    f = vtc_jax.optimize(fn, static_argnames="mode", backend="interpret")
+    for mode in ("t", "n"):
+        out = f(tree, scale=2.0, mode=mode)
+        ref = jax.jit(fn, static_argnames="mode")(tree, scale=2.0, mode=mode)
+        assert jax.tree.structure(out) == jax.tree.structure(ref)
+        assert _max_rel(out, ref) <= 1e-6
+    inner = jax.jit(lambda t: f(t, scale=1.0, mode="t")["y"] + 1)(tree)
+    np.testing.assert_allclose(inner, jax.jit(fn, static_argnames="mode")(tree, scale=1.0, mode="t")["y"] + 1,
+                               rtol=1e-6)
+    assert "func.func" in f.lower(tree, scale=1.0, mode="t").as_text()
+    assert f.trace(tree, scale=1.0, mode="n").jaxpr is not None
+    exp = jax.export.export(jax.jit(lambda t: f(t, scale=1.0, mode="t")))(tree)
+    np.testing.assert_allclose(exp.call(tree)["y"], out_t := f(tree, scale=1.0, mode="t")["y"], rtol=1e-6)
+    assert isinstance(f.explain(tree, scale=1.0, mode="t"), vtc_jax.Report)
+
+
+def test_decorator_forms_and_bad_input():
+    @vtc_jax.optimize
+    def g(x):
+        return jnp.transpose(x) * 2
+
+    @vtc_jax.optimize(backend="interpret")
+    def h(x):
+        return jnp.transpose(x) * 2
+
+    x = jnp.arange(6.0).reshape(2, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        np.testing.assert_array_equal(g(x), h(x))
+    with pytest.raises(TypeError, match="callable"):
+        vtc_jax.optimize(3)
+    with pytest.raises(ValueError, match="backend"):
+        vtc_jax.optimize(h, backend="cuda")
+    with pytest.raises(TypeError):  # wrong arity: the same kind of error jax.jit gives
+        h(x, x)
+
+
+def _sort_between_matmuls(x, w1, w2):
+    y = jnp.dot(x, w1)
+    y = jnp.sort(y, axis=-1)
+    return jnp.transpose(jnp.dot(y, w2))
+
+
+def test_fallback_warns_once_naming_the_primitive_and_strict_raises():
+    rng = np.random.default_rng(0)
+    args = (jnp.asarray(rng.standard_normal((4, 8)), jnp.float32), jnp.asarray(rng.standard_normal((8, 8)), jnp.float32),
+            jnp.asarray(rng.standard_normal((8, 4)), jnp.float32))
+    f = vtc_jax.optimize(_sort_between_matmuls, backend="interpret")
+    with pytest.warns(vtc_jax.VTCFallbackWarning, match="sort") as rec:
+        out = f(*args)
+    assert sum("sort" in str(w.message) for w in rec) == 1
+    np.testing.assert_allclose(out, jax.jit(_sort_between_matmuls)(*args), rtol=1e-5)
+    strict = vtc_jax.optimize(_sort_between_matmuls, backend="interpret", strict=True)
+    with pytest.raises(vtc_jax.VTCError, match="sort"):
+        strict(*args)
+
+
+def test_whole_rewrite_failure_falls_back_to_jit(monkeypatch):
+    import vtc_jax.lower as lower_mod
+
+    def boom(*a, **k):
+        raise RuntimeError("synthetic lowering failure")
+
+    monkeypatch.setattr(lower_mod, "lower", boom)
+    f = vtc_jax.optimize(lambda x: jnp.transpose(x) + 1, backend="interpret")
+    x = jnp.arange(6.0).reshape(2, 3)
+    with pytest.warns(vtc_jax.VTCFallbackWarning, match="synthetic lowering failure"):
+        np.testing.assert_array_equal(f(x), jnp.transpose(x) + 1)
+
+
+def test_inplace_hazard_is_detected_and_the_answer_stays_right():
+    """The old cache is read after the update: the in-place edge must go, with a reason."""
+    def step(cache, new, pos):
+        updated = jax.lax.dynamic_update_slice(cache, new, (pos, 0))
+        old_sum = jnp.sum(cache * 2.0, axis=0)           # reads the *old* contents afterwards
+        return jnp.dot(jnp.transpose(updated), updated) + old_sum
+
+    rng = np.random.default_rng(1)
+    cache = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
+    new = jnp.asarray(rng.standard_normal((1, 8)), jnp.float32)
+    pos = jnp.int32(5)
+    report = vtc_jax.explain(step)(cache, new, pos)
+    dropped = [why for e, why in report.vtog.dropped if e.inplace]
+    assert dropped and "old contents" in dropped[0]
+    assert not any(report.vtog.edges[i].inplace for i in report.strategy.chosen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        out = vtc_jax.optimize(step, backend="interpret")(cache, new, pos)
+    np.testing.assert_allclose(out, jax.jit(step)(cache, new, pos), rtol=1e-5)
+
+
+def test_donated_cache_is_updated_in_place():
+    args = L.example_args("small", batch=1)
+    ref = jax.jit(L.step)(*args)
+    f = vtc_jax.optimize(L.step, backend="interpret", donate_argnums=(2, 3))
+    params, x, kc, vc, pos = args
+    out = f(params, x, jnp.array(kc), jnp.array(vc), pos)
+    assert _max_rel(out, ref) <= F32_RTOL
+    text = f.lower(*args).as_text()
+    assert "tf.aliasing_output = 1" in text and "tf.aliasing_output = 2" in text
+
+
+def test_user_errors_are_not_swallowed():
+    f = vtc_jax.optimize(lambda x, y: jnp.dot(x, y), backend="interpret")
+    with pytest.raises(TypeError, match="dot_general requires contracting dimensions to have the same shape"):
+        f(jnp.ones((2, 3)), jnp.ones((4, 5)))
