@@ -752,10 +752,12 @@ class Layout(Movements):
 
     This is the paper's virtual tensor ``(F, {P_1..P_n})``: ``F`` is the piecewise map, the
     pieces' targets are the ``P_j``. Movement methods return the layout of the moved tensor.
-    Elements covered by no piece (only ``pad`` makes them) read as ``fill``.
+    Elements covered by no piece (only ``pad`` makes them) read as ``fill``; ``pad_fill`` records
+    it so that it survives even when a slice keeps no piece at all.
     """
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
+    pad_fill: float | None = None  # the fill of a pad somewhere in the chain (None: never padded)
 
     @staticmethod
     def physical(target: int, shape: Sequence[int]) -> "Layout":
@@ -772,7 +774,7 @@ class Layout(Movements):
 
     @property
     def fill(self) -> float:
-        fills = [p.map.fill for p in self.pieces if p.map.fill is not None]
+        fills = [f for f in [self.pad_fill, *(p.map.fill for p in self.pieces)] if f is not None]
         return fills[0] if fills else 0.0
 
     def compose(self, inner: IndexMap) -> "Layout":
@@ -785,13 +787,13 @@ class Layout(Movements):
             if any(_never(c, b) for c in where):
                 continue
             pieces.append(Piece(p.target, p.map.compose(inner, refine=where), where))
-        return Layout(inner.domain, tuple(pieces))
+        return Layout(inner.domain, tuple(pieces), _one_fill(self.pad_fill, inner.fill if inner.conds else None))
 
     def restrict_box(self, box: Sequence[tuple[int, int]]) -> "Layout":
         """The same layout, with membership limited to ``box`` (one edge of a concat/split)."""
         extra = box_conds(box, self.shape)
         return Layout(self.shape, tuple(Piece(p.target, p.map, tuple(dict.fromkeys(p.where + extra)))
-                                        for p in self.pieces))
+                                        for p in self.pieces), self.pad_fill)
 
     @staticmethod
     def concatenate(layouts: Sequence["Layout"], axis: int) -> "Layout":
@@ -809,7 +811,7 @@ class Layout(Movements):
             box[axis] = (off, off + n)
             pieces += l.compose(m).restrict_box(box).pieces
             off += n
-        return Layout(tuple(shape), tuple(pieces))
+        return Layout(tuple(shape), tuple(pieces), _one_fill(*(l.pad_fill for l in layouts)))
 
     def evaluate(self, buffers: Mapping[int, np.ndarray], symbols: Mapping[str, Any] | None = None) -> np.ndarray:
         """Materialise the tensor from physical buffers with numpy (the reference semantics)."""
@@ -826,6 +828,14 @@ class Layout(Movements):
 
     def __str__(self) -> str:
         return " | ".join(f"t{p.target}{list(p.box() or p.where)}: {p.map}" for p in self.pieces)
+
+
+def _one_fill(*fills: float | None) -> float | None:
+    """The single fill value of a layout built from parts; two different fills cannot be one layout."""
+    known = set(f for f in fills if f is not None)
+    if len(known) > 1:
+        raise NotComposable(f"pads with different fill values {sorted(known)}")
+    return known.pop() if known else None
 
 
 def _never(c: Cond, bounds: Bounds) -> bool:
