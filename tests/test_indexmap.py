@@ -246,6 +246,7 @@ def test_random_chain_matches_lax(data):
     raw = {k: np.int32(v) for k, v in c.raw.items()}
     want = np.asarray(jax.jit(program).lower(c.buffers[0], raw).compile(LAX_COMPILE_OPTIONS)(c.buffers[0], raw))
     got = c.layout.evaluate(c.buffers, c.symbols)
+    if not np.array_equal(got, want): print("DBG", c.steps, got, want, c.buffers, c.symbols, c.raw, [str(p.map.syms) for p in c.layout.pieces])
     assert got.shape == want.shape, c.steps
     np.testing.assert_array_equal(got, want, err_msg=" -> ".join(c.steps) + f"\n{c.layout}")
     for p in c.layout.pieces:

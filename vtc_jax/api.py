@@ -16,7 +16,7 @@ from . import costmodel, movement
 from .cluster import Cluster, cluster
 from .graph import Graph, trace
 from .report import Modeled, MovementInfo, Report
-from .strategy import Strategy, complete_inplace, greedy
+from .strategy import Strategy, complete_inplace, complete_views, greedy
 from .vtog import VTOG, build_vtog
 
 
@@ -63,6 +63,9 @@ def analyze(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
     else:  # a user cost model with only savings(edge, chosen, vtog, graph)
         savings = lambda e, chosen: model.savings(e, chosen, vtog, graph)
     strategy = complete_inplace(greedy(vtog, savings))
+    from .lower import eliminated_ops
+    gone = eliminated_ops(graph, strategy)
+    strategy = complete_views(strategy, [e.op for e in vtog.edges if e.op not in gone])
     return Analysis(graph, clusters, vtog, strategy, time.perf_counter() - t0, donated)
 
 
@@ -127,41 +130,28 @@ def make_report(name: str, a: Analysis) -> Report:
     for i, e in enumerate(v.edges):
         by_op.setdefault(e.op, []).append(i)
     chosen = set(s.chosen)
+    from .lower import eliminated_ops
+    gone_ops = eliminated_ops(g, s)
+    home = {oid: c for c in a.clusters for oid in c.ops}
     infos = []
     for op in g.ops:
-        if not movement.is_movement(op, g):
+        if not movement.is_movement(op, g) or all(g.tensors[t].const is not None for t in op.inputs):
             continue
         edges = tuple(by_op.get(op.id, ()))
-        gone = s.eliminated(op.id) if hasattr(s, "eliminated") else _eliminated(g, v, s, op.id)
-        reason = _reason(g, v, s, op, edges, gone)
-        infos.append(MovementInfo(op.id, op.primitive, tuple(g.tensors[t].shape for t in op.inputs
-                                                             if g.tensors[t].const is None or g.tensors[t].shape),
+        c = home.get(op.id)
+        if c is not None and c.kind not in ("movement", "glue", "opaque"):
+            gone, reason = True, f"fused into {c.kind} cluster #{c.id}: a register-level view, never in memory"
+        else:
+            gone = op.id in gone_ops
+            reason = _reason(g, v, s, op, edges, gone)
+        infos.append(MovementInfo(op.id, op.primitive,
+                                  tuple(g.tensors[t].shape for t in op.inputs if g.tensors[t].const is None),
                                   g.tensors[op.outputs[0]].shape, gone, reason, edges,
                                   tuple(i for i in edges if i in chosen)))
     mb = costmodel.modeled_bytes(g, a.clusters, s, donated=a.donated)
     modeled = Modeled(**{k: int(mb[k]) for k in Modeled.__dataclass_fields__})
     opaque = tuple((g.ops[c.ops[0]].primitive, c.reason) for c in a.clusters if c.kind == "opaque")
     return Report(name, g, a.clusters, v, s, tuple(infos), modeled, a.seconds, opaque)
-
-
-def _eliminated(g: Graph, v: VTOG, s: Strategy, op_id: int) -> bool:
-    """An op vanishes when no output needs it: each output is virtual, or fully written by producers."""
-    op = g.ops[op_id]
-    for o in op.outputs:
-        if s.is_virtual(o):
-            continue
-        covered = 0
-        for i in s.chosen:
-            e = v.edges[i]
-            if e.op == op_id and e.dst == o and e.direction == "write":
-                covered += _box_size(e.box)
-        if covered < g.tensors[o].size:
-            return False
-    # dynamic_update_slice made in place still has to write its update unless the producer does.
-    if op.primitive == "dynamic_update_slice" and s.is_virtual(op.outputs[0]):
-        upd = op.inputs[1]
-        return s.is_virtual(upd) and any(v.edges[i].src == upd and v.edges[i].op == op_id for i in s.chosen)
-    return True
 
 
 def _box_size(box: Sequence[tuple[int, int]]) -> int:

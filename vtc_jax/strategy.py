@@ -494,3 +494,41 @@ def complete_inplace(strategy: Strategy) -> Strategy:
     if len(chosen) == len(strategy.chosen):
         return strategy
     return Strategy(tuple(chosen), strategy.total_saving, tuple(picks), v)
+
+
+VIEW_PRIMITIVES = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "convert_element_type",
+                             "copy", "copy_p"})
+
+
+def complete_views(strategy: Strategy, kept_ops: Sequence[int]) -> Strategy:
+    """Also take the Type I edges of view ops (reshape, squeeze, expand_dims, size-preserving
+    broadcast, same-dtype convert, copy) that the greedy left, when they still validate.
+
+    XLA runs such an op as a free bitcast, so the cost model credits it nothing and the greedy
+    (strictly positive picks) leaves it; but once its neighbours are kernels reading or writing
+    through maps, the op is one more tensor that needs its own buffer. Taking the edge costs
+    nothing at run time (the map composes into the neighbour's) and removes the op. Read edges
+    (the view's output becomes virtual of its input) are tried first.
+    """
+    v = strategy.vtog
+    chosen = list(strategy.chosen)
+    picks = list(strategy.trace)
+    kept = set(kept_ops)
+    candidates = sorted((i for i, e in enumerate(v.edges)
+                         if e.op in kept and e.primitive in VIEW_PRIMITIVES and e.klass == "I"
+                         and v.volume(e.src) == v.volume(e.dst)),
+                        key=lambda i: (v.edges[i].direction != "read", i))
+    current = strategy
+    for i in candidates:
+        e = v.edges[i]
+        if current.is_virtual(e.src) or any(v.in_conflict(i, j) for j in chosen):
+            continue
+        trial = Strategy(tuple(chosen + [i]), strategy.total_saving, tuple(picks), v)
+        try:
+            trial.validate()
+        except StrategyError:
+            continue
+        chosen.append(i)
+        picks.append(Pick(e.src, (i,), 0.0, (0.0,)))
+        current = trial
+    return current
