@@ -239,14 +239,16 @@ def test_random_chain_matches_lax(data):
         c.steps.append(step)
 
     def program(x, raw):
+        # The barriers keep each op's own semantics: XLA's simplifier folds dynamic_slice of
+        # dynamic_slice into one slice with the wrong clamp (jax 0.10.2: jit(ds(ds(x,[a],[2]),[b],[1]))
+        # of [1,3,2] at a=6, b=0 gives [2.], op by op gives [3.]).
         for fn in c.fns:
-            x = fn(x, raw)
+            x = lax.optimization_barrier(fn(x, raw))
         return x
 
     raw = {k: np.int32(v) for k, v in c.raw.items()}
     want = np.asarray(jax.jit(program).lower(c.buffers[0], raw).compile(LAX_COMPILE_OPTIONS)(c.buffers[0], raw))
     got = c.layout.evaluate(c.buffers, c.symbols)
-    if not np.array_equal(got, want): print("DBG", c.steps, got, want, c.buffers, c.symbols, c.raw, [str(p.map.syms) for p in c.layout.pieces])
     assert got.shape == want.shape, c.steps
     np.testing.assert_array_equal(got, want, err_msg=" -> ".join(c.steps) + f"\n{c.layout}")
     for p in c.layout.pieces:

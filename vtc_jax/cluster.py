@@ -112,6 +112,9 @@ class _Groups:
         self.members: dict[int, set[int]] = {}
         self.kind: dict[int, str] = {}
         self._next_id = 0
+        # consumer op ids of each op, computed once: the cycle check walks them constantly
+        self.succ: list[tuple[int, ...]] = [
+            tuple(dict.fromkeys(c.id for t in op.outputs for c in graph.consumers(t))) for op in graph.ops]
 
     def free(self, op: int) -> bool:
         return self.of[op] is None
@@ -152,20 +155,22 @@ class _Groups:
 
     def _acyclic(self, ops: set[int]) -> bool:
         """No path leaves `ops` and re-enters it (other groups count as contracted nodes)."""
-        g = self.graph
-        stack = [c.id for o in ops for t in g.ops[o].outputs for c in g.consumers(t) if c.id not in ops]
+        succ, of, members = self.succ, self.of, self.members
+        stack = [c for o in ops for c in succ[o] if c not in ops]
         seen: set[int] = set()
         while stack:
             o = stack.pop()
             if o in seen:
                 continue
-            unit = self.members[self.of[o]] if self.of[o] is not None else {o}
-            seen |= unit
+            gid = of[o]
+            unit = members[gid] if gid is not None else (o,)
+            seen.update(unit)
             for u in unit:
-                for c in (c for t in g.ops[u].outputs for c in g.consumers(t)):
-                    if c.id in ops:
+                for c in succ[u]:
+                    if c in ops:
                         return False
-                    stack.append(c.id)
+                    if c not in seen:
+                        stack.append(c)
         return True
 
     def escaping(self, gid: int) -> list[int]:

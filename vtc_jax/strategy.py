@@ -474,26 +474,15 @@ def complete_inplace(strategy: Strategy) -> Strategy:
     the saving only exists in combination. Each addition is kept only if the result validates.
     """
     v = strategy.vtog
-    chosen = list(strategy.chosen)
-    picks = list(strategy.trace)
+    candidates, companion = [], {}
     for i in strategy.chosen:
         e = v.edges[i]
-        if e.primitive != "dynamic_update_slice" or e.direction != "write":
-            continue
-        for j in v.out_edges(e.dst):  # e.dst is the update op's output
-            f = v.edges[j]
-            if not f.inplace or f.op != e.op or j in chosen or strategy.is_virtual(f.src):
-                continue
-            trial = Strategy(tuple(chosen + [j]), strategy.total_saving, tuple(picks), v)
-            try:
-                trial.validate()
-            except StrategyError:
-                continue
-            chosen.append(j)
-            picks.append(Pick(f.src, (j,), 0.0, (0.0,), companion_of=e.src))
-    if len(chosen) == len(strategy.chosen):
-        return strategy
-    return Strategy(tuple(chosen), strategy.total_saving, tuple(picks), v)
+        if e.primitive == "dynamic_update_slice" and e.direction == "write":
+            for j in v.out_edges(e.dst):  # e.dst is the update op's output
+                if v.edges[j].inplace and v.edges[j].op == e.op:
+                    candidates.append(j)
+                    companion[j] = e.src
+    return _add_edges(strategy, candidates, companion)
 
 
 VIEW_PRIMITIVES = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "convert_element_type",
@@ -511,24 +500,56 @@ def complete_views(strategy: Strategy, kept_ops: Sequence[int]) -> Strategy:
     (the view's output becomes virtual of its input) are tried first.
     """
     v = strategy.vtog
-    chosen = list(strategy.chosen)
-    picks = list(strategy.trace)
     kept = set(kept_ops)
     candidates = sorted((i for i, e in enumerate(v.edges)
                          if e.op in kept and e.primitive in VIEW_PRIMITIVES and e.klass == "I"
                          and v.volume(e.src) == v.volume(e.dst)),
                         key=lambda i: (v.edges[i].direction != "read", i))
-    current = strategy
+    return _add_edges(strategy, candidates)
+
+
+def _add_edges(strategy: Strategy, candidates: Sequence[int], companion_of: Mapping[int, int] | None = None) -> Strategy:
+    """Add each candidate edge that keeps the points-to graph valid, checking locally.
+
+    Each candidate covers its source whole, so validity reduces to: source not virtual or pinned,
+    no conflict with a chosen edge, no cycle (the target must not reach the source). Layout
+    composition is checked once at the end by ``validate``; if that fails nothing is added.
+    """
+    v = strategy.vtog
+    chosen = list(strategy.chosen)
+    picks = list(strategy.trace)
+    out: dict[int, list[int]] = {}
+    for i in chosen:
+        out.setdefault(v.edges[i].src, []).append(v.edges[i].dst)
+
+    def reaches(a: int, b: int) -> bool:
+        stack, seen = [a], {a}
+        while stack:
+            t = stack.pop()
+            if t == b:
+                return True
+            for d in out.get(t, ()):
+                if d not in seen:
+                    seen.add(d)
+                    stack.append(d)
+        return False
+
+    added = 0
     for i in candidates:
         e = v.edges[i]
-        if current.is_virtual(e.src) or any(v.in_conflict(i, j) for j in chosen):
+        if e.src in out or e.src in v.physical or not exact_cover(v, [i], e.src):
             continue
-        trial = Strategy(tuple(chosen + [i]), strategy.total_saving, tuple(picks), v)
-        try:
-            trial.validate()
-        except StrategyError:
+        if any(v.in_conflict(i, j) for j in chosen) or reaches(e.dst, e.src):
             continue
         chosen.append(i)
-        picks.append(Pick(e.src, (i,), 0.0, (0.0,)))
-        current = trial
-    return current
+        out.setdefault(e.src, []).append(e.dst)
+        picks.append(Pick(e.src, (i,), 0.0, (0.0,), companion_of=(companion_of or {}).get(i)))
+        added += 1
+    if not added:
+        return strategy
+    trial = Strategy(tuple(chosen), strategy.total_saving, tuple(picks), v)
+    try:
+        trial.validate()
+    except StrategyError:
+        return strategy
+    return trial

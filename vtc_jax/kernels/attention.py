@@ -62,6 +62,7 @@ __all__ = ["decode_attention", "default_num_splits", "NUM_SMS"]
 NUM_SMS = 132          # H100 SXM: the default split count aims to give every SM a program
 MIN_DOT = 16           # tt.dot wants M, N, K >= 16
 MAX_SPLITS = 64
+SMEM_BUDGET = 128 * 1024  # bytes of staged K/V blocks; sm_90 allows 227 KiB, sm_80 163 KiB per block
 _LEN_SYM = "__vtc_attn_len"  # runtime symbol carrying pos (or kv_len) into the kernel
 _NEG = -1e30           # initial running max: finite, so exp(m_prev - m_next) is never inf - inf
 
@@ -125,7 +126,7 @@ class _Cfg:
 def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = None,
                      sm_scale: float | None = None, soft_cap: float | None = None,
                      window: int | None = None, out: VTensor | None = None, block_k: int = 64,
-                     num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                     num_splits: int | None = None, num_warps: int = 8, num_stages: int = 2,
                      backend: str = "interpret") -> Any:
     """Single-token (decode) attention ``softmax(mask(cap(q·kᵀ·scale)))·v`` per query head.
 
@@ -139,10 +140,13 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
     window: sliding window: additionally keys ``t >= end - window`` only (``t > pos - window``).
     out: VTensor of logical shape (B, Hkv, G, Dv) receiving the result (written in place when its
         buffers are arrays); default a fresh physical array of q's dtype.
-    block_k: keys per block, a power of two >= 16 (capped at next_pow2(T)).
+    block_k: keys per block, a power of two >= 16; capped at next_pow2(T), and halved while
+        ``num_stages * block_k * (Dp + Dvp) * itemsize > SMEM_BUDGET`` (staged K/V blocks).
     num_splits: split-K programs per (batch, KV head); default :func:`default_num_splits`.
         1 runs a single kernel; > 1 adds the small combine kernel.
-    num_warps, num_stages: Triton launch configuration of the main kernel.
+    num_warps, num_stages: Triton launch configuration of the main kernel. The default (8 warps,
+        block_k 64) compiles for sm_90 without spills for bf16 Llama-3 (G=4, D=128) and MHA
+        (D=128) decode; 4 warps spill there (tests/test_kernel_attention.py, offline test).
     backend: "interpret" (CPU) or "triton".
 
     Returns like :func:`vtc_jax.kernels.matmul.matmul`: the array for a fresh/one-buffer output,
@@ -173,7 +177,13 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
     elif tuple(out.shape) != out_shape:
         raise ValueError(f"out has logical shape {out.shape}, expected {out_shape}")
 
+    compute = np.dtype(jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype))
+    Dp, Dvp = max(MIN_DOT, next_pow2(D)), max(MIN_DOT, next_pow2(Dv))
     bk = min(block_k, max(MIN_DOT, next_pow2(T)))
+    # Shared memory: Triton stages the K and V blocks (num_stages deep). Halve the block until
+    # that fits SMEM_BUDGET, so the kernel also *loads* on the device (f32 with D = 256, say).
+    while bk > MIN_DOT and max(num_stages, 1) * bk * (Dp + Dvp) * compute.itemsize > SMEM_BUDGET:
+        bk //= 2
     S = default_num_splits(B * H, T, bk) if num_splits is None else int(num_splits)
     S = max(1, min(S, -(-T // bk)))  # never more splits than KV blocks
 
@@ -202,9 +212,8 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
             raise ValueError(f"q already carries a runtime symbol named {_LEN_SYM!r}")
         q = dataclasses.replace(q, symbols=q.symbols + ((_LEN_SYM, jnp.asarray(scalar, jnp.int32)),))
 
-    compute = np.dtype(jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype))
     cfg = _Cfg(B=B, H=H, G=G, D=D, Dv=Dv, T=T, Gp=max(MIN_DOT, next_pow2(G)), Gs=next_pow2(G),
-               Dp=max(MIN_DOT, next_pow2(D)), Dvp=max(MIN_DOT, next_pow2(Dv)), bk=bk, S=S,
+               Dp=Dp, Dvp=Dvp, bk=bk, S=S,
                scale=float(1.0 / math.sqrt(D) if sm_scale is None else sm_scale),
                soft_cap=None if soft_cap is None else float(soft_cap),
                window=None if window is None else int(window), hi_static=hi_static,

@@ -57,6 +57,11 @@ from .vio import Plan, VTensor, next_pow2
 
 __all__ = ["conv", "conv_views"]
 
+# Depthwise tiles hold an f32 accumulator plus the loaded window in registers (no tt.dot to spread
+# them): 512 elements per warp (16 accumulators per thread) keeps 4 warps near 64 registers,
+# where a 64x64 tile needs ~150 (ptxas, sm_90).
+_DW_TILE_PER_WARP = 512
+
 
 # --------------------------------------------------------------------------------------------
 # Static planning
@@ -261,6 +266,11 @@ def conv(x: Any, w: Any, *, window_strides: Sequence[int], padding: Any,
     if g.depthwise:
         bm = min(block_m, max(16, next_pow2(g.m)))
         bn = min(block_n, max(16, next_pow2(g.oc)))
+        while bm * bn > _DW_TILE_PER_WARP * num_warps and max(bm, bn) > 16:  # registers: no dot
+            if bm >= bn:
+                bm //= 2
+            else:
+                bn //= 2
         taps = _Group(g.k_spatial, (1,) * nsp)
         n_taps, tiles_m, tiles_n = taps.ntiles, -(-g.m // bm), -(-g.oc // bn)
         ones = (1,) * nsp
@@ -292,6 +302,7 @@ def conv(x: Any, w: Any, *, window_strides: Sequence[int], padding: Any,
                                    block_n=block_n, block_k=block_k)
         kgroup = _Group(k_sizes, _split_block(k_sizes, bk))
         kb = kgroup.blocks
+        bk = kgroup.block
         n_k, tiles_m, tiles_n = kgroup.ntiles, -(-g.m // bm), -(-g.ocg // bn)
         groups = g.groups
 

@@ -10,6 +10,12 @@ The three stages of the paper's Listing 1 (§2.3, §4.2):
 3. every result block is ``VRef.store``-d — possibly into a slice of a bigger buffer at a runtime
    ``pos`` (aliased), into several concat buffers, or onto three physical tensors.
 
+16-bit floats: Triton cannot divide bf16/f16 tensors ("unsupported types") and its LLVM step
+fails on tanh, log1p, expm1, pow, tan, atan(2), asin, sinh, cbrt of them (erf_inv, nextafter do not
+lower). :func:`f32_math` re-runs ``fn`` op by op and computes exactly those ops (and the other
+transcendentals) in f32, rounding each result back — XLA's own per-op float normalisation, so the
+numerics are the ones ``jax.jit`` gives.
+
 Blocking: the grid is 1-D; leading logical dims are collapsed into it (block 1), the last two dims
 get power-of-two blocks of ~``_TARGET`` elements with the last dim at most 128 (4-byte types) or
 256 (2-byte types) wide. Ragged edges are masked by ``vio``; padded lanes compute garbage that is
@@ -21,6 +27,7 @@ import math
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
@@ -28,10 +35,64 @@ from jax.experimental import pallas as pl
 from ..indexmap import Layout
 from .vio import Plan, VTensor, next_pow2
 
-__all__ = ["pointwise", "choose_block", "as_vtensor", "grid_origin"]
+__all__ = ["pointwise", "choose_block", "as_vtensor", "grid_origin", "f32_math", "F32_MATH_PRIMITIVES"]
 
 _TARGET = 2048          # elements per block (fits 4 warps comfortably for a few live values)
 _MAX_1D = 1024          # block of a rank-1 tensor
+
+
+# Primitives computed in f32 (inputs upcast, result rounded back) when they see 16-bit floats.
+F32_MATH_PRIMITIVES = frozenset({
+    "div", "rem", "pow", "atan2", "nextafter", "logistic", "tanh", "tan", "sin", "cos", "asin",
+    "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "exp", "exp2", "expm1", "log",
+    "log1p", "sqrt", "rsqrt", "cbrt", "erf", "erfc", "erf_inv", "lgamma", "digamma",
+})
+_LOW = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
+def f32_math(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` evaluated primitive by primitive, with :data:`F32_MATH_PRIMITIVES` on bf16/f16
+    operands computed in f32 and rounded back (call-like primitives — jit, custom_jvp/vjp — are
+    inlined). Everything else is re-bound unchanged. A no-op for f32 programs."""
+    def wrapped(*args: Any) -> Any:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        out = _eval_f32_math(closed.jaxpr, closed.consts, jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(out_shape), out)
+    return wrapped
+
+
+def _eval_f32_math(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        inner = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr")
+                      if isinstance(eqn.params.get(k), jcore.ClosedJaxpr)), None)
+        if inner is not None and eqn.primitive.name in ("pjit", "jit", "closed_call", "core_call",
+                                                         "custom_jvp_call", "custom_vjp_call",
+                                                         "custom_vjp_call_jaxpr", "remat", "checkpoint"):
+            outs = _eval_f32_math(inner.jaxpr, inner.consts, invals)
+        elif eqn.primitive.name in F32_MATH_PRIMITIVES and any(
+                np.dtype(v.aval.dtype) in _LOW for v in eqn.invars if hasattr(v.aval, "dtype")):
+            up = [jnp.asarray(x).astype(jnp.float32) if np.dtype(v.aval.dtype) in _LOW else x
+                  for v, x in zip(eqn.invars, invals)]
+            outs = eqn.primitive.bind(*up, **eqn.params)
+            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+            outs = [o.astype(v.aval.dtype) if np.dtype(v.aval.dtype) in _LOW else o
+                    for o, v in zip(outs, eqn.outvars)]
+        else:
+            outs = eqn.primitive.bind(*invals, **eqn.params)
+            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = o
+    return [read(v) for v in jaxpr.outvars]
 
 
 def choose_block(shape: Sequence[int], itemsize: int = 4, target: int = _TARGET) -> tuple[int, ...]:
@@ -99,7 +160,7 @@ def _lift_rank0(v: VTensor) -> VTensor:
 def pointwise(fn: Callable[..., Any], inputs: Sequence[Any], *, out_shape: Sequence[int] | None = None,
               out_dtypes: Any = None, outs: Any = None, block: Sequence[int] | None = None,
               num_warps: int = 4, num_stages: int = 1, backend: str = "interpret",
-              name: str = "pointwise") -> Any:
+              name: str = "pointwise", upcast_math: bool = True) -> Any:
     """Elementwise ``fn(*blocks) -> block | tuple of blocks`` over a logical output shape.
 
     inputs      VTensors, arrays (broadcast to the output shape by numpy rules, through a
@@ -109,6 +170,8 @@ def pointwise(fn: Callable[..., Any], inputs: Sequence[Any], *, out_shape: Seque
     outs        VTensor or sequence (one per result of ``fn``) to write into — virtual outputs,
                 buffers written in place; default fresh physical arrays.
     block       power-of-two block over the logical shape; default :func:`choose_block`.
+    upcast_math run ``fn`` through :func:`f32_math` (needed on Triton for bf16/f16 division and
+                most transcendentals; same numerics as XLA's per-op normalisation).
 
     Returns, per result of ``fn``, its output's physical buffer (or the tuple of its buffers when
     the output VTensor has several); a single result is returned bare, a tuple result as a tuple.
@@ -185,10 +248,12 @@ def pointwise(fn: Callable[..., Any], inputs: Sequence[Any], *, out_shape: Seque
     _, n_programs = grid_origin(shape, blk, 0)
     plan = Plan.build(vins, vouts)
 
+    compute = f32_math(lambda *b: call_fn(b)) if upcast_math else (lambda *b: call_fn(b))
+
     def body(ins: Sequence[Any], outs_: Sequence[Any]) -> None:
         origin, _ = grid_origin(shape, blk, pl.program_id(0))
         blocks = [r.load(origin, blk) for r in ins]        # stage 1
-        res = call_fn(blocks)                              # stage 2 (untouched)
+        res = compute(*blocks)                             # stage 2 (untouched)
         res = tuple(res) if tuple_result else (res,)
         for o, v in zip(outs_, res):                       # stage 3
             o.store(origin, blk, v)

@@ -1,0 +1,366 @@
+"""kernels/attention.py: flash-decoding with GQA over virtual q/k/v (paper §3.1, §4.2).
+
+Every case goes through ``check_kernel``: interpret mode against an f32 numpy reference *and*
+cross-lowered for CUDA (Triton IR must come out). Shapes are small and deliberately ragged
+(T = 100, D = 48 / 96, G = 3) so every mask is exercised.
+
+Reference: ``softmax(mask(cap(q·kᵀ·scale)))·v`` in f32 numpy, cast to the output dtype.
+Tolerances: f32 inputs run both in-kernel dots at ``precision=HIGHEST`` (IEEE f32 on the GPU, exact in
+interpret mode); only the summation order and the online-softmax rescaling differ: rtol = atol =
+1e-5. bf16 inputs: scores and accumulators are f32, but the probabilities are rounded to bf16 for the
+P·V dot (flash attention) and the output is one bf16 rounding (2^-8 relative): rtol = atol = 2e-2.
+"""
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from vtc_jax.indexmap import Layout, SymInfo, sym
+from vtc_jax.kernels.attention import decode_attention, default_num_splits
+from vtc_jax.kernels.matmul import matmul
+from vtc_jax.kernels.vio import VTensor
+from vtc_jax.testing import TRITON_CALL_TARGET, check_kernel
+
+F32 = dict(rtol=1e-5, atol=1e-5)
+B16 = dict(rtol=2e-2, atol=2e-2)
+TOL = {jnp.float32: F32, jnp.bfloat16: B16}
+
+
+def rand(shape, dtype=jnp.float32, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def ref_attention(q, k, v, *, hi=None, window=None, sm_scale=None, soft_cap=None, dtype=None):
+    """q (B, H, G, D), k (B, H, T, D), v (B, H, T, Dv); keys t < hi (and t >= hi - window) valid."""
+    dtype = dtype or q.dtype
+    q, k, v = (np.asarray(x, np.float32) for x in (q, k, v))
+    t = k.shape[2]
+    hi = t if hi is None else min(int(hi), t)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    s = np.einsum("bhgd,bhtd->bhgt", q, k) * scale
+    if soft_cap is not None:
+        s = soft_cap * np.tanh(s / soft_cap)
+    ts = np.arange(t)
+    valid = ts < hi
+    if window is not None:
+        valid &= ts >= hi - window
+    s = np.where(valid, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return jnp.asarray(np.einsum("bhgt,bhtd->bhgd", p, v), dtype)
+
+
+def cache_view(cache):
+    """Logical (B, Hkv, T, D) read straight from a (B, T, Hkv, D) cache: a transpose layout."""
+    return VTensor(Layout.physical(0, cache.shape).transpose((0, 2, 1, 3)), cache.dtype, (cache,))
+
+
+def from_cache(c):
+    return jnp.swapaxes(c, 1, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Physical operands: GQA / MHA, ragged shapes, both dtypes, split and unsplit
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("b,h,g,d,t,splits", [
+    (2, 2, 4, 64, 128, None),   # GQA G=4, default split count
+    (1, 3, 1, 96, 100, 1),      # MHA, non-pow2 D and T, one kernel (no combine)
+    (2, 2, 3, 48, 100, 3),      # G=3, D=48, T=100, split-K + combine
+])
+def test_physical(dtype, b, h, g, d, t, splits):
+    args = (rand((b, h, g, d), dtype), rand((b, h, t, d), dtype, 1), rand((b, h, t, d), dtype, 2),
+            jnp.int32(t - 7))
+    call = functools.partial(lambda q, k, v, pos, **kw: decode_attention(q, k, v, pos=pos, **kw),
+                             num_splits=splits, block_k=32)
+    res = check_kernel(call, lambda q, k, v, pos: ref_attention(q, k, v, hi=int(pos) + 1), args,
+                       **TOL[dtype])
+    assert len(res.triton_kernels) == (1 if splits == 1 else 2)
+    if splits:
+        assert res.triton_kernels[0].grid == (b, h, splits)
+
+
+def test_no_mask_static_and_runtime_kv_len():
+    q, k, v = rand((1, 2, 2, 32)), rand((1, 2, 70, 32), seed=1), rand((1, 2, 70, 32), seed=2)
+    check_kernel(decode_attention, lambda q, k, v: ref_attention(q, k, v), (q, k, v), **F32)
+    check_kernel(functools.partial(decode_attention, kv_len=33, num_splits=2),
+                 lambda q, k, v: ref_attention(q, k, v, hi=33), (q, k, v), **F32)
+    check_kernel(lambda q, k, v, n, **kw: decode_attention(q, k, v, kv_len=n, num_splits=3, **kw),
+                 lambda q, k, v, n: ref_attention(q, k, v, hi=int(n)), (q, k, v, jnp.int32(41)),
+                 **F32)
+
+
+@pytest.mark.parametrize("pos", [0, 5, 99])
+def test_empty_splits_short_prefix(pos):
+    """Only the first KV block(s) are valid but 4 splits: splits with no block must not disturb
+    the combine (m = -1e30, l = 0), and pos = 0 (one key) is exact."""
+    q, k, v = rand((1, 1, 3, 48)), rand((1, 1, 100, 48), seed=1), rand((1, 1, 100, 48), seed=2)
+    check_kernel(lambda q, k, v, p, **kw: decode_attention(q, k, v, pos=p, num_splits=4,
+                                                           block_k=16, **kw),
+                 lambda q, k, v, p: ref_attention(q, k, v, hi=int(p) + 1),
+                 (q, k, v, jnp.int32(pos)), **F32)
+
+
+# --------------------------------------------------------------------------------------------
+# Gemma-2 features: logit soft-cap and sliding window
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_soft_cap_and_sliding_window(dtype):
+    b, hkv, g, d, t, win, cap = 1, 2, 2, 96, 100, 37, 5.0
+    args = (rand((b, hkv, g, d), dtype) * 4, rand((b, t, hkv, d), dtype, 1),
+            rand((b, t, hkv, d), dtype, 2), jnp.int32(88))
+
+    def call(q, kc, vc, pos, *, backend):
+        return decode_attention(q, cache_view(kc), cache_view(vc), pos=pos, soft_cap=cap,
+                                window=win, sm_scale=0.2, block_k=16, num_splits=3,
+                                backend=backend)
+
+    def ref(q, kc, vc, pos):
+        return ref_attention(q, from_cache(kc), from_cache(vc), hi=int(pos) + 1, window=win,
+                             sm_scale=0.2, soft_cap=cap)
+
+    check_kernel(call, ref, args, **TOL[dtype])
+
+
+# --------------------------------------------------------------------------------------------
+# Virtual operands: the KV cache through a transpose, the cache updated at pos, q from the fused
+# QKV buffer, the output into the o-projection input, and the whole §3.1 chain
+# --------------------------------------------------------------------------------------------
+
+def _walk(op):
+    op = getattr(op, "operation", op)
+    yield op
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                yield from _walk(inner)
+
+
+def module_facts(text):
+    """(operand shapes of each Triton custom call, [(op name, result elements)] of all ops)."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    module = ir.Module.parse(text, context=mlir.make_ir_context())
+    kernels, sizes = [], []
+    for op in _walk(module.operation):
+        shapes = []
+        for r in op.results:
+            try:
+                shapes.append(int(np.prod(ir.RankedTensorType(r.type).shape)))
+            except ValueError:  # not a ranked tensor (tokens, tuples)
+                pass
+        sizes.append((op.name, max(shapes, default=0)))
+        if op.name == "stablehlo.custom_call" and \
+                ir.StringAttr(op.attributes["call_target_name"]).value == TRITON_CALL_TARGET:
+            kernels.append([tuple(ir.RankedTensorType(o.type).shape) for o in op.operands])
+    return kernels, sizes
+
+
+def assert_no_repeated_kv(text, cache_shape, hq):
+    """The kernels take the (B, T, Hkv, D) caches themselves; nothing in the module is as large
+    as a K/V repeated to Hq heads, and no transpose/concat/broadcast touches cache-sized data."""
+    kernels, sizes = module_facts(text)
+    b, t, hkv, d = cache_shape
+    cache_elems, repeated = b * t * hkv * d, b * t * hq * d
+    assert any(ops.count(tuple(cache_shape)) >= 2 for ops in kernels), kernels  # K and V caches
+    assert max(n for _, n in sizes) < repeated, [s for s in sizes if s[1] >= repeated]
+    moved = [(name, n) for name, n in sizes if n >= cache_elems and name in (
+        "stablehlo.transpose", "stablehlo.concatenate", "stablehlo.broadcast_in_dim",
+        "stablehlo.gather", "stablehlo.copy")]
+    assert not moved, moved
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_gqa_reads_the_cache_through_a_transpose(dtype):
+    """K/V straight from (B, T, Hkv, D) caches, G = 4 query heads per KV head: no transpose, no
+    repeat — one K/V block per KV head serves its 4 query heads."""
+    b, hkv, g, d, t = 2, 2, 4, 64, 100
+    args = (rand((b, hkv, g, d), dtype), rand((b, t, hkv, d), dtype, 1),
+            rand((b, t, hkv, d), dtype, 2), jnp.int32(60))
+
+    def call(q, kc, vc, pos, *, backend):
+        return decode_attention(q, cache_view(kc), cache_view(vc), pos=pos, num_splits=2,
+                                block_k=16, backend=backend)
+
+    res = check_kernel(call, lambda q, kc, vc, pos: ref_attention(
+        q, from_cache(kc), from_cache(vc), hi=int(pos) + 1), args, **TOL[dtype])
+    assert res.lowered.count("stablehlo.transpose") == 0
+    assert_no_repeated_kv(res.text, (b, t, hkv, d), hkv * g)
+
+
+def test_cache_updated_at_pos_then_read():
+    """The new K/V row is written into the caches at pos (XLA dynamic_update_slice, in place under
+    donation); the kernel reads the updated caches through the transpose layout and must see it."""
+    b, hkv, g, d, t = 2, 2, 2, 32, 40
+
+    def update(kc, vc, kn, vn, pos):
+        z = jnp.int32(0)
+        return (lax.dynamic_update_slice(kc, kn[:, None], (z, pos, z, z)),
+                lax.dynamic_update_slice(vc, vn[:, None], (z, pos, z, z)))
+
+    def call(q, kc, vc, kn, vn, pos, *, backend):
+        kc, vc = update(kc, vc, kn, vn, pos)
+        o = decode_attention(q, cache_view(kc), cache_view(vc), pos=pos, num_splits=2,
+                             block_k=16, backend=backend)
+        return o, kc, vc
+
+    def ref(q, kc, vc, kn, vn, pos):
+        kc, vc = update(kc, vc, kn, vn, pos)
+        return ref_attention(q, from_cache(kc), from_cache(vc), hi=int(pos) + 1), kc, vc
+
+    args = (rand((b, hkv, g, d)), rand((b, t, hkv, d), seed=1), rand((b, t, hkv, d), seed=2),
+            rand((b, hkv, d), seed=3) * 3, rand((b, hkv, d), seed=4) * 3, jnp.int32(17))
+    out = check_kernel(call, ref, args, **F32).output
+    # The new row matters: attention over the stale cache differs.
+    stale = ref_attention(args[0], from_cache(args[1]), from_cache(args[2]), hi=18)
+    assert not np.allclose(np.asarray(out[0]), np.asarray(stale), atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_q_from_fused_qkv_and_output_into_oproj_buffer(dtype):
+    """q is a slice of the fused (B, (Hq + 2 Hkv) * D) QKV projection output, reshaped to
+    (B, Hkv, G, D) (slice + reshape layout); the result lands in a fresh (B, Hq * D) buffer —
+    the o-projection's input — through a reshape layout."""
+    b, hkv, g, d, t = 2, 2, 3, 48, 50
+    hq = hkv * g
+    qkv_w = (hq + 2 * hkv) * d
+    args = (rand((b, qkv_w), dtype), rand((b, t, hkv, d), dtype, 1),
+            rand((b, t, hkv, d), dtype, 2), jnp.int32(31))
+
+    def call(qkv, kc, vc, pos, *, backend):
+        q = VTensor(Layout.physical(0, (b, qkv_w)).slice((0, 0), (b, hq * d))
+                    .reshape((b, hkv, g, d)), qkv.dtype, (qkv,))
+        out = VTensor(Layout.physical(0, (b, hq * d)).reshape((b, hkv, g, d)), qkv.dtype,
+                      (jax.ShapeDtypeStruct((b, hq * d), qkv.dtype),))
+        return decode_attention(q, cache_view(kc), cache_view(vc), pos=pos, out=out,
+                                num_splits=2, block_k=16, backend=backend)
+
+    def ref(qkv, kc, vc, pos):
+        q = qkv[:, :hq * d].reshape(b, hkv, g, d)
+        o = ref_attention(q, from_cache(kc), from_cache(vc), hi=int(pos) + 1)
+        return o.reshape(b, hq * d)
+
+    res = check_kernel(call, ref, args, **TOL[dtype])
+    # Only reshapes (bitcasts in XLA: vio passes gather-path buffers flattened) remain.
+    assert set(res.lowered.op_counts) <= {"builtin.module", "func.func", "func.return",
+                                          "stablehlo.custom_call", "stablehlo.reshape"}, \
+        res.lowered.op_counts
+
+
+def test_llama_decode_chain_qkv_projection_to_attention():
+    """The paper's §3.1 example end to end, no movement op anywhere: x @ Wqkv writes Q into a
+    fresh buffer and K/V into the caches at ``pos`` (one matmul, three buffers); attention reads
+    q from Q, K/V from the caches (transpose layouts, GQA G = 4) and writes (B, Hq * D) for the
+    o-projection."""
+    b, dm, hkv, g, d, t = 2, 32, 2, 4, 16, 24
+    hq = hkv * g
+    qw, kw = hq * d, hkv * d
+    info = [SymInfo("pos", 0, t - 1)]
+
+    def call(x, w, kc, vc, pos, *, backend):
+        lq = Layout.physical(0, (b, hq, d)).reshape((b, qw))
+        lkv = [Layout.physical(i, (b, t, hkv, d)).dynamic_slice([0, sym("pos"), 0, 0],
+                                                                 (b, 1, hkv, d), info)
+               .reshape((b, kw)) for i in (1, 2)]
+        qkv = VTensor(Layout.concatenate([lq, *lkv], 1), x.dtype,
+                      (jax.ShapeDtypeStruct((b, hq, d), x.dtype), kc, vc), (("pos", pos),))
+        qbuf, kc, vc = matmul(x, w, dimension_numbers=(((1,), (0,)), ((), ())), out=qkv,
+                              backend=backend)
+        q = VTensor(Layout.physical(0, (b, hq, d)).reshape((b, hkv, g, d)), x.dtype, (qbuf,))
+        out = VTensor(Layout.physical(0, (b, qw)).reshape((b, hkv, g, d)), x.dtype,
+                      (jax.ShapeDtypeStruct((b, qw), x.dtype),))
+        o = decode_attention(q, cache_view(kc), cache_view(vc), pos=pos, out=out, num_splits=2,
+                             block_k=16, backend=backend)
+        return o, kc, vc
+
+    def ref(x, w, kc, vc, pos):
+        y = np.asarray(lax.dot(x, w, precision=lax.Precision.HIGHEST))
+        q = y[:, :qw].reshape(b, hkv, g, d)
+        kc, vc = np.array(kc), np.array(vc)
+        kc[:, int(pos)] = y[:, qw:qw + kw].reshape(b, hkv, d)
+        vc[:, int(pos)] = y[:, qw + kw:].reshape(b, hkv, d)
+        o = ref_attention(q, from_cache(kc), from_cache(vc), hi=int(pos) + 1)
+        return o.reshape(b, qw), jnp.asarray(kc), jnp.asarray(vc)
+
+    args = (rand((b, dm)), rand((dm, qw + 2 * kw), seed=1) * 0.3, rand((b, t, hkv, d), seed=2),
+            rand((b, t, hkv, d), seed=3), jnp.int32(13))
+    res = check_kernel(call, ref, args, **F32)
+    assert len(res.triton_kernels) == 3  # projection, attention split, combine
+    for name in ("stablehlo.transpose", "stablehlo.concatenate", "stablehlo.slice",
+                 "stablehlo.dynamic_slice", "stablehlo.dynamic_update_slice", "stablehlo.scatter",
+                 "stablehlo.gather", "stablehlo.broadcast_in_dim"):
+        assert res.lowered.count(name) == 0, name
+    assert_no_repeated_kv(res.text, (b, t, hkv, d), hq)
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+def test_default_num_splits():
+    assert default_num_splits(8, 4096, 64) == 17      # Llama-3-8B decode, B = 1: 136 programs
+    assert default_num_splits(128, 4096, 64) == 2     # B = 16
+    assert default_num_splits(256, 4096, 64) == 1     # already fills 132 SMs
+    assert default_num_splits(8, 100, 64) == 1        # two blocks: no split
+    assert default_num_splits(1, 1 << 20, 64) == 64   # capped
+
+
+def test_bad_arguments():
+    q, k = rand((1, 1, 1, 16)), rand((1, 1, 8, 16))
+    with pytest.raises(ValueError, match="power of two"):
+        decode_attention(q, k, k, block_k=48)
+    with pytest.raises(ValueError, match="pos or kv_len"):
+        decode_attention(q, k, k, pos=1, kv_len=2)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        decode_attention(q, k, rand((1, 2, 8, 16)))
+    with pytest.raises(ValueError, match="logical shape"):
+        decode_attention(q, k, k, out=VTensor.fresh((1, 1, 2, 16), jnp.float32))
+
+
+# --------------------------------------------------------------------------------------------
+# Rung 2b: the default bf16 configuration compiles to cubin for sm_90 within budget
+# --------------------------------------------------------------------------------------------
+
+# vio turns a block transpose that only moves size-1 dims (the (B, T, Hkv, D) cache read as
+# (B, Hkv, T, D) with block (1, 1, bk, D)) into tt.trans, and folds a size-1 unmapped dim of a
+# mask with a reduction; on a 3-/4-D tile Triton routes both through local memory. At D = 256 this
+# spills (80 B at 8 warps); with the vio fix described in the report: 128 registers, no spill.
+VIO_UNIT_TRANSPOSE = pytest.mark.xfail(
+    strict=True, reason="vio: transpose/reduce over size-1 block dims are not plain reshapes")
+
+
+@pytest.mark.offline
+@pytest.mark.parametrize("name,b,hkv,g,d,extra", [
+    ("llama3-8b", 1, 8, 4, 128, {}),
+    ("llama3-8b-b16", 16, 8, 4, 128, {}),
+    ("mha", 1, 32, 1, 128, {}),
+    pytest.param("gemma2-9b", 1, 8, 2, 256, dict(soft_cap=50.0, window=4096),
+                 marks=VIO_UNIT_TRANSPOSE),
+])
+def test_default_config_compiles_sm90_no_spills(name, b, hkv, g, d, extra):
+    from vtc_jax.offline import SMEM_LIMIT, compile_lowered, format_table
+    from vtc_jax.testing import cross_lower
+
+    t, dt = 4096, jnp.bfloat16
+
+    def f(q, kc, vc, pos):
+        return decode_attention(q, cache_view(kc), cache_view(vc), pos=pos, backend="triton",
+                                **extra)
+
+    sds = (jax.ShapeDtypeStruct((b, hkv, g, d), dt), jax.ShapeDtypeStruct((b, t, hkv, d), dt),
+           jax.ShapeDtypeStruct((b, t, hkv, d), dt), jax.ShapeDtypeStruct((), jnp.int32))
+    results = compile_lowered(cross_lower(f, *sds), arch="9.0")
+    table = format_table(results)
+    print(f"\n{name}\n{table}")
+    assert len(results) == 2, table  # split + combine (default num_splits > 1 here)
+    for r in results:
+        assert r.cubin_ok, table
+        assert not r.spills, table
+        assert r.smem_bytes <= SMEM_LIMIT["sm_90"], table
+    assert (results[0].num_warps, results[0].num_stages) == (8, 2), table

@@ -1,0 +1,301 @@
+"""VTOG rules per primitive: edge count, endpoints, direction, class, and that every map is right.
+
+"Right" means: for an edge ``src ⇢ dst``, ``Layout.physical(dst).compose(edge.map)`` restricted to
+``edge.box`` and evaluated on dst's actual value equals src's actual value inside the box (for the
+in-place dynamic_update_slice edge, dst's buffer holds the updated value).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from vtc_jax.graph import trace
+from vtc_jax.indexmap import Layout
+from vtc_jax.movement import Edge, explain_no_edges, is_movement, rules, static_value
+
+F32 = jnp.float32
+
+
+def _values(g, *args):
+    """Every tensor's value: re-bind each op (like Graph.evaluate, keeping intermediates)."""
+    env = {t.id: t.const for t in g.tensors if t.const is not None}
+    env.update(zip(g.inputs, jax.tree_util.tree_leaves((args, {}))))
+    for op in g.ops:
+        out = op.prim.bind(*(env[t] for t in op.inputs), **op.params)
+        env.update(zip(op.outputs, out if op.prim.multiple_results else (out,)))
+    return {k: np.asarray(v) for k, v in env.items()}
+
+
+def check_edge(e: Edge, g, vals) -> None:
+    """The edge's map, evaluated on dst's value, reproduces src inside the box."""
+    op = g.ops[e.op]
+    assert e.primitive == op.primitive
+    assert e.direction == ("read" if e.src in op.outputs else "write")
+    assert {e.src, e.dst} <= set(op.inputs) | set(op.outputs)
+    src, dst = vals[e.src], vals[e.dst]
+    assert e.map.domain == src.shape and e.map.target == dst.shape
+    assert len(e.box) == src.ndim and e.klass in ("I", "II") and e.note
+    if e.inplace:  # out lives in operand's buffer, which holds out's value after the update
+        assert e.map.is_identity and op.primitive == "dynamic_update_slice"
+        dst = src
+    # a symbol s{t} is tensor t's value after lax's clamping (the SymInfo range)
+    symbols = {s.name: int(np.clip(vals[int(s.name[1:])], s.lo, s.hi)) for s in e.map.syms}
+    lay = Layout.physical(e.dst, dst.shape).compose(e.map).restrict_box(e.box)
+    got = lay.evaluate({e.dst: dst}, symbols)
+    box = tuple(slice(lo, hi) for lo, hi in e.box)
+    np.testing.assert_array_equal(got[box], src[box], err_msg=f"{op.primitive}: {e}")
+
+
+def run(fn, *args, primitive=None):
+    """Trace, check every edge of every op, return (graph, edges of the ops of `primitive`)."""
+    g = trace(fn, *args)
+    vals = _values(g, *args)
+    edges = []
+    for op in g.ops:
+        es = rules(op, g)
+        assert is_movement(op, g) == bool(es)
+        assert (explain_no_edges(op, g) is None) == bool(es)
+        for e in es:
+            check_edge(e, g, vals)
+        if op.primitive == primitive:
+            edges += es
+    return g, edges
+
+
+def roles(g, edges):
+    """Edges as (src role, dst role, direction, klass, inplace); roles are x<k> / y<k> of the op."""
+    def role(op, t):
+        return f"x{op.inputs.index(t)}" if t in op.inputs else f"y{op.outputs.index(t)}"
+    return [(role(g.ops[e.op], e.src), role(g.ops[e.op], e.dst), e.direction, e.klass, e.inplace) for e in edges]
+
+
+R, W = "read", "write"
+
+
+def arr(*shape, dtype=F32):
+    return jnp.arange(np.prod(shape), dtype=dtype).reshape(shape) + 1
+
+
+CASES = {
+    # name: (fn, args, primitive, expected roles)
+    "transpose_last_two": (lambda x: x.transpose(0, 2, 1), (arr(4, 6, 8),), "transpose",
+                           [("y0", "x0", R, "II", False), ("x0", "y0", W, "II", False)]),
+    "transpose_keeps_innermost_32B": (lambda x: x.transpose(1, 0, 2), (arr(4, 6, 8),), "transpose",
+                                      [("y0", "x0", R, "I", False), ("x0", "y0", W, "I", False)]),
+    "transpose_keeps_innermost_16B": (lambda x: x.transpose(1, 0, 2), (arr(4, 6, 8, dtype=jnp.bfloat16),),
+                                      "transpose", [("y0", "x0", R, "II", False), ("x0", "y0", W, "II", False)]),
+    "reshape": (lambda x: x.reshape(6, 4), (arr(4, 6),), "reshape",
+                [("y0", "x0", R, "I", False), ("x0", "y0", W, "I", False)]),
+    "reshape_dimensions": (lambda x: lax.reshape(x, (6, 4), dimensions=(1, 0)), (arr(4, 6),), "reshape",
+                           [("y0", "x0", R, "II", False), ("x0", "y0", W, "II", False)]),
+    "reshape_dimensions_3d": (lambda x: lax.reshape(x, (3, 16), dimensions=(1, 0, 2)), (arr(2, 3, 8),), "reshape",
+                              [("y0", "x0", R, "I", False), ("x0", "y0", W, "I", False)]),
+    "squeeze": (lambda x: jnp.squeeze(x, 1), (arr(4, 1, 6),), "squeeze",
+                [("y0", "x0", R, "I", False), ("x0", "y0", W, "I", False)]),
+    "expand_dims": (lambda x: lax.expand_dims(x, (1,)), (arr(4, 6),), "broadcast_in_dim",
+                    [("y0", "x0", R, "I", False), ("x0", "y0", W, "I", False)]),
+    "broadcast": (lambda x: jnp.broadcast_to(x, (4, 6)), (arr(1, 6),), "broadcast_in_dim",
+                  [("y0", "x0", R, "II", False)]),
+    "broadcast_rank_up": (lambda x: lax.broadcast_in_dim(x, (3, 4, 6), (1, 2)), (arr(4, 6),), "broadcast_in_dim",
+                          [("y0", "x0", R, "II", False)]),
+    "slice_axis0": (lambda x: x[1:3], (arr(4, 6),), "slice", [("y0", "x0", R, "I", False)]),
+    "slice_axis1": (lambda x: x[:, 1:4], (arr(4, 6),), "slice", [("y0", "x0", R, "II", False)]),
+    "slice_strided": (lambda x: x[::2], (arr(4, 6),), "slice", [("y0", "x0", R, "II", False)]),
+    "slice_row_of_1xN": (lambda x: x[:, 2:5], (arr(1, 6),), "slice", [("y0", "x0", R, "I", False)]),
+    "dynamic_slice_rows": (lambda x, i: lax.dynamic_slice(x, (i, 0), (2, 6)), (arr(4, 6), 3), "dynamic_slice",
+                           [("y0", "x0", R, "I", False)]),
+    "dynamic_slice_window": (lambda x, i: lax.dynamic_slice(x, (1, i), (2, 3)), (arr(4, 6), -2), "dynamic_slice",
+                             [("y0", "x0", R, "II", False)]),
+    "dynamic_update_slice": (lambda c, u, p: lax.dynamic_update_slice(c, u, (0, p, 0, 0)),
+                             (arr(1, 8, 2, 4), -arr(1, 1, 2, 4), 5), "dynamic_update_slice",
+                             [("y0", "x0", R, "I", True), ("x1", "y0", W, "I", False)]),
+    "dynamic_update_slice_cols": (lambda c, u, p: lax.dynamic_update_slice(c, u, (0, p)),
+                                  (arr(4, 8), -arr(4, 2), 100), "dynamic_update_slice",
+                                  [("y0", "x0", R, "I", True), ("x1", "y0", W, "II", False)]),
+    "concatenate_axis0": (lambda a, b: jnp.concatenate([a, b], 0), (arr(2, 6), -arr(3, 6)), "concatenate",
+                          [("y0", "x0", R, "I", False), ("y0", "x1", R, "I", False),
+                           ("x0", "y0", W, "I", False), ("x1", "y0", W, "I", False)]),
+    "concatenate_axis1": (lambda a, b: jnp.concatenate([a, b], 1), (arr(4, 2), -arr(4, 3)), "concatenate",
+                          [("y0", "x0", R, "II", False), ("y0", "x1", R, "II", False),
+                           ("x0", "y0", W, "II", False), ("x1", "y0", W, "II", False)]),
+    "concatenate_same_operand_twice": (lambda a: jnp.concatenate([a, a], 0), (arr(2, 6),), "concatenate",
+                                       [("y0", "x0", R, "I", False), ("y0", "x0", R, "I", False),
+                                        ("x0", "y0", W, "I", False), ("x0", "y0", W, "I", False)]),
+    "split_1xN": (lambda x: jnp.split(x, [4, 6], axis=1), (arr(1, 8),), "split",
+                  [("x0", "y0", W, "I", False), ("x0", "y1", W, "I", False), ("x0", "y2", W, "I", False),
+                   ("y0", "x0", R, "I", False), ("y1", "x0", R, "I", False), ("y2", "x0", R, "I", False)]),
+    "split_axis1": (lambda x: jnp.split(x, [2], axis=1), (arr(4, 8),), "split",
+                    [("x0", "y0", W, "II", False), ("x0", "y1", W, "II", False),
+                     ("y0", "x0", R, "II", False), ("y1", "x0", R, "II", False)]),
+    "stack": (lambda a, b: jnp.stack([a, b]), (arr(4, 6), -arr(4, 6)), "stack",
+              [("y0", "x0", R, "I", False), ("y0", "x1", R, "I", False),
+               ("x0", "y0", W, "I", False), ("x1", "y0", W, "I", False)]),
+    "stack_axis1": (lambda a, b: jnp.stack([a, b], 1), (arr(4, 6), -arr(4, 6)), "stack",
+                    [("y0", "x0", R, "II", False), ("y0", "x1", R, "II", False),
+                     ("x0", "y0", W, "II", False), ("x1", "y0", W, "II", False)]),
+    "unstack": (lambda x: jnp.unstack(x), (arr(2, 4, 6),), "unstack",
+                [("x0", "y0", W, "I", False), ("x0", "y1", W, "I", False),
+                 ("y0", "x0", R, "I", False), ("y1", "x0", R, "I", False)]),
+    "rev_rows": (lambda x: x[::-1], (arr(4, 8),), "rev", [("y0", "x0", R, "I", False), ("x0", "y0", W, "I", False)]),
+    "rev_last": (lambda x: x[:, ::-1], (arr(4, 8),), "rev", [("y0", "x0", R, "II", False), ("x0", "y0", W, "II", False)]),
+    "pad": (lambda x: jnp.pad(x, ((1, 2), (0, 1)), constant_values=-1.0), (arr(4, 6),), "pad",
+            [("y0", "x0", R, "II", False)]),
+    "pad_negative_interior": (lambda x: lax.pad(x, np.float32(7), ((-1, 2, 1), (1, -2, 0))), (arr(4, 6),), "pad",
+                              [("y0", "x0", R, "II", False)]),
+    "copy": (lambda x: jnp.copy(x), (arr(4, 6),), "copy", [("y0", "x0", R, "I", False), ("x0", "y0", W, "I", False)]),
+    "convert_same_dtype": (lambda x, i: lax.convert_element_type(i, jnp.int32) + x, (jnp.arange(3, dtype=jnp.int32), 2),
+                           "convert_element_type", [("y0", "x0", R, "I", False), ("x0", "y0", W, "I", False)]),
+    "device_put": (lambda x: jax.device_put(x) * 2, (arr(4, 6),), "device_put",
+                   [("y0", "x0", R, "I", False), ("x0", "y0", W, "I", False)]),
+    "take_rows": (lambda x: jnp.take(x, jnp.arange(1, 3), axis=0), (arr(4, 6),), "gather",
+                  [("y0", "x0", R, "I", False)]),
+    "take_cols": (lambda x: jnp.take(x, jnp.arange(1, 4), axis=1), (arr(4, 6),), "gather",
+                  [("y0", "x0", R, "II", False)]),
+    "take_strided_reversed": (lambda x: x[:, np.array([5, 3, 1])], (arr(4, 6),), "gather",
+                              [("y0", "x0", R, "II", False)]),
+    "take_2d_indices": (lambda x: x[np.array([[3, 2], [1, 0]])], (arr(4, 6),), "gather",
+                        [("y0", "x0", R, "II", False)]),
+    "take_repeat": (lambda x: jnp.take(x, np.array([0, 0, 1, 1, 2, 2, 3]), axis=0), (arr(4, 6),), "gather",
+                    [("y0", "x0", R, "II", False)]),
+    "take_scalar": (lambda x: jnp.take(x, 2, axis=1), (arr(4, 6),), None, []),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rule(name):
+    fn, args, prim, want = CASES[name]
+    g, edges = run(fn, *args, primitive=prim)
+    if prim is not None:
+        assert prim in [op.primitive for op in g.ops], [op.primitive for op in g.ops]
+    assert roles(g, edges) == want
+
+
+def test_dynamic_slice_symbol_and_static_start():
+    g, edges = run(lambda x, i: lax.dynamic_slice(x, (i, 2), (2, 3)), arr(4, 6), 1, primitive="dynamic_slice")
+    (e,) = edges
+    op = g.ops[e.op]
+    (s,) = e.map.syms
+    assert s.name == f"s{op.inputs[1]}" and (s.lo, s.hi) == (0, 2)
+    assert str(e.map) == f"(d0, d1) -> (d0 + s{op.inputs[1]}, d1 + 2)"
+    g, edges = run(lambda x: lax.dynamic_slice(x, (7, 2), (2, 3)), arr(4, 6), primitive="dynamic_slice")
+    assert not edges[0].map.syms and str(edges[0].map) == "(d0, d1) -> (d0 + 2, d1 + 2)"  # clamped like lax
+
+
+def test_dynamic_update_slice_symbol_range():
+    g, edges = run(lambda c, u, p: lax.dynamic_update_slice(c, u, (0, p, 0, 0)),
+                   arr(1, 8, 2, 4), -arr(1, 1, 2, 4), 3, primitive="dynamic_update_slice")
+    upd = edges[1]
+    assert [(s.lo, s.hi) for s in upd.map.syms] == [(0, 7)]
+    assert upd.map.contiguity(4).full and "in place" in edges[0].note
+
+
+def test_pad_with_runtime_fill_has_no_edge():
+    g = trace(lambda x, v: lax.pad(x, v, ((1, 0, 0), (0, 0, 0))), arr(4, 6), np.float32(3))
+    (op,) = g.ops
+    assert rules(op, g) == () and not is_movement(op, g)
+    assert "runtime" in explain_no_edges(op, g)
+
+
+@pytest.mark.parametrize("fn, args, why", [
+    (lambda x, i: jnp.take(x, i, axis=0), (arr(4, 6), jnp.array([0, 2])), "runtime indices"),
+    (lambda x: x[np.array([0, 3, 1])], (arr(4, 6),), "not a strided run"),
+    (lambda x: x.at[np.array([0, 2])].set(0.0), (arr(4, 6),), "scatter"),
+])
+def test_opaque_gather_scatter(fn, args, why):
+    g = trace(fn, *args)
+    ops = [op for op in g.ops if op.primitive in ("gather", "scatter")]
+    assert ops and all(rules(op, g) == () for op in ops)
+    assert why in explain_no_edges(ops[0], g)
+
+
+def test_non_movement_ops():
+    g = trace(lambda x: (x + 1).astype(jnp.bfloat16), arr(4, 6))
+    for op in g.ops:
+        assert not is_movement(op, g) and explain_no_edges(op, g)
+    assert "not a data-movement" in explain_no_edges(g.ops[0], g)
+    assert "dtype" in explain_no_edges(g.ops[-1], g)
+
+
+def test_static_value_folds_index_arithmetic():
+    g = trace(lambda x: jnp.take(x, jnp.arange(1, 4), axis=1), arr(4, 6))
+    (op,) = [op for op in g.ops if op.primitive == "gather"]
+    np.testing.assert_array_equal(static_value(op.inputs[1], g).reshape(-1), [1, 2, 3])
+    assert static_value(g.inputs[0], g) is None
+
+
+# --------------------------------------------------------------------------------------------
+# The Fig-2 decode chain: fused QKV -> split -> reshape -> KV-cache update at pos -> GQA repeat
+# --------------------------------------------------------------------------------------------
+
+H, KV, D, T = 4, 2, 8, 16
+
+
+def decode(x, wqkv, kcache, vcache, pos):
+    qkv = x @ wqkv                                                  # (1, (H + 2KV) D)
+    q, k, v = jnp.split(qkv, [H * D, (H + KV) * D], axis=-1)
+    q = q.reshape(1, H, D)
+    k = k.reshape(1, 1, KV, D)
+    v = v.reshape(1, 1, KV, D)
+    kcache = lax.dynamic_update_slice(kcache, k, (0, pos, 0, 0))    # cache (1, T, KV, D)
+    vcache = lax.dynamic_update_slice(vcache, v, (0, pos, 0, 0))
+    kk = jnp.repeat(kcache, H // KV, axis=2).transpose(0, 2, 1, 3)  # (1, H, T, D)
+    vv = jnp.repeat(vcache, H // KV, axis=2).transpose(0, 2, 1, 3)
+    s = jnp.einsum("bhd,bhtd->bht", q, kk)
+    return jnp.einsum("bht,bhtd->bhd", jax.nn.softmax(s, -1), vv), kcache, vcache
+
+
+def test_fig2_decode_chain():
+    rng = np.random.default_rng(0)
+    args = (rng.standard_normal((1, 32)).astype(np.float32),
+            rng.standard_normal((32, (H + 2 * KV) * D)).astype(np.float32),
+            rng.standard_normal((1, T, KV, D)).astype(np.float32),
+            rng.standard_normal((1, T, KV, D)).astype(np.float32), 5)
+    g, _ = run(decode, *args)  # checks every edge's map on the real values
+    by_prim = {}
+    for op in g.ops:
+        by_prim.setdefault(op.primitive, []).extend(rules(op, g))
+    # split of a (1, N) row: every piece is contiguous, both directions Type I (3 + 3 edges)
+    split = by_prim["split"]
+    assert len(split) == 6 and all(e.klass == "I" for e in split)
+    # reshape to heads: Type I both ways
+    assert by_prim["reshape"] and all(e.klass == "I" for e in by_prim["reshape"] if e.op in
+                                      {g.producer(t).id for t in g.tensors and () or []} or True)
+    # cache updates: out ⇢ cache in place (I); the new k/v ⇢ out at s{pos} (full contiguity: I)
+    dus = by_prim["dynamic_update_slice"]
+    assert [(e.direction, e.klass, e.inplace) for e in dus] == [(R, "I", True), (W, "I", False)] * 2
+    assert all(len(e.map.syms) == 1 for e in dus if not e.inplace)
+    # GQA repeat: broadcast read edge (II), then reshape merging (KV, G) -> H (I), transpose (II: last dims kept? no)
+    bcast = [e for e in by_prim["broadcast_in_dim"] if g.tensors[e.src].shape == (1, T, KV, H // KV, D)]
+    assert len(bcast) == 2 and all((e.direction, e.klass) == (R, "II") for e in bcast)
+    trans = by_prim["transpose"]
+    assert len(trans) == 4 and all(e.klass == "I" for e in trans)  # innermost D kept, runs of 32 B
+
+
+def test_fig2_composed_gqa_map():
+    """Composing the read edges of repeat+transpose gives the grouped-query map onto the cache."""
+    rng = np.random.default_rng(1)
+    args = (rng.standard_normal((1, 32)).astype(np.float32),
+            rng.standard_normal((32, (H + 2 * KV) * D)).astype(np.float32),
+            rng.standard_normal((1, T, KV, D)).astype(np.float32),
+            rng.standard_normal((1, T, KV, D)).astype(np.float32), 3)
+    g = trace(decode, *args)
+    vals = _values(g, *args)
+    # walk back from the first transpose's output through read edges to a tensor with no read edge
+    op = next(op for op in g.ops if op.primitive == "transpose")
+    t, lay = op.outputs[0], None
+    while True:
+        prod = g.producer(t)
+        reads = [e for e in (rules(prod, g) if prod else ()) if e.direction == R and e.src == t]
+        if not reads or prod.primitive == "dynamic_update_slice":
+            break
+        (e,) = reads
+        lay = (Layout.physical(e.dst, g.tensors[e.dst].shape).compose(e.map) if lay is None
+               else Layout.physical(e.dst, g.tensors[e.dst].shape).compose(lay.pieces[0].map.compose(e.map)
+                                                                            if False else e.map))
+        lay_map = e.map if t == op.outputs[0] else e.map.compose(lay_map)  # noqa: F821
+        t = e.dst
+    assert lay_map.domain == (1, H, T, D) and g.tensors[t].shape == (1, T, KV, D)
+    got = Layout.physical(t, g.tensors[t].shape).compose(lay_map).evaluate({t: vals[t]})
+    np.testing.assert_array_equal(got, vals[op.outputs[0]])
+    assert str(lay_map) == "(d0, d1, d2, d3) -> (0, d2, (d1) floordiv 2, d3)"
