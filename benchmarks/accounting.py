@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_TRACEBACK_FILTERING", "off")  # so a lowering failure names the frame that raised
 
 import argparse
 import datetime
@@ -149,7 +150,8 @@ class Case:
     baseline: Lowering | None = None
     optimized: Lowering | None = None
     fallbacks: list[str] = field(default_factory=list)   # VTCFallbackWarning messages of optimize
-    error: str | None = None
+    lower_errors: dict[str, str] = field(default_factory=dict)  # "jit"/"VTC" -> why the lowering failed
+    error: str | None = None                             # the analysis itself failed
 
     @property
     def peak_saving(self) -> float:
@@ -201,14 +203,34 @@ def account(workload: str | Workload, batch: int, *, lower: bool = True) -> Case
         analysis_seconds=report.analysis_seconds,
     )
     if lower:
-        case.baseline = _lowering(jax.jit(mod.step, donate_argnums=donate), args)
+        try:
+            case.baseline = _lowering(jax.jit(mod.step, donate_argnums=donate), args)
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            case.lower_errors["jit"] = describe_error(exc)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", vtc_jax.VTCFallbackWarning)
             f = vtc_jax.optimize(mod.step, backend="triton", donate_argnums=donate)
-            case.optimized = _lowering(f, args)
+            try:
+                case.optimized = _lowering(f, args)
+            except Exception as exc:  # noqa: BLE001 - reported in the table
+                case.lower_errors["VTC"] = describe_error(exc)
         case.fallbacks = list(dict.fromkeys(str(c.message) for c in caught
                                             if issubclass(c.category, vtc_jax.VTCFallbackWarning)))
     return case
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line: the exception, where it was raised, and the innermost vtc_jax frame on the way."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    msg = f"{type(exc).__name__}: {exc}".strip().rstrip(":").splitlines()[0][:200]
+    where = []
+    if frames:
+        last = frames[-1]
+        where.append(f"raised at {Path(last.filename).name}:{last.lineno} ({last.name})")
+        ours = [f for f in frames if "vtc_jax" in f.filename and f is not last]
+        if ours:
+            where.append(f"via vtc_jax/{Path(ours[-1].filename).name}:{ours[-1].lineno} ({ours[-1].name})")
+    return msg + (" — " + ", ".join(where) if where else "")
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,10 +364,13 @@ def render(cases: list[Case], layers: list[dict[str, Any]], info: dict[str, str]
     for c in ok:
         m = c.modeled
         b, o = c.baseline, c.optimized
+        fail = lambda x, k: x if x is not None else ("lowering failed" if k in c.lower_errors else "-")  # noqa: E731
+        bi = fail(b and len(b.into_consumers), "jit")
+        oi = fail(o and len(o.into_consumers), "VTC")
         rows.append([
             c.workload, c.batch, c.jaxpr_ops, f"{c.movement_ops} ({c.eliminated} eliminated)",
-            f"{len(b.into_consumers)} → {len(o.into_consumers)}" if b and o else "-",
-            o.triton_kernels if o else "-", f"{b.library_calls} → {o.library_calls}" if b and o else "-",
+            f"{bi} → {oi}", fail(o and o.triton_kernels, "VTC"),
+            f"{fail(b and b.library_calls, 'jit')} → {fail(o and o.library_calls, 'VTC')}",
             f"{m['kernels_baseline']} → {m['kernels_optimized']}",
             f"{_mib(m['bytes_baseline'])} / {_mib(m['bytes_optimized'])} / {_mib(m['bytes_compulsory'])}",
             f"{_mib(m['peak_baseline'])} → {_mib(m['peak_optimized'])} ({c.peak_saving:.1f}%)",
@@ -361,12 +386,14 @@ def render(cases: list[Case], layers: list[dict[str, Any]], info: dict[str, str]
     out += ["## Movement ops left in the CUDA-lowered module, by op", "",
             "Count of each `stablehlo.<op>` in the module, *jit → VTC* (every function of the module walked "
             "once). These include movement that never reaches memory as its own kernel (XLA fuses many "
-            "slices/concats into neighbours); the *into consumers* column above is the stricter measure.", ""]
+            "slices/concats into neighbours); the *into consumers* column above is the stricter measure. "
+            "n/a: that lowering failed (see the end of this file).", ""]
     rows = []
     for c in ok:
-        if not (c.baseline and c.optimized):
+        if not (c.baseline or c.optimized):
             continue
-        rows.append([c.workload, c.batch] + [f"{c.baseline.movement_counts[op]} → {c.optimized.movement_counts[op]}"
+        cnt = lambda low, op: low.movement_counts[op] if low else "n/a"  # noqa: E731
+        rows.append([c.workload, c.batch] + [f"{cnt(c.baseline, op)} → {cnt(c.optimized, op)}"
                                              for op in MOVEMENT_HLO])
     out.append(_md_table(["workload", "batch", *MOVEMENT_HLO], rows, "lr" + "r" * len(MOVEMENT_HLO)))
     out.append("")
@@ -387,6 +414,8 @@ def render(cases: list[Case], layers: list[dict[str, Any]], info: dict[str, str]
             lines.append(f"  - `{p}` left to XLA unanalysed: {why}")
         for fb in c.fallbacks:
             lines.append(f"  - fallback: {fb}")
+        for which, err in c.lower_errors.items():
+            lines.append(f"  - the {which} lowering failed: {err}")
         if lines:
             any_kept = True
             out.append(f"- **{c.workload}, batch {c.batch}**: {len(c.kept)} of {c.movement_ops} jaxpr movement "
@@ -398,7 +427,7 @@ def render(cases: list[Case], layers: list[dict[str, Any]], info: dict[str, str]
                    "consumer in any VTC-lowered module.")
     else:
         clean = [f"{c.workload} b{c.batch}" for c in ok
-                 if not c.kept and not (c.optimized and c.optimized.into_consumers) and not c.fallbacks
+                 if not c.kept and c.optimized and not c.optimized.into_consumers and not c.fallbacks
                  and not c.opaque]
         if clean:
             out += ["", "Nothing kept in: " + ", ".join(clean) + "."]
@@ -452,11 +481,16 @@ def render(cases: list[Case], layers: list[dict[str, Any]], info: dict[str, str]
                 "Left: modelled HBM bytes (plain XLA, VTC, compulsory); right: modelled peak memory (plain XLA, "
                 "VTC); log scale, MiB.", ""]
 
-    errs = [c for c in cases if c.error]
+    errs = [c for c in cases if c.error or c.lower_errors]
     if errs:
-        out += ["## Cases that failed", ""]
+        out += ["## Cases that failed", "",
+                "Analysis failures leave the case out of every table; lowering failures leave only the lowered-"
+                "module columns empty (the modelled figures come from the analysis).", ""]
         for c in errs:
-            out.append(f"- {c.workload}, batch {c.batch}: `{c.error}`")
+            if c.error:
+                out.append(f"- {c.workload}, batch {c.batch}: analysis failed: `{c.error}`")
+            for which, err in c.lower_errors.items():
+                out.append(f"- {c.workload}, batch {c.batch}: {which} lowering failed: `{err}`")
         out.append("")
     out += ["## Lowering times", "", "Seconds to cross-lower each case for CUDA on this CPU (jit / VTC, the latter "
             "includes VTC's analysis and kernel construction).", ""]
@@ -550,7 +584,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             cases.append(account(w, b))
         except Exception as exc:  # noqa: BLE001 - one broken example must not sink the report
-            msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            msg = describe_error(exc)
             tqdm.write(f"{w.module} batch {b} failed: {msg}")
             traceback.print_exc(file=sys.stderr)
             cases.append(Case(w.module, w.label, b, (), 0, 0, 0, 0, [], [], {}, 0.0, error=msg))

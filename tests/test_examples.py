@@ -30,21 +30,12 @@ MOVEMENT = {
     "shufflenet_unit": {"split", "concatenate", "reshape", "transpose"},
 }
 
-CONV_DIMNUMS = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="vtc_jax.graph.normalize_param turns lax.ConvDimensionNumbers (a NamedTuple) into a plain "
-           "tuple, so lower._xla_step re-binding conv_general_dilated trips its shape rule's "
-           "`type(dimension_numbers) is ConvDimensionNumbers` assertion")
-XFAIL = {"efficientvit_attention": CONV_DIMNUMS, "yolo11_c3k2": CONV_DIMNUMS, "shufflenet_unit": CONV_DIMNUMS}
-
-
 def _module(name):
     return importlib.import_module(name)
 
 
 def _cases(batches):
-    return [pytest.param(name, b, id=f"{name}-b{b}", marks=[XFAIL[name]] if name in XFAIL else [])
-            for name in EXAMPLES for b in batches]
+    return [pytest.param(name, b, id=f"{name}-b{b}") for name in EXAMPLES for b in batches]
 
 
 def _max_rel(out, ref):

@@ -49,8 +49,9 @@ def operands(dn, n, hw, c, oc, k, groups=1, dtype=jnp.float32):
     return rand(x, dtype), rand(w, dtype, seed=1)
 
 
-def check(x, w, tol=F32, **kw):
-    res = check_kernel(functools.partial(conv, **kw), functools.partial(ref_conv, **kw), (x, w), **tol)
+def check(x, w, tol=F32, blocks=None, **kw):
+    res = check_kernel(functools.partial(conv, **kw, **(blocks or {})), functools.partial(ref_conv, **kw),
+                       (x, w), **tol)
     # the layout changes, the padding and the im2col matrix were never materialised
     assert res.lowered.movement_into_consumers() == []
     return res
@@ -118,11 +119,17 @@ def test_conv1d():
     check(x, w, window_strides=(2,), padding=((1, 1),), dimension_numbers=("NWC", "WIO", "NWC"))
 
 
+def test_unusual_dimension_numbers():
+    """Any dim order works the same way: lhs NWCH, rhs HOIW, out CHWN."""
+    x, w = rand((2, 5, 12, 6)), rand((3, 16, 12, 3), seed=1)
+    check(x, w, window_strides=(1, 1), padding="SAME", dimension_numbers=("NWCH", "HOIW", "CHWN"))
+
+
 def test_small_blocks_several_tiles():
     """block 16 everywhere: M, OC and K loops have several (ragged) tiles; program id -> origins."""
     x, w = operands(NHWC, 2, (5, 5), 48, 40, (3, 3))
     check(x, w, window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC,
-          block_m=16, block_n=16, block_k=16)
+          blocks=dict(block_m=16, block_n=16, block_k=16))
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,6 +176,7 @@ def test_input_is_channel_shuffle_depthwise(dn):
     w = rand((c, 1, 3, 3) if dn == NCHW else (3, 3, 1, c), seed=1)
     res = check_kernel(call, ref, (y, w), **F32)
     assert res.lowered.count("stablehlo.transpose") == 0
+    assert res.lowered.movement_into_consumers() == []
 
 
 def test_input_is_concat_of_two_buffers():
@@ -184,6 +192,7 @@ def test_input_is_concat_of_two_buffers():
     res = check_kernel(call, lambda a, b, w: ref_conv(jnp.concatenate([a, b], 3), w, **kw),
                        (a, b, w), **F32)
     assert res.lowered.count("stablehlo.concatenate") == 0
+    assert res.lowered.movement_into_consumers() == []
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,6 +213,7 @@ def test_output_into_slab_of_existing_concat_buffer():
     x, w = operands(NCHW, 2, (5, 5), 12, 16, (3, 3))
     res = check_kernel(call, ref, (x, w, rand((2, 48, 5, 5), seed=3)), **F32)
     assert "output_operand_alias<output_tuple_indices = [], operand_index = 2" in res.text
+    assert res.lowered.movement_into_consumers() == []
 
 
 def test_two_convs_fill_a_fresh_concat_buffer():
@@ -230,6 +240,7 @@ def test_two_convs_fill_a_fresh_concat_buffer():
     res = check_kernel(call, ref, args, **F32)
     assert len(res.triton_kernels) == 2
     assert res.lowered.count("stablehlo.concatenate") == 0
+    assert res.lowered.movement_into_consumers() == []
 
 
 # --------------------------------------------------------------------------------------------

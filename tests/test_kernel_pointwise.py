@@ -13,7 +13,7 @@ import pytest
 from jax import lax
 
 from vtc_jax.indexmap import Layout, SymInfo, sym
-from vtc_jax.kernels.pointwise import choose_block, pointwise
+from vtc_jax.kernels.pointwise import choose_block, f32_math, pointwise
 from vtc_jax.kernels.vio import VTensor
 from vtc_jax.testing import check_kernel
 
@@ -257,7 +257,7 @@ def test_write_unaligned_blocks(case):
 # --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape", [(1,), (3,), (100,), (3000,), (1, 1), (1, 100), (3, 48), (96, 3),
-                                   (100, 300), (2, 3, 100), (3, 5, 1, 7)], ids=str)
+                                   (100, 300), (2, 3, 100), (3, 5, 1, 7), (5, 3, 48, 130)], ids=str)
 def test_shapes_f32(shape):
     x, y = rnd(1, shape, jnp.float32), rnd(2, shape, jnp.float32)
     check(lambda x, y, backend: pointwise(fn, [x, y], backend=backend), fn, (x, y),
@@ -317,10 +317,36 @@ def test_virtual_in_virtual_out_together():
                  (xt, bias, cache, pos), **TOL[jnp.bfloat16])
 
 
+def test_bf16_math_that_triton_cannot_do_in_bf16():
+    """silu (logistic), tanh soft-capping, division, gelu-tanh in bf16: without f32_math the
+    division does not lower and tanh/log1p fail Triton's LLVM step (see the offline test)."""
+    x, y = rnd(1, (M, N), jnp.bfloat16), rnd(2, (M, N), jnp.bfloat16)
+    f = lambda a, b: (jax.nn.silu(a) * b, 30.0 * jnp.tanh(a / 30.0), jax.nn.gelu(b), jnp.log1p(a * a))
+    check(lambda x, y, backend: pointwise(f, [x, y], backend=backend), f, (x, y),
+          **TOL[jnp.bfloat16])
+    with pytest.raises(Exception, match="unsupported types"):
+        check(lambda x, y, backend: pointwise(lambda a, b: a / b, [x, y], upcast_math=False,
+                                              backend=backend), lambda a, b: a / b, (x, y),
+              **TOL[jnp.bfloat16])
+
+
+def test_f32_math_rounds_per_op():
+    x = rnd(1, (8,), jnp.bfloat16)
+    g = f32_math(lambda a: jax.jit(lambda u: jnp.tanh(u) / 3)(a) + 1)
+    jaxpr = str(jax.make_jaxpr(g)(x))
+    assert "tanh" in jaxpr and "f32" in jaxpr and "jit[" not in jaxpr
+    np.testing.assert_array_equal(np.asarray(g(x), np.float32),
+                                  np.asarray(jnp.tanh(x) / 3 + 1, np.float32))
+    y = rnd(1, (8,), jnp.float32)
+    assert "convert_element_type" not in str(jax.make_jaxpr(g)(y))
+
+
 def test_explicit_block_and_choose_block():
     assert choose_block((M, N)) == (16, 128)
     assert choose_block((M, 300), itemsize=2) == (8, 256)
-    assert choose_block((2, 3, 100)) == (1, 4, 128)
+    assert choose_block((2, 3, 100)) == (2, 4, 128)
+    assert choose_block((64, 2, 100)) == (8, 2, 128)
+    assert choose_block((100, 3, 5, 1000)) == (1, 2, 8, 128)
     assert choose_block((100000,)) == (1024,)
     x, y = rnd(1, (M, N), jnp.float32), rnd(2, (M, N), jnp.float32)
     res = check(lambda x, y, backend: pointwise(fn, [x, y], block=(8, 32), backend=backend),
@@ -354,6 +380,9 @@ def test_default_configs_compile_for_sm90():
          (S((4, 1000, 1000), jnp.bfloat16), S((1000,), jnp.bfloat16))),
         (lambda x, y: pointwise(fn, [vt(phys((512, 1024)).transpose((1, 0)), x), y], backend="triton"),
          (S((512, 1024), jnp.bfloat16), S((1024, 512), jnp.bfloat16))),
+        (lambda x, y: pointwise(lambda a, b: (jax.nn.silu(a) * b, 30.0 * jnp.tanh(a / 30.0)), [x, y],
+                                backend="triton"),
+         (S((4096, 1024), jnp.bfloat16), S((4096, 1024), jnp.bfloat16))),
         (lambda x, y, c, p: _write_case("qkv_three_tensors", x, y, (c, c, p), "triton"),
          (S((M, WRITE_N), jnp.bfloat16), S((M, WRITE_N), jnp.bfloat16),
           S((T, WRITE_N // 3), jnp.bfloat16), S((), jnp.int32))),

@@ -101,7 +101,10 @@ def normalize_param(value: Any) -> Any:
     if isinstance(value, np.integer):
         return int(value)
     if isinstance(value, tuple):
-        return tuple(normalize_param(v) for v in value)
+        items = [normalize_param(v) for v in value]
+        # NamedTuples (ConvDimensionNumbers, GatherDimensionNumbers...) keep their type: jax's
+        # shape rules check it when the op is re-bound.
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     return value
 
 

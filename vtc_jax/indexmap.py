@@ -82,6 +82,13 @@ def _atom_key(a: Atom) -> tuple:
         return (0, a.i, "")
     if isinstance(a, Sym):
         return (1, 0, a.name)
+    return _compound_key(a)
+
+
+@functools.lru_cache(maxsize=65536)
+def _compound_key(a: Atom) -> tuple:
+    """Printing a compound atom is the costly part of ordering terms: memoise it (atoms are
+    immutable values, so the cache can never be stale)."""
     return (2, 0, str(a))
 
 
@@ -105,9 +112,12 @@ class Expr:
 
     @staticmethod
     def _make(coeffs: Mapping[Atom, int], c: int) -> "Expr":
-        coeffs, c = _recombine(coeffs, int(c))
-        items = sorted(((a, k) for a, k in coeffs.items() if k != 0), key=lambda t: _atom_key(t[0]))
-        return Expr(tuple(items), c)
+        if any(isinstance(a, Mod) for a in coeffs):
+            coeffs, c = _recombine(coeffs, int(c))
+        items = [(a, k) for a, k in coeffs.items() if k != 0]
+        if len(items) > 1:
+            items.sort(key=lambda t: _atom_key(t[0]))
+        return Expr(tuple(items), int(c))
 
     def __add__(self, other: "Expr | int") -> "Expr":
         o = Expr.of(other)

@@ -424,6 +424,7 @@ class _AttnMatch:
     soft_cap: float | None
     pos: int | None                       # scalar tensor: keys t <= pos valid
     kv_len: int | None                    # scalar tensor: keys t < kv_len valid
+    window: int | None = None             # static: keys t > pos - window valid too
 
 
 def _match_attention(graph: Graph, c: Cluster) -> _AttnMatch | str:
@@ -434,7 +435,7 @@ def _match_attention(graph: Graph, c: Cluster) -> _AttnMatch | str:
         return "expected two dot_generals and one output"
     d1, d2 = dots
     s = d1.outputs[0]
-    scale, cap, pos, kv_len = 1.0, None, None, None
+    scale, cap, pos, kv_len, window = 1.0, None, None, None, None
     producers = {t: op for op in ops for t in op.outputs}
     # walk forward from s over the score modifiers until the softmax starts
     cur = s
@@ -465,11 +466,10 @@ def _match_attention(graph: Graph, c: Cluster) -> _AttnMatch | str:
             pred, on_false, on_true = u.inputs
             if on_true != cur or _scalar_const_of(graph, on_false) != -np.inf:
                 return "select_n is not a -inf mask of the scores"
-            found = _mask_bound(graph, pred)
+            found = _mask_bounds(graph, pred)
             if isinstance(found, str):
                 return found
-            kind, t = found
-            pos, kv_len = (t, None) if kind == "pos" else (None, t)
+            pos, kv_len, window = found
         else:
             break
         cur = u.outputs[0]
@@ -491,7 +491,7 @@ def _match_attention(graph: Graph, c: Cluster) -> _AttnMatch | str:
     if len(kf) != 1 or len(c2r) != 1 or len(c1l) != 1 or len(vf) != 1:
         return "attention with several key / head-dim axes"
     return _AttnMatch(q, k, v, c.outputs[0], (tuple(b1l), qf, tuple(c1l)), (tuple(b1r), kf, tuple(c1r)),
-                      (tuple(b2r), tuple(c2r), vf), scale, cap, pos, kv_len)
+                      (tuple(b2r), tuple(c2r), vf), scale, cap, pos, kv_len, window)
 
 
 def _scalar(graph: Graph, t: int) -> float | None:
@@ -513,6 +513,44 @@ def _scalar_const_of(graph: Graph, t: int) -> float | None:
         t = op.inputs[0]
 
 
+def _mask_bounds(graph: Graph, pred: int) -> tuple[int | None, int | None, int | None] | str:
+    """``(pos, kv_len, window)`` of a causal mask, optionally ``&`` a sliding window
+    ``iota > pos - window`` (Gemma-2's local layers)."""
+    t = pred
+    while (op := graph.producer(t)) is not None and op.primitive in ("broadcast_in_dim", "reshape"):
+        t = op.inputs[0]
+    if op is not None and op.primitive == "and":
+        parts = [_mask_bound(graph, x) for x in op.inputs]
+        ends = [p for p in parts if not isinstance(p, str) and p[0] in ("pos", "kv_len")]
+        starts = [p for p in parts if not isinstance(p, str) and p[0] == "after"]
+        if len(ends) != 1 or len(starts) != 1:
+            return "mask is not a causal bound and a sliding window"
+        kind, end = ends[0]
+        window = _window(graph, starts[0][1], end, kind)
+        if window is None:
+            return "sliding window start is not `pos - constant`"
+        return (end, None, window) if kind == "pos" else (None, end, window)
+    found = _mask_bound(graph, pred)
+    if isinstance(found, str):
+        return found
+    kind, end = found
+    if kind == "after":
+        return "mask keeps keys after a position (not causal)"
+    return (end, None, None) if kind == "pos" else (None, end, None)
+
+
+def _window(graph: Graph, start: int, end: int, kind: str) -> int | None:
+    """``start == end - w`` (keys ``t > pos - w``): the window ``w`` the template expects."""
+    op = graph.producer(start)
+    if op is None or op.primitive not in ("sub", "add") or op.inputs[0] != end:
+        return None
+    c = _scalar(graph, op.inputs[1])
+    if c is None:
+        return None
+    w = int(c) if op.primitive == "sub" else -int(c)
+    return w if kind == "pos" else None
+
+
 def _mask_bound(graph: Graph, pred: int) -> tuple[str, int] | str:
     """``iota <= pos`` (or ``iota < kv_len``) behind broadcasts: which bound, and its scalar tensor."""
     t = pred
@@ -531,7 +569,9 @@ def _mask_bound(graph: Graph, pred: int) -> tuple[str, int] | str:
         return ("pos", b)
     if prim == "lt":
         return ("kv_len", b)
-    return "mask keeps keys after a position (not causal)"
+    if prim == "gt":
+        return ("after", b)
+    return "mask keeps keys from a position on (ge): not a supported window form"
 
 
 def _canonical(x: Any, dims: tuple[tuple[int, ...], ...]) -> VTensor:
@@ -591,6 +631,8 @@ def _attention_template(graph: Graph, c: Cluster, *, backend: str) -> Step | str
             kw["pos"] = jnp.asarray(run.value(m.pos), jnp.int32)
         if m.kv_len is not None:
             kw["kv_len"] = jnp.asarray(run.value(m.kv_len), jnp.int32)
+        if m.window is not None:
+            kw["window"] = m.window
         res = decode_attention(qg, per_group(k), per_group(v), sm_scale=m.scale, soft_cap=m.soft_cap,
                                out=og, backend=backend, **kw)
         run.written(m.out, out, _buffers(res))

@@ -303,7 +303,7 @@ def _gather(c: _Ctx) -> tuple[Edge, ...]:
     dn = dn if hasattr(dn, "offset_dims") else GatherDimensionNumbers(*dn)  # tolerate a plain tuple
     idx = static_value(c.op.inputs[1], c.graph)
     if idx is None:
-        raise NoEdges("gather with runtime indices")
+        raise NoEdges("gather indices are not a compile-time constant")
     (a,) = dn.start_index_map if len(dn.start_index_map) == 1 else (None,)
     sizes = tuple(1 if j == a else n for j, n in enumerate(xs))
     if (a is None or tuple(dn.collapsed_slice_dims) != (a,) or dn.operand_batching_dims
@@ -357,7 +357,7 @@ RULES: dict[str, Callable[[_Ctx], tuple[Edge, ...]]] = {
     "transpose": _transpose, "reshape": _reshape, "squeeze": _squeeze,
     "broadcast_in_dim": _broadcast_in_dim, "slice": _slice, "dynamic_slice": _dynamic_slice,
     "dynamic_update_slice": _dynamic_update_slice, "concatenate": _concatenate, "split": _split,
-    "stack": _stack, "unstack": _unstack, "rev": _rev, "pad": _pad, "copy": _copy, "copy_p": _copy,
+    "stack": _stack, "unstack": _unstack, "rev": _rev, "pad": _pad, "copy": _copy,
     "convert_element_type": _convert_element_type, "device_put": _device_put, "gather": _gather,
     **{s: _opaque(f"{s} writes at data-dependent indices") for s in
        ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",

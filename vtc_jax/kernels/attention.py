@@ -40,7 +40,13 @@ on Triton), so a G = 1 output is never addressed with a block wider than its siz
 
 f32 inputs use ``precision=HIGHEST`` in both dots (IEEE f32 on the GPU: the algorithm interpret mode
 runs, not TF32). 16-bit inputs: scores and accumulators are f32, the probabilities are rounded to
-the V dtype for the second dot (standard flash attention).
+the V dtype for the second dot (standard flash attention). f32 is a correctness configuration: the
+IEEE-f32 (FMA) dots spill at D = 128 in every block/warp setting tried; bf16 is the fast path.
+
+Launch configuration: default 8 warps, ``block_k`` 64, 2 stages (sm_90 readings in the test file's
+offline test and in the report: 4 warps spill for B = 1 decode). ``block_k`` is halved while the
+staged K/V blocks would exceed ``SMEM_BUDGET``. A grid axis of size 1 uses the Python int 0 as its
+program id, so vio sees a static in-bounds origin there.
 """
 from __future__ import annotations
 
@@ -96,7 +102,7 @@ def _fold_rows(x: jax.Array, g: int, gs: int) -> jax.Array:
 
 def _pid(axis: int, size: int) -> Any:
     """The program id along a grid axis, as the Python int 0 when the axis has one program: vio
-    then knows the block origin statically (no bounds mask, no broadcast-fold of a size-1 dim)."""
+    then knows the block origin statically and emits no bounds mask along that dim."""
     return 0 if size == 1 else pl.program_id(axis)
 
 
@@ -188,9 +194,9 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
     S = max(1, min(S, -(-T // bk)))  # never more splits than KV blocks
 
     # Where the valid keys end: static, or a runtime scalar. The scalar rides along as a runtime
-    # symbol of q (vio passes symbols as (1,) int32 operands and hands their values to every VRef):
-    # a (1,) physical operand loaded with VRef.load would be an unmasked load with `other`, which
-    # the Triton lowering rejects (see vio._load_piece).
+    # symbol of q: vio passes symbols as (1,) int32 operands and hands every VRef their values
+    # (one scalar read in the kernel; a (1,) physical input would be a masked vector load plus a
+    # reduction). vio has no first-class "template scalar" input: see the report.
     scalar: Any = None
     hi_static: int | None = T
     hi_offset = 0

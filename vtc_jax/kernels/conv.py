@@ -148,10 +148,11 @@ def _geometry(x_shape: Sequence[int], w_shape: Sequence[int], dtype: Any, *, win
         rhs_dilation=rd, dn=dn, out_shape=out_shape)
 
 
-def _canonical_out(layout: Layout, g: ConvGeometry) -> Layout:
-    """An output-shaped layout (out_spec order) as (N, O.., OC)."""
+def _y_view(layout: Layout, g: ConvGeometry) -> Layout:
+    """An output-shaped layout (out_spec order) as the kernel's Y: (M, G, OCg), depthwise (M, OC)."""
     o = g.dn.out_spec
-    return layout.transpose((o[0], *o[2:], o[1]))
+    yc = layout.transpose((o[0], *o[2:], o[1]))                        # (N, O.., OC)
+    return yc.reshape((g.m, g.oc)) if g.depthwise else yc.reshape((g.m, g.groups, g.ocg))
 
 
 def conv_views(x: Layout, w: Layout, out: Layout, g: ConvGeometry) -> tuple[Layout, Layout, Layout]:
@@ -176,7 +177,6 @@ def conv_views(x: Layout, w: Layout, out: Layout, g: ConvGeometry) -> tuple[Layo
     win = IndexMap((g.n, *g.out_spatial, *g.k_spatial, g.c), tuple(exprs), xc.shape)
     p = xc.compose(win)
     wc = w.transpose((*rhs[2:], rhs[1], rhs[0]))                       # (K.., I, O)
-    yc = _canonical_out(out, g)                                        # (N, O.., OC)
     if g.depthwise:
         mult = g.ocg
         if mult > 1:  # output channel oc reads input channel oc // mult: a broadcast, no copy
@@ -184,17 +184,10 @@ def conv_views(x: Layout, w: Layout, out: Layout, g: ConvGeometry) -> tuple[Layo
             p = p.expand_dims((rank,)).broadcast((*p.shape, mult), tuple(range(rank + 1)))
         a = p.reshape((g.m, *g.k_spatial, g.oc))
         b = wc.reshape((*g.k_spatial, g.oc))
-        y = yc.reshape((g.m, g.oc))
     else:
         a = p.reshape((g.m, *g.k_spatial, g.groups, g.cg))
         b = wc.reshape((*g.k_spatial, g.cg, g.groups, g.ocg))
-        y = yc.reshape((g.m, g.groups, g.ocg))
-    return a, b, y
-
-
-def _y_view(layout: Layout, g: ConvGeometry) -> Layout:
-    yc = _canonical_out(layout, g)
-    return yc.reshape((g.m, g.oc)) if g.depthwise else yc.reshape((g.m, g.groups, g.ocg))
+    return a, b, _y_view(out, g)
 
 
 # --------------------------------------------------------------------------------------------

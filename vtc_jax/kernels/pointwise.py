@@ -16,9 +16,9 @@ lower). :func:`f32_math` re-runs ``fn`` op by op and computes exactly those ops 
 transcendentals) in f32, rounding each result back — XLA's own per-op float normalisation, so the
 numerics are the ones ``jax.jit`` gives.
 
-Blocking: the grid is 1-D; leading logical dims are collapsed into it (block 1), the last two dims
-get power-of-two blocks of ~``_TARGET`` elements with the last dim at most 128 (4-byte types) or
-256 (2-byte types) wide. Ragged edges are masked by ``vio``; padded lanes compute garbage that is
+Blocking: the grid is 1-D over power-of-two blocks of ~``_TARGET`` elements, filled from the last
+dim outwards (last dim at most 128 wide for 4-byte types, 256 for 2-byte ones); the leading dims
+the budget does not reach have block 1, i.e. are collapsed into the grid. Ragged edges are masked by ``vio``; padded lanes compute garbage that is
 never stored.
 """
 from __future__ import annotations
@@ -96,16 +96,21 @@ def _eval_f32_math(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> li
 
 
 def choose_block(shape: Sequence[int], itemsize: int = 4, target: int = _TARGET) -> tuple[int, ...]:
-    """Power-of-two block for ``shape``: leading dims 1, last two dims ~``target`` elements."""
+    """Power-of-two block for ``shape``, filled from the innermost dim outwards up to ~``target``
+    elements: the last dim at most 128 (4-byte) / 256 (2-byte) wide, outer dims get what is left
+    of the budget (1 once it is spent: those dims are collapsed into the grid)."""
     shape = tuple(int(n) for n in shape)
     if not shape:
         return ()
     if len(shape) == 1:
         return (min(next_pow2(shape[0]), _MAX_1D),)
-    max_last = 256 if itemsize <= 2 else 128
-    last = min(next_pow2(shape[-1]), max_last)
-    second = min(next_pow2(shape[-2]), max(1, target // last))
-    return (1,) * (len(shape) - 2) + (second, last)
+    last = min(next_pow2(shape[-1]), 256 if itemsize <= 2 else 128)
+    out, budget = [last], max(1, target // last)
+    for n in reversed(shape[:-1]):
+        b = min(next_pow2(n), budget)
+        out.append(b)
+        budget = max(1, budget // b)
+    return tuple(reversed(out))
 
 
 def grid_origin(shape: Sequence[int], block: Sequence[int], pid: Any) -> tuple[tuple[Any, ...], int]:

@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..indexmap import Layout
-from .pointwise import as_vtensor, grid_origin
+from .pointwise import as_vtensor, f32_math, grid_origin
 from .vio import Plan, VTensor, next_pow2
 
 __all__ = ["Stat", "row_reduce", "reduce_sum", "reduce_max", "reduce_min", "mean", "softmax",
@@ -127,7 +127,8 @@ def row_reduce(inputs: Sequence[Any], passes: Sequence[Stat | Sequence[Stat]],
                 (``keepdims``: with ``axis`` of size 1).
     outs        VTensors to write, epilogue outputs first then reduced ones (default fresh).
     out_dtypes  one dtype, or one per output; default the first input's dtype.
-    upcast      compute in f32 for 16-bit float inputs (f32 accumulation).
+    upcast      compute in f32 for 16-bit float inputs (f32 accumulation); with ``False`` the
+                functions run through ``f32_math`` (per-op f32 for division/transcendentals).
     block_rows, block_cols, max_row_block: blocking overrides (powers of two).
 
     Returns one entry per output (its physical buffer, or the tuple of its buffers when the
@@ -145,6 +146,10 @@ def row_reduce(inputs: Sequence[Any], passes: Sequence[Stat | Sequence[Stat]],
     passes = [[p] if isinstance(p, Stat) else list(p) for p in passes]
     if epilogue is None and reduced is None:
         raise ValueError("row_reduce needs an epilogue and/or a reduced output function")
+    if not upcast:  # 16-bit math stays 16-bit: make it Triton-compilable op by op
+        passes = [[Stat(f32_math(st.prologue), st.combine) for st in ps] for ps in passes]
+        epilogue = f32_math(epilogue) if epilogue is not None else None
+        reduced = f32_math(reduced) if reduced is not None else None
 
     perm = tuple(d for d in range(rank) if d != axis) + (axis,)
     tshape = tuple(shape[d] for d in perm)
