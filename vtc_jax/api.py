@@ -100,8 +100,8 @@ def _split_static(fn: Callable[..., Any], args: tuple, kwargs: dict, static_argn
 
 
 def explain(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence[int] = (),
-            static_argnames: str | Sequence[str] = (), objective: str = "latency", gpu: str | None = None,
-            cost_model: Any = None) -> Any:
+            static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
+            objective: str = "latency", gpu: str | None = None, cost_model: Any = None) -> Any:
     """``explain(fn)(*args, **kwargs) -> Report``: what VTC would do to ``fn``, without running it.
 
     Arguments may be arrays or ``jax.ShapeDtypeStruct`` (paper-size models analyse without
@@ -109,16 +109,22 @@ def explain(fn: Callable[..., Any] | None = None, *, static_argnums: int | Seque
     """
     if fn is None:
         return functools.partial(explain, static_argnums=static_argnums, static_argnames=static_argnames,
-                                 objective=objective, gpu=gpu, cost_model=cost_model)
+                                 donate_argnums=donate_argnums, objective=objective, gpu=gpu,
+                                 cost_model=cost_model)
     if not callable(fn):
         raise TypeError(f"explain requires a callable, got {fn!r} of type {type(fn).__name__}")
     nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+    donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Report:
         f, a, k = _split_static(fn, args, kwargs, nums, names)
-        analysis = analyze(f, a, k, cost_model=cost_model, objective=objective, gpu=gpu)
+        static = set(nums)
+        dyn_pos = [i for i in range(len(args)) if i not in static]
+        dyn_donate = tuple(dyn_pos.index(i) for i in donate if i in dyn_pos)
+        analysis = analyze(f, a, k, cost_model=cost_model, objective=objective, gpu=gpu,
+                           donate_argnums=dyn_donate)
         return make_report(getattr(fn, "__name__", repr(fn)), analysis)
 
     return run
@@ -290,7 +296,7 @@ class Optimized:
 
     def explain(self, *args: Any, **kwargs: Any) -> Report:
         return explain(self.fn, static_argnums=self._static[0], static_argnames=self._static[1],
-                       **self._opts)(*args, **kwargs)
+                       donate_argnums=self._donate, **self._opts)(*args, **kwargs)
 
 
 def optimize(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence[int] = (),

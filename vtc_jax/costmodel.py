@@ -680,7 +680,9 @@ def modeled_bytes(graph: "Graph", clusters: Sequence["Cluster"], strategy: "Stra
       its operand's buffer, as XLA's buffer assignment does.
     * ``kernels_*``: kernel launches (clusters plus movement ops that still run).
 
-    ``donated`` graph inputs are updated in place by dynamic_update_slice (no copy).
+    ``donated`` graph inputs are updated in place by dynamic_update_slice (no copy); a kernel
+    writing in place into an input that is *not* donated costs a copy of that input (XLA makes one
+    so the caller's array survives).
     """
     ctx = _Ctx(graph, clusters, strategy.vtog if strategy is not None else None, donated)
     zero = lambda k: 0.0  # noqa: E731 - bytes only
@@ -693,6 +695,12 @@ def modeled_bytes(graph: "Graph", clusters: Sequence["Cluster"], strategy: "Stra
     else:
         lay, by_op = _strategy_oracles(strategy)
         opt = [_cluster_cost(ctx, k, lay, by_op, zero) for k in range(len(ctx.clusters))]
+    copies = 0
+    if strategy is not None:  # an in-place write into an input the caller did not donate:
+        for i in strategy.chosen:  # XLA copies that input first (input_output_aliases)
+            e = strategy.vtog.edges[i]
+            if e.inplace and e.dst in set(graph.inputs) and e.dst not in ctx.donated:
+                copies += 2 * ctx.nbytes[e.dst]
     comp_in = [t for t in dict.fromkeys(graph.inputs)]
     comp_out = [t for t in dict.fromkeys(graph.outputs) if t not in set(graph.inputs)]
     out_bytes = {t: ctx.nbytes[t] for t in comp_out}
@@ -702,8 +710,8 @@ def modeled_bytes(graph: "Graph", clusters: Sequence["Cluster"], strategy: "Stra
             out_bytes[op.outputs[0]] = ctx.nbytes[op.inputs[1]]
     return {
         "bytes_baseline": int(sum(c.raw for c in base)),
-        "bytes_optimized": int(sum(c.raw for c in opt)),
-        "bytes_optimized_effective": int(round(sum(c.eff for c in opt))),
+        "bytes_optimized": int(sum(c.raw for c in opt)) + copies,
+        "bytes_optimized_effective": int(round(sum(c.eff for c in opt))) + copies,
         "bytes_compulsory": int(sum(ctx.nbytes[t] for t in comp_in) + sum(out_bytes.values())),
         "peak_baseline": _peak(ctx, None),
         "peak_optimized": _peak(ctx, strategy),

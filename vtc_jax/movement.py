@@ -26,7 +26,6 @@ from typing import Callable
 
 import jax
 import numpy as np
-from jax.lax import GatherDimensionNumbers
 
 from .graph import CONTROL_FLOW_PRIMITIVES, Graph, Op
 from .indexmap import Expr, IndexMap, Layout, SymInfo, const, sym
@@ -53,6 +52,10 @@ class Edge:
 
 class NoEdges(Exception):
     """Raised by a rule that offers no edge; the message is the reason shown in the report."""
+
+
+class NotMovement(NoEdges):
+    """Raised by a rule whose op turns out not to move data (a dtype-changing convert)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,7 +288,7 @@ def _copy(c: _Ctx) -> tuple[Edge, ...]:
 
 def _convert_element_type(c: _Ctx) -> tuple[Edge, ...]:
     if c.graph.tensors[c.x].dtype != c.graph.tensors[c.y].dtype:
-        raise NoEdges("convert_element_type changes the dtype: compute, not movement")
+        raise NotMovement("convert_element_type changes the dtype: compute, not movement")
     return _copy(c)
 
 
@@ -300,7 +303,6 @@ def _gather(c: _Ctx) -> tuple[Edge, ...]:
     """``x[..., idx, ...]`` / ``jnp.take`` with static indices forming ``i0 + st*(j // r)``: a
     strided slice (r = 1) or a repeat (r > 1, read side only) along one axis."""
     dn, xs = c.p["dimension_numbers"], c.shape(c.x)
-    dn = dn if hasattr(dn, "offset_dims") else GatherDimensionNumbers(*dn)  # tolerate a plain tuple
     idx = static_value(c.op.inputs[1], c.graph)
     if idx is None:
         raise NoEdges("gather indices are not a compile-time constant")
@@ -369,18 +371,19 @@ RULES: dict[str, Callable[[_Ctx], tuple[Edge, ...]]] = {
 # Public entry points
 # --------------------------------------------------------------------------------------------
 
-def _analyse(op: Op, graph: Graph) -> tuple[tuple[Edge, ...], str | None]:
-    if op.opaque_reason:
-        return (), op.opaque_reason
+def _analyse(op: Op, graph: Graph) -> tuple[tuple[Edge, ...], str | None, bool]:
+    """(edges, why there are none, whether the op is data movement at all)."""
     rule = RULES.get(op.primitive)
     if rule is None:
-        return (), f"{op.primitive} is not a data-movement primitive"
+        return (), op.opaque_reason or f"{op.primitive} is not a data-movement primitive", False
+    if op.opaque_reason:
+        return (), op.opaque_reason, False
     if any(graph.tensors[t].size == 0 for t in (*op.inputs, *op.outputs)):
-        return (), "empty tensor"
+        return (), "empty tensor", True
     try:
-        return rule(_Ctx(op, graph)), None
+        return rule(_Ctx(op, graph)), None, True
     except NoEdges as e:
-        return (), str(e)
+        return (), str(e), not isinstance(e, NotMovement)
 
 
 def rules(op: Op, graph: Graph) -> tuple[Edge, ...]:
@@ -390,10 +393,12 @@ def rules(op: Op, graph: Graph) -> tuple[Edge, ...]:
 
 def explain_no_edges(op: Op, graph: Graph) -> str | None:
     """Why ``op`` offers no edge (for the report), or None when it offers some."""
-    edges, why = _analyse(op, graph)
+    edges, why, _ = _analyse(op, graph)
     return None if edges else why
 
 
 def is_movement(op: Op, graph: Graph) -> bool:
-    """True when ``op`` is a data-movement op VTC can eliminate (it offers at least one edge)."""
-    return bool(rules(op, graph))
+    """True for a data-movement op (a primitive with a rule here; a convert only if it keeps the
+    dtype), whether or not it offers edges: gather with runtime indices, scatter and pad with a
+    runtime fill are movement ops VTC leaves in place (``explain_no_edges`` says why)."""
+    return _analyse(op, graph)[2]

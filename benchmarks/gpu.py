@@ -1,0 +1,301 @@
+#!/usr/bin/env python
+"""Measured latency and peak memory on a GPU (verification ladder, rung 4). Not run in CI.
+
+    python benchmarks/gpu.py [--runs 50] [--warmup 5] [--profile] [--out gpu.md]
+
+On a machine whose default jax backend is a GPU: for each workload of ``examples/`` × batch {1, 16}
+at paper size, ``vtc_jax.optimize(step)`` vs ``jax.jit(step)`` (cache arguments donated in both),
+and for the Llama-3 decode-attention part alone, also versus Pallas' own GPU decode attention
+(``jax.experimental.pallas.ops.gpu.decode_attention.gqa``); with ``--profile`` also
+``vtc_jax.optimize(step, profile=True)``.
+
+* latency: median (and 10th/90th percentile) of ``--runs`` timed calls after ``--warmup`` calls,
+  each call timed alone up to ``jax.block_until_ready``; donated inputs are re-made before each call,
+  outside the timed region;
+* peak memory: ``device.memory_stats()["peak_bytes_in_use"]`` (when the backend reports it), with
+  every measurement in its own subprocess so peaks do not mix, and ``peak - bytes after the inputs
+  were allocated`` = what the program itself needed; plus XLA's ``compiled.memory_analysis()``
+  temporary bytes where available;
+* correctness: the VTC output against ``jax.jit``'s on the same inputs (max relative error).
+
+Inputs are random (normal × 0.05 for floats, ``--pos`` for integer scalars such as the decode
+position). On a machine without a GPU it prints "no GPU: nothing measured (this script only runs on
+a GPU)" and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+HERE = Path(__file__).resolve().parent
+NO_GPU = "no GPU: nothing measured (this script only runs on a GPU)"
+VARIANTS = ("jit", "vtc")
+ATTN_VARIANTS = ("jit", "vtc", "pallas_gqa")
+
+
+def _accounting() -> Any:
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    import accounting
+    return accounting
+
+
+def has_gpu() -> bool:
+    try:
+        import jax
+        return jax.default_backend() == "gpu"
+    except Exception:  # noqa: BLE001 - no usable backend at all: no GPU either
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs and programs
+# --------------------------------------------------------------------------------------------
+
+def materialise(tree: Any, pos: int, seed: int = 0) -> Any:
+    """Random device arrays for a pytree of ShapeDtypeStructs (arrays pass through)."""
+    import jax
+    import jax.numpy as jnp
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(jax.random.key(seed), max(1, len(leaves)))
+    out = []
+    for k, x in zip(keys, leaves):
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            out.append(x)
+        elif jnp.issubdtype(x.dtype, jnp.floating):
+            out.append((jax.random.normal(k, x.shape, jnp.float32) * 0.05).astype(x.dtype))
+        elif jnp.issubdtype(x.dtype, jnp.integer):
+            out.append(jnp.full(x.shape, pos if x.shape == () else 0, x.dtype))
+        else:
+            out.append(jnp.zeros(x.shape, x.dtype))
+    return jax.block_until_ready(jax.tree.unflatten(treedef, out))
+
+
+def workload_program(name: str, batch: int, variant: str) -> tuple[Callable, tuple, tuple[int, ...], Callable]:
+    """(compiled-callable, abstract args, donated positions, reference callable) for one case."""
+    import jax
+    import vtc_jax
+    acc = _accounting()
+    mod = acc.load_example(name)
+    if mod is None:
+        raise FileNotFoundError(f"examples/{name}.py does not exist")
+    args = tuple(mod.example_args("paper", batch=batch))
+    donate = acc.donate_argnums(mod)
+    ref = jax.jit(mod.step)
+    if variant == "jit":
+        return jax.jit(mod.step, donate_argnums=donate), args, donate, ref
+    if variant == "vtc":
+        return vtc_jax.optimize(mod.step, donate_argnums=donate), args, donate, ref
+    if variant == "vtc_profile":
+        return vtc_jax.optimize(mod.step, donate_argnums=donate, profile=True), args, donate, ref
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def attention_program(batch: int, variant: str) -> tuple[Callable, tuple, tuple[int, ...], Callable]:
+    """The Llama-3-8B decode attention (GQA 32/8, head dim 128, context 4096, bf16) alone:
+    q (B, 1, Hq, D) and the (B, T, Hkv, D) caches -> (B, Hq·D)."""
+    import jax
+    import jax.numpy as jnp
+    import vtc_jax
+    L = _accounting().load_example("llama3_decode")
+    cfg = L.SIZES["paper"]
+    B, T, Hq, Hkv, D = batch, cfg.context, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    S = jax.ShapeDtypeStruct
+    args = (S((B, 1, Hq, D), cfg.dtype), S((B, T, Hkv, D), cfg.dtype), S((B, T, Hkv, D), cfg.dtype),
+            S((), jnp.int32))
+
+    def attend(q: Any, kc: Any, vc: Any, pos: Any) -> Any:
+        return L._attend(cfg, q, kc, vc, pos)
+
+    ref = jax.jit(attend)
+    if variant == "jit":
+        return jax.jit(attend), args, (), ref
+    if variant == "vtc":
+        return vtc_jax.optimize(attend), args, (), ref
+    if variant == "pallas_gqa":
+        from jax.experimental.pallas.ops.gpu.decode_attention import gqa
+
+        def pallas(q: Any, kc: Any, vc: Any, pos: Any) -> Any:
+            # gqa(q (B, Hq, D), k/v (B, T, Hkv, D), kv_seq_len (B,)): keys t < kv_seq_len are valid.
+            o = gqa(q.reshape(B, Hq, D), kc, vc, kv_seq_len=jnp.full((B,), pos + 1, jnp.int32))
+            return o.reshape(B, Hq * D)
+
+        return jax.jit(pallas), args, (), ref
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# One measurement (runs in its own subprocess)
+# --------------------------------------------------------------------------------------------
+
+def _max_rel(a: Any, b: Any) -> float:
+    import jax
+    import jax.numpy as jnp
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
+        worst = max(worst, float(jnp.max(jnp.abs(x - y))) / max(float(jnp.max(jnp.abs(y))), 1e-30))
+    return worst
+
+
+def measure(kind: str, name: str, batch: int, variant: str, *, runs: int, warmup: int, pos: int) -> dict[str, Any]:
+    import jax
+    dev = jax.devices()[0]
+    stats = lambda: (dev.memory_stats() or {})  # noqa: E731
+    if kind == "attention":
+        fn, abstract, donate, ref = attention_program(batch, variant)
+    else:
+        fn, abstract, donate, ref = workload_program(name, batch, variant)
+    args = materialise(abstract, pos)
+    before = stats().get("bytes_in_use")
+    res: dict[str, Any] = {"kind": kind, "name": name, "batch": batch, "variant": variant, "device": dev.device_kind}
+    try:
+        ma = fn.lower(*args).compile().memory_analysis()
+        res["xla_temp_bytes"] = int(getattr(ma, "temp_size_in_bytes", 0)) if ma is not None else None
+    except Exception:  # noqa: BLE001 - memory_analysis is optional
+        res["xla_temp_bytes"] = None
+
+    def fresh() -> tuple:
+        if not donate:
+            return args
+        return tuple(jax.tree.map(lambda x: x.copy(), a) if i in donate else a for i, a in enumerate(args))
+
+    t_compile = time.perf_counter()
+    out = jax.block_until_ready(fn(*fresh()))
+    res["first_call_s"] = time.perf_counter() - t_compile
+    del out
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*fresh()))
+    times = []
+    for _ in range(runs):
+        a = jax.block_until_ready(fresh())
+        t0 = time.perf_counter()
+        out = fn(*a)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+        del out, a
+    times.sort()
+    res["median_ms"] = 1e3 * statistics.median(times)
+    res["p10_ms"] = 1e3 * times[max(0, int(0.1 * len(times)) - 1)]
+    res["p90_ms"] = 1e3 * times[min(len(times) - 1, int(0.9 * len(times)))]
+    st = stats()
+    res["peak_bytes_in_use"] = st.get("peak_bytes_in_use")
+    res["program_peak_bytes"] = (st["peak_bytes_in_use"] - before
+                                 if st.get("peak_bytes_in_use") is not None and before is not None else None)
+    if variant != "jit":
+        try:
+            res["max_rel_err_vs_jit"] = _max_rel(fn(*fresh()), ref(*fresh()))
+        except Exception as exc:  # noqa: BLE001
+            res["max_rel_err_vs_jit"] = f"{type(exc).__name__}: {exc}"[:200]
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------
+
+def _run_one(kind: str, name: str, batch: int, variant: str, ns: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", kind, name, str(batch), variant,
+           "--runs", str(ns.runs), "--warmup", str(ns.warmup), "--pos", str(ns.pos)]
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=ns.timeout)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = "\n".join(proc.stderr.strip().splitlines()[-3:])
+    return {"kind": kind, "name": name, "batch": batch, "variant": variant,
+            "error": f"exit {proc.returncode}: {tail}"[:400]}
+
+
+def _fmt(x: Any, scale: float = 1.0, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    return f"{x / scale:,.{digits}f}"
+
+
+def render(results: list[dict[str, Any]], ns: argparse.Namespace, device: str) -> str:
+    acc = _accounting()
+    info = acc.machine_info()
+    MiB = 2 ** 20
+    lines = ["# GPU measurements", "", "```sh", "python benchmarks/gpu.py" + (" --profile" if ns.profile else ""), "```",
+             "", f"{info['date']}, {device}; host {info['cpu']}; jax {info['jax']}, jaxlib {info['jaxlib']}, "
+             f"vtc_jax {info['vtc_jax']} (git {info['commit']}). Median of {ns.runs} timed calls after {ns.warmup} "
+             "warm-up calls; peak = `memory_stats()['peak_bytes_in_use']` in a fresh process per row, *program* = "
+             "peak minus the bytes in use once the inputs existed. **Measured.**", ""]
+    rows = []
+    base = {(r["kind"], r["name"], r["batch"]): r for r in results if r.get("variant") == "jit" and "error" not in r}
+    for r in results:
+        if "error" in r:
+            rows.append([r["name"], r["batch"], r["variant"], "error", "", "", "", "", r["error"]])
+            continue
+        b = base.get((r["kind"], r["name"], r["batch"]))
+        speed = f"{b['median_ms'] / r['median_ms']:.2f}×" if b and r["variant"] != "jit" else ""
+        rows.append([r["name"], r["batch"], r["variant"], _fmt(r["median_ms"]),
+                     f"{_fmt(r['p10_ms'])}–{_fmt(r['p90_ms'])}", speed,
+                     _fmt(r.get("peak_bytes_in_use"), MiB, 1), _fmt(r.get("program_peak_bytes"), MiB, 1),
+                     _fmt(r.get("max_rel_err_vs_jit"), 1, 2) if not isinstance(r.get("max_rel_err_vs_jit"), float)
+                     else f"{r['max_rel_err_vs_jit']:.2e}"])
+    lines.append(acc._md_table(["workload", "batch", "variant", "median ms", "p10–p90 ms", "speed-up vs jit",
+                                "peak MiB", "program peak MiB", "max rel err vs jit"], rows, "lrlrrrrrr"))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--pos", type=int, default=2048, help="value of integer scalar inputs (decode position)")
+    p.add_argument("--workloads", default=None, help="comma-separated example modules (default: all)")
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--profile", action="store_true", help="also vtc_jax.optimize(step, profile=True)")
+    p.add_argument("--no-attention", action="store_true", help="skip the decode-attention comparison")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement subprocess")
+    p.add_argument("--out", default=None, help="also write the markdown table here")
+    p.add_argument("--one", nargs=4, metavar=("KIND", "NAME", "BATCH", "VARIANT"), help=argparse.SUPPRESS)
+    ns = p.parse_args(argv)
+
+    if not has_gpu():
+        print(NO_GPU)
+        return 0
+    if ns.one:
+        kind, name, batch, variant = ns.one
+        print(json.dumps(measure(kind, name, int(batch), variant, runs=ns.runs, warmup=ns.warmup, pos=ns.pos)))
+        return 0
+
+    import jax
+    from tqdm import tqdm
+    acc = _accounting()
+    names = [w.module for w in acc.WORKLOADS] if ns.workloads is None else [w for w in ns.workloads.split(",") if w]
+    batches = [int(b) for b in ns.batches.split(",") if b]
+    jobs = []
+    for n in names:
+        if acc.load_example(n) is None:
+            print(f"skipped {n}: examples/{n}.py does not exist")
+            continue
+        for b in batches:
+            jobs += [("workload", n, b, v) for v in VARIANTS + (("vtc_profile",) if ns.profile else ())]
+    if not ns.no_attention and acc.load_example("llama3_decode") is not None:
+        jobs += [("attention", "llama3_attention", b, v) for b in batches for v in ATTN_VARIANTS]
+    results = []
+    for job in tqdm(jobs, desc="measurements", unit="run"):
+        results.append(_run_one(*job, ns))
+        r = results[-1]
+        tqdm.write(f"{job}: " + (r["error"] if "error" in r else f"{r['median_ms']:.3f} ms"))
+    text = render(results, ns, jax.devices()[0].device_kind)
+    print(text)
+    if ns.out:
+        Path(ns.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""benchmarks/: the per-case accounting function on Llama-3 batch 1, and gpu.py on a machine without a GPU."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def accounting():
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="cross-lowering for CUDA needs jax-cuda12-plugin")
+    return _load("accounting")
+
+
+def test_accounting_llama_batch1_is_self_consistent(accounting):
+    case = accounting.account("llama3_decode", 1)
+    m = case.modeled
+    assert case.error is None and not case.lower_errors
+    assert case.donated == (2, 3)                      # the K and V caches
+    assert case.movement_ops > 0 and case.eliminated <= case.movement_ops
+    assert case.analysis_seconds > 0
+    # modelled bytes: compulsory <= optimised <= plain XLA; peak memory does not grow
+    assert 0 < m["bytes_compulsory"] <= m["bytes_optimized"] <= m["bytes_baseline"]
+    assert 0 < m["peak_optimized"] <= m["peak_baseline"]
+    assert m["kernels_optimized"] <= m["kernels_baseline"]
+    # lowered modules: the baseline has movement feeding dots/results, VTC none, and Triton kernels
+    assert case.baseline.into_consumers and case.baseline.triton_kernels == 0
+    assert case.optimized.into_consumers == []
+    assert case.optimized.triton_kernels >= 3
+    assert set(case.optimized.movement_counts) == set(accounting.MOVEMENT_HLO)
+    assert sum(case.baseline.movement_counts.values()) > 0
+    # every kept movement op says which op and why
+    assert all(k["primitive"] and k["reason"] for k in case.kept)
+    assert 0 <= case.peak_saving < 100
+
+
+def test_accounting_renders_markdown(accounting, tmp_path):
+    case = accounting.account("llama3_decode", 1, lower=False)
+    text = accounting.render([case], [{"layers": 1, "ops": 1, "movement_ops": 0, "eliminated": 0,
+                                       "analysis_seconds": 0.5, "wall_seconds": 0.5}],
+                             accounting.machine_info(), [], 1.0, None)
+    assert text.startswith("# Benchmarks")
+    assert accounting.COMMAND in text.split("##")[0]
+    assert "modelled" in text and "llama3_decode" in text and "528.8" in text  # paper's Llama b1 figure
+
+
+def test_gpu_script_without_gpu_exits_cleanly():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu.py")], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "no GPU: nothing measured (this script only runs on a GPU)" in proc.stdout
