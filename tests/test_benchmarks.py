@@ -63,3 +63,18 @@ def test_gpu_script_without_gpu_exits_cleanly():
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "no GPU: nothing measured (this script only runs on a GPU)" in proc.stdout
+
+
+def test_kernel_examples_cross_lower():
+    """benchmarks/kernels.py's examples(): unique names, and a case cross-lowers to Triton IR."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="cross-lowering for CUDA needs jax-cuda12-plugin")
+    import functools
+
+    from vtc_jax.testing import cross_lower
+    kernels = _load("kernels")
+    cases = list(kernels.examples())
+    names = [n for n, _, _ in cases]
+    assert len(names) == len(set(names)) >= 10
+    assert any(n.startswith("decode_attention_bf16") for n in names)
+    name, call, args = next(c for c in cases if c[0] == "matmul_bf16_qkv_onto_q_kcache_vcache")
+    assert cross_lower(functools.partial(call, backend="triton"), *args).triton_kernels

@@ -211,7 +211,10 @@ def test_greedy_writes_the_projection_into_the_kv_cache():
     qkv = dot.outputs[0]
     new_cache = g.outputs[1]
     assert s.is_virtual(qkv)
-    assert new_cache in s.layout(qkv).targets
+    targets = s.layout(qkv).targets
+    cache_in = g.inputs[2]
+    # into the output cache buffer, or (output cache updated in place) into the input cache itself
+    assert new_cache in targets or (s.is_virtual(new_cache) and cache_in in targets), targets
     t = cm.modeled_time(g, cl, s)
     assert t["time_optimized"] < t["time_baseline"]
     m = modeled_bytes(g, cl, s)
@@ -340,7 +343,12 @@ def test_llama_decode_layer_end_to_end(donate):
     ctx, (lay, by_op) = _Ctx(g, cl, v, caches), _strategy_oracles(s)
     left = [g.ops[c.ops[0]].primitive for k, c in enumerate(cl)
             if c.kind == "movement" and _cluster_cost(ctx, k, lay, by_op, lambda k: 0.0).launches]
-    assert left == ([] if donate else ["dynamic_update_slice"] * 2)
+    # the caches are returned updated in place (in-place edges), so no update op is left; without
+    # donation the copy XLA makes of each input cache is charged in bytes instead
+    assert left == []
+    if not donate:
+        donated = modeled_bytes(g, cl, s, donated=g.inputs[-3:-1])
+        assert m["bytes_optimized"] > donated["bytes_optimized"]
     gqa = [o for o in g.ops if o.primitive == "broadcast_in_dim" and len(g.tensors[o.outputs[0]].shape) == 5
            and g.tensors[o.outputs[0]].size > g.tensors[o.inputs[0]].size]
     assert len(gqa) == 2 and all(s.is_virtual(o.outputs[0]) for o in gqa)    # K and V repeats

@@ -666,7 +666,12 @@ def attentions(draw) -> Program:
             c = b.arg(kshape)
         if b.maybe(2):  # write the new step at pos (the KV-cache update)
             new_shape = (1, d) if layout == "single" else (h, 1, d)
-            new = b.arg(new_shape) if b.maybe(2) else b.let(f"jnp.tanh({b.arg(new_shape)})")
+            src = b.pick(["input", "tanh", "projection"])
+            if src == "projection":  # k_new = (x @ w_k) reshaped, as in a decoder layer
+                dm = dim(b, 1, 8)
+                new = b.let(f"jnp.dot({b.arg((dm,))}, {b.arg((dm, _size(new_shape)))}).reshape({new_shape})")
+            else:
+                new = b.arg(new_shape) if src == "input" else b.let(f"jnp.tanh({b.arg(new_shape)})")
             starts = "(pos, 0)" if layout == "single" else "(0, pos, 0)"
             c = b.let(f"lax.dynamic_update_slice({c}, {new}, {starts})")
             b.side(c)

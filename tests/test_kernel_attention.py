@@ -327,14 +327,6 @@ def test_bad_arguments():
 # Rung 2b: the default bf16 configuration compiles to cubin for sm_90 within budget
 # --------------------------------------------------------------------------------------------
 
-# vio turns a block transpose that only moves size-1 dims (the (B, T, Hkv, D) cache read as
-# (B, Hkv, T, D) with block (1, 1, bk, D)) into tt.trans, and folds a size-1 unmapped dim of a
-# mask with a reduction; on a 3-/4-D tile Triton routes both through local memory. At D = 256 this
-# spills (80 B at 8 warps); with the vio fix described in the report: 128 registers, no spill.
-VIO_UNIT_TRANSPOSE = pytest.mark.xfail(
-    strict=True, reason="vio: transpose/reduce over size-1 block dims are not plain reshapes")
-
-
 OFFLINE_SHAPES = {  # name: (B, Hkv, G, D, extra kwargs); T = 4096, bf16, K/V from the caches
     "llama3-8b": (1, 8, 4, 128, {}),
     "llama3-8b-b16": (16, 8, 4, 128, {}),
@@ -366,8 +358,7 @@ def compiled_defaults():
 
 
 @pytest.mark.offline
-@pytest.mark.parametrize("name", [n if n != "gemma2-9b" else pytest.param(n, marks=VIO_UNIT_TRANSPOSE)
-                                  for n in OFFLINE_SHAPES])
+@pytest.mark.parametrize("name", list(OFFLINE_SHAPES))
 def test_default_config_compiles_sm90_no_spills(compiled_defaults, name):
     from vtc_jax.offline import SMEM_LIMIT, format_table
 

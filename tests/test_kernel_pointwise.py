@@ -4,7 +4,6 @@ Every case goes through ``check_kernel``: interpret mode against a jnp reference
 cross-lowering that must contain Triton IR. Layouts are static, so each kernel call builds its
 VTensors from the array arguments it receives.
 """
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,40 +15,6 @@ from vtc_jax.indexmap import Layout, SymInfo, sym
 from vtc_jax.kernels.pointwise import choose_block, f32_math, pointwise
 from vtc_jax.kernels.vio import VTensor
 from vtc_jax.testing import check_kernel
-
-# ---- vio gaps seen while writing these tests (vio.py is not ours to edit; see the report) ----
-GAP_NEG_START = ("vio gap: the strided (pl.ds) path with a negative start — a block straddling "
-                 "into a concat piece that starts after the block origin — reads NaN / drops the "
-                 "store in interpret mode (GPU would be right: masked lanes). Fix: use the flat "
-                 "path for pieces whose mapped offset can be negative.")
-GAP_OTHER_NO_MASK = ("vio gap: an exactly fitting block at a static origin has no mask, and "
-                     "plgpu.load(mask=None, other=0) does not lower to Triton ('other requires "
-                     "mask to be provided'). Fix: pass other= only with a mask.")
-
-
-def check(kernel, ref, args, **kw):
-    """check_kernel, turning the two known vio gaps into xfails (they pass once vio is fixed).
-
-    For the lowering gap, interpret-mode numerics are still checked first.
-    """
-    try:
-        return check_kernel(kernel, ref, args, **kw)
-    except ValueError as e:
-        if "other requires mask" not in str(e):
-            raise
-        check_kernel(kernel, ref, args, lower=False, **kw)
-        pytest.xfail(GAP_OTHER_NO_MASK)
-
-
-def check_neg_start(kernel, ref, args, **kw):
-    """A case that hits the negative-start gap: xfail if interpret numerics are off."""
-    try:
-        return check_kernel(kernel, ref, args, **kw)
-    except AssertionError as e:
-        if "nan location mismatch" in str(e) or "Mismatched elements" in str(e):
-            pytest.xfail(GAP_NEG_START)
-        raise
-
 
 TOL = {jnp.float32: dict(rtol=1e-6, atol=1e-6), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -106,7 +71,8 @@ READ = {
     "broadcast_bias": (lambda d: (rnd(1, (N,), d),),
                        lambda bias: vt(phys((N,)).broadcast((M, N), (1,)), bias),
                        lambda bias: jnp.broadcast_to(bias, (M, N))),
-    # concat pieces: piece boundaries on block boundaries (see GAP_NEG_START; unaligned below)
+    # concat pieces: piece boundaries on block boundaries with READ_BLOCK (the pl.ds path for
+    # every piece); test_read_concat_default_blocks straddles them (vio's gather path)
     "concat_pieces": (lambda d: (rnd(1, (M, 32), d), rnd(2, (M, N - 32), d)),
                       lambda a, b: vt(Layout.concatenate([Layout.physical(0, a.shape),
                                                           Layout.physical(1, b.shape)], 1), a, b),
@@ -127,7 +93,7 @@ READ = {
 READ_BLOCK = {"concat_pieces": (16, 32), "concat_axis0": (16, 128)}
 
 
-def _read_check(case, dtype, block, checker):
+def _read_check(case, dtype, block=None):
     make, build, logical = READ[case]
     args = make(dtype) + (rnd(9, (M, N), dtype),)
 
@@ -139,18 +105,19 @@ def _read_check(case, dtype, block, checker):
         *xs, y = args
         return fn(logical(*xs), y)
 
-    return checker(kernel, ref, args, **TOL[dtype], name=f"pointwise read {case}")
+    return check_kernel(kernel, ref, args, **TOL[dtype], name=f"pointwise read {case}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", list(READ))
 def test_read_side(case, dtype):
-    _read_check(case, dtype, READ_BLOCK.get(case), check)
+    _read_check(case, dtype, READ_BLOCK.get(case))
 
 
-def test_read_concat_unaligned_blocks():
-    """Default blocks (16, 128) straddle the piece boundary at column 32: the negative-start gap."""
-    _read_check("concat_pieces", jnp.float32, None, check_neg_start)
+def test_read_concat_default_blocks():
+    """Default blocks (16, 128) straddle the piece boundary at column 32: a piece starting after
+    the block origin (negative window start) goes through vio's gather path."""
+    _read_check("concat_pieces", jnp.float32, None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,8 +140,8 @@ def test_write_layouts_are_what_they_claim():
 
 WRITE_N = 96   # qkv: three 32-wide pieces; concat: 32 | 64
 N1 = 32
-# Explicit blocks keep every piece boundary on a block boundary (GAP_NEG_START); the default
-# blocks (16, 128) straddle them: see test_write_unaligned_blocks.
+# Explicit blocks keep every piece boundary on a block boundary; the default blocks (16, 128)
+# straddle them: see test_write_default_blocks.
 WRITE_BLOCK = {"concat_two_buffers": (16, 32), "qkv_three_tensors": (16, 32)}
 
 
@@ -226,13 +193,13 @@ def _write_ref(case, x, y, extra):
 WRITE = ["fresh", "transposed", "concat_two_buffers", "dus_at_pos", "qkv_three_tensors"]
 
 
-def _write_check(case, dtype, block, checker):
+def _write_check(case, dtype, block=None):
     x, y = rnd(1, (M, WRITE_N), dtype), rnd(2, (M, WRITE_N), dtype)
     pos = jnp.int32(21)
     extra = {"dus_at_pos": (rnd(3, (T, WRITE_N), dtype), pos),
              "qkv_three_tensors": (rnd(4, (T, WRITE_N // 3), dtype),
                                    rnd(5, (T, WRITE_N // 3), dtype), pos)}.get(case, ())
-    return checker(lambda x, y, extra, backend: _write_case(case, x, y, extra, backend, block),
+    return check_kernel(lambda x, y, extra, backend: _write_case(case, x, y, extra, backend, block),
                    lambda x, y, extra: _write_ref(case, x, y, extra),
                    (x, y, extra), **TOL[dtype], name=f"pointwise write {case}")
 
@@ -240,16 +207,16 @@ def _write_check(case, dtype, block, checker):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", WRITE)
 def test_write_side(case, dtype):
-    res = _write_check(case, dtype, WRITE_BLOCK.get(case), check)
+    res = _write_check(case, dtype, WRITE_BLOCK.get(case))
     if case in ("dus_at_pos", "qkv_three_tensors"):
         # the caches are outputs aliased onto inputs: written in place, not rebuilt
         assert "output_operand_aliases" in res.text
 
 
 @pytest.mark.parametrize("case", ["concat_two_buffers", "qkv_three_tensors"])
-def test_write_unaligned_blocks(case):
-    """Default blocks straddle the piece boundaries: the vio negative-start gap."""
-    _write_check(case, jnp.float32, None, check_neg_start)
+def test_write_default_blocks(case):
+    """Default blocks straddle the piece boundaries: pieces after the first are scattered."""
+    _write_check(case, jnp.float32, None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,44 +227,44 @@ def test_write_unaligned_blocks(case):
                                    (100, 300), (2, 3, 100), (3, 5, 1, 7), (5, 3, 48, 130)], ids=str)
 def test_shapes_f32(shape):
     x, y = rnd(1, shape, jnp.float32), rnd(2, shape, jnp.float32)
-    check(lambda x, y, backend: pointwise(fn, [x, y], backend=backend), fn, (x, y),
+    check_kernel(lambda x, y, backend: pointwise(fn, [x, y], backend=backend), fn, (x, y),
           **TOL[jnp.float32])
 
 
 @pytest.mark.parametrize("shape", [(3,), (48, 96), (2, 3, 100)], ids=str)
 def test_shapes_bf16(shape):
     x, y = rnd(1, shape, jnp.bfloat16), rnd(2, shape, jnp.bfloat16)
-    check(lambda x, y, backend: pointwise(fn, [x, y], backend=backend), fn, (x, y),
+    check_kernel(lambda x, y, backend: pointwise(fn, [x, y], backend=backend), fn, (x, y),
                  **TOL[jnp.bfloat16])
 
 
 def test_rank0():
     x, y = jnp.float32(1.5), jnp.float32(-2.0)
-    check(lambda x, y, backend: pointwise(fn, [x, y], backend=backend), fn, (x, y),
+    check_kernel(lambda x, y, backend: pointwise(fn, [x, y], backend=backend), fn, (x, y),
                  **TOL[jnp.float32])
 
 
 @pytest.mark.parametrize("bshape", [(N,), (M, 1), (1, N), (), (1,)], ids=str)
 def test_plain_array_broadcasting(bshape):
     x, b = rnd(1, (M, N), jnp.float32), rnd(2, bshape, jnp.float32)
-    check(lambda x, b, backend: pointwise(fn, [x, b], backend=backend), fn, (x, b),
+    check_kernel(lambda x, b, backend: pointwise(fn, [x, b], backend=backend), fn, (x, b),
                  **TOL[jnp.float32])
 
 
 def test_both_operands_broadcast_and_python_scalar():
     col, row = rnd(1, (M, 1), jnp.float32), rnd(2, (N,), jnp.float32)
     f = lambda a, s, b: a * s - b
-    check(lambda c, r, backend: pointwise(f, [c, 3.0, r], backend=backend),
+    check_kernel(lambda c, r, backend: pointwise(f, [c, 3.0, r], backend=backend),
                  lambda c, r: f(c, 3.0, r), (col, row), **TOL[jnp.float32])
 
 
 def test_several_outputs_and_out_dtypes():
     x, y = rnd(1, (M, N), jnp.bfloat16), rnd(2, (M, N), jnp.bfloat16)
     f = lambda a, b: (a + b, (a * b).astype(jnp.float32), a > b)
-    check(lambda x, y, backend: pointwise(f, [x, y], backend=backend), f, (x, y),
+    check_kernel(lambda x, y, backend: pointwise(f, [x, y], backend=backend), f, (x, y),
                  **TOL[jnp.bfloat16])
     g = lambda a, b: (a + b, a - b)
-    check(lambda x, y, backend: pointwise(g, [x, y], out_dtypes=jnp.float32, backend=backend),
+    check_kernel(lambda x, y, backend: pointwise(g, [x, y], out_dtypes=jnp.float32, backend=backend),
                  lambda x, y: tuple(v.astype(jnp.float32) for v in g(x, y)), (x, y),
                  **TOL[jnp.bfloat16])
 
@@ -313,7 +280,7 @@ def test_virtual_in_virtual_out_together():
         out = vt(pos_slice(M, N, T), cache, symbols=(("pos", pos),))
         return pointwise(fn, [x, b], outs=out, backend=backend)
 
-    check(kernel, lambda xt, b, c, p: lax.dynamic_update_slice(c, fn(xt.T, b), (p, 0)),
+    check_kernel(kernel, lambda xt, b, c, p: lax.dynamic_update_slice(c, fn(xt.T, b), (p, 0)),
                  (xt, bias, cache, pos), **TOL[jnp.bfloat16])
 
 
@@ -322,10 +289,10 @@ def test_bf16_math_that_triton_cannot_do_in_bf16():
     division does not lower and tanh/log1p fail Triton's LLVM step (see the offline test)."""
     x, y = rnd(1, (M, N), jnp.bfloat16), rnd(2, (M, N), jnp.bfloat16)
     f = lambda a, b: (jax.nn.silu(a) * b, 30.0 * jnp.tanh(a / 30.0), jax.nn.gelu(b), jnp.log1p(a * a))
-    check(lambda x, y, backend: pointwise(f, [x, y], backend=backend), f, (x, y),
+    check_kernel(lambda x, y, backend: pointwise(f, [x, y], backend=backend), f, (x, y),
           **TOL[jnp.bfloat16])
     with pytest.raises(Exception, match="unsupported types"):
-        check(lambda x, y, backend: pointwise(lambda a, b: a / b, [x, y], upcast_math=False,
+        check_kernel(lambda x, y, backend: pointwise(lambda a, b: a / b, [x, y], upcast_math=False,
                                               backend=backend), lambda a, b: a / b, (x, y),
               **TOL[jnp.bfloat16])
 
@@ -349,7 +316,7 @@ def test_explicit_block_and_choose_block():
     assert choose_block((100, 3, 5, 1000)) == (1, 2, 8, 128)
     assert choose_block((100000,)) == (1024,)
     x, y = rnd(1, (M, N), jnp.float32), rnd(2, (M, N), jnp.float32)
-    res = check(lambda x, y, backend: pointwise(fn, [x, y], block=(8, 32), backend=backend),
+    res = check_kernel(lambda x, y, backend: pointwise(fn, [x, y], block=(8, 32), backend=backend),
                        fn, (x, y), **TOL[jnp.float32])
     [k] = res.triton_kernels
     assert k.grid == (6 * 4, 1, 1)
@@ -357,10 +324,13 @@ def test_explicit_block_and_choose_block():
         pointwise(fn, [x, y], block=(8, 48))
 
 
-def test_rejects_non_elementwise_fn():
+def test_rejects_non_elementwise_fn_and_broadcasts_scalar_results():
     x = rnd(1, (M, N), jnp.float32)
     with pytest.raises(ValueError, match="elementwise"):
         pointwise(lambda a: a.sum(0), [x])
+    f = lambda a: (a + 1, jnp.float32(2.5))       # a constant output (re-bound cluster ops)
+    check_kernel(lambda x, backend: pointwise(f, [x], backend=backend),
+                 lambda x: (x + 1, jnp.full(x.shape, 2.5, jnp.float32)), (x,), **TOL[jnp.float32])
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from .graph import Graph, Op
 MOVEMENT_PRIMITIVES = frozenset({
     "transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "slice", "dynamic_slice",
     "dynamic_update_slice", "concatenate", "split", "rev", "pad", "copy", "copy_p", "gather", "scatter",
+    "stack", "unstack", "device_put",
 })  # plus convert_element_type when it keeps the dtype: see is_movement_op
 ELEMENTWISE_PRIMITIVES = frozenset({
     "add", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "sign", "abs", "floor", "ceil",

@@ -37,7 +37,7 @@ from .strategy import Strategy
 __all__ = ["lower", "Lowered", "eliminated_ops", "block_fn", "TEMPLATE_KINDS"]
 
 # Cluster kinds with a kernel template that can read/write virtual tensors.
-TEMPLATE_KINDS = frozenset({"matmul", "pointwise", "attention"})
+TEMPLATE_KINDS = frozenset({"matmul", "pointwise", "attention", "conv"})
 _BLOCK_SAFE = (ELEMENTWISE_PRIMITIVES - {"iota"}) | {"broadcast_in_dim"}
 
 
@@ -219,8 +219,13 @@ class _Run:
     def update_in_place(self, op: Op) -> None:
         """A dynamic_update_slice whose output *is* its operand's buffer (in-place edge chosen) but
         whose update was computed in XLA: write just the update into that buffer."""
+        from .movement import rules
         out, upd = op.outputs[0], op.inputs[1]
-        edge = next(e for e in self.strategy.vtog.edges if e.op == op.id and e.src == upd)
+        edge = next((e for e in rules(op, self.graph) if e.src == upd), None)
+        if edge is None:  # no map for the update (e.g. starts it cannot express): whole result
+            value = op.prim.bind(*(self.value(t) for t in op.inputs), **op.params)
+            self.scatter(self.strategy.layout(out), value)
+            return
         self.scatter(self.strategy.layout(out).compose(edge.map), self.value(upd))
 
     def scatter(self, lay: Layout, value: Any) -> None:
@@ -258,7 +263,7 @@ def _materialise(layout: Layout, dtype: Any, env: Mapping[int, Any], syms: Mappi
     out = jnp.full(layout.shape, layout.fill, dtype)
     for p in layout.pieces:
         tgt, valid = p.map.evaluate(idx, syms, xp=jnp)
-        member = p.member(idx, jnp)
+        member = p.member(idx, jnp, syms)
         if valid is not None:
             member = member & valid
         buf = env[p.target]
@@ -273,7 +278,7 @@ def _scatter(p: Piece, value: Any, buf: Any, syms: Mapping[str, Any]) -> Any:
     shape = value.shape
     idx = _indices(shape)
     tgt, valid = p.map.evaluate(idx, syms, xp=jnp)
-    member = p.member(idx, jnp)
+    member = p.member(idx, jnp, syms)
     if valid is not None:
         member = member & valid
     tgt = tuple(jnp.where(member, jnp.broadcast_to(x, shape), n) for x, n in zip(tgt, buf.shape))
@@ -640,7 +645,39 @@ def _attention_template(graph: Graph, c: Cluster, *, backend: str) -> Step | str
     return step
 
 
+def _conv_template(graph: Graph, c: Cluster, *, backend: str) -> Step | str:
+    from .kernels.conv import conv
+    convs = [o for o in c.ops if graph.ops[o].primitive == "conv_general_dilated"]
+    if len(convs) != 1 or len(c.outputs) != 1:
+        return "needs exactly one conv_general_dilated and one output"
+    op = graph.ops[convs[0]]
+    rest = [o for o in c.ops if o != op.id]
+    why = block_supported(graph, rest)
+    if why:
+        return why
+    p = op.params
+    if p.get("batch_group_count", 1) != 1:
+        return "batch_group_count != 1"
+    x, w = op.inputs
+    o = c.outputs[0]
+    extras = [t for t in c.inputs if t not in (x, w) and graph.tensors[t].const is None]
+    epi = block_fn(graph, rest, [op.outputs[0], *extras], [o]) if rest else None
+    shape = tuple(graph.tensors[o].shape)
+
+    def step(run: _Run) -> None:
+        out = run.out_vtensor(o)
+        res = conv(run.vtensor(x), run.vtensor(w), window_strides=p["window_strides"], padding=p["padding"],
+                   lhs_dilation=p.get("lhs_dilation"), rhs_dilation=p.get("rhs_dilation"),
+                   dimension_numbers=p["dimension_numbers"], feature_group_count=p["feature_group_count"],
+                   out=out, epilogue=epi, epilogue_args=[_broadcast(run.vtensor(t), shape) for t in extras],
+                   preferred_element_type=p.get("preferred_element_type"), backend=backend)
+        run.written(o, out, _buffers(res))
+
+    return step
+
+
 TEMPLATES: Mapping[str, Callable[..., Step | str]] = {
+    "conv": _conv_template,
     "matmul": _matmul_template,
     "pointwise": _pointwise_template,
     "attention": _attention_template,

@@ -18,8 +18,8 @@ numerics are the ones ``jax.jit`` gives.
 
 Blocking: the grid is 1-D over power-of-two blocks of ~``_TARGET`` elements, filled from the last
 dim outwards (last dim at most 128 wide for 4-byte types, 256 for 2-byte ones); the leading dims
-the budget does not reach have block 1, i.e. are collapsed into the grid. Ragged edges are masked by ``vio``; padded lanes compute garbage that is
-never stored.
+the budget does not reach have block 1, i.e. are collapsed into the grid. Ragged edges are masked
+by ``vio``; padded lanes compute garbage that is never stored.
 """
 from __future__ import annotations
 
@@ -150,10 +150,11 @@ def as_vtensor(x: Any, shape: Sequence[int]) -> VTensor:
 
 def _broadcast_layout(layout: Layout, shape: tuple[int, ...]) -> Layout:
     src = layout.shape
-    if len(src) > len(shape):
-        raise ValueError(f"cannot broadcast {src} to {shape}")
-    np.broadcast_shapes(src, shape)  # raises on incompatible shapes
-    if np.broadcast_shapes(src, shape) != shape:
+    try:
+        ok = len(src) <= len(shape) and np.broadcast_shapes(src, shape) == shape
+    except ValueError:
+        ok = False
+    if not ok:
         raise ValueError(f"cannot broadcast {src} to {shape}")
     return layout.broadcast(shape, tuple(range(len(shape) - len(src), len(shape))))
 
@@ -208,8 +209,8 @@ def pointwise(fn: Callable[..., Any], inputs: Sequence[Any], *, out_shape: Seque
                               *[jax.ShapeDtypeStruct(out_shape, v.dtype) for v in vins])
     tuple_result = isinstance(abstract, (tuple, list))
     results = tuple(abstract) if tuple_result else (abstract,)
-    for r in results:
-        if tuple(r.shape) != out_shape:
+    for r in results:  # a result may also be a scalar (a constant output of re-bound ops)
+        if tuple(r.shape) not in (out_shape, ()):
             raise ValueError(f"fn returns shape {tuple(r.shape)}, expected {out_shape}: fn must be elementwise")
     n_out = len(results)
     if out_dtypes is None:
@@ -261,7 +262,7 @@ def pointwise(fn: Callable[..., Any], inputs: Sequence[Any], *, out_shape: Seque
         res = compute(*blocks)                             # stage 2 (untouched)
         res = tuple(res) if tuple_result else (res,)
         for o, v in zip(outs_, res):                       # stage 3
-            o.store(origin, blk, v)
+            o.store(origin, blk, jnp.broadcast_to(v, blk))
 
     bufs = plan.call(body, grid=(n_programs,), backend=backend, num_warps=num_warps,
                      num_stages=num_stages, name=name)

@@ -169,10 +169,10 @@ def row_reduce(inputs: Sequence[Any], passes: Sequence[Stat | Sequence[Stat]],
             r = jax.eval_shape(st.prologue, *blk_sds, *stat_sds)
             new.append(jax.ShapeDtypeStruct((2, 1), _acc_dtype(r.dtype, upcast)))
         stat_sds += new
-    n_epi = len(_as_list(jax.eval_shape(epilogue, *blk_sds, *stat_sds))) if epilogue else 0
-    epi_tuple = epilogue is not None and isinstance(jax.eval_shape(epilogue, *blk_sds, *stat_sds), (tuple, list))
-    n_red = len(_as_list(jax.eval_shape(reduced, *stat_sds))) if reduced else 0
-    red_tuple = reduced is not None and isinstance(jax.eval_shape(reduced, *stat_sds), (tuple, list))
+    epi_abs = jax.eval_shape(epilogue, *blk_sds, *stat_sds) if epilogue is not None else ()
+    red_abs = jax.eval_shape(reduced, *stat_sds) if reduced is not None else ()
+    n_epi, n_red = len(_as_list(epi_abs)), len(_as_list(red_abs))
+    epi_tuple, red_tuple = isinstance(epi_abs, (tuple, list)), isinstance(red_abs, (tuple, list))
     n_out = n_epi + n_red
     if out_dtypes is None:
         dtypes = [np.dtype(vins[0].dtype)] * n_out
@@ -304,7 +304,7 @@ def row_reduce(inputs: Sequence[Any], passes: Sequence[Stat | Sequence[Stat]],
         if lifted[i]:
             b = (b[0].reshape(()),)
         packed.append(b[0] if len(b) == 1 else tuple(b))
-    if n_out == 1 and not (epi_tuple or red_tuple):
+    if n_out == 1 and not ((epilogue is not None and epi_tuple) or (reduced is not None and red_tuple)):
         return packed[0]
     return tuple(packed)
 
@@ -326,7 +326,7 @@ def _reduction(x: Any, combine: str, axis: int, keepdims: bool, out: Any, dtype:
     n = shape[axis % len(shape)] if shape else 1
     fin = (lambda s: finish(s, n)) if finish else (lambda s: s)
     return row_reduce([x], [Stat(lambda v: v, combine)], reduced=fin, axis=axis, keepdims=keepdims,
-                      outs=None if out is None else [out], out_dtypes=dtype, name=name, **kw)
+                      outs=None if out is None else [out], out_dtypes=dtype, **{"name": name, **kw})
 
 
 def reduce_sum(x: Any, axis: int = -1, *, keepdims: bool = False, out: VTensor | None = None,
@@ -358,7 +358,7 @@ def softmax(x: Any, axis: int = -1, *, out: VTensor | None = None, dtype: Any = 
     return row_reduce(
         [x], [Stat(lambda v: v, "max"), Stat(lambda v, m: jnp.exp(v - m), "sum")],
         lambda v, m, s: jnp.exp(v - m) / s, axis=axis,
-        outs=None if out is None else [out], out_dtypes=dtype, name="softmax", **kw)
+        outs=None if out is None else [out], out_dtypes=dtype, **{"name": "softmax", **kw})
 
 
 def _last_axis_param(p: Any, shape: tuple[int, ...]) -> Any:
@@ -379,7 +379,7 @@ def rms_norm(x: Any, w: Any = None, eps: float = 1e-6, *, out: VTensor | None = 
         return y * wv[0] if wv else y
 
     return row_reduce(ins, [Stat(lambda v, *_: v * v, "sum")], epi, axis=-1,
-                      outs=None if out is None else [out], out_dtypes=dtype, name="rms_norm", **kw)
+                      outs=None if out is None else [out], out_dtypes=dtype, **{"name": "rms_norm", **kw})
 
 
 def layer_norm(x: Any, w: Any = None, b: Any = None, eps: float = 1e-5, *, out: VTensor | None = None,
@@ -405,4 +405,4 @@ def layer_norm(x: Any, w: Any = None, b: Any = None, eps: float = 1e-5, *, out: 
         return y
 
     return row_reduce(ins, [Stat(lambda v, *_: v, "sum"), Stat(centred_sq, "sum")], epi, axis=-1,
-                      outs=None if out is None else [out], out_dtypes=dtype, name="layer_norm", **kw)
+                      outs=None if out is None else [out], out_dtypes=dtype, **{"name": "layer_norm", **kw})

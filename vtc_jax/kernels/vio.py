@@ -423,25 +423,34 @@ def _to_target_order(x: jax.Array, sb: Any, block: Sequence[int], fold_first: bo
     """
     mapped = [j for j, _, _ in sb if j is not None]
     extra = tuple(k for k in range(len(block)) if k not in mapped)
-    if extra:
+    wide = tuple(k for k in extra if block[k] > 1)  # only these need folding; size-1 ones reshape away
+    if wide:
         if fold_first:
-            first = _all([_iota(block, k) == 0 for k in extra if block[k] > 1])
+            first = _all([_iota(block, k) == 0 for k in wide])
             if x.dtype == jnp.bool_:
-                x = x if first is None else x & first
-                x = jnp.max(x.astype(jnp.int32), axis=extra) > 0
-            elif first is None:
-                x = x.reshape([b for k, b in enumerate(block) if k not in extra])
+                x = jnp.max((x & first).astype(jnp.int32), axis=wide, keepdims=True) > 0
             else:
-                x = jnp.sum(jnp.where(first, x, jnp.zeros((), x.dtype)), axis=extra).astype(x.dtype)
+                x = jnp.sum(jnp.where(first, x, jnp.zeros((), x.dtype)), axis=wide, keepdims=True).astype(x.dtype)
         elif x.dtype == jnp.bool_:
-            x = jnp.max(x.astype(jnp.int32), axis=extra) > 0
+            x = jnp.max(x.astype(jnp.int32), axis=wide, keepdims=True) > 0
         else:
-            x = x.reshape([b for k, b in enumerate(block) if k not in extra])
+            raise ValueError("a stored block dim has no home in the buffer")
+    if extra:
+        x = x.reshape([b for k, b in enumerate(x.shape) if k not in extra])
     kept = sorted(mapped)
-    perm = [kept.index(j) for j in mapped]
-    if perm != list(range(len(perm))):
-        x = jnp.transpose(x, perm)
+    x = _permute(x, [kept.index(j) for j in mapped])
     return x.reshape([block[j] if j is not None else 1 for j, _, _ in sb])
+
+
+def _permute(x: jax.Array, perm: Sequence[int]) -> jax.Array:
+    """Transpose, but as a free reshape when only size-1 dims move (a real in-register transpose
+    of a 3-D/4-D tile goes through local memory in Triton and costs registers and spills)."""
+    if list(perm) == list(range(len(perm))):
+        return x
+    big = [p for p in perm if x.shape[p] > 1]
+    if big == sorted(big):
+        return x.reshape([x.shape[p] for p in perm])
+    return jnp.transpose(x, perm)
 
 
 def _from_target_order(val: jax.Array, sb: Any, block: Sequence[int]) -> jax.Array:
@@ -449,8 +458,6 @@ def _from_target_order(val: jax.Array, sb: Any, block: Sequence[int]) -> jax.Arr
     mapped = [j for j, _, _ in sb if j is not None]
     x = val.reshape([block[j] for j in mapped])
     kept = sorted(mapped)
-    perm = [mapped.index(j) for j in kept]
-    if perm != list(range(len(perm))):
-        x = jnp.transpose(x, perm)
+    x = _permute(x, [mapped.index(j) for j in kept])
     shape = [block[k] if k in mapped else 1 for k in range(len(block))]
     return jnp.broadcast_to(x.reshape(shape), tuple(block))
