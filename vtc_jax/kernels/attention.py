@@ -132,7 +132,7 @@ class _Cfg:
 def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = None,
                      sm_scale: float | None = None, soft_cap: float | None = None,
                      window: int | None = None, out: VTensor | None = None, block_k: int = 64,
-                     num_splits: int | None = None, num_warps: int = 8, num_stages: int = 2,
+                     num_splits: int | None = None, num_warps: int = 8, num_stages: int | None = None,
                      backend: str = "interpret") -> Any:
     """Single-token (decode) attention ``softmax(mask(cap(q·kᵀ·scale)))·v`` per query head.
 
@@ -153,6 +153,9 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
     num_warps, num_stages: Triton launch configuration of the main kernel. The default (8 warps,
         block_k 64) compiles for sm_90 without spills for bf16 Llama-3 (G=4, D=128) and MHA
         (D=128) decode; 4 warps spill there (tests/test_kernel_attention.py, offline test).
+        ``num_stages`` defaults to 2 for 16-bit inputs and 1 for f32, whose IEEE dots need the
+        registers that a second pipeline stage would take (255 registers and spills at 2 stages,
+        88 and none at 1, sm_90, block_k 64).
     backend: "interpret" (CPU) or "triton".
 
     Returns like :func:`vtc_jax.kernels.matmul.matmul`: the array for a fresh/one-buffer output,
@@ -184,6 +187,8 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         raise ValueError(f"out has logical shape {out.shape}, expected {out_shape}")
 
     compute = np.dtype(jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype))
+    if num_stages is None:
+        num_stages = 1 if compute.itemsize >= 4 else 2
     Dp, Dvp = max(MIN_DOT, next_pow2(D)), max(MIN_DOT, next_pow2(Dv))
     bk = min(block_k, max(MIN_DOT, next_pow2(T)))
     # Shared memory: Triton stages the K and V blocks (num_stages deep). Halve the block until
