@@ -10,8 +10,9 @@ Contract for someone adding a template
 * Inputs/outputs are :class:`VTensor` (or plain arrays, meaning physical). Build a :class:`Plan`
   with ``Plan.build(inputs, outputs)`` and launch with ``plan.call(body, grid=..., backend=...)``;
   ``body(ins, outs)`` gets one :class:`VRef` per input and output. Read program ids inside.
-* Blocks are tuples of powers of two; ``origin`` entries may be traced int32. Lanes outside the
-  logical shape read ``fill`` and are never written: templates do not mask ragged edges themselves.
+* Blocks are tuples of powers of two; ``origin`` entries may be traced int32 and must be
+  non-negative (padding is a ``Layout.pad``, not a negative origin). Lanes outside the logical
+  shape read ``fill`` and are never written: templates do not mask ragged edges themselves.
 * A load may cover several pieces (a QKV block straddling Q and the K cache): every piece is
   loaded under its own mask and merged. A store only touches the pieces whose static box meets
   the block (``pl.when``), each under its own mask.
