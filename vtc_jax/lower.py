@@ -361,32 +361,61 @@ def _buffers(res: Any) -> tuple[Any, ...]:
     return tuple(res) if isinstance(res, (tuple, list)) else (res,)
 
 
-def _matmul_template(graph: Graph, c: Cluster, *, backend: str) -> Step | str:
-    from .kernels.matmul import matmul
-    dots = [o for o in c.ops if graph.ops[o].primitive == "dot_general"]
-    if len(dots) != 1 or len(c.outputs) != 1:
-        return "needs exactly one dot_general and one output"
-    dot = graph.ops[dots[0]]
-    rest = [o for o in c.ops if o != dot.id]
+def _contraction_template(graph: Graph, c: Cluster, primitive: str,
+                          call: Callable[..., Any]) -> Step | str:
+    """A contraction (dot_general or conv) plus its elementwise epilogue as one kernel.
+
+    ``call(lhs, rhs, params, out=, epilogue=, epilogue_args=)`` runs the template; the epilogue is
+    the cluster's other primitives re-bound on the accumulator tile (``block_fn``).
+    """
+    found = [o for o in c.ops if graph.ops[o].primitive == primitive]
+    if len(found) != 1 or len(c.outputs) != 1:
+        return f"needs exactly one {primitive} and one output"
+    op = graph.ops[found[0]]
+    rest = [o for o in c.ops if o != op.id]
     why = block_supported(graph, rest)
     if why:
         return why
-    a, b = dot.inputs
+    lhs, rhs = op.inputs
     o = c.outputs[0]
-    extras = [t for t in c.inputs if t not in (a, b) and graph.tensors[t].const is None]
-    epi = block_fn(graph, rest, [dot.outputs[0], *extras], [o]) if rest else None
+    extras = [t for t in c.inputs if t not in (lhs, rhs) and graph.tensors[t].const is None]
+    epi = block_fn(graph, rest, [op.outputs[0], *extras], [o]) if rest else None
     shape = tuple(graph.tensors[o].shape)
-    dn = dot.params["dimension_numbers"]
-    pet = dot.params.get("preferred_element_type")
 
     def step(run: _Run) -> None:
         out = run.out_vtensor(o)
-        res = matmul(run.vtensor(a), run.vtensor(b), dimension_numbers=dn, out=out, epilogue=epi,
-                     epilogue_args=[_broadcast(run.vtensor(t), shape) for t in extras],
-                     preferred_element_type=pet, backend=backend)
+        res = call(run.vtensor(lhs), run.vtensor(rhs), op.params, out=out, epilogue=epi,
+                   epilogue_args=[_broadcast(run.vtensor(t), shape) for t in extras])
         run.written(o, out, _buffers(res))
 
     return step
+
+
+def _matmul_template(graph: Graph, c: Cluster, *, backend: str) -> Step | str:
+    from .kernels.matmul import matmul
+
+    def call(a: Any, b: Any, p: Mapping[str, Any], **kw: Any) -> Any:
+        return matmul(a, b, dimension_numbers=p["dimension_numbers"],
+                      preferred_element_type=p.get("preferred_element_type"), backend=backend, **kw)
+
+    return _contraction_template(graph, c, "dot_general", call)
+
+
+def _conv_template(graph: Graph, c: Cluster, *, backend: str) -> Step | str:
+    from .kernels.conv import conv
+
+    def call(x: Any, w: Any, p: Mapping[str, Any], **kw: Any) -> Any:
+        if p.get("batch_group_count", 1) != 1:
+            raise NotImplementedError("batch_group_count != 1")
+        return conv(x, w, window_strides=p["window_strides"], padding=p["padding"],
+                    lhs_dilation=p.get("lhs_dilation"), rhs_dilation=p.get("rhs_dilation"),
+                    dimension_numbers=p["dimension_numbers"], feature_group_count=p["feature_group_count"],
+                    preferred_element_type=p.get("preferred_element_type"), backend=backend, **kw)
+
+    if any(graph.ops[o].params.get("batch_group_count", 1) != 1 for o in c.ops
+           if graph.ops[o].primitive == "conv_general_dilated"):
+        return "batch_group_count != 1"
+    return _contraction_template(graph, c, "conv_general_dilated", call)
 
 
 def _pointwise_template(graph: Graph, c: Cluster, *, backend: str) -> Step | str:
@@ -641,37 +670,6 @@ def _attention_template(graph: Graph, c: Cluster, *, backend: str) -> Step | str
         res = decode_attention(qg, per_group(k), per_group(v), sm_scale=m.scale, soft_cap=m.soft_cap,
                                out=og, backend=backend, **kw)
         run.written(m.out, out, _buffers(res))
-
-    return step
-
-
-def _conv_template(graph: Graph, c: Cluster, *, backend: str) -> Step | str:
-    from .kernels.conv import conv
-    convs = [o for o in c.ops if graph.ops[o].primitive == "conv_general_dilated"]
-    if len(convs) != 1 or len(c.outputs) != 1:
-        return "needs exactly one conv_general_dilated and one output"
-    op = graph.ops[convs[0]]
-    rest = [o for o in c.ops if o != op.id]
-    why = block_supported(graph, rest)
-    if why:
-        return why
-    p = op.params
-    if p.get("batch_group_count", 1) != 1:
-        return "batch_group_count != 1"
-    x, w = op.inputs
-    o = c.outputs[0]
-    extras = [t for t in c.inputs if t not in (x, w) and graph.tensors[t].const is None]
-    epi = block_fn(graph, rest, [op.outputs[0], *extras], [o]) if rest else None
-    shape = tuple(graph.tensors[o].shape)
-
-    def step(run: _Run) -> None:
-        out = run.out_vtensor(o)
-        res = conv(run.vtensor(x), run.vtensor(w), window_strides=p["window_strides"], padding=p["padding"],
-                   lhs_dilation=p.get("lhs_dilation"), rhs_dilation=p.get("rhs_dilation"),
-                   dimension_numbers=p["dimension_numbers"], feature_group_count=p["feature_group_count"],
-                   out=out, epilogue=epi, epilogue_args=[_broadcast(run.vtensor(t), shape) for t in extras],
-                   preferred_element_type=p.get("preferred_element_type"), backend=backend)
-        run.written(o, out, _buffers(res))
 
     return step
 
