@@ -726,7 +726,21 @@ def check(prog: Program) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)  # falling back is allowed
         out = vtc_jax.optimize(fn, backend="interpret")(*args)
-    assert_same(out, ref)
+    try:
+        assert_same(out, ref)
+    except AssertionError:
+        # jax.jit itself can be wrong here: XLA's simplifier folds a dynamic slice (or a gather) of a
+        # dynamic slice without clamping the outer start (openxla/xla#49121, jax-ml/jax#40849).
+        # Op-by-op execution is the specification: only if the reference disagrees with it is
+        # optimize judged against it instead.
+        with jax.disable_jit():
+            spec = fn(*args)
+        try:
+            assert_same(ref, spec)
+        except AssertionError:
+            assert_same(out, spec)
+            return
+        raise
 
 
 # --------------------------------------------------------------------------------------------

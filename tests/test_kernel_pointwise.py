@@ -219,6 +219,33 @@ def test_write_default_blocks(case):
     _write_check(case, jnp.float32, None)
 
 
+# ---- vio cases these tests found (extent-1 pieces, pad value on exact-fit blocks) ----------
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_write_concat_of_extent1_pieces(axis):
+    shape = (2, 1) if axis == 0 else (1, 2)
+    x = rnd(1, shape, jnp.float32)
+    two = Layout.concatenate([Layout.physical(0, (1, 1)), Layout.physical(1, (1, 1))], axis)
+    S = jax.ShapeDtypeStruct
+
+    def kernel(x, backend):
+        out = vt(two, S((1, 1), x.dtype), S((1, 1), x.dtype))
+        return pointwise(jnp.tanh, [x], outs=out, backend=backend)
+
+    check_kernel(kernel, lambda x: tuple(jnp.split(jnp.tanh(x), 2, axis)), (x,), **TOL[jnp.float32])
+
+
+def test_read_pad_nonzero_value_exact_block():
+    x = rnd(1, (16, 124), jnp.float32)
+
+    def kernel(x, backend):
+        return pointwise(jnp.tanh, [vt(phys(x.shape).pad((0, 0), (0, 4), (0, 0), 2.0), x)],
+                         backend=backend)
+
+    check_kernel(kernel, lambda x: jnp.tanh(jnp.pad(x, ((0, 0), (0, 4)), constant_values=2.0)), (x,),
+                 **TOL[jnp.float32])
+
+
 # --------------------------------------------------------------------------------------------
 # Shapes, broadcasting of plain arrays, scalars, several outputs
 # --------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from . import costmodel, movement
 from .cluster import Cluster, cluster
 from .graph import Graph, trace
 from .report import Modeled, MovementInfo, Report
-from .strategy import Strategy, complete_inplace, complete_views, greedy
+from .strategy import Strategy, complete_inplace, complete_views, greedy, physical_inplace
 from .vtog import VTOG, build_vtog
 
 
@@ -66,6 +66,7 @@ def analyze(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
     from .lower import eliminated_ops
     gone = eliminated_ops(graph, strategy)
     strategy = complete_views(strategy, [e.op for e in vtog.edges if e.op not in gone])
+    strategy = physical_inplace(strategy)
     return Analysis(graph, clusters, vtog, strategy, time.perf_counter() - t0, donated)
 
 

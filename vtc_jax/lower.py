@@ -64,14 +64,17 @@ def eliminated_ops(graph: Graph, strategy: Strategy) -> frozenset[int]:
         op = graph.ops[oid]
         ok = True
         for o in op.outputs:
-            if strategy.is_virtual(o):
-                continue
+            if strategy.is_virtual(o) and all(e.direction == "read" for e in strategy.points_to(o)):
+                continue  # read through its map from data that exists elsewhere
+            # physical, or itself written through a map: its producers (the op's inputs, through
+            # this op's write edges) must fill all of it, or the op has to run
             covered = sum(_volume(e.box) for e in chosen
                           if e.op == oid and e.dst == o and e.direction == "write")
             if covered < graph.tensors[o].size:
                 ok = False
                 break
-        if ok and op.primitive == "dynamic_update_slice" and strategy.is_virtual(op.outputs[0]):
+        if ok and op.primitive == "dynamic_update_slice" and any(
+                e.inplace for e in strategy.points_to(op.outputs[0])):
             # in place: the update still has to land, unless its producer writes it there.
             upd = op.inputs[1]
             ok = any(e.op == oid and e.src == upd for e in chosen)
@@ -297,7 +300,8 @@ def _xla_step(graph: Graph, op_ids: Sequence[int]) -> Step:
 
     def step(run: _Run) -> None:
         for op in ops:
-            if op.primitive == "dynamic_update_slice" and run.strategy.is_virtual(op.outputs[0]):
+            if op.primitive == "dynamic_update_slice" and any(
+                    e.inplace and e.op == op.id for e in run.strategy.points_to(op.outputs[0])):
                 run.update_in_place(op)
                 continue
             out = op.prim.bind(*(run.value(t) for t in op.inputs), **op.params)
@@ -624,7 +628,7 @@ def _group_size(k: VTensor, heads: int) -> int:
             return 1
         lay = k.layout.reshape((b, h // g, g, t, d))
         if all(2 not in e.dims() for p in lay.pieces for e in p.map.exprs) and \
-                all(2 not in c.expr.dims() for p in lay.pieces for c in p.where):
+                all(2 not in c.expr.dims() for p in lay.pieces for c in (*p.where, *p.map.conds)):
             return g
     return 1
 

@@ -553,3 +553,19 @@ def _add_edges(strategy: Strategy, candidates: Sequence[int], companion_of: Mapp
     except StrategyError:
         return strategy
     return trial
+
+
+def physical_inplace(strategy: Strategy) -> Strategy:
+    """Keep an in-place update (``out ⇢ operand``) only when the operand owns its memory.
+
+    Writing "in place" into a virtual operand writes into whatever its map points at: the input
+    behind a transpose (which the caller may still hold), the fill region of a pad, the one
+    element a broadcast repeats. Only a physical operand is a buffer the update may land in.
+    """
+    v = strategy.vtog
+    bad = {i for i in strategy.chosen if v.edges[i].inplace and strategy.is_virtual(v.edges[i].dst)}
+    if not bad:
+        return strategy
+    chosen = tuple(i for i in strategy.chosen if i not in bad)
+    picks = tuple(p for p in strategy.trace if not set(p.edges) & bad)
+    return physical_inplace(Strategy(chosen, strategy.total_saving, picks, v))

@@ -320,7 +320,7 @@ class VRef:
         env, inb = self._env(origin, block)
         dtype = self.binding.dtype
         pad_fill = self.binding.layout.fill
-        base = jnp.full(block, fill, dtype) if inb is None else \
+        base = jnp.full(block, pad_fill, dtype) if inb is None else \
             jnp.where(inb, jnp.asarray(pad_fill, dtype), jnp.asarray(fill, dtype))
         pieces = self.binding.layout.pieces
         result = base
@@ -376,12 +376,17 @@ class VRef:
             plgpu.store(ref.at[offs], val, mask=mask)
             return
         idx = self._strided_index(p, sb, origin, block, env)
+        if mask is not None:  # lanes folded together below: only the valid one may contribute
+            val = jnp.where(mask, val, jnp.zeros((), val.dtype))
         tmask = None if mask is None else _to_target_order(mask, sb, block, fold_first=True)
         plgpu.store(ref.at[idx], _to_target_order(val, sb, block, fold_first=True), mask=tmask)
 
 
 def _masked_load(ref: Any, mask: Any) -> jax.Array:
-    return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0)
+    """``other`` carries the ref's dtype: an int 0 for a bool ref breaks the interpreter's select."""
+    if mask is None:
+        return plgpu.load(ref)
+    return plgpu.load(ref, mask=mask, other=np.zeros((), ref.dtype).item())
 
 
 def _flat_offsets(p: Piece, env: dict[Atom, Any], shape: Sequence[int], block: Sequence[int]) -> jax.Array:
@@ -416,22 +421,20 @@ def _box_hit(box: Any, origin: Sequence[Any], block: Sequence[int]) -> Any:
 def _to_target_order(x: jax.Array, sb: Any, block: Sequence[int], fold_first: bool = False) -> jax.Array:
     """Rearrange a block from virtual dim order into the buffer's dim order (size 1 for unmapped).
 
-    Virtual dims with no physical home are folded away. Loads fold the mask with a max (a
-    physical element is read if any virtual lane that maps to it is valid: broadcast reads).
-    Stores (``fold_first``) keep lane 0: a one-to-one layout only leaves a dim unmapped when its
-    logical size is 1, so the other lanes are padding of a power-of-two block — selected with a
-    masked sum, since value-level slices do not lower on Triton.
+    Virtual dims with no physical home are folded away. Masks fold with a max (a physical
+    element is touched if any virtual lane that maps to it is valid: broadcast reads). Stored
+    values (``fold_first``) fold with a sum: a one-to-one layout only leaves a dim unmapped where
+    at most one lane per physical element is valid, and the caller zeroed the others — a masked
+    sum, since value-level slices do not lower on Triton.
     """
     mapped = [j for j, _, _ in sb if j is not None]
     extra = tuple(k for k in range(len(block)) if k not in mapped)
     wide = tuple(k for k in extra if block[k] > 1)  # only these need folding; size-1 ones reshape away
     if wide:
-        if fold_first:
-            first = _all([_iota(block, k) == 0 for k in wide])
-            if x.dtype == jnp.bool_:
-                x = jnp.max((x & first).astype(jnp.int32), axis=wide, keepdims=True) > 0
-            else:
-                x = jnp.sum(jnp.where(first, x, jnp.zeros((), x.dtype)), axis=wide, keepdims=True).astype(x.dtype)
+        if x.dtype == jnp.bool_:
+            x = jnp.max(x.astype(jnp.int32), axis=wide, keepdims=True) > 0
+        elif fold_first:
+            x = jnp.sum(x, axis=wide, keepdims=True).astype(x.dtype)
         elif x.dtype == jnp.bool_:
             x = jnp.max(x.astype(jnp.int32), axis=wide, keepdims=True) > 0
         else:
