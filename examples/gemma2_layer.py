@@ -34,6 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import llama3_decode  # the fused QKV projection, RoPE and cache update are Llama's, unchanged
+from llama3_decode import _update, rope
+
 
 @dataclass(frozen=True)
 class Config:
@@ -66,29 +69,8 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 
-def rope(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding (rotate-half form) at one position; ``x`` is (B, 1, H, D)."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    ang = pos.astype(jnp.float32) * inv
-    cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)])
-    sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)])
-    xf = x.astype(jnp.float32)
-    rot = jnp.concatenate([-xf[..., d // 2:], xf[..., : d // 2]], axis=-1)
-    return (xf * cos + rot * sin).astype(x.dtype)
-
-
 def _qkv(cfg: Config, w_qkv: jax.Array, h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    b = h.shape[0]
-    qkv = jnp.dot(h, w_qkv, preferred_element_type=jnp.float32).astype(h.dtype)
-    nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    q, k, v = jnp.split(qkv, [nq, nq + nk], axis=-1)
-    return (q.reshape(b, 1, cfg.n_heads, cfg.head_dim), k.reshape(b, 1, cfg.n_kv_heads, cfg.head_dim),
-            v.reshape(b, 1, cfg.n_kv_heads, cfg.head_dim))
-
-
-def _update(cache: jax.Array, new: jax.Array, pos: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (0, pos, 0, 0))
+    return llama3_decode._qkv(cfg, {"w_qkv": w_qkv}, h)
 
 
 def _attend(cfg: Config, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array,
