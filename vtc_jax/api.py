@@ -16,7 +16,8 @@ from . import costmodel, movement
 from .cluster import Cluster, cluster
 from .graph import Graph, trace
 from .report import Modeled, MovementInfo, Report
-from .strategy import Strategy, complete_inplace, complete_views, greedy, physical_inplace
+from .strategy import (Strategy, complete_inplace, complete_views, greedy, physical_inplace,
+                       producer_writes)
 from .vtog import VTOG, build_vtog
 
 
@@ -67,7 +68,30 @@ def analyze(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
     gone = eliminated_ops(graph, strategy)
     strategy = complete_views(strategy, [e.op for e in vtog.edges if e.op not in gone])
     strategy = physical_inplace(strategy)
+    for op in _executed_movement(graph, clusters, strategy):  # outputs left for nobody to produce
+        if any(e.direction == "write" for o in op.outputs for e in strategy.points_to(o)):
+            strategy = producer_writes(strategy, op.id)
+    gone = eliminated_ops(graph, strategy)
+    strategy = complete_views(strategy, [e.op for e in vtog.edges if e.op not in gone])
     return Analysis(graph, clusters, vtog, strategy, time.perf_counter() - t0, donated)
+
+
+def _executed_movement(graph: Graph, clusters: Sequence[Cluster], strategy: Strategy) -> list[Any]:
+    """Movement ops XLA still runs under ``strategy`` (a cache update made in place only writes
+    its small update: not counted)."""
+    from .lower import eliminated_ops
+    gone = eliminated_ops(graph, strategy)
+    out = []
+    for c in clusters:
+        if c.kind != "movement":
+            continue
+        for oid in c.ops:
+            op = graph.ops[oid]
+            if oid in gone or (op.primitive == "dynamic_update_slice" and any(
+                    e.inplace for e in strategy.points_to(op.outputs[0]))):
+                continue
+            out.append(op)
+    return out
 
 
 def donated_inputs(graph: Graph, args: Sequence[Any], kwargs: dict[str, Any],

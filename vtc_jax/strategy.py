@@ -569,3 +569,32 @@ def physical_inplace(strategy: Strategy) -> Strategy:
     chosen = tuple(i for i in strategy.chosen if i not in bad)
     picks = tuple(p for p in strategy.trace if not set(p.edges) & bad)
     return physical_inplace(Strategy(chosen, strategy.total_saving, picks, v))
+
+
+def producer_writes(strategy: Strategy, op_id: int) -> Strategy:
+    """Let the producer of a movement op's input write every output instead (all write edges).
+
+    When the greedy makes some outputs of a split read back from its input and another output
+    write onward (into a cache, say), nobody produces that last output and the op has to run.
+    Taking the op's write edges for *all* outputs (the input becomes virtual over them) removes
+    it. Returns ``strategy`` unchanged when that does not validate.
+    """
+    v = strategy.vtog
+    writes = [i for i, e in enumerate(v.edges) if e.op == op_id and e.direction == "write"]
+    srcs = {v.edges[i].src for i in writes}
+    if not writes or len(srcs) != 1 or any(strategy.is_virtual(t) for t in srcs):
+        return strategy
+    reads = {i for i in strategy.chosen if v.edges[i].op == op_id and v.edges[i].direction == "read"}
+    base = Strategy(tuple(i for i in strategy.chosen if i not in reads), strategy.total_saving,
+                    tuple(p for p in strategy.trace if not set(p.edges) & reads), v)
+    src = srcs.pop()
+    group = [i for i in writes if v.edges[i].src == src]
+    if not exact_cover(v, group, src) or any(v.in_conflict(i, j) for i in group for j in base.chosen):
+        return strategy
+    trial = Strategy(base.chosen + tuple(group), strategy.total_saving,
+                     base.trace + (Pick(src, tuple(group), 0.0, (0.0,) * len(group)),), v)
+    try:
+        trial.validate()
+    except StrategyError:
+        return strategy
+    return trial
