@@ -337,6 +337,7 @@ def test_default_config_compiles_sm90_no_spills():
     assert len(results) == 6, table
     for r in results:
         assert r.cubin_ok, table
-        assert (r.num_warps, r.num_stages) == (4, 2), table
+        stages = 1 if r.name.endswith("float32") else 2  # f32: one stage by default (registers)
+        assert (r.num_warps, r.num_stages) == (4, stages), table
         assert not r.spills, table
         assert r.smem_bytes <= SMEM_LIMIT["sm_90"], table

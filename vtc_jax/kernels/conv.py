@@ -200,7 +200,7 @@ def conv(x: Any, w: Any, *, window_strides: Sequence[int], padding: Any,
          out: VTensor | None = None, epilogue: Callable[..., jax.Array] | None = None,
          epilogue_args: Sequence[Any] = (), preferred_element_type: Any = None,
          precision: Any = None, block_m: int = 64, block_n: int = 64, block_k: int = 32,
-         num_warps: int = 4, num_stages: int = 2, backend: str = "interpret") -> Any:
+         num_warps: int = 4, num_stages: int | None = None, backend: str = "interpret") -> Any:
     """``lax.conv_general_dilated`` (+ ``epilogue``) as one Pallas Triton kernel with virtual I/O.
 
     x, w: :class:`vio.VTensor` or arrays, in any layout their index maps describe; which dim is
@@ -324,6 +324,8 @@ def conv(x: Any, w: Any, *, window_strides: Sequence[int], padding: Any,
         grid = (tiles_m, tiles_n, groups)
         name = "vtc_conv"
 
+    if num_stages is None:  # f32 dots need the registers a second pipeline stage takes (spills)
+        num_stages = 1 if np.dtype(compute_dtype).itemsize >= 4 else 2
     plan = Plan.build([a, b, *extras], [y])
     (res,) = plan.call(body, grid=grid, backend=backend, num_warps=num_warps,
                        num_stages=num_stages, name=name)
