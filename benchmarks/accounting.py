@@ -97,6 +97,8 @@ def load_example(name: str) -> Any | None:
         return None
     if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(path):
         return sys.modules[name]
+    if str(EXAMPLES) not in sys.path:  # examples import their shared helpers (and each other)
+        sys.path.insert(0, str(EXAMPLES))
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod

@@ -34,6 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from _common import params_and_input
 from jax import lax
 
 
@@ -113,18 +115,7 @@ def example_args(size: str = "small", batch: int = 1, dtype: Any = None, seed: i
         "b_proj": (cfg.channels,),
     }
     xs = (batch, cfg.channels, cfg.height, cfg.width)
-    is_shape = lambda s: isinstance(s, tuple)
-    if size == "paper":
-        sds = lambda s: jax.ShapeDtypeStruct(s, dt)
-        return jax.tree.map(sds, shapes, is_leaf=is_shape), sds(xs)
-    rng = np.random.default_rng(seed)
-
-    def arr(s: tuple[int, ...]) -> jax.Array:
-        fan_in = int(np.prod(s[1:])) if len(s) > 1 else 10
-        return jnp.asarray(rng.standard_normal(s) * fan_in ** -0.5, dt)
-
-    return jax.tree.map(arr, shapes, is_leaf=is_shape), jnp.asarray(rng.standard_normal(xs), dt)
-
+    return params_and_input(shapes, xs, size, dt, seed, vector_scale=10 ** -0.5)
 
 if __name__ == "__main__":
     args = example_args("small", batch=2)

@@ -25,6 +25,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from _common import params_and_input
 from jax import lax
 
 
@@ -82,18 +84,7 @@ def example_args(size: str = "small", batch: int = 1, dtype: Any = None, seed: i
     shapes = [{"w1": (c, c, 1, 1), "b1": (c,), "w_dw": (c, 1, 3, 3), "b_dw": (c,), "w2": (c, c, 1, 1), "b2": (c,)}
               for _ in range(cfg.units)]
     xs = (batch, cfg.channels, cfg.height, cfg.width)
-    is_shape = lambda s: isinstance(s, tuple)
-    if size == "paper":
-        sds = lambda s: jax.ShapeDtypeStruct(s, dt)
-        return jax.tree.map(sds, shapes, is_leaf=is_shape), sds(xs)
-    rng = np.random.default_rng(seed)
-
-    def arr(s: tuple[int, ...]) -> jax.Array:
-        scale = int(np.prod(s[1:])) ** -0.5 if len(s) > 1 else 0.1
-        return jnp.asarray(rng.standard_normal(s) * scale, dt)
-
-    return jax.tree.map(arr, shapes, is_leaf=is_shape), jnp.asarray(rng.standard_normal(xs), dt)
-
+    return params_and_input(shapes, xs, size, dt, seed)
 
 if __name__ == "__main__":
     args = example_args("small", batch=2)

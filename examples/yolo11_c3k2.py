@@ -28,6 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from _common import params_and_input
 from jax import lax
 
 
@@ -83,18 +85,7 @@ def example_args(size: str = "small", batch: int = 1, dtype: Any = None, seed: i
         "w_cv2": (cfg.c2, (2 + cfg.n) * c, 1, 1), "b_cv2": (cfg.c2,),
     }
     xs = (batch, cfg.c1, cfg.height, cfg.width)
-    is_shape = lambda s: isinstance(s, tuple)
-    if size == "paper":
-        sds = lambda s: jax.ShapeDtypeStruct(s, dt)
-        return jax.tree.map(sds, shapes, is_leaf=is_shape), sds(xs)
-    rng = np.random.default_rng(seed)
-
-    def arr(s: tuple[int, ...]) -> jax.Array:
-        scale = int(np.prod(s[1:])) ** -0.5 if len(s) > 1 else 0.1
-        return jnp.asarray(rng.standard_normal(s) * scale, dt)
-
-    return jax.tree.map(arr, shapes, is_leaf=is_shape), jnp.asarray(rng.standard_normal(xs), dt)
-
+    return params_and_input(shapes, xs, size, dt, seed)
 
 if __name__ == "__main__":
     args = example_args("small", batch=2)
