@@ -49,7 +49,7 @@ def operands(dn, n, hw, c, oc, k, groups=1, dtype=jnp.float32):
     return rand(x, dtype), rand(w, dtype, seed=1)
 
 
-def check(x, w, tol=F32, blocks=None, **kw):
+def check_conv(x, w, tol=F32, blocks=None, **kw):
     res = check_kernel(functools.partial(conv, **kw, **(blocks or {})), functools.partial(ref_conv, **kw),
                        (x, w), **tol)
     # the layout changes, the padding and the im2col matrix were never materialised
@@ -77,7 +77,7 @@ CASES = {
 def test_conv_f32(case, dn):
     hw, c, oc, k, s, pad, g = CASES[case]
     x, w = operands(dn, 2, hw, c, oc, k, g)
-    res = check(x, w, window_strides=s, padding=pad, dimension_numbers=dn, feature_group_count=g)
+    res = check_conv(x, w, window_strides=s, padding=pad, dimension_numbers=dn, feature_group_count=g)
     [kern] = res.triton_kernels
     assert kern.name == ("vtc_conv_depthwise" if c == g else "vtc_conv")
 
@@ -87,7 +87,7 @@ def test_conv_f32(case, dn):
 def test_conv_bf16(case, dn):
     hw, c, oc, k, s, pad, g = CASES[case]
     x, w = operands(dn, 2, hw, c, oc, k, g, jnp.bfloat16)
-    res = check(x, w, B16, window_strides=s, padding=pad, dimension_numbers=dn, feature_group_count=g)
+    res = check_conv(x, w, B16, window_strides=s, padding=pad, dimension_numbers=dn, feature_group_count=g)
     assert res.output.dtype == jnp.bfloat16
 
 
@@ -101,7 +101,7 @@ def test_bf16_in_f32_out():
 def test_depthwise_channel_multiplier():
     """groups == C, OC = 2C: output channel oc reads input channel oc // 2 (a broadcast layout)."""
     x, w = operands(NHWC, 2, (5, 5), 12, 24, (3, 3), 12)
-    check(x, w, window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC, feature_group_count=12)
+    check_conv(x, w, window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC, feature_group_count=12)
 
 
 @pytest.mark.parametrize("lhs_d,rhs_d,pad", [((1, 1), (2, 2), "SAME"), ((2, 2), (1, 1), ((1, 2), (2, 1)))],
@@ -110,25 +110,25 @@ def test_dilation(lhs_d, rhs_d, pad):
     """Dilations are index maps too: rhs dilation scales the tap index, lhs dilation (transposed
     conv) is the pad's interior."""
     x, w = operands(NCHW, 2, (7, 5), 12, 16, (3, 3))
-    check(x, w, window_strides=(1, 1), padding=pad, lhs_dilation=lhs_d, rhs_dilation=rhs_d,
+    check_conv(x, w, window_strides=(1, 1), padding=pad, lhs_dilation=lhs_d, rhs_dilation=rhs_d,
           dimension_numbers=NCHW)
 
 
 def test_conv1d():
     x, w = rand((2, 12, 5)), rand((3, 5, 16), seed=1)
-    check(x, w, window_strides=(2,), padding=((1, 1),), dimension_numbers=("NWC", "WIO", "NWC"))
+    check_conv(x, w, window_strides=(2,), padding=((1, 1),), dimension_numbers=("NWC", "WIO", "NWC"))
 
 
 def test_unusual_dimension_numbers():
     """Any dim order works the same way: lhs NWCH, rhs HOIW, out CHWN."""
     x, w = rand((2, 5, 12, 6)), rand((3, 16, 12, 3), seed=1)
-    check(x, w, window_strides=(1, 1), padding="SAME", dimension_numbers=("NWCH", "HOIW", "CHWN"))
+    check_conv(x, w, window_strides=(1, 1), padding="SAME", dimension_numbers=("NWCH", "HOIW", "CHWN"))
 
 
 def test_small_blocks_several_tiles():
     """block 16 everywhere: M, OC and K loops have several (ragged) tiles; program id -> origins."""
     x, w = operands(NHWC, 2, (5, 5), 48, 40, (3, 3))
-    check(x, w, window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC,
+    check_conv(x, w, window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC,
           blocks=dict(block_m=16, block_n=16, block_k=16))
 
 

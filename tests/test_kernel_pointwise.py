@@ -93,7 +93,7 @@ READ = {
 READ_BLOCK = {"concat_pieces": (16, 32), "concat_axis0": (16, 128)}
 
 
-def _read_check(case, dtype, block=None):
+def check_read(case, dtype, block=None):
     make, build, logical = READ[case]
     args = make(dtype) + (rnd(9, (M, N), dtype),)
 
@@ -111,13 +111,13 @@ def _read_check(case, dtype, block=None):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", list(READ))
 def test_read_side(case, dtype):
-    _read_check(case, dtype, READ_BLOCK.get(case))
+    check_read(case, dtype, READ_BLOCK.get(case))
 
 
 def test_read_concat_default_blocks():
     """Default blocks (16, 128) straddle the piece boundary at column 32: a piece starting after
     the block origin (negative window start) goes through vio's gather path."""
-    _read_check("concat_pieces", jnp.float32, None)
+    check_read("concat_pieces", jnp.float32, None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,7 +193,7 @@ def _write_ref(case, x, y, extra):
 WRITE = ["fresh", "transposed", "concat_two_buffers", "dus_at_pos", "qkv_three_tensors"]
 
 
-def _write_check(case, dtype, block=None):
+def check_write(case, dtype, block=None):
     x, y = rnd(1, (M, WRITE_N), dtype), rnd(2, (M, WRITE_N), dtype)
     pos = jnp.int32(21)
     extra = {"dus_at_pos": (rnd(3, (T, WRITE_N), dtype), pos),
@@ -207,7 +207,7 @@ def _write_check(case, dtype, block=None):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", WRITE)
 def test_write_side(case, dtype):
-    res = _write_check(case, dtype, WRITE_BLOCK.get(case))
+    res = check_write(case, dtype, WRITE_BLOCK.get(case))
     if case in ("dus_at_pos", "qkv_three_tensors"):
         # the caches are outputs aliased onto inputs: written in place, not rebuilt
         assert "output_operand_aliases" in res.text
@@ -216,7 +216,7 @@ def test_write_side(case, dtype):
 @pytest.mark.parametrize("case", ["concat_two_buffers", "qkv_three_tensors"])
 def test_write_default_blocks(case):
     """Default blocks straddle the piece boundaries: pieces after the first are scattered."""
-    _write_check(case, jnp.float32, None)
+    check_write(case, jnp.float32, None)
 
 
 # ---- vio cases these tests found (extent-1 pieces, pad value on exact-fit blocks) ----------

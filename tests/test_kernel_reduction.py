@@ -118,7 +118,7 @@ READ = {
 }
 
 
-def _read_check(op, case, dtype, **kw):
+def check_read(op, case, dtype, **kw):
     make, build, logical = READ[case]
     kernel_op, ref_op = OPS[op]
     args = make(dtype)
@@ -129,14 +129,14 @@ def _read_check(op, case, dtype, **kw):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("case", list(READ))
 def test_read_side_softmax(case, dtype):
-    _read_check("softmax", case, dtype)
+    check_read("softmax", case, dtype)
 
 
 @pytest.mark.parametrize("case", ["transposed", "strided_slice", "broadcast_along_row", "pad",
                                   "concat_rows", "dynamic_slice_at_pos"])
 def test_read_side_sum(case):
     """The reduced-output path over the input layouts (the load code is shared with softmax)."""
-    _read_check("sum", case, jnp.float32)
+    check_read("sum", case, jnp.float32)
 
 
 READ_CONCAT_COLS = (lambda d: (rnd(1, (M, 32), d), rnd(2, (M, N - 32), d)),
@@ -150,13 +150,13 @@ READ["concat_cols"] = READ_CONCAT_COLS   # the reduced row runs across two buffe
 @pytest.mark.parametrize("op", list(OPS))
 def test_read_concat_along_reduced_axis(op, dtype):
     """Row = [a | b]: column blocks of 32 (the looped path) keep blocks inside one piece."""
-    _read_check(op, "concat_cols", dtype, block_cols=32)
+    check_read(op, "concat_cols", dtype, block_cols=32)
 
 
 @pytest.mark.parametrize("op", list(OPS))
 def test_read_concat_along_reduced_axis_whole_row(op):
     """A whole-row block straddles the piece boundary (vio's gather path for the second piece)."""
-    _read_check(op, "concat_cols", jnp.float32)
+    check_read(op, "concat_cols", jnp.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,7 +210,7 @@ FULL_WRITE = ["fresh", "transposed", "concat_two_buffers", "dus_at_pos", "qkv_th
 FULL_WRITE_KW = {"concat_two_buffers": dict(block_cols=32), "qkv_three_tensors": dict(block_cols=32)}
 
 
-def _full_write_check(case, dtype, op, **kw):
+def check_full_write(case, dtype, op, **kw):
     x = rnd(1, (M, WN), dtype)
     w, b = rnd(7, (WN,), dtype), rnd(8, (WN,), dtype)
     extra = _extra(case, dtype)
@@ -231,20 +231,20 @@ def _full_write_check(case, dtype, op, **kw):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("case", FULL_WRITE)
 def test_write_side_softmax(case, dtype):
-    res = _full_write_check(case, dtype, "softmax", **FULL_WRITE_KW.get(case, {}))
+    res = check_full_write(case, dtype, "softmax", **FULL_WRITE_KW.get(case, {}))
     if case in ("dus_at_pos", "qkv_three_tensors"):
         assert "output_operand_aliases" in res.text   # caches written in place
 
 
 @pytest.mark.parametrize("case", ["dus_at_pos", "qkv_three_tensors"])
 def test_write_side_layer_norm_bf16(case):
-    _full_write_check(case, jnp.bfloat16, "layer_norm", **FULL_WRITE_KW.get(case, {}))
+    check_full_write(case, jnp.bfloat16, "layer_norm", **FULL_WRITE_KW.get(case, {}))
 
 
 @pytest.mark.parametrize("case", ["concat_two_buffers", "qkv_three_tensors"])
 def test_write_whole_row_straddles_pieces(case):
     """Default whole-row blocks straddle the output pieces (scatter for the later pieces)."""
-    _full_write_check(case, jnp.float32, "softmax")
+    check_full_write(case, jnp.float32, "softmax")
 
 
 RED_WRITE = ["fresh", "concat_two_buffers", "dus_at_pos", "three_tensors"]

@@ -25,7 +25,7 @@ def _copy(x: VTensor, out: VTensor, block, backend):
     return plan.call(body, grid=grid, backend=backend)[0]
 
 
-def _read_case(layout, bufs, block):
+def check_read_case(layout, bufs, block):
     """Copy a virtual input into a fresh physical output; reference = Layout.evaluate."""
     ref = layout.evaluate({i: np.asarray(b) for i, b in enumerate(bufs)})
 
@@ -52,7 +52,7 @@ K = jnp.asarray(RNG.standard_normal((2, 5, 3)), jnp.float32)
     ("reshape of transpose (div/mod)", Layout.physical(0, (20, 36)).transpose((1, 0)).reshape((20, 36)), (A,), (8, 16)),
 ])
 def test_read_paths(name, layout, bufs, block):
-    _read_case(layout, bufs, block)
+    check_read_case(layout, bufs, block)
 
 
 def test_write_qkv_into_three_buffers_at_pos():
