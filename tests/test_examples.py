@@ -82,9 +82,9 @@ def test_paper_size_explain(name, batch):
     mod = _module(name)
     args = mod.example_args("paper", batch=batch)
     assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(args))
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: wall time on a shared box measures the neighbours
     report = vtc_jax.explain(mod.step)(*args)
-    seconds = time.perf_counter() - t0
+    seconds = time.process_time() - t0
     assert len(report.movement) >= 1
     assert MOVEMENT[name] <= {m.primitive for m in report.movement}
     assert seconds < 10, f"explain took {seconds:.1f} s"

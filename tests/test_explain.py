@@ -25,9 +25,12 @@ def _fig2_report(batch=16, donate=(2, 3)):
 
 def test_fig2_subgraph_at_llama3_8b_size_is_fully_eliminated_in_under_a_second():
     _fig2_report()                      # first call pays jax's one-off tracing set-up
-    best = min(_fig2_report().analysis_seconds for _ in range(2))
-    report = _fig2_report()
-    assert best < 1.0, f"analysis took {best:.3f} s"
+    cpu = []                            # process CPU time: wall time on a shared 2-core box
+    for _ in range(2):                  # (pytest -n 2, other jobs) measures the neighbours
+        t0 = time.process_time()
+        report = _fig2_report()
+        cpu.append(time.process_time() - t0)
+    assert min(cpu) < 1.0, f"analysis took {min(cpu):.3f} s CPU (wall {report.analysis_seconds:.3f} s)"
     prims = {m.primitive for m in report.movement}
     assert FIG2_PRIMITIVES <= prims, prims
     kept = [(m.op, m.primitive, m.reason) for m in report.movement if not m.eliminated]

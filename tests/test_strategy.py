@@ -294,9 +294,9 @@ def test_greedy_is_fast_on_32_layers():
         calls[0] += 1
         return table[v.index(e)]
 
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: wall time on a shared box measures the neighbours
     s = greedy(v, savings)
-    dt = time.perf_counter() - t0
+    dt = time.process_time() - t0
     s.validate()
     assert len(s.chosen) > 500
     assert dt < 1.0, f"greedy took {dt:.3f}s"
