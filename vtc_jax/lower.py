@@ -21,6 +21,7 @@ and slow, and it is reported (``Lowered.fallbacks``), never silent.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -209,7 +210,7 @@ class _Run:
                 bufs.append(jax.ShapeDtypeStruct(ti.shape, ti.dtype))
             else:
                 raise RuntimeError(f"t{tid} is read before any kernel wrote it")
-        return VTensor(Layout(layout.shape, pieces), dtype, tuple(bufs), self.symbols(layout))
+        return VTensor(dataclasses.replace(layout, pieces=pieces), dtype, tuple(bufs), self.symbols(layout))
 
     def written(self, t: int, out: VTensor, buffers: Sequence[Any]) -> None:
         """Record a kernel's result buffers as the current versions of their tensors."""
