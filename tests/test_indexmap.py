@@ -141,11 +141,20 @@ def op_concatenate(c):
         return None
     tid = len(c.buffers)
     other, lay = c.fresh(tuple(shape)), Layout.physical(tid, shape)
+    # the other operand may be padded with its own fill (a concat of differently filled pads)
+    pad_cfg = [(0, 0, 0)] * len(shape)
+    fill = c.draw(st.sampled_from([None, 0.0, 1.0, -7.0]))
+    if fill is not None:
+        lo = c.draw(st.integers(0, 2))
+        if lo and c.fits([g + lo if k == axis else g for k, g in enumerate(grown)]):
+            pad_cfg[axis] = (lo, 0, 0)
+            lay = lay.pad([p[0] for p in pad_cfg], [0] * len(shape), [0] * len(shape), fill)
+    padded = lambda: other if pad_cfg[axis] == (0, 0, 0) else lax.pad(other, np.float32(fill), pad_cfg)
     first = c.draw(st.booleans())
     lays = [c.layout, lay] if first else [lay, c.layout]
     return (Layout.concatenate(lays, axis),
-            lambda x, e: lax.concatenate([x, other] if first else [other, x], axis),
-            f"concatenate(t{tid}, axis={axis}, first={first})")
+            lambda x, e: lax.concatenate([x, padded()] if first else [padded(), x], axis),
+            f"concatenate(t{tid} padded {pad_cfg} with {fill}, axis={axis}, first={first})")
 
 
 def op_split(c):
@@ -182,7 +191,8 @@ def op_pad(c):
     if not c.fits(shape):
         return None
     lo, hi, it = zip(*config)
-    return (c.layout.pad(lo, hi, it, c.fill), lambda x, e: lax.pad(x, np.float32(c.fill), config), f"pad{config}")
+    fill = c.draw(st.sampled_from([c.fill, 0.0, 2.0]))   # pads in one chain may differ in fill
+    return (c.layout.pad(lo, hi, it, fill), lambda x, e: lax.pad(x, np.float32(fill), config), f"pad{config} fill {fill}")
 
 
 def op_dynamic_slice(c):

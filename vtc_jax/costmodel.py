@@ -417,20 +417,16 @@ class _State:
         from: the greedy re-evaluates the same edges over an unchanged target many times.
         """
         shape = tuple(self.vtog.shapes[t])
-        whole = tuple((0, n) for n in shape)
-        pieces: list = []
+        parts: list = []
         for i in idxs:
             e = self.vtog.edges[i]
             base = full(e.dst)
             hit = self.piece_cache.get(i)
             if hit is None or hit[0] is not base:
-                lay = base.compose(e.map)
-                if tuple(e.box) != whole:
-                    lay = lay.restrict_box(e.box)
-                hit = (base, lay.pieces)
+                hit = (base, Layout.part(base, e.map, e.box))
                 self.piece_cache[i] = hit
-            pieces.extend(hit[1])
-        return Layout(shape, tuple(pieces))
+            parts.append(hit[1])
+        return Layout.union(shape, parts)
 
 
 # --------------------------------------------------------------------------------------------

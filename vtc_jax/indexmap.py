@@ -16,6 +16,8 @@ contiguity question would be answered "unknown".
 """
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import math
 from dataclasses import dataclass, field
@@ -25,7 +27,7 @@ import numpy as np
 
 __all__ = [
     "Expr", "Atom", "Dim", "Sym", "FloorDiv", "Mod", "Cond", "SymInfo", "IndexMap", "Piece",
-    "Contiguity", "Layout", "Movements", "box_conds", "NotComposable", "dim", "sym", "const", "row_major_strides",
+    "Contiguity", "FillRegion", "Layout", "region_member", "Movements", "box_conds", "NotComposable", "dim", "sym", "const", "row_major_strides",
 ]
 
 
@@ -757,17 +759,27 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class FillRegion:
+    """Where ``where`` holds (over the virtual index) and no piece holds a valid element, the
+    tensor reads ``value``: the border a ``pad`` added. Regions are per part of a layout, so a
+    concatenation of two pads with different fills keeps each pad's own value."""
+    where: tuple[Cond, ...]
+    value: float
+
+
+@dataclass(frozen=True)
 class Layout(Movements):
     """A tensor's layout: physical (one identity piece) or virtual (pieces onto physical tensors).
 
     This is the paper's virtual tensor ``(F, {P_1..P_n})``: ``F`` is the piecewise map, the
     pieces' targets are the ``P_j``. Movement methods return the layout of the moved tensor.
-    Elements covered by no piece (only ``pad`` makes them) read as ``fill``; ``pad_fill`` records
-    it so that it survives even when a slice keeps no piece at all.
+    An element is read from the first piece whose membership (``where``) and map conditions hold;
+    an element no piece holds (only ``pad`` makes them) reads the value of the first
+    :class:`FillRegion` containing it (0 if none). Piece maps' own ``fill`` is not consulted.
     """
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
-    pad_fill: float | None = None  # the fill of a pad somewhere in the chain (None: never padded)
+    fills: tuple[FillRegion, ...] = ()
 
     @staticmethod
     def physical(target: int, shape: Sequence[int]) -> "Layout":
@@ -782,11 +794,6 @@ class Layout(Movements):
     def targets(self) -> tuple[int, ...]:
         return tuple(dict.fromkeys(p.target for p in self.pieces))
 
-    @property
-    def fill(self) -> float:
-        fills = [f for f in [self.pad_fill, *(p.map.fill for p in self.pieces)] if f is not None]
-        return fills[0] if fills else 0.0
-
     def compose(self, inner: IndexMap) -> "Layout":
         """The layout of a tensor whose index ``x`` is this tensor's index ``inner(x)``."""
         b = inner.bounds
@@ -796,14 +803,48 @@ class Layout(Movements):
             where = tuple(_prune_conds([Cond(c.expr.substitute(sub, b), c.lo, c.hi) for c in p.where], b))
             if any(_never(c, b) for c in where):
                 continue
-            pieces.append(Piece(p.target, p.map.compose(inner, refine=where), where))
-        return Layout(inner.domain, tuple(pieces), _one_fill(self.pad_fill, inner.fill if inner.conds else None))
+            # inside a layout the fill comes from the regions: piece maps may carry any fill
+            m = inner if not (p.map.conds and inner.conds) else dataclasses.replace(inner, fill=p.map.fill)
+            pieces.append(Piece(p.target, p.map.compose(m, refine=where), where))
+        fills = []
+        for r in self.fills:   # an old border is only where the new map lands inside the old tensor
+            where = tuple(_prune_conds([Cond(c.expr.substitute(sub, b), c.lo, c.hi) for c in r.where]
+                                       + list(inner.conds), b))
+            if not any(_never(c, b) for c in where):
+                fills.append(FillRegion(where, r.value))
+        if inner.conds:
+            fills.append(FillRegion((), float(inner.fill if inner.fill is not None else 0.0)))
+        return Layout(inner.domain, tuple(pieces), _dedupe_fills(fills))
 
     def restrict_box(self, box: Sequence[tuple[int, int]]) -> "Layout":
         """The same layout, with membership limited to ``box`` (one edge of a concat/split)."""
         extra = box_conds(box, self.shape)
         return Layout(self.shape, tuple(Piece(p.target, p.map, tuple(dict.fromkeys(p.where + extra)))
-                                        for p in self.pieces), self.pad_fill)
+                                        for p in self.pieces),
+                      tuple(FillRegion(tuple(dict.fromkeys(r.where + extra)), r.value) for r in self.fills))
+
+    @staticmethod
+    def assemble(shape: Sequence[int], parts: Sequence[tuple["Layout", IndexMap, Sequence[tuple[int, int]]]]) -> "Layout":
+        """The one composition rule for a virtual tensor: ``parts`` are ``(target layout, map from
+        this tensor onto the target, box of this tensor the part covers)``; each part is the
+        target's layout composed with the map, restricted to its box (pieces and fill regions)."""
+        return Layout.union(shape, [Layout.part(base, m, box) for base, m, box in parts])
+
+    @staticmethod
+    def part(base: "Layout", m: IndexMap, box: Sequence[tuple[int, int]]) -> "Layout":
+        """One part of :meth:`assemble` (cacheable on its own: the cost model re-uses parts)."""
+        lay = base.compose(m)
+        if any((lo, hi) != (0, n) for (lo, hi), n in zip(box, lay.shape)):
+            lay = lay.restrict_box(box)
+        return lay
+
+    @staticmethod
+    def union(shape: Sequence[int], parts: Sequence["Layout"]) -> "Layout":
+        """Disjoint parts (from :meth:`part`) as one layout."""
+        if len(parts) == 1:
+            return parts[0]
+        return Layout(tuple(int(n) for n in shape), tuple(p for lay in parts for p in lay.pieces),
+                      _dedupe_fills([r for lay in parts for r in lay.fills]))
 
     @staticmethod
     def concatenate(layouts: Sequence["Layout"], axis: int) -> "Layout":
@@ -811,7 +852,7 @@ class Layout(Movements):
         total = sum(l.shape[axis] for l in layouts)
         shape = list(layouts[0].shape)
         shape[axis] = total
-        pieces: list[Piece] = []
+        parts = []
         off = 0
         for l in layouts:
             n = l.shape[axis]
@@ -819,15 +860,17 @@ class Layout(Movements):
                          l.shape)
             box = [(0, s) for s in shape]
             box[axis] = (off, off + n)
-            pieces += l.compose(m).restrict_box(box).pieces
+            parts.append((l, m, box))
             off += n
-        return Layout(tuple(shape), tuple(pieces), _one_fill(*(l.pad_fill for l in layouts)))
+        return Layout.assemble(shape, parts)
 
     def evaluate(self, buffers: Mapping[int, np.ndarray], symbols: Mapping[str, Any] | None = None) -> np.ndarray:
         """Materialise the tensor from physical buffers with numpy (the reference semantics)."""
         idx = list(np.indices(self.shape, dtype=np.int64)) if self.shape else []
         dtype = np.result_type(*[buffers[p.target].dtype for p in self.pieces]) if self.pieces else np.float32
-        out = np.full(self.shape, self.fill, dtype=dtype)
+        out = np.zeros(self.shape, dtype=dtype)
+        for r in reversed(self.fills):
+            out = np.where(np.broadcast_to(region_member(r, idx, np, symbols), self.shape), np.asarray(r.value, dtype), out)
         for p in self.pieces:
             tgt, valid = p.map.evaluate(idx, symbols)
             m = np.broadcast_to(p.member(idx, np, symbols) & (True if valid is None else valid), self.shape)
@@ -837,15 +880,34 @@ class Layout(Movements):
         return out
 
     def __str__(self) -> str:
-        return " | ".join(f"t{p.target}{list(p.box() or p.where)}: {p.map}" for p in self.pieces)
+        s = " | ".join(f"t{p.target}{list(p.box() or p.where)}: {p.map}" for p in self.pieces)
+        for r in self.fills:
+            s += f" | {r.value} where {' and '.join(str(c) for c in r.where) or 'elsewhere'}"
+        return s
 
 
-def _one_fill(*fills: float | None) -> float | None:
-    """The single fill value of a layout built from parts; two different fills cannot be one layout."""
-    known = set(f for f in fills if f is not None)
-    if len(known) > 1:
-        raise NotComposable(f"pads with different fill values {sorted(known)}")
-    return known.pop() if known else None
+def region_member(r: FillRegion, idx: Sequence[Any], xp: Any = np, symbols: Mapping[str, Any] | None = None,
+                  bounds: Bounds | None = None) -> Any:
+    """Mask of virtual indices ``idx`` inside the fill region ``r``."""
+    env: dict[Atom, Any] = {Sym(k): v for k, v in (symbols or {}).items()}
+    env.update({Dim(i): x for i, x in enumerate(idx)})
+    m: Any = True
+    for c in r.where:
+        v = c.expr.evaluate(env, xp, bounds)
+        m = m & (v >= c.lo) & (v < c.hi)
+    return m
+
+
+def _dedupe_fills(fills: Sequence[FillRegion]) -> tuple[FillRegion, ...]:
+    """Drop regions after an unconditional one (never reached) and exact repeats."""
+    out: list[FillRegion] = []
+    for r in fills:
+        if r in out:
+            continue
+        out.append(r)
+        if not r.where:
+            break
+    return tuple(out)
 
 
 def _never(c: Cond, bounds: Bounds) -> bool:

@@ -31,7 +31,7 @@ import numpy as np
 
 from .cluster import ELEMENTWISE_PRIMITIVES, Cluster
 from .graph import Graph, Op
-from .indexmap import Layout, Piece
+from .indexmap import Layout, Piece, region_member
 from .kernels.vio import VTensor
 from .strategy import Strategy
 
@@ -264,7 +264,9 @@ def _materialise(layout: Layout, dtype: Any, env: Mapping[int, Any], syms: Mappi
         if not p.where and p.map.is_identity and tuple(env[p.target].shape) == tuple(layout.shape):
             return env[p.target].astype(dtype)
     idx = _indices(layout.shape)
-    out = jnp.full(layout.shape, layout.fill, dtype)
+    out = jnp.zeros(layout.shape, dtype)
+    for r in reversed(layout.fills):
+        out = jnp.where(region_member(r, idx, jnp, syms), jnp.asarray(r.value, dtype), out)
     for p in layout.pieces:
         tgt, valid = p.map.evaluate(idx, syms, xp=jnp)
         member = p.member(idx, jnp, syms)

@@ -193,17 +193,7 @@ def _compose_layout(t: int, vtog: VTOG, edges: Sequence[Edge], layout_of: Callab
     shape = tuple(vtog.shapes[t])
     if not edges:
         return Layout.physical(t, shape)
-    full = tuple((0, n) for n in shape)
-    pieces = []
-    fills = []
-    for e in edges:
-        lay = layout_of(e.dst).compose(e.map)
-        if tuple(e.box) != full:
-            lay = lay.restrict_box(e.box)
-        pieces.extend(lay.pieces)
-        fills.append(lay.pad_fill)
-    fill = next((f for f in fills if f is not None), None)  # lanes no piece covers read the pad value
-    return Layout(shape, tuple(pieces), fill)
+    return Layout.assemble(shape, [(layout_of(e.dst), e.map, e.box) for e in edges])
 
 
 def exact_cover(vtog: VTOG, idxs: Sequence[int], node: int) -> bool:

@@ -298,8 +298,7 @@ class VRef:
         masks = [inb]
         bounds = p.map.bounds
         for c in p.where + p.map.conds:
-            v = c.expr.evaluate(env, jnp, bounds)
-            masks.append((v >= c.lo) & (v < c.hi))
+            masks.append(_cond_mask(c, env, bounds))
         return _all(masks)
 
     def _strided_index(self, p: Piece, sb: Any, origin: Sequence[Any], block: Sequence[int],
@@ -319,12 +318,13 @@ class VRef:
         block = tuple(int(b) for b in block)
         env, inb = self._env(origin, block)
         dtype = self.binding.dtype
-        pad_fill = self.binding.layout.fill
-        base = jnp.full(block, pad_fill, dtype) if inb is None else \
-            jnp.where(inb, jnp.asarray(pad_fill, dtype), jnp.asarray(fill, dtype))
-        pieces = self.binding.layout.pieces
-        result = base
-        for p in pieces:
+        layout = self.binding.layout
+        result = jnp.full(block, fill, dtype)
+        for r in reversed(layout.fills):   # borders of pads: the first region containing a lane wins
+            rmask = _all([inb, *(_cond_mask(c, env, None) for c in r.where)])
+            result = jnp.full(block, r.value, dtype) if rmask is None else \
+                jnp.where(rmask, jnp.asarray(r.value, dtype), result)
+        for p in layout.pieces:
             mask = self._piece_mask(p, env, inb)
             val = self._load_piece(p, origin, block, env, mask).astype(dtype)
             result = val if mask is None else jnp.where(mask, val, result)
@@ -380,6 +380,11 @@ class VRef:
             val = jnp.where(mask, val, jnp.zeros((), val.dtype))
         tmask = None if mask is None else _to_target_order(mask, sb, block, fold_first=True)
         plgpu.store(ref.at[idx], _to_target_order(val, sb, block, fold_first=True), mask=tmask)
+
+
+def _cond_mask(c: Any, env: dict[Atom, Any], bounds: Any) -> jax.Array:
+    v = c.expr.evaluate(env, jnp, bounds)
+    return (v >= c.lo) & (v < c.hi)
 
 
 def _masked_load(ref: Any, mask: Any) -> jax.Array:
