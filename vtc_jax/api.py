@@ -8,27 +8,30 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
-from . import costmodel, movement
+from . import costmodel
 from .cluster import Cluster, cluster
 from .graph import Graph, trace
-from .report import Modeled, MovementInfo, Report
-from .strategy import (Strategy, complete_inplace, complete_views, greedy, physical_inplace,
-                       producer_writes)
+from .report import Report, build_report
+from .strategy import Strategy, plan
+from .templates import Match, Reject, match_all
 from .vtog import VTOG, build_vtog
 
 
 @dataclass(frozen=True, eq=False)
 class Analysis:
+    """Everything the analysis decided for one input signature (what lower and report read)."""
     graph: Graph
     clusters: tuple[Cluster, ...]
+    matches: dict[int, Match | Reject]
     vtog: VTOG
     strategy: Strategy
     seconds: float
     donated: frozenset[int] = frozenset()
+    declined: tuple[tuple[int, str], ...] = ()   # (first dot op, why) of attention regions no template took
 
 
 def _cost_model(cost_model: Any, objective: str, gpu: str | None) -> Any:
@@ -46,52 +49,34 @@ def _cost_model(cost_model: Any, objective: str, gpu: str | None) -> Any:
 
 def analyze(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], *,
             cost_model: Any = None, objective: str = "latency", gpu: str | None = None,
-            donate_argnums: Sequence[int] = ()) -> Analysis:
-    """The analysis half of VTC for one input signature (no kernels are built here).
+            donate_argnums: Sequence[int] = (), rejected: Mapping[int, str] | None = None,
+            graph: Graph | None = None) -> Analysis:
+    """The analysis half of VTC for one input signature (no kernels are built here):
+    trace → cluster → match templates → VTOG → strategy (``strategy.plan``).
 
     ``donate_argnums`` (positions in ``args``) tell the cost model which inputs XLA may update in
-    place (a donated KV cache costs only its update).
+    place (a donated KV cache costs only its update). ``rejected`` forces clusters (by id) to XLA
+    with the given reason: a kernel that failed to build on an earlier attempt. ``graph`` re-uses
+    an earlier trace of the same signature.
     """
     t0 = time.perf_counter()
-    graph = trace(fn, *args, **kwargs)
+    graph = trace(fn, *args, **kwargs) if graph is None else graph
     clusters = cluster(graph)
-    from .lower import TEMPLATE_KINDS
-    vtog = build_vtog(graph, clusters, kernel_kinds=TEMPLATE_KINDS)
+    matches = match_all(graph, clusters, rejected)
+    declined = tuple((c.ops[0], matches[c.id].reason) for c in clusters
+                     if c.kind == "attention" and isinstance(matches.get(c.id), Reject))
+    if declined:   # an attention region no template takes is clustered as its parts instead
+        clusters = cluster(graph, not_attention=frozenset(o for o, _ in declined))
+        matches = match_all(graph, clusters, rejected)
+    vtog = build_vtog(graph, clusters, matches=matches)
     model = _cost_model(cost_model, objective, gpu)
     donated = donated_inputs(graph, args, kwargs, donate_argnums)
     if hasattr(model, "bind"):
         savings = model.bind(vtog, graph, clusters, donated=donated)
     else:  # a user cost model with only savings(edge, chosen, vtog, graph)
         savings = lambda e, chosen: model.savings(e, chosen, vtog, graph)
-    strategy = complete_inplace(greedy(vtog, savings))
-    from .lower import eliminated_ops
-    gone = eliminated_ops(graph, strategy)
-    strategy = complete_views(strategy, [e.op for e in vtog.edges if e.op not in gone])
-    strategy = physical_inplace(strategy)
-    for op in _executed_movement(graph, clusters, strategy):  # outputs left for nobody to produce
-        if any(e.direction == "write" for o in op.outputs for e in strategy.points_to(o)):
-            strategy = producer_writes(strategy, op.id)
-    gone = eliminated_ops(graph, strategy)
-    strategy = complete_views(strategy, [e.op for e in vtog.edges if e.op not in gone])
-    return Analysis(graph, clusters, vtog, strategy, time.perf_counter() - t0, donated)
-
-
-def _executed_movement(graph: Graph, clusters: Sequence[Cluster], strategy: Strategy) -> list[Any]:
-    """Movement ops XLA still runs under ``strategy`` (a cache update made in place only writes
-    its small update: not counted)."""
-    from .lower import eliminated_ops
-    gone = eliminated_ops(graph, strategy)
-    out = []
-    for c in clusters:
-        if c.kind != "movement":
-            continue
-        for oid in c.ops:
-            op = graph.ops[oid]
-            if oid in gone or (op.primitive == "dynamic_update_slice" and any(
-                    e.inplace for e in strategy.points_to(op.outputs[0]))):
-                continue
-            out.append(op)
-    return out
+    strategy = plan(vtog, graph, clusters, savings)
+    return Analysis(graph, clusters, matches, vtog, strategy, time.perf_counter() - t0, donated, declined)
 
 
 def donated_inputs(graph: Graph, args: Sequence[Any], kwargs: dict[str, Any],
@@ -156,68 +141,43 @@ def explain(fn: Callable[..., Any] | None = None, *, static_argnums: int | Seque
 
 
 def make_report(name: str, a: Analysis) -> Report:
-    g, v, s = a.graph, a.vtog, a.strategy
-    by_op: dict[int, list[int]] = {}
-    for i, e in enumerate(v.edges):
-        by_op.setdefault(e.op, []).append(i)
-    chosen = set(s.chosen)
-    from .lower import eliminated_ops
-    gone_ops = eliminated_ops(g, s)
-    home = {oid: c for c in a.clusters for oid in c.ops}
-    infos = []
-    for op in g.ops:
-        if not movement.is_movement(op, g) or all(g.tensors[t].const is not None for t in op.inputs):
-            continue
-        edges = tuple(by_op.get(op.id, ()))
-        c = home.get(op.id)
-        if c is not None and c.kind not in ("movement", "glue", "opaque"):
-            gone, reason = True, f"fused into {c.kind} cluster #{c.id}: a register-level view, never in memory"
-        else:
-            gone = op.id in gone_ops
-            reason = _reason(g, v, s, op, edges, gone)
-        infos.append(MovementInfo(op.id, op.primitive,
-                                  tuple(g.tensors[t].shape for t in op.inputs if g.tensors[t].const is None),
-                                  g.tensors[op.outputs[0]].shape, gone, reason, edges,
-                                  tuple(i for i in edges if i in chosen)))
-    mb = costmodel.modeled_bytes(g, a.clusters, s, donated=a.donated)
-    modeled = Modeled(**{k: int(mb[k]) for k in Modeled.__dataclass_fields__})
-    opaque = tuple((g.ops[c.ops[0]].primitive, c.reason) for c in a.clusters if c.kind == "opaque")
-    return Report(name, g, a.clusters, v, s, tuple(infos), modeled, a.seconds, opaque)
-
-
-def _box_size(box: Sequence[tuple[int, int]]) -> int:
-    n = 1
-    for lo, hi in box:
-        n *= hi - lo
-    return n
-
-
-def _reason(g: Graph, v: VTOG, s: Strategy, op: Any, edges: tuple[int, ...], gone: bool) -> str:
-    chosen = [v.edges[i] for i in edges if i in set(s.chosen)]
-    if gone:
-        parts = sorted({f"{'t%d ⇢ t%d' % (e.src, e.dst)} ({e.direction}, Type {e.klass})" for e in chosen})
-        return "virtual: " + "; ".join(parts) if parts else "virtual through composed edges"
-    if not edges:
-        why = movement.explain_no_edges(op, g)
-        if why:
-            return why
-        stuck = [v.reasons[t] for t in (*op.inputs, *op.outputs) if t in v.reasons]
-        return stuck[0] if stuck else "no virtual-tensor rule applies"
-    for i in edges:
-        for a, b in v.conflicts:
-            other = b if a == i else a if b == i else None
-            if other is not None and other in set(s.chosen):
-                return f"edge {i} conflicts with chosen edge {other} ({v.edges[other].primitive} #{v.edges[other].op})"
-    stuck = [v.reasons[t] for t in (*op.inputs, *op.outputs) if t in v.reasons]
-    if stuck and not chosen:
-        return stuck[0]
-    return "not profitable under the cost model (no edge with positive modelled saving)" if not chosen \
-        else "partially virtual: some outputs still need a physical copy"
+    """The :class:`Report` of an analysis (kept here for callers of the old name)."""
+    return build_report(name, a)
 
 
 # --------------------------------------------------------------------------------------------
 # optimize
 # --------------------------------------------------------------------------------------------
+
+MAX_BUILD_ATTEMPTS = 6   # re-plans after kernel build failures before giving up on the whole rewrite
+
+
+def fallback_messages(a: Analysis, always: frozenset[int] = frozenset()) -> list[str]:
+    """One line per reason VTC left part of the program to XLA where it mattered: opaque
+    primitives, and compute clusters next to data movement that no template took (grouped by
+    reason, so 32 identical layers give one line)."""
+    g = a.graph
+    msgs: list[str] = []
+    for c in a.clusters:
+        if c.kind == "opaque":
+            msgs.append(f"unsupported primitive {g.ops[c.ops[0]].primitive} left to XLA "
+                        f"({c.reason}); tensors around it stay physical")
+    res = a.strategy.resolution
+    kept = [a.graph.ops[o] for o in (res.executed if res is not None else ())]
+    kept_tensors = {t for op in kept for t in (*op.inputs, *op.outputs)}
+    by_reason: dict[tuple[str, str], list[Cluster]] = {}
+    for c in a.clusters:   # a rejection matters where data movement next to the cluster still runs
+        verdict = a.matches.get(c.id)
+        if isinstance(verdict, Reject) and (c.id in always or set((*c.inputs, *c.outputs)) & kept_tensors):
+            by_reason.setdefault((c.kind, verdict.reason), []).append(c)
+    for (kind, reason), cs in by_reason.items():
+        prims = ", ".join(dict.fromkeys(g.ops[o].primitive for o in cs[0].ops))
+        ids = ", ".join(f"#{c.id}" for c in cs)
+        what = f"{kind} cluster {ids} ({prims}) runs" if len(cs) == 1 else \
+            f"{len(cs)} {kind} clusters ({ids}; {prims}) run"
+        msgs.append(f"{what} in XLA: {reason}; the data movement next to it stays")
+    return msgs
+
 
 class VTCFallbackWarning(UserWarning):
     """Part (or all) of a function runs as plain XLA instead of through VTC's kernels."""
@@ -260,6 +220,7 @@ class Optimized:
         self.profile = profile
         self._said: set[str] = set()
         self.last: Any = None   # (Analysis, Lowered) of the latest trace, for inspection
+        self._rejected: dict[int, str] = {}   # clusters whose kernel failed to build (latest trace)
         if backend == "auto" and self.backend == "interpret":
             self._warn("no GPU: Pallas kernels run in interpret mode (correct, slow); "
                        "use backend='triton' to lower them for CUDA")
@@ -279,14 +240,12 @@ class Optimized:
         self._warn(msg)
 
     def _impl(self, *args: Any, **kwargs: Any) -> Any:
-        from .lower import lower
         f, a, k = _split_static(self.fn, args, kwargs, *self._static)
         if self.profile and jax.default_backend() != "gpu":
             self._fallback("profile=True needs a GPU to time candidates; using the analytical cost model")
+        flat = jax.tree_util.tree_leaves((a, k))
         try:
-            abstract_a, abstract_k = jax.tree_util.tree_map(_abstract, (a, k))
-            analysis = analyze(f, abstract_a, abstract_k, donate_argnums=self._donate, **self._opts)
-            lowered = lower(analysis.graph, analysis.clusters, analysis.strategy, backend=self.backend)
+            analysis, lowered, closed = self._plan_and_build(f, a, k, flat)
         except VTCError:
             raise
         except Exception as exc:  # the whole rewrite failed: plain jax.jit behaviour
@@ -298,14 +257,45 @@ class Optimized:
                            f"({type(exc).__name__}: {exc}); running it as plain XLA", exc)
             return f(*a, **k)
         self.last = (analysis, lowered)
-        for c in analysis.clusters:
-            if c.kind == "opaque":
-                self._fallback(f"unsupported primitive {analysis.graph.ops[c.ops[0]].primitive} left to XLA "
-                               f"({c.reason}); tensors around it stay physical")
+        for msg in fallback_messages(analysis, frozenset(self._rejected)):
+            self._fallback(msg)
         for why in lowered.fallbacks:
-            self._fallback(f"{why}; it runs in XLA with its virtual inputs gathered")
-        flat = jax.tree_util.tree_leaves((a, k))
-        return analysis.graph.unflatten_outputs(lowered.fn(*flat))
+            self._fallback(why)
+        outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
+        return analysis.graph.unflatten_outputs(outs)
+
+    def _plan_and_build(self, f: Callable[..., Any], a: tuple, k: dict, flat: list) -> tuple[Any, Any, Any]:
+        """Analyse, lower and trace the emitted program; a cluster whose kernel fails to build
+        (or, for Triton, to lower for CUDA) is rejected and the program re-planned without it."""
+        from . import lower as lower_mod
+        from .templates import KernelBuildError
+        abstract_a, abstract_k = jax.tree_util.tree_map(_abstract, (a, k))
+        rejected: dict[int, str] = {}
+        self._rejected = rejected
+        graph = None
+        for _ in range(MAX_BUILD_ATTEMPTS):
+            analysis = analyze(f, abstract_a, abstract_k, donate_argnums=self._donate, rejected=rejected,
+                               graph=graph, **self._opts)
+            graph = analysis.graph
+            lowered = lower_mod.lower(graph, analysis.clusters, analysis.matches, analysis.strategy,
+                                      backend=self.backend)
+            try:
+                closed = jax.make_jaxpr(lowered.fn)(*flat)
+            except KernelBuildError as e:
+                if self.strict:
+                    raise VTCError(f"{e}") from e.cause
+                rejected[e.cluster] = f"its kernel failed to build ({type(e.cause).__name__}: " \
+                                      f"{str(e.cause).splitlines()[0] if str(e.cause) else ''})"
+                continue
+            if self.backend == "triton":
+                bad = lower_mod.triton_failures(closed)
+                if bad:
+                    if self.strict:
+                        raise VTCError(f"kernels failed to lower for CUDA: {bad}")
+                    rejected.update({c: f"its kernel failed to lower for CUDA ({why})" for c, why in bad.items()})
+                    continue
+            return analysis, lowered, closed
+        raise RuntimeError(f"kernels kept failing to build after {MAX_BUILD_ATTEMPTS} attempts: {rejected}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._jitted(*args, **kwargs)

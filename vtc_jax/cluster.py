@@ -295,12 +295,15 @@ def _merge_connected(graph: Graph, roles: list[str], groups: _Groups, role: str,
                 groups.try_merge(pg, groups.of[op.id])
 
 
-def cluster(graph: Graph) -> tuple[Cluster, ...]:
-    """Partition `graph.ops` into kernel-shaped clusters, in topological order."""
+def cluster(graph: Graph, *, not_attention: frozenset[int] = frozenset()) -> tuple[Cluster, ...]:
+    """Partition `graph.ops` into kernel-shaped clusters, in topological order.
+
+    ``not_attention``: first-dot op ids whose attention region the attention template declined;
+    their ops are clustered as matmuls, reductions and pointwise ops instead."""
     roles = [_role(op, graph) for op in graph.ops]
     groups = _Groups(graph)
     for op in graph.ops:
-        if roles[op.id] == "matmul" and groups.free(op.id):
+        if roles[op.id] == "matmul" and groups.free(op.id) and op.id not in not_attention:
             ops = _attention(graph, roles, op)
             if ops is not None and all(groups.free(o) for o in ops):
                 groups.new("attention", ops)

@@ -374,10 +374,13 @@ class Cond:
 
 @dataclass(frozen=True)
 class SymInfo:
-    """A runtime scalar and its range (already clamped the way lax clamps dynamic starts)."""
+    """A runtime scalar and its range (already clamped the way lax clamps dynamic starts).
+
+    ``source`` is the graph tensor holding the scalar (None for symbols a kernel test makes up)."""
     name: str
     lo: int
     hi: int
+    source: int | None = None
 
 
 @dataclass(frozen=True)

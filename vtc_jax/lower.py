@@ -1,12 +1,10 @@
-"""Stage 6: re-emit the program from the Graph and the Strategy.
+"""Stage 6: re-emit the program from the Graph, the templates' matches and the Strategy.
 
 Walking the clusters in order, each one becomes one of:
 
-* nothing — a movement op the points-to graph eliminated (every output virtual, or every element
-  of every output written directly by the producers of its inputs);
-* a Pallas kernel — a compute cluster that reads or writes a virtual tensor; its block loads and
-  stores go through the composed layouts (``kernels/vio.py``), its stage 2 is the cluster's own
-  primitives re-bound on register blocks (:func:`block_fn`);
+* nothing — a movement op the strategy eliminated (``Resolution.eliminated``);
+* a Pallas kernel — a matched compute cluster that reads or writes a virtual tensor; the
+  template (``templates``) builds it from the match stored at analysis time;
 * the original primitives, re-bound — everything else is left to XLA, exactly as traced.
 
 Physical tensors live in ``env`` as their *current version*: a buffer written piecewise by several
@@ -15,9 +13,16 @@ elsewhere) and threaded through later writers with ``input_output_aliases``. Clu
 topological order, so every reader comes after all writers of what it reads; the VTOG's legality
 check already removed in-place edges whose old contents are read later.
 
-Where a template cannot serve a cluster, the cluster falls back to XLA: its virtual inputs are
-materialised with a gather and its virtual outputs scattered into their buffers. That is correct
-and slow, and it is reported (``Lowered.fallbacks``), never silent.
+The XLA boundary is written with the program's own primitives. Templates are matched before the
+strategy, so only movement ops XLA still runs can meet a virtual tensor: such a tensor is
+recomputed from the original movement chain (``reshape``/``transpose``/``slice``... re-bound, which
+XLA fuses) or read as a strided window (``dynamic_slice`` + ``transpose`` + ``broadcast``); an
+in-place update re-binds the original ``dynamic_update_slice`` on the operand's buffer. An
+element-wise gather/scatter is the last resort and is listed in ``Lowered.gathers``.
+
+A kernel step that raises while its kernel is built or traced raises
+:class:`templates.KernelBuildError` naming the cluster: ``optimize`` then re-plans with that
+cluster rejected (it runs in XLA, its tensors physical) — the per-cluster fallback.
 """
 from __future__ import annotations
 
@@ -27,114 +32,27 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from jax import lax
 
-from .cluster import ELEMENTWISE_PRIMITIVES, Cluster
+from .cluster import Cluster
 from .graph import Graph, Op
 from .indexmap import Layout, Piece, region_member
 from .kernels.vio import VTensor
-from .strategy import Strategy
+from .primitives import Direction, Role, inplace_operand, role_of
+from .strategy import Resolution, Strategy
+from .templates import TEMPLATES, KernelBuildError, Match, Reject, Step
 
-__all__ = ["lower", "Lowered", "eliminated_ops", "block_fn", "TEMPLATE_KINDS"]
-
-# Cluster kinds with a kernel template that can read/write virtual tensors.
-TEMPLATE_KINDS = frozenset({"matmul", "pointwise", "attention", "conv"})
-_BLOCK_SAFE = (ELEMENTWISE_PRIMITIVES - {"iota"}) | {"broadcast_in_dim"}
+__all__ = ["lower", "Lowered"]
 
 
 @dataclass(frozen=True, eq=False)
 class Lowered:
     """The re-emitted program: ``fn(*flat_inputs) -> flat outputs`` plus what it is made of."""
     fn: Callable[..., tuple[Any, ...]]
-    kernels: tuple[str, ...]          # one line per Pallas kernel: "matmul #c3 (dot_general ...)"
+    kernels: tuple[str, ...]          # one line per Pallas kernel: "matmul cluster #3 (dot_general, ...)"
     skipped: tuple[int, ...]          # movement op ids nobody executes
-    fallbacks: tuple[str, ...]        # clusters that touch virtual tensors but run in XLA, and why
-
-
-# --------------------------------------------------------------------------------------------
-# What vanishes
-# --------------------------------------------------------------------------------------------
-
-def eliminated_ops(graph: Graph, strategy: Strategy) -> frozenset[int]:
-    """Movement ops no one has to execute under ``strategy``."""
-    v = strategy.vtog
-    chosen = [v.edges[i] for i in strategy.chosen]
-    out: set[int] = set()
-    ops = {e.op for e in chosen}
-    for oid in ops:
-        op = graph.ops[oid]
-        ok = True
-        for o in op.outputs:
-            if strategy.is_virtual(o) and all(e.direction == "read" for e in strategy.points_to(o)):
-                continue  # read through its map from data that exists elsewhere
-            # physical, or itself written through a map: its producers (the op's inputs, through
-            # this op's write edges) must fill all of it, or the op has to run
-            covered = sum(_volume(e.box) for e in chosen
-                          if e.op == oid and e.dst == o and e.direction == "write")
-            if covered < graph.tensors[o].size:
-                ok = False
-                break
-        if ok and op.primitive == "dynamic_update_slice" and any(
-                e.inplace for e in strategy.points_to(op.outputs[0])):
-            # in place: the update still has to land, unless its producer writes it there.
-            upd = op.inputs[1]
-            ok = any(e.op == oid and e.src == upd for e in chosen)
-        if ok:
-            out.add(oid)
-    return frozenset(out)
-
-
-def _volume(box: Sequence[tuple[int, int]]) -> int:
-    n = 1
-    for lo, hi in box:
-        n *= hi - lo
-    return n
-
-
-# --------------------------------------------------------------------------------------------
-# Stage 2: a cluster's primitives on register blocks
-# --------------------------------------------------------------------------------------------
-
-def block_supported(graph: Graph, op_ids: Sequence[int]) -> str | None:
-    """Why the ops cannot be re-bound on blocks (None when they can): only shape-agnostic ones."""
-    for oid in op_ids:
-        op = graph.ops[oid]
-        if op.primitive not in _BLOCK_SAFE:
-            return f"{op.primitive} inside the cluster is not elementwise"
-        if op.primitive == "broadcast_in_dim" and graph.tensors[op.inputs[0]].shape != ():
-            return "a non-scalar broadcast inside the cluster"
-    return None
-
-
-def block_fn(graph: Graph, op_ids: Sequence[int], inputs: Sequence[int],
-             outputs: Sequence[int]) -> Callable[..., Any]:
-    """``f(*input_blocks) -> output block(s)``: the ops re-bound on blocks (paper: stage 2 untouched).
-
-    Elementwise primitives are shape-agnostic, and jax's binary primitives accept rank-0 operands,
-    so a scalar broadcast stays a scalar and everything else binds as traced.
-    """
-    ops = [graph.ops[i] for i in op_ids]
-
-    def f(*blocks: Any) -> Any:
-        env: dict[int, Any] = dict(zip(inputs, blocks))
-        for op in ops:
-            vals = [env[t] if t in env else _const(graph, t) for t in op.inputs]
-            if op.primitive == "broadcast_in_dim":
-                out = vals[0]
-            else:
-                out = op.prim.bind(*vals, **op.params)
-            env.update(zip(op.outputs, out if op.prim.multiple_results else (out,)))
-        res = tuple(env[t] for t in outputs)
-        return res if len(res) > 1 else res[0]
-
-    return f
-
-
-def _const(graph: Graph, t: int) -> Any:
-    c = graph.tensors[t].const
-    if c is None:
-        raise KeyError(f"t{t} has no value")
-    return c
+    fallbacks: tuple[str, ...] = ()   # matched clusters touching virtual tensors left to XLA (should be none)
+    gathers: list[str] = field(default_factory=list)  # virtual tensors XLA read element-wise (filled when traced)
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,15 +64,26 @@ class _Run:
     """Values during one call of the emitted function (created per trace, never shared)."""
     graph: Graph
     strategy: Strategy
+    gathers: list[str]
     env: dict[int, Any] = field(default_factory=dict)     # physical tensor -> current buffer
     vals: dict[int, Any] = field(default_factory=dict)    # XLA-computed values of virtual tensors
+
+    @property
+    def res(self) -> Resolution:
+        assert self.strategy.resolution is not None, "lower needs a planned strategy (strategy.plan)"
+        return self.strategy.resolution
+
+    def layout(self, t: int) -> Layout:
+        return self.res.layouts[t]
+
+    def is_virtual(self, t: int) -> bool:
+        return t in self.res.layouts
 
     def symbols(self, layout: Layout) -> tuple[tuple[str, Any], ...]:
         out = {}
         for p in layout.pieces:
             for s in p.map.syms:
-                src = self.value(int(s.name.lstrip("s")))
-                out[s.name] = jnp.clip(jnp.asarray(src, jnp.int32), s.lo, s.hi)
+                out[s.name] = jnp.clip(jnp.asarray(self.value(s.source), jnp.int32), s.lo, s.hi)
         return tuple(sorted(out.items()))
 
     def value(self, t: int) -> Any:
@@ -163,11 +92,15 @@ class _Run:
             return info.const
         if t in self.vals:
             return self.vals[t]
-        if not self.strategy.is_virtual(t):
+        if not self.is_virtual(t):
             if t not in self.env:
                 self._early(t)
             return self.env[t]
-        v = _materialise(self.strategy.layout(t), info.dtype, self.env, dict(self.symbols(self.strategy.layout(t))))
+        v = self._by_ops(t)
+        if v is None:
+            self.gathers.append(f"t{t} {info.shape}")
+            lay = self.layout(t)
+            v = _gather(lay, info.dtype, self.env, dict(self.symbols(lay)))
         self.vals[t] = v
         return v
 
@@ -181,21 +114,40 @@ class _Run:
         for x, v in zip(op.outputs, out if op.prim.multiple_results else (out,)):
             self.env[x] = v
 
+    def _by_ops(self, t: int) -> Any:
+        """A virtual tensor's value for XLA, written with ordinary ops (None: not expressible).
+
+        Read through its producer's map: re-bind the producer (the original movement op) on its
+        inputs' values (not for an in-place update's output: that *is* the updated buffer). Otherwise (written through a map into another buffer): a strided window
+        of that buffer, when the layout is one unit-strided piece."""
+        g = self.graph
+        edges = self.strategy.points_to(t)
+        op = g.producer(t)
+        if op is not None and role_of(op, g) is Role.MOVEMENT and edges and all(
+                e.direction == Direction.READ and e.op == op.id and not e.inplace for e in edges):
+            out = op.prim.bind(*(self.value(x) for x in op.inputs), **op.params)
+            outs = out if op.prim.multiple_results else (out,)
+            for x, v in zip(op.outputs, outs):
+                if x == t or self.is_virtual(x):
+                    self.vals.setdefault(x, v)
+            return self.vals[t]
+        return _window(self.layout(t), g.tensors[t].dtype, self.env, dict(self.symbols(self.layout(t))))
+
     def vtensor(self, t: int) -> Any:
         """A kernel input: the physical array, or a VTensor over the current buffers."""
         info = self.graph.tensors[t]
         if info.const is not None:
             return jnp.asarray(info.const)
-        if not self.strategy.is_virtual(t):
+        if not self.is_virtual(t):
             return self.env[t]
-        return self._as_vtensor(self.strategy.layout(t), info.dtype, fresh_ok=False)
+        return self._as_vtensor(self.layout(t), info.dtype, fresh_ok=False)
 
     def out_vtensor(self, t: int) -> VTensor:
         """A kernel output: fresh physical, or a VTensor writing into (possibly fresh) buffers."""
         info = self.graph.tensors[t]
-        if not self.strategy.is_virtual(t):
+        if not self.is_virtual(t):
             return VTensor.fresh(info.shape, info.dtype)
-        return self._as_vtensor(self.strategy.layout(t), info.dtype, fresh_ok=True)
+        return self._as_vtensor(self.layout(t), info.dtype, fresh_ok=True)
 
     def _as_vtensor(self, layout: Layout, dtype: Any, fresh_ok: bool) -> VTensor:
         targets = layout.targets
@@ -214,25 +166,29 @@ class _Run:
 
     def written(self, t: int, out: VTensor, buffers: Sequence[Any]) -> None:
         """Record a kernel's result buffers as the current versions of their tensors."""
-        if not self.strategy.is_virtual(t):
+        if not self.is_virtual(t):
             self.env[t] = buffers[0]
             return
-        for tid, b in zip(self.strategy.layout(t).targets, buffers):
+        for tid, b in zip(self.layout(t).targets, buffers):
             self.env[tid] = b
 
     def update_in_place(self, op: Op) -> None:
-        """A dynamic_update_slice whose output *is* its operand's buffer (in-place edge chosen) but
-        whose update was computed in XLA: write just the update into that buffer."""
-        from .movement import rules
-        out, upd = op.outputs[0], op.inputs[1]
-        edge = next((e for e in rules(op, self.graph) if e.src == upd), None)
-        if edge is None:  # no map for the update (e.g. starts it cannot express): whole result
-            value = op.prim.bind(*(self.value(t) for t in op.inputs), **op.params)
-            self.scatter(self.strategy.layout(out), value)
-            return
-        self.scatter(self.strategy.layout(out).compose(edge.map), self.value(upd))
+        """An update whose output *is* its operand's buffer (in-place edge chosen) but whose update
+        was computed in XLA: the original op re-bound on that buffer (XLA updates it in place)."""
+        out = op.outputs[0]
+        lay = self.layout(out)
+        k = inplace_operand(op.primitive)
+        p = lay.pieces[0] if len(lay.pieces) == 1 else None
+        if k is not None and p is not None and not p.where and p.map.is_identity and not lay.fills:
+            args = [self.env.get(p.target) if i == k else self.value(x) for i, x in enumerate(op.inputs)]
+            if args[k] is not None:
+                self.env[p.target] = op.prim.bind(*args, **op.params)
+                return
+        value = op.prim.bind(*(self.value(x) for x in op.inputs), **op.params)
+        self.scatter(out, lay, value)
 
-    def scatter(self, lay: Layout, value: Any) -> None:
+    def scatter(self, t: int, lay: Layout, value: Any) -> None:
+        self.gathers.append(f"t{t} {tuple(value.shape)} (scattered)")
         syms = dict(self.symbols(lay))
         for p in lay.pieces:
             ti = self.graph.tensors[p.target]
@@ -240,29 +196,75 @@ class _Run:
             self.env[p.target] = _scatter(p, value, buf, syms)
 
     def store(self, t: int, value: Any) -> None:
-        """An XLA-computed tensor: physical -> keep; virtual written through -> scatter it home."""
-        if not self.strategy.is_virtual(t):
+        """An XLA-computed tensor: physical -> keep; written through maps -> write it home with
+        the original ops (the consumer movement op re-bound, or a ``dynamic_update_slice`` of a
+        slab), element-wise scatter only as the last resort."""
+        if not self.is_virtual(t):
             self.env[t] = value
             return
         self.vals[t] = value
-        if all(e.direction == "write" for e in self.strategy.points_to(t)):
-            self.scatter(self.strategy.layout(t), value)
+        edges = self.strategy.points_to(t)
+        if not all(e.direction == Direction.WRITE for e in edges):
+            return   # read through a map from data that exists elsewhere: nothing to write
+        for e in edges:
+            if not self._store_edge(t, e, value):
+                lay = Layout.assemble(self.graph.tensors[t].shape, [(self._home(e.dst), e.map, e.box)])
+                self.scatter(t, lay, value)
+
+    def _home(self, t: int) -> Layout:
+        return self.layout(t) if self.is_virtual(t) else Layout.physical(t, self.graph.tensors[t].shape)
+
+    def _store_edge(self, t: int, e: Any, value: Any) -> bool:
+        g = self.graph
+        op = g.ops[e.op]
+        whole = tuple((0, n) for n in g.tensors[t].shape)
+        if tuple(e.box) == whole and op.outputs == (e.dst,) and [x for x in op.inputs if g.tensors[x].const is None] == [t]:
+            # a one-to-one op (reshape, transpose, ...): its output is the op applied to t
+            self.store(e.dst, op.prim.bind(*(value if x == t else self.value(x) for x in op.inputs), **op.params))
+            return True
+        if self.is_virtual(e.dst):
+            return False
+        lay = Layout.assemble(g.tensors[t].shape, [(Layout.physical(e.dst, g.tensors[e.dst].shape), e.map, e.box)])
+        return self._store_window(lay, value)
+
+def _sym(name: str) -> Any:
+    from .indexmap import Sym
+    return Sym(name)
 
 
 def _indices(shape: Sequence[int]) -> list[Any]:
-    return [jax.lax.broadcasted_iota(jnp.int32, tuple(shape), k) for k in range(len(shape))]
+    return [lax.broadcasted_iota(jnp.int32, tuple(shape), k) for k in range(len(shape))]
 
 
-def _materialise(layout: Layout, dtype: Any, env: Mapping[int, Any], syms: Mapping[str, Any]) -> Any:
-    """Gather a virtual tensor into a physical array (the XLA fallback's stage 1).
+def _window(layout: Layout, dtype: Any, env: Mapping[int, Any], syms: Mapping[str, Any]) -> Any:
+    """A one-piece, unit-strided layout read with ``dynamic_slice`` + ``transpose`` + broadcast
+    (None when the layout is not of that form)."""
+    if len(layout.pieces) != 1 or layout.fills or layout.pieces[0].where:
+        return None
+    p = layout.pieces[0]
+    if p.target not in env:
+        return None
+    sb = p.map.strided_box()
+    if sb is None or any(j is not None and k != 1 for j, k, _ in sb):
+        return None
+    buf = env[p.target]
+    if p.map.is_identity and tuple(buf.shape) == tuple(layout.shape):
+        return buf.astype(dtype)
+    senv = {_sym(k): v for k, v in syms.items()}
+    starts = [jnp.asarray(off.evaluate(senv, jnp), jnp.int32) for _, _, off in sb]
+    sizes = [layout.shape[j] if j is not None else 1 for j, _, _ in sb]
+    x = lax.dynamic_slice(buf, starts, sizes)
+    mapped = [j for j, _, _ in sb if j is not None]
+    x = x.reshape([layout.shape[j] for j in mapped])              # drop unmapped (size-1) dims
+    order = sorted(range(len(mapped)), key=lambda i: mapped[i])
+    x = jnp.transpose(x, order) if order != list(range(len(mapped))) else x
+    kept = sorted(mapped)
+    x = lax.broadcast_in_dim(x, tuple(layout.shape), tuple(kept))   # dims with no home repeat
+    return x.astype(dtype)
 
-    A layout that is its whole target unchanged (a cache updated in place, returned) is that
-    buffer: no gather.
-    """
-    if len(layout.pieces) == 1:
-        p = layout.pieces[0]
-        if not p.where and p.map.is_identity and tuple(env[p.target].shape) == tuple(layout.shape):
-            return env[p.target].astype(dtype)
+
+def _gather(layout: Layout, dtype: Any, env: Mapping[int, Any], syms: Mapping[str, Any]) -> Any:
+    """Element-wise gather of a virtual tensor (the last resort; ``Lowered.gathers`` lists it)."""
     idx = _indices(layout.shape)
     out = jnp.zeros(layout.shape, dtype)
     for r in reversed(layout.fills):
@@ -280,7 +282,7 @@ def _materialise(layout: Layout, dtype: Any, env: Mapping[int, Any], syms: Mappi
 
 
 def _scatter(p: Piece, value: Any, buf: Any, syms: Mapping[str, Any]) -> Any:
-    """Write a value's piece into its buffer (the XLA fallback's stage 3); other lanes dropped."""
+    """Write a value's piece into its buffer element-wise (the last resort); other lanes dropped."""
     shape = value.shape
     idx = _indices(shape)
     tgt, valid = p.map.evaluate(idx, syms, xp=jnp)
@@ -295,16 +297,12 @@ def _scatter(p: Piece, value: Any, buf: Any, syms: Mapping[str, Any]) -> Any:
 # Emission
 # --------------------------------------------------------------------------------------------
 
-Step = Callable[[_Run], None]
-
-
 def _xla_step(graph: Graph, op_ids: Sequence[int]) -> Step:
     ops = [graph.ops[i] for i in op_ids]
 
     def step(run: _Run) -> None:
         for op in ops:
-            if op.primitive == "dynamic_update_slice" and any(
-                    e.inplace and e.op == op.id for e in run.strategy.points_to(op.outputs[0])):
+            if op.id in run.res.inplace:
                 run.update_in_place(op)
                 continue
             out = op.prim.bind(*(run.value(t) for t in op.inputs), **op.params)
@@ -314,376 +312,103 @@ def _xla_step(graph: Graph, op_ids: Sequence[int]) -> Step:
     return step
 
 
-def lower(graph: Graph, clusters: Sequence[Cluster], strategy: Strategy, *, backend: str = "interpret",
-          templates: Mapping[str, Callable[..., Step | str]] | None = None) -> Lowered:
-    """Build the emitted program. ``templates`` maps a cluster kind to a builder returning a step
-    (or a string: why it cannot serve this cluster); default :data:`TEMPLATES`."""
-    if templates is None:
-        templates = TEMPLATES
-    skip = eliminated_ops(graph, strategy)
+def _kernel_step(graph: Graph, c: Cluster, m: Match, backend: str) -> Step:
+    """The template's step, with any failure while building or tracing it named by cluster."""
+    prims = [graph.ops[o].primitive for o in c.ops]
+    try:
+        inner = TEMPLATES[m.kind].build(graph, c, m.detail, backend)
+    except Exception as exc:  # noqa: BLE001 - becomes the per-cluster fallback
+        raise KernelBuildError(c.id, c.kind, prims, exc) from exc
+
+    def step(run: _Run) -> None:
+        try:
+            with jax.named_scope(f"vtc_cluster_{c.id}"):
+                inner(run)
+        except KernelBuildError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise KernelBuildError(c.id, c.kind, prims, exc) from exc
+
+    return step
+
+
+def lower(graph: Graph, clusters: Sequence[Cluster], matches: Mapping[int, Match | Reject], strategy: Strategy,
+          *, backend: str = "interpret") -> Lowered:
+    """Build the emitted program (``strategy`` must come from ``strategy.plan``)."""
+    res = strategy.resolution
+    if res is None:
+        raise ValueError("lower needs a planned strategy (strategy.plan attaches its resolution)")
     steps: list[Step] = []
     kernels: list[str] = []
     fallbacks: list[str] = []
     for c in clusters:
-        if c.kind == "movement" and all(o in skip for o in c.ops):
+        if c.kind == "movement" and all(o in res.eliminated for o in c.ops):
             continue
-        touches = any(strategy.is_virtual(t) for t in (*c.inputs, *c.outputs))
-        if touches and c.kind in templates:
-            built = templates[c.kind](graph, c, backend=backend)
-            if not isinstance(built, str):
-                steps.append(built)
-                kernels.append(f"{c.kind} cluster #{c.id} ({', '.join(graph.ops[o].primitive for o in c.ops[:4])}"
-                               f"{', ...' if len(c.ops) > 4 else ''})")
-                continue
-            fallbacks.append(f"{c.kind} cluster #{c.id}: {built}")
-        elif touches and c.kind not in ("movement", "glue"):
-            fallbacks.append(f"{c.kind} cluster #{c.id}: no kernel template reads virtual tensors for it")
+        touches = any(t in res.layouts for t in (*c.inputs, *c.outputs))
+        verdict = matches.get(c.id)
+        if touches and isinstance(verdict, Match):
+            steps.append(_kernel_step(graph, c, verdict, backend))
+            kernels.append(f"{c.kind} cluster #{c.id} ({', '.join(graph.ops[o].primitive for o in c.ops[:4])}"
+                           f"{', ...' if len(c.ops) > 4 else ''})")
+            continue
+        if touches and c.kind not in ("movement", "glue"):   # the VTOG pins these: a planning bug
+            fallbacks.append(f"{c.kind} cluster #{c.id} reads or writes a virtual tensor but runs in XLA")
         steps.append(_xla_step(graph, c.ops))
+    gathers: list[str] = []
 
     def fn(*flat: Any) -> tuple[Any, ...]:
-        run = _Run(graph, strategy)
+        run = _Run(graph, strategy, gathers)
         run.env.update(zip(graph.inputs, flat))
         for step in steps:
             step(run)
         return tuple(run.value(t) for t in graph.outputs)
 
-    return Lowered(fn, tuple(kernels), tuple(sorted(skip)), tuple(fallbacks))
+    return Lowered(fn, tuple(kernels), tuple(sorted(res.eliminated)), tuple(fallbacks), gathers)
 
 
 # --------------------------------------------------------------------------------------------
-# Cluster -> template adapters (each returns a Step, or a string saying why it cannot)
+# Triton validation (backend="triton"): every kernel must lower for CUDA, or its cluster falls back
 # --------------------------------------------------------------------------------------------
 
-def _broadcast(x: Any, shape: tuple[int, ...]) -> Any:
-    """Numpy-rule broadcast of a kernel input to ``shape`` — through its layout, never a copy."""
-    if not isinstance(x, VTensor) or tuple(x.shape) == shape:
-        return x
-    lay = x.layout
-    if len(lay.shape) < len(shape):
-        lay = lay.reshape((1,) * (len(shape) - len(lay.shape)) + tuple(lay.shape))
-    return VTensor(lay.broadcast(shape, tuple(range(len(shape)))), x.dtype, x.buffers, x.symbols)
+def _pallas_eqns(jaxpr: Any) -> list[Any]:
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            out.append(eqn)
+            continue
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out.extend(_pallas_eqns(inner))
+    return out
 
 
-def _buffers(res: Any) -> tuple[Any, ...]:
-    return tuple(res) if isinstance(res, (tuple, list)) else (res,)
+def _cluster_of(eqn: Any) -> int | None:
+    stack = str(getattr(eqn.source_info, "name_stack", ""))
+    for part in stack.split("/"):
+        if part.startswith("vtc_cluster_"):
+            return int(part[len("vtc_cluster_"):])
+    return None
 
 
-def _contraction_template(graph: Graph, c: Cluster, primitive: str,
-                          call: Callable[..., Any]) -> Step | str:
-    """A contraction (dot_general or conv) plus its elementwise epilogue as one kernel.
-
-    ``call(lhs, rhs, params, out=, epilogue=, epilogue_args=)`` runs the template; the epilogue is
-    the cluster's other primitives re-bound on the accumulator tile (``block_fn``).
-    """
-    found = [o for o in c.ops if graph.ops[o].primitive == primitive]
-    if len(found) != 1 or len(c.outputs) != 1:
-        return f"needs exactly one {primitive} and one output"
-    op = graph.ops[found[0]]
-    rest = [o for o in c.ops if o != op.id]
-    why = block_supported(graph, rest)
-    if why:
-        return why
-    lhs, rhs = op.inputs
-    o = c.outputs[0]
-    extras = [t for t in c.inputs if t not in (lhs, rhs) and graph.tensors[t].const is None]
-    epi = block_fn(graph, rest, [op.outputs[0], *extras], [o]) if rest else None
-    shape = tuple(graph.tensors[o].shape)
-
-    def step(run: _Run) -> None:
-        out = run.out_vtensor(o)
-        res = call(run.vtensor(lhs), run.vtensor(rhs), op.params, out=out, epilogue=epi,
-                   epilogue_args=[_broadcast(run.vtensor(t), shape) for t in extras])
-        run.written(o, out, _buffers(res))
-
-    return step
-
-
-def _matmul_template(graph: Graph, c: Cluster, *, backend: str) -> Step | str:
-    from .kernels.matmul import matmul
-
-    def call(a: Any, b: Any, p: Mapping[str, Any], **kw: Any) -> Any:
-        return matmul(a, b, dimension_numbers=p["dimension_numbers"],
-                      preferred_element_type=p.get("preferred_element_type"), backend=backend, **kw)
-
-    return _contraction_template(graph, c, "dot_general", call)
-
-
-def _conv_template(graph: Graph, c: Cluster, *, backend: str) -> Step | str:
-    from .kernels.conv import conv
-
-    def call(x: Any, w: Any, p: Mapping[str, Any], **kw: Any) -> Any:
-        if p.get("batch_group_count", 1) != 1:
-            raise NotImplementedError("batch_group_count != 1")
-        return conv(x, w, window_strides=p["window_strides"], padding=p["padding"],
-                    lhs_dilation=p.get("lhs_dilation"), rhs_dilation=p.get("rhs_dilation"),
-                    dimension_numbers=p["dimension_numbers"], feature_group_count=p["feature_group_count"],
-                    preferred_element_type=p.get("preferred_element_type"), backend=backend, **kw)
-
-    if any(graph.ops[o].params.get("batch_group_count", 1) != 1 for o in c.ops
-           if graph.ops[o].primitive == "conv_general_dilated"):
-        return "batch_group_count != 1"
-    return _contraction_template(graph, c, "conv_general_dilated", call)
-
-
-def _pointwise_template(graph: Graph, c: Cluster, *, backend: str) -> Step | str:
-    from .kernels.pointwise import pointwise
-    why = block_supported(graph, c.ops)
-    if why:
-        return why
-    shapes = {tuple(graph.tensors[o].shape) for o in c.outputs}
-    if len(shapes) != 1:
-        return "outputs of different shapes"
-    shape = shapes.pop()
-    ins = [t for t in c.inputs if graph.tensors[t].const is None]
-    fn = block_fn(graph, c.ops, ins, c.outputs)
-
-    def step(run: _Run) -> None:
-        outs = [run.out_vtensor(o) for o in c.outputs]
-        res = pointwise(fn, [_broadcast(run.vtensor(t), shape) for t in ins], out_shape=shape,
-                        outs=outs, backend=backend)
-        res = (res,) if len(outs) == 1 else res
-        for o, v, r in zip(c.outputs, outs, res):
-            run.written(o, v, _buffers(r))
-
-    return step
-
-
-_SOFTMAX_OPS = frozenset({"reduce_max", "max", "stop_gradient", "sub", "exp", "reduce_sum", "div",
-                          "broadcast_in_dim", "reshape", "convert_element_type", "squeeze", "expand_dims"})
-
-
-@dataclass(frozen=True)
-class _AttnMatch:
-    q: int
-    k: int
-    v: int
-    out: int
-    q_dims: tuple[tuple[int, ...], ...]   # q: (batch dims, free dims, contract dims)
-    k_dims: tuple[tuple[int, ...], ...]   # k: (batch dims, free (T) dims, contract dims)
-    v_dims: tuple[tuple[int, ...], ...]   # v: (batch dims, contract (T) dims, free dims)
-    scale: float
-    soft_cap: float | None
-    pos: int | None                       # scalar tensor: keys t <= pos valid
-    kv_len: int | None                    # scalar tensor: keys t < kv_len valid
-    window: int | None = None             # static: keys t > pos - window valid too
-
-
-def _match_attention(graph: Graph, c: Cluster) -> _AttnMatch | str:
-    """Read the decode-attention parameters off the cluster's primitives (or say what differs)."""
-    ops = [graph.ops[i] for i in c.ops]
-    dots = [op for op in ops if op.primitive == "dot_general"]
-    if len(dots) != 2 or len(c.outputs) != 1:
-        return "expected two dot_generals and one output"
-    d1, d2 = dots
-    s = d1.outputs[0]
-    scale, cap, pos, kv_len, window = 1.0, None, None, None, None
-    producers = {t: op for op in ops for t in op.outputs}
-    # walk forward from s over the score modifiers until the softmax starts
-    cur = s
-    users = lambda t: [op for op in ops if t in op.inputs]
-    while True:
-        us = users(cur)
-        if len(us) != 1:
-            break
-        u = us[0]
-        other = [t for t in u.inputs if t != cur]
-        if u.primitive in ("mul", "div") and other and _scalar(graph, other[0]) is not None \
-                and not (u.primitive == "div" and users(u.outputs[0]) and users(u.outputs[0])[0].primitive == "tanh"):
-            val = _scalar(graph, other[0])
-            scale = scale * val if u.primitive == "mul" else scale / val
-        elif u.primitive == "div" and other and _scalar(graph, other[0]) is not None:
-            capv = _scalar(graph, other[0])
-            t1 = users(u.outputs[0])[0]
-            t2 = users(t1.outputs[0])
-            if not t2 or t2[0].primitive != "mul" or _scalar(graph, [t for t in t2[0].inputs if t != t1.outputs[0]][0]) != capv:
-                return "unrecognised tanh soft-cap"
-            cap = capv
-            u = t2[0]
-        elif u.primitive in ("convert_element_type", "reshape", "squeeze", "expand_dims") or (
-                u.primitive == "broadcast_in_dim"
-                and graph.tensors[u.outputs[0]].size == graph.tensors[cur].size):
-            pass  # dtype or view changes of the scores: nothing to do in the kernel
-        elif u.primitive == "select_n":
-            pred, on_false, on_true = u.inputs
-            if on_true != cur or _scalar_const_of(graph, on_false) != -np.inf:
-                return "select_n is not a -inf mask of the scores"
-            found = _mask_bounds(graph, pred)
-            if isinstance(found, str):
-                return found
-            pos, kv_len, window = found
-        else:
-            break
-        cur = u.outputs[0]
-    if not any(op.primitive == "reduce_max" for op in users(cur)):
-        return f"scores feed {[op.primitive for op in users(cur)]}, not a softmax"
-    start = producers[cur].id if cur in producers else d1.id
-    for op in ops:
-        if start < op.id < d2.id and op.primitive not in _SOFTMAX_OPS:
-            return f"{op.primitive} between the softmax and the second dot"
-    after = [op for op in ops if op.id > d2.id]
-    if any(op.primitive != "convert_element_type" for op in after):
-        return "ops after the second dot other than a dtype conversion"
-    (c1l, c1r), (b1l, b1r) = d1.params["dimension_numbers"]
-    (c2l, c2r), (b2l, b2r) = d2.params["dimension_numbers"]
-    q, k = d1.inputs
-    p, v = d2.inputs
-    free = lambda t, cs, bs: tuple(i for i in range(len(graph.tensors[t].shape)) if i not in cs and i not in bs)
-    qf, kf, vf = free(q, c1l, b1l), free(k, c1r, b1r), free(v, c2r, b2r)
-    if len(kf) != 1 or len(c2r) != 1 or len(c1l) != 1 or len(vf) != 1:
-        return "attention with several key / head-dim axes"
-    return _AttnMatch(q, k, v, c.outputs[0], (tuple(b1l), qf, tuple(c1l)), (tuple(b1r), kf, tuple(c1r)),
-                      (tuple(b2r), tuple(c2r), vf), scale, cap, pos, kv_len, window)
-
-
-def _scalar(graph: Graph, t: int) -> float | None:
-    c = graph.tensors[t].const
-    if c is None or np.size(c) != 1:
-        return None
-    return float(np.asarray(c).reshape(()))
-
-
-def _scalar_const_of(graph: Graph, t: int) -> float | None:
-    """The value of a (broadcast, converted) scalar constant."""
-    while True:
-        v = _scalar(graph, t)
-        if v is not None:
-            return v
-        op = graph.producer(t)
-        if op is None or op.primitive not in ("broadcast_in_dim", "convert_element_type", "reshape"):
-            return None
-        t = op.inputs[0]
-
-
-def _mask_bounds(graph: Graph, pred: int) -> tuple[int | None, int | None, int | None] | str:
-    """``(pos, kv_len, window)`` of a causal mask, optionally ``&`` a sliding window
-    ``iota > pos - window`` (Gemma-2's local layers)."""
-    t = pred
-    while (op := graph.producer(t)) is not None and op.primitive in ("broadcast_in_dim", "reshape"):
-        t = op.inputs[0]
-    if op is not None and op.primitive == "and":
-        parts = [_mask_bound(graph, x) for x in op.inputs]
-        ends = [p for p in parts if not isinstance(p, str) and p[0] in ("pos", "kv_len")]
-        starts = [p for p in parts if not isinstance(p, str) and p[0] == "after"]
-        if len(ends) != 1 or len(starts) != 1:
-            return "mask is not a causal bound and a sliding window"
-        kind, end = ends[0]
-        window = _window(graph, starts[0][1], end, kind)
-        if window is None:
-            return "sliding window start is not `pos - constant`"
-        return (end, None, window) if kind == "pos" else (None, end, window)
-    found = _mask_bound(graph, pred)
-    if isinstance(found, str):
-        return found
-    kind, end = found
-    if kind == "after":
-        return "mask keeps keys after a position (not causal)"
-    return (end, None, None) if kind == "pos" else (None, end, None)
-
-
-def _window(graph: Graph, start: int, end: int, kind: str) -> int | None:
-    """``start == end - w`` (keys ``t > pos - w``): the window ``w`` the template expects."""
-    op = graph.producer(start)
-    if op is None or op.primitive not in ("sub", "add") or op.inputs[0] != end:
-        return None
-    c = _scalar(graph, op.inputs[1])
-    if c is None:
-        return None
-    w = int(c) if op.primitive == "sub" else -int(c)
-    return w if kind == "pos" else None
-
-
-def _mask_bound(graph: Graph, pred: int) -> tuple[str, int] | str:
-    """``iota <= pos`` (or ``iota < kv_len``) behind broadcasts: which bound, and its scalar tensor."""
-    t = pred
-    while (op := graph.producer(t)) is not None and op.primitive in ("broadcast_in_dim", "reshape"):
-        t = op.inputs[0]
-    if op is None or op.primitive not in ("le", "lt", "ge", "gt"):
-        return "mask is not a comparison of key positions with a scalar"
-    a, b = op.inputs
-    prim = op.primitive
-    if graph.producer(b) is not None and graph.producer(b).primitive == "iota":
-        a, b = b, a
-        prim = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}[prim]
-    if graph.producer(a) is None or graph.producer(a).primitive != "iota" or graph.tensors[b].shape != ():
-        return "mask is not a comparison of key positions with a scalar"
-    if prim == "le":
-        return ("pos", b)
-    if prim == "lt":
-        return ("kv_len", b)
-    if prim == "gt":
-        return ("after", b)
-    return "mask keeps keys from a position on (ge): not a supported window form"
-
-
-def _canonical(x: Any, dims: tuple[tuple[int, ...], ...]) -> VTensor:
-    """View an operand as (batch..., then the dims in ``dims`` order) by transposing its layout."""
-    x = VTensor.of(x)
-    perm = tuple(d for group in dims for d in group)
-    return VTensor(x.layout.transpose(perm), x.dtype, x.buffers, x.symbols)
-
-
-def _group_size(k: VTensor, heads: int) -> int:
-    """Largest G such that K is identical across each group of G heads (a GQA repeat): read off
-    the layout — the within-group index must not appear in any piece's map."""
-    b, h, t, d = k.shape
-    for g in sorted((g for g in range(1, heads + 1) if heads % g == 0), reverse=True):
-        if g == 1:
-            return 1
-        lay = k.layout.reshape((b, h // g, g, t, d))
-        if all(2 not in e.dims() for p in lay.pieces for e in p.map.exprs) and \
-                all(2 not in c.expr.dims() for p in lay.pieces for c in (*p.where, *p.map.conds)):
-            return g
-    return 1
-
-
-def _attention_template(graph: Graph, c: Cluster, *, backend: str) -> Step | str:
-    from .kernels.attention import decode_attention
-    m = _match_attention(graph, c)
-    if isinstance(m, str):
-        return m
-    qs, ks = graph.tensors[m.q].shape, graph.tensors[m.k].shape
-    if not 1 <= len(m.q_dims[0]) <= 2 or int(np.prod([qs[i] for i in m.q_dims[1]])) != 1:
-        return "not a single-query (decode) attention with (batch, head) or (head) batch dims"
-    H = ks[m.k_dims[0][-1]]                      # the last batch dim is the head axis
-    B = int(np.prod([ks[i] for i in m.k_dims[0]])) // H
-    T, D = ks[m.k_dims[1][0]], ks[m.k_dims[2][0]]
-    Dv = graph.tensors[m.v].shape[m.v_dims[2][0]]
-
-    def view(x: VTensor, shape: tuple[int, ...]) -> VTensor:
-        return VTensor(x.layout.reshape(shape), x.dtype, x.buffers, x.symbols)
-
-    def step(run: _Run) -> None:
-        q = view(_canonical(run.vtensor(m.q), m.q_dims), (B, H, 1, D))
-        k = view(_canonical(run.vtensor(m.k), m.k_dims), (B, H, T, D))
-        v = view(_canonical(run.vtensor(m.v), m.v_dims), (B, H, T, Dv))
-        g = min(_group_size(k, H), _group_size(v, H))
-        hk = H // g
-
-        def per_group(x: VTensor) -> VTensor:
-            lay = x.layout.reshape((B, hk, g) + tuple(x.shape[2:])).slice(
-                (0,) * 5, (B, hk, 1) + tuple(x.shape[2:])).reshape((B, hk) + tuple(x.shape[2:]))
-            return VTensor(lay, x.dtype, x.buffers, x.symbols)
-
-        qg = view(q, (B, hk, g, D))
-        out = run.out_vtensor(m.out)
-        og = view(out, (B, hk, g, Dv))
-        kw = {}
-        if m.pos is not None:
-            kw["pos"] = jnp.asarray(run.value(m.pos), jnp.int32)
-        if m.kv_len is not None:
-            kw["kv_len"] = jnp.asarray(run.value(m.kv_len), jnp.int32)
-        if m.window is not None:
-            kw["window"] = m.window
-        res = decode_attention(qg, per_group(k), per_group(v), sm_scale=m.scale, soft_cap=m.soft_cap,
-                               out=og, backend=backend, **kw)
-        run.written(m.out, out, _buffers(res))
-
-    return step
-
-
-TEMPLATES: Mapping[str, Callable[..., Step | str]] = {
-    "conv": _conv_template,
-    "matmul": _matmul_template,
-    "pointwise": _pointwise_template,
-    "attention": _attention_template,
-}
+def triton_failures(closed: Any) -> dict[int, str]:
+    """Lower every Pallas kernel of a traced emitted program for CUDA (Triton IR), one by one:
+    ``{cluster id: why}`` for those that fail. If every kernel fails with the same error, the
+    lowering machinery itself is missing (no CUDA plugin): that is raised, not blamed on clusters."""
+    from .testing import cross_lower
+    failures: dict[int, tuple[str, str]] = {}
+    eqns = _pallas_eqns(closed.jaxpr)
+    for eqn in eqns:
+        cid = _cluster_of(eqn)
+        if cid is None or cid in failures:
+            continue
+        args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        try:
+            cross_lower(lambda *xs, eqn=eqn: eqn.primitive.bind(*xs, **eqn.params), *args)
+        except Exception as exc:  # noqa: BLE001 - reported per cluster
+            failures[cid] = (type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+    if failures and len(failures) == len({_cluster_of(e) for e in eqns} - {None}) and len(set(failures.values())) == 1:
+        kind, msg = next(iter(failures.values()))
+        raise RuntimeError(f"no kernel lowers for CUDA ({kind}: {msg}); is jax's CUDA plugin installed?")
+    return {c: f"{k}: {m}" for c, (k, m) in failures.items()}

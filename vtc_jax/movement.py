@@ -91,7 +91,7 @@ class _Ctx:
         if v is not None:
             return const(int(np.clip(int(v), 0, dim - size))), ()
         name = f"s{t}"
-        return sym(name), (SymInfo(name, 0, dim - size),)
+        return sym(name), (SymInfo(name, 0, dim - size, source=t),)
 
     def starts(self, ts, dims, sizes) -> tuple[list[Expr], tuple[SymInfo, ...]]:
         pairs = [self.start(t, d, s) for t, d, s in zip(ts, dims, sizes)]

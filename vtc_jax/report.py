@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import costmodel, movement
 from .cluster import Cluster
 from .graph import Graph
 from .strategy import Strategy
 from .vtog import VTOG
+
+if TYPE_CHECKING:
+    from .api import Analysis
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class Report:
     analysis_seconds: float
     opaque: tuple[tuple[str, str], ...] = ()     # (primitive, reason) for ops left to XLA unanalysed
     notes: tuple[str, ...] = ()
+    templates: tuple[tuple[int, str, str], ...] = ()   # (cluster, kind, "kernel" | why it runs in XLA)
 
     @property
     def eliminated(self) -> tuple[MovementInfo, ...]:
@@ -97,6 +102,10 @@ class Report:
                 ["peak memory", _mb(m.peak_baseline), _mb(m.peak_optimized), ""],
             ]),
         ]
+        if self.templates:
+            lines += ["", "Compute clusters and their templates (matched before the strategy)",
+                      _table(["cluster", "kind", "template"],
+                             [[f"#{c}" if c >= 0 else "-", k, why] for c, k, why in self.templates])]
         if self.opaque:
             lines += ["", "Left to XLA without analysis"] + [f"  {p}: {r}" for p, r in self.opaque]
         if self.notes:
@@ -127,6 +136,7 @@ class Report:
                          "trace": [{"node": st.node, "edges": list(st.edges), "saving": st.saving} for st in s.trace]},
             "modeled": {k: int(getattr(self.modeled, k)) for k in self.modeled.__dataclass_fields__},
             "opaque": [list(p) for p in self.opaque],
+            "templates": [{"cluster": c, "kind": k, "template": why} for c, k, why in self.templates],
             "notes": list(self.notes),
         }
 
@@ -162,7 +172,11 @@ def _shapes(ss: tuple[tuple[int, ...], ...]) -> str:
 
 def _tensor(g: Graph, t: int) -> str:
     info = g.tensors[t]
-    return f"{np.dtype(info.dtype).name}{_shape(info.shape)}"
+    try:
+        name = np.dtype(info.dtype).name
+    except TypeError:   # extended dtypes (PRNG keys)
+        name = str(info.dtype)
+    return f"{name}{_shape(info.shape)}"
 
 
 def _mb(n: float) -> str:
@@ -174,3 +188,66 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(r[i])) for r in cols) for i in range(len(header))]
     fmt = lambda r: "  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
     return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+# --------------------------------------------------------------------------------------------
+# Building the report from an Analysis
+# --------------------------------------------------------------------------------------------
+
+def build_report(name: str, a: "Analysis") -> Report:
+    """The report of one analysis: every stage's decision read off the Analysis, nothing re-run."""
+    from .templates import Match
+    g, v, s = a.graph, a.vtog, a.strategy
+    res = s.resolution
+    by_op: dict[int, list[int]] = {}
+    for i, e in enumerate(v.edges):
+        by_op.setdefault(e.op, []).append(i)
+    chosen = set(s.chosen)
+    gone_ops = res.eliminated if res is not None else frozenset()
+    home = {oid: c for c in a.clusters for oid in c.ops}
+    infos = []
+    for op in g.ops:
+        if not movement.is_movement(op, g) or all(g.tensors[t].const is not None for t in op.inputs):
+            continue
+        edges = tuple(by_op.get(op.id, ()))
+        c = home.get(op.id)
+        if c is not None and c.kind not in ("movement", "glue", "opaque"):
+            gone, reason = True, f"fused into {c.kind} cluster #{c.id}: a register-level view, never in memory"
+        else:
+            gone = op.id in gone_ops
+            reason = _reason(g, v, s, op, edges, gone)
+        infos.append(MovementInfo(op.id, op.primitive,
+                                  tuple(g.tensors[t].shape for t in op.inputs if g.tensors[t].const is None),
+                                  g.tensors[op.outputs[0]].shape, gone, reason, edges,
+                                  tuple(i for i in edges if i in chosen)))
+    mb = costmodel.modeled_bytes(g, a.clusters, s, donated=a.donated)
+    modeled = Modeled(**{k: int(mb[k]) for k in Modeled.__dataclass_fields__})
+    opaque = tuple((g.ops[c.ops[0]].primitive, c.reason) for c in a.clusters if c.kind == "opaque")
+    templates = tuple((cid, m.kind.value, "kernel" if isinstance(m, Match) else m.reason)
+                      for cid, m in sorted(a.matches.items()))
+    templates += tuple((-1, "attention", f"region from dot #{op}: {why}; clustered as its parts instead")
+                       for op, why in a.declined)
+    return Report(name, g, a.clusters, v, s, tuple(infos), modeled, a.seconds, opaque, templates=templates)
+
+
+def _reason(g: Graph, v: VTOG, s: Strategy, op: Any, edges: tuple[int, ...], gone: bool) -> str:
+    chosen = [v.edges[i] for i in edges if i in set(s.chosen)]
+    if gone:
+        parts = sorted({f"{'t%d ⇢ t%d' % (e.src, e.dst)} ({e.direction}, Type {e.klass})" for e in chosen})
+        return "virtual: " + "; ".join(parts) if parts else "virtual through composed edges"
+    if not edges:
+        why = movement.explain_no_edges(op, g)
+        if why:
+            return why
+        stuck = [v.reasons[t] for t in (*op.inputs, *op.outputs) if t in v.reasons]
+        return stuck[0] if stuck else "no virtual-tensor rule applies"
+    for i in edges:
+        for x, y in v.conflicts:
+            other = y if x == i else x if y == i else None
+            if other is not None and other in set(s.chosen):
+                return f"edge {i} conflicts with chosen edge {other} ({v.edges[other].primitive} #{v.edges[other].op})"
+    stuck = [v.reasons[t] for t in (*op.inputs, *op.outputs) if t in v.reasons]
+    if stuck and not chosen:
+        return stuck[0]
+    return "not profitable under the cost model (no edge with positive modelled saving)" if not chosen \
+        else "partially virtual: some outputs still need a physical copy"

@@ -49,13 +49,18 @@ import heapq
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .indexmap import Layout
 from .movement import Edge
+from .primitives import Direction, data_inputs, inplace_operand, is_view
 from .vtog import VTOG, box_volume, boxes_overlap
 
-__all__ = ["Strategy", "Pick", "greedy", "max_edges", "SavingsFn", "StrategyError"]
+if TYPE_CHECKING:
+    from .cluster import Cluster
+    from .graph import Graph
+
+__all__ = ["Strategy", "Pick", "Resolution", "plan", "resolve", "greedy", "max_edges", "SavingsFn", "StrategyError"]
 
 SavingsFn = Callable[[Edge, frozenset[int]], float]
 EPS = 1e-15           # picks must save more than this (seconds or bytes: both far above it)
@@ -97,6 +102,7 @@ class Strategy:
     vtog: VTOG
     _memo: dict[int, Layout] = field(default_factory=dict, repr=False, compare=False)
     _by_src: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
+    resolution: "Resolution | None" = None   # set by :func:`plan` (what lower/report/accounting read)
 
     def __post_init__(self) -> None:
         by: dict[int, list[int]] = {}
@@ -478,13 +484,10 @@ def complete_inplace(strategy: Strategy) -> Strategy:
     return _add_edges(strategy, candidates, companion)
 
 
-VIEW_PRIMITIVES = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "convert_element_type",
-                             "copy", "copy_p"})
-
-
-def complete_views(strategy: Strategy, kept_ops: Sequence[int]) -> Strategy:
-    """Also take the Type I edges of view ops (reshape, squeeze, expand_dims, size-preserving
-    broadcast, same-dtype convert, copy) that the greedy left, when they still validate.
+def complete_views(strategy: Strategy, graph: "Graph", kept_ops: Sequence[int]) -> Strategy:
+    """Also take the Type I edges of view ops (:func:`primitives.is_view`: reshape, squeeze,
+    expand_dims, size-preserving broadcast, same-dtype convert, copy) that the greedy left, when
+    they still validate.
 
     XLA runs such an op as a free bitcast, so the cost model credits it nothing and the greedy
     (strictly positive picks) leaves it; but once its neighbours are kernels reading or writing
@@ -495,9 +498,9 @@ def complete_views(strategy: Strategy, kept_ops: Sequence[int]) -> Strategy:
     v = strategy.vtog
     kept = set(kept_ops)
     candidates = sorted((i for i, e in enumerate(v.edges)
-                         if e.op in kept and e.primitive in VIEW_PRIMITIVES and e.klass == "I"
+                         if e.op in kept and is_view(graph.ops[e.op], graph) and e.klass == "I"
                          and v.volume(e.src) == v.volume(e.dst)),
-                        key=lambda i: (v.edges[i].direction != "read", i))
+                        key=lambda i: (v.edges[i].direction != Direction.READ, i))
     return _add_edges(strategy, candidates)
 
 
@@ -591,3 +594,90 @@ def producer_writes(strategy: Strategy, op_id: int) -> Strategy:
     except StrategyError:
         return strategy
     return trial
+
+
+# --------------------------------------------------------------------------------------------
+# The whole stage, and what it decided (read by lower, report and accounting)
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Resolution:
+    """Everything later stages need from a strategy, computed once.
+
+    ``layouts``: every virtual tensor's layout over physical tensors. ``eliminated``: movement
+    ops nobody executes. ``inplace``: update ops whose output is their operand's buffer (the
+    in-place edge is chosen). ``executed``: movement ops XLA still runs, an in-place update
+    (which only writes its update) not counted.
+    """
+    layouts: Mapping[int, Layout]
+    eliminated: frozenset[int]
+    inplace: frozenset[int]
+    executed: tuple[int, ...]
+
+
+def plan(vtog: VTOG, graph: "Graph", clusters: Sequence["Cluster"], savings: SavingsFn) -> Strategy:
+    """The strategy stage, whole: Algorithm 2, then the completion passes, then the resolution.
+
+    Pass order and why: ``complete_inplace`` (an update written by its producer needs its output
+    to be the operand's buffer), ``complete_views`` (free views next to kernels vanish),
+    ``physical_inplace`` (only a physical operand may be updated in place), ``producer_writes``
+    for movement ops whose outputs nobody would produce, and views once more.
+    """
+    s = complete_inplace(greedy(vtog, savings))
+    s = physical_inplace(complete_views(s, graph, _kept_edge_ops(graph, vtog, s)))
+    gone = eliminated_ops(graph, s)
+    for c in clusters:
+        if c.kind != "movement":
+            continue
+        for oid in c.ops:   # outputs left for nobody to produce: let the producer write them all
+            op = graph.ops[oid]
+            if oid in gone or any(e.inplace and e.op == oid for e in s.points_to(op.outputs[0])):
+                continue
+            if any(e.direction == Direction.WRITE for o in op.outputs for e in s.points_to(o)):
+                s = producer_writes(s, oid)
+    s = complete_views(s, graph, _kept_edge_ops(graph, vtog, s))
+    return resolve(s, graph, clusters)
+
+
+def _kept_edge_ops(graph: "Graph", vtog: VTOG, s: Strategy) -> list[int]:
+    gone = eliminated_ops(graph, s)
+    return [e.op for e in vtog.edges if e.op not in gone]
+
+
+def resolve(strategy: Strategy, graph: "Graph", clusters: Sequence["Cluster"]) -> Strategy:
+    """``strategy`` with its :class:`Resolution` attached."""
+    gone = eliminated_ops(graph, strategy)
+    inplace = frozenset(e.op for t in strategy.virtual for e in strategy.points_to(t) if e.inplace)
+    executed = tuple(oid for c in clusters if c.kind == "movement" for oid in c.ops
+                     if oid not in gone and oid not in inplace)
+    layouts = {t: strategy.layout(t) for t in sorted(strategy.virtual)}
+    return Strategy(strategy.chosen, strategy.total_saving, strategy.trace, strategy.vtog,
+                    resolution=Resolution(layouts, gone, inplace, executed))
+
+
+def eliminated_ops(graph: "Graph", strategy: Strategy) -> frozenset[int]:
+    """Movement ops no one has to execute under ``strategy``."""
+    v = strategy.vtog
+    chosen = [v.edges[i] for i in strategy.chosen]
+    out: set[int] = set()
+    for oid in {e.op for e in chosen}:
+        op = graph.ops[oid]
+        ok = True
+        for o in op.outputs:
+            if strategy.is_virtual(o) and all(e.direction == Direction.READ for e in strategy.points_to(o)):
+                continue  # read through its map from data that exists elsewhere
+            # physical, or itself written through a map: its producers (the op's inputs, through
+            # this op's write edges) must fill all of it, or the op has to run
+            covered = sum(box_volume(e.box) for e in chosen
+                          if e.op == oid and e.dst == o and e.direction == Direction.WRITE)
+            if covered < graph.tensors[o].size:
+                ok = False
+                break
+        k = inplace_operand(op.primitive)
+        if ok and k is not None and any(e.inplace for e in strategy.points_to(op.outputs[0])):
+            # in place: the updates still have to land, unless their producers write them there
+            updates = [t for t in data_inputs(op) if t != op.inputs[k]]
+            ok = all(any(e.op == oid and e.src == u for e in chosen) for u in updates)
+        if ok:
+            out.add(oid)
+    return frozenset(out)

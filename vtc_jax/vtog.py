@@ -34,21 +34,15 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from .movement import Edge
+from .primitives import inplace_operand
 
 if TYPE_CHECKING:  # only for annotations: vtog must be importable without tracing anything
     from .cluster import Cluster
     from .graph import Graph, Op
 
-__all__ = ["VTOG", "build_vtog", "build_vtog_from_edges", "boxes_overlap", "box_volume", "piece_group",
-           "KERNEL_KINDS"]
+__all__ = ["VTOG", "build_vtog", "build_vtog_from_edges", "boxes_overlap", "box_volume", "piece_group"]
 
 Box = tuple[tuple[int, int], ...]
-
-# Cluster kinds that become (or stay) kernels able to read/write through an index map, and the
-# movement clusters the VTOG dissolves. Any other kind (opaque, glue) pins its tensors physical.
-KERNEL_KINDS = frozenset({"matmul", "attention", "pointwise", "reduction", "conv"})
-TRANSPARENT_KINDS = KERNEL_KINDS | {"movement"}
-
 
 def box_volume(box: Box) -> int:
     return math.prod(max(0, hi - lo) for lo, hi in box)
@@ -188,31 +182,41 @@ def piece_group(vtog: VTOG, i: int) -> tuple[int, ...]:
     return (i,)
 
 
+def xla_pin_reason(c: "Cluster", why: str) -> str:
+    """The pin reason of a tensor touching a compute cluster no template took."""
+    return f"touches {c.kind} cluster #{c.id}, which runs in XLA: {why}"
+
+
 def pinned_tensors(graph: "Graph", clusters: Sequence["Cluster"],
-                   kernel_kinds: frozenset[str] = KERNEL_KINDS) -> dict[int, str]:
+                   matches: Mapping[int, Any]) -> dict[int, str]:
     """Tensors that must stay physical, each with the reason (first reason wins).
 
-    A graph output written by ``dynamic_update_slice`` is the exception: its only edge is the
+    A graph output written by an in-place update is the exception: its only edge is the
     in-place one (identity map onto the operand), so returning it returns the operand's buffer
-    updated in place — the KV cache a decode step hands back. Tensors touching a cluster whose
-    kind has no kernel template able to read/write through a map stay physical too.
+    updated in place — the KV cache a decode step hands back. Every tensor of a compute cluster
+    whose template did not match (``matches[c.id]`` is a ``templates.Reject``) stays physical:
+    XLA cannot read or write through a map, and a kernel that will not exist must not be
+    planned for.
     """
+    from .templates import Match
     reasons: dict[int, str] = {}
     for t in graph.inputs:
         reasons.setdefault(t, "graph input")
     for t in graph.outputs:
         producer = graph.producer(t)
-        if producer is None or producer.primitive != "dynamic_update_slice" or graph.outputs.count(t) > 1:
+        if producer is None or inplace_operand(producer.primitive) is None or graph.outputs.count(t) > 1:
             reasons.setdefault(t, "graph output")
     for info in graph.tensors:
         if info.const is not None:
             reasons.setdefault(info.id, "compile-time constant")
     for c in clusters:
-        if c.kind in kernel_kinds or c.kind == "movement":
+        if c.kind == "movement" or isinstance(matches.get(c.id), Match):
             continue
-        why = f"touches {c.kind} cluster #{c.id}" + (f" ({c.reason})" if c.reason else "")
-        if c.kind in KERNEL_KINDS:
-            why = f"touches {c.kind} cluster #{c.id}, which has no virtual-I/O kernel template yet"
+        verdict = matches.get(c.id)
+        if verdict is not None:
+            why = xla_pin_reason(c, verdict.reason)
+        else:
+            why = f"touches {c.kind} cluster #{c.id}" + (f" ({c.reason})" if c.reason else "")
         for t in (*c.inputs, *c.outputs):
             reasons.setdefault(t, why)
     return reasons
@@ -251,19 +255,23 @@ def _inplace_problem(e: Edge, op: "Op", graph: "Graph", candidates: Sequence[Edg
 
 def build_vtog(graph: "Graph", clusters: Sequence["Cluster"],
                rules: Callable[["Op", "Graph"], Sequence[Edge]] | None = None,
-               kernel_kinds: frozenset[str] = KERNEL_KINDS) -> VTOG:
+               matches: Mapping[int, Any] | None = None) -> VTOG:
     """Algorithm 1: every tensor is a node; every movement op contributes its rule edges.
 
     Only ops of ``movement`` clusters are asked for edges: a movement op fused inside a compute
     cluster (a reduction's keepdims re-broadcast) never touches memory, so there is nothing to
     eliminate. A movement op that offers no edge (a gather at runtime indices) stays an XLA op, so
     its tensors are pinned like an opaque cluster's. Edges whose source is pinned physical are
-    dropped (the reason is kept).
+    dropped (the reason is kept). ``matches`` are the templates' verdicts
+    (``templates.match_all``; computed here when not given).
     """
     if rules is None:
         from .movement import rules as rules_fn
         rules = rules_fn
-    reasons = pinned_tensors(graph, clusters, kernel_kinds)
+    if matches is None:
+        from .templates import match_all
+        matches = match_all(graph, clusters)
+    reasons = pinned_tensors(graph, clusters, matches)
     order = {oid: pos for pos, c in enumerate(clusters) for oid in c.ops}
     movement_ops = [oid for c in clusters if c.kind == "movement" for oid in c.ops]
     candidates: list[Edge] = []

@@ -1,0 +1,212 @@
+"""Templates are matched before the strategy; whatever no template takes stays XLA, cleanly.
+
+Each test compares ``optimize(f)`` with ``jax.jit(f)`` (interpret mode, f32 ≤ 1e-5 relative unless
+stated) and checks the lowered module: a cluster no template matched never makes a tensor
+virtual, so XLA never reads one element-wise (no ``gather``/``scatter`` where ``jax.jit`` has none).
+"""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import vtc_jax
+from vtc_jax import templates
+from vtc_jax.api import analyze
+from vtc_jax.templates import Match, Reject
+from vtc_jax.testing import cross_lower
+
+RTOL = 1e-5
+
+
+def _rand(*shapes, seed=0, dtype=jnp.float32):
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(shapes))
+    return tuple(jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(keys, shapes))
+
+
+def _run(f, *args, **kw):
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        opt = vtc_jax.optimize(f, backend="interpret", **kw)
+        out = opt(*args)
+    msgs = [str(w.message) for w in rec if issubclass(w.category, vtc_jax.VTCFallbackWarning)]
+    return opt, out, [m for m in msgs if "interpret mode" not in m]
+
+
+def check_close(out, ref, rtol=RTOL):
+    """Max abs difference within ``rtol`` of the reference's largest magnitude (bf16 rounds
+    per element: an element-wise relative bound would judge the rounding of tiny values)."""
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert a.shape == b.shape
+        assert np.max(np.abs(a - b)) <= rtol * max(np.max(np.abs(b)), 1.0), np.max(np.abs(a - b))
+
+
+def check_no_elementwise_gather(opt, *args):
+    """Nothing VTC emitted for XLA reads or writes element-wise, in interpret mode and in the
+    CUDA-lowered module (there the kernels are opaque Triton calls: any gather is XLA's)."""
+    _, lowered = opt.last
+    assert lowered.gathers == [], lowered.gathers
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        tri = vtc_jax.optimize(opt.fn, backend="triton")
+        text = cross_lower(tri, *args).text
+    base = cross_lower(jax.jit(opt.fn), *args).text
+    for op in ("stablehlo.gather", "stablehlo.scatter"):
+        assert text.count(op) <= base.count(op), op
+
+
+def test_iota_pointwise_cluster_keeps_its_neighbours_physical_or_reads_the_table():
+    """``tanh((x@w).T) * iota``: the iota is small next to the output? No — it is as large, so the
+    pointwise cluster is rejected before the strategy and the transpose stays an XLA op."""
+    def f(x, w):
+        y = jnp.tanh((x @ w).T)
+        return y * lax.broadcasted_iota(jnp.float32, y.shape, 1)
+
+    args = _rand((8, 16), (16, 32))
+    opt, out, _ = _run(f, *args)
+    check_close(out, jax.jit(f)(*args))
+    check_no_elementwise_gather(opt, *args)
+    analysis, _ = opt.last
+    rejected = [m for m in analysis.matches.values() if isinstance(m, Reject) and m.kind == "pointwise"]
+    assert rejected and "iota" in rejected[0].reason
+
+
+def test_small_iota_table_is_loaded_by_the_pointwise_kernel():
+    """A position table (iota of one axis, broadcast) is computed in XLA and read by the kernel."""
+    def f(x, w):
+        y = (x @ w).reshape(8, 4, 8).transpose(1, 0, 2)
+        return jnp.sin(y) + jnp.arange(8, dtype=jnp.float32)
+
+    args = _rand((8, 16), (16, 32))
+    opt, out, msgs = _run(f, *args)
+    check_close(out, jax.jit(f)(*args))
+    analysis, lowered = opt.last
+    assert any(isinstance(m, Match) and m.kind == "pointwise" for m in analysis.matches.values())
+    check_no_elementwise_gather(opt, *args)
+
+
+def test_prefill_attention_is_rejected_up_front_without_gathers():
+    """Sequence > 1: the decode template declines in analysis; Q/K/V stay physical, no gathers."""
+    def f(x, wq, wk, wv):
+        b, s, d = x.shape
+        q = (x @ wq).reshape(b, s, 2, 8).transpose(0, 2, 1, 3)
+        k = (x @ wk).reshape(b, s, 2, 8).transpose(0, 2, 1, 3)
+        v = (x @ wv).reshape(b, s, 2, 8).transpose(0, 2, 1, 3)
+        sc = jnp.einsum("bhqd,bhkd->bhqk", q, k) / jnp.sqrt(8.0)
+        sc = jnp.where(jnp.tril(jnp.ones((s, s), bool)), sc, -jnp.inf)
+        o = jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(sc, axis=-1), v)
+        return o.transpose(0, 2, 1, 3).reshape(b, s, d)
+
+    args = _rand((2, 8, 16), (16, 16), (16, 16), (16, 16))
+    opt, out, msgs = _run(f, *args)
+    check_close(out, jax.jit(f)(*args), rtol=1e-4)
+    check_no_elementwise_gather(opt, *args)
+    report = opt.explain(*args)
+    verdicts = {k: why for _, k, why in report.templates}
+    assert "attention" in verdicts and verdicts["attention"] != "kernel"
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer", "softmax"])
+def test_reduction_template_reads_and_writes_through_maps(norm):
+    """Norms no longer pin their neighbours: a transposed/reshaped input is read through the map."""
+    def f(x, w, g):
+        h = (x @ w).reshape(4, 2, 16).transpose(1, 0, 2)          # (2, 4, 16), a view
+        if norm == "rms":
+            y = h * lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * g
+        elif norm == "layer":
+            mu = jnp.mean(h, axis=-1, keepdims=True)
+            y = (h - mu) * lax.rsqrt(jnp.var(h, axis=-1, keepdims=True) + 1e-5) * g
+        else:
+            y = jax.nn.softmax(h, axis=-1) * g
+        return y.transpose(1, 0, 2).reshape(4, 32) @ w.T
+
+    args = _rand((4, 8), (8, 32), (16,))
+    opt, out, msgs = _run(f, *args)
+    check_close(out, jax.jit(f)(*args), rtol=1e-4)
+    _, lowered = opt.last
+    assert any(k.startswith("reduction") for k in lowered.kernels), lowered.kernels
+    check_no_elementwise_gather(opt, *args)
+
+
+def test_kernel_build_failure_falls_back_per_cluster(monkeypatch):
+    """A template that raises while its kernel is built: that cluster runs in XLA, re-planned
+    (its tensors physical), one warning naming it; strict raises VTCError."""
+    def f(x, w):
+        return jnp.tanh((x @ w).T) + 1.0
+
+    real = dict(templates.TEMPLATES)
+    pw = real[vtc_jax.primitives.Kind.POINTWISE]
+
+    def broken_build(graph, c, detail, backend):
+        def step(run):
+            raise NotImplementedError("synthetic kernel failure")
+        return step
+
+    monkeypatch.setitem(templates.TEMPLATES, vtc_jax.primitives.Kind.POINTWISE,
+                        templates.Template(pw.kind, pw.library, pw.match, broken_build))
+    args = _rand((8, 16), (16, 32))
+    opt, out, msgs = _run(f, *args)
+    check_close(out, jax.jit(f)(*args))
+    assert any("synthetic kernel failure" in m and "pointwise cluster" in m for m in msgs), msgs
+    check_no_elementwise_gather(opt, *args)
+    with pytest.raises(vtc_jax.VTCError, match="synthetic kernel failure"):
+        vtc_jax.optimize(f, backend="interpret", strict=True)(*args)
+
+
+def test_complex_rope_between_projections_stays_xla_for_that_part():
+    """Failure class 1: complex multiply between two projections — no template takes complex
+    numbers (decided in analysis), the rest still optimises; same numbers as jax.jit."""
+    def f(x, w1, w2, ang):
+        h = (x @ w1).reshape(4, 8, 2)
+        c = lax.complex(h[..., 0], h[..., 1]) * jnp.exp(1j * ang)
+        r = jnp.stack([c.real, c.imag], axis=-1).reshape(4, 16)
+        return r @ w2
+
+    x, w1, w2 = _rand((4, 8), (8, 16), (16, 8))
+    ang = jnp.linspace(0, 1, 8, dtype=jnp.float32)
+    opt, out, msgs = _run(f, x, w1, w2, ang)
+    check_close(out, jax.jit(f)(x, w1, w2, ang), rtol=1e-5)
+    analysis, _ = opt.last
+    assert any(isinstance(m, Reject) and "complex" in m.reason for m in analysis.matches.values())
+    report = vtc_jax.explain(f)(x, w1, w2, ang)
+    assert any("complex" in why for _, _, why in report.templates)
+
+
+def test_bf16_gelu_epilogue_with_scalar_constants():
+    """Failure class 2: a bf16 matmul whose epilogue is tanh-GELU (bf16 literals)."""
+    def f(x, w):
+        return jax.nn.gelu(x @ w[0], approximate=True) * (x @ w[1])
+
+    x, w = _rand((8, 32), (2, 32, 64), dtype=jnp.bfloat16)
+    opt, out, msgs = _run(f, x, w)
+    check_close(out, jax.jit(f)(x, w), rtol=2e-2)
+    _, lowered = opt.last
+    assert not any("failed to build" in m for m in msgs), msgs
+
+
+def test_closed_over_array_constant_is_a_kernel_operand():
+    """A numpy array closed over by the function is loaded block by block, not bound whole."""
+    table = np.linspace(-1, 1, 32, dtype=np.float32)
+
+    def f(x, w):
+        return jnp.tanh((x @ w).T) * table[:, None]
+
+    args = _rand((8, 16), (16, 32))
+    opt, out, msgs = _run(f, *args)
+    check_close(out, jax.jit(f)(*args))
+
+
+def test_matches_are_computed_once_and_pin_what_they_reject():
+    def f(x, w):
+        y = jnp.tanh((x @ w).T)
+        return y * lax.broadcasted_iota(jnp.float32, y.shape, 1)
+
+    a = analyze(f, _rand((8, 16), (16, 32)), {})
+    for cid, m in a.matches.items():
+        c = a.clusters[cid]
+        if isinstance(m, Reject):
+            assert all(t in a.vtog.physical for t in (*c.inputs, *c.outputs))
+            assert not any(a.strategy.is_virtual(t) for t in (*c.inputs, *c.outputs))

@@ -1,0 +1,82 @@
+"""Matmul and convolution clusters: the contraction plus its elementwise epilogue as one kernel.
+
+The epilogue is the cluster's other primitives re-bound on the accumulator tile
+(:func:`stage2.block_fn`). The accumulator is first rounded to the contraction's own output
+dtype — what the traced program's dot returns — so a bf16 epilogue sees bf16 values and bf16
+literals, exactly like ``jax.jit``; 16-bit math runs op by op in f32 (``f32_math``), XLA's own
+float normalisation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from ..cluster import Cluster
+from ..graph import Graph
+from ..primitives import Kind
+from . import Decline, Run, Step, Template
+from .stage2 import block_fn, block_supported, broadcast_input, buffers_of, kernel_inputs
+
+__all__ = ["MATMUL", "CONV"]
+
+
+@dataclass(frozen=True)
+class ContractionMatch:
+    op: int                       # the dot_general / conv op
+    rest: tuple[int, ...]         # epilogue ops
+    extras: tuple[int, ...]       # epilogue operands read from outside (bias, residual rows)
+
+
+def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
+    def match(graph: Graph, c: Cluster) -> ContractionMatch:
+        found = [o for o in c.ops if graph.ops[o].primitive == primitive]
+        if len(found) != 1 or len(c.outputs) != 1:
+            raise Decline(f"needs exactly one {primitive} and one output")
+        op = graph.ops[found[0]]
+        if primitive == "conv_general_dilated" and op.params.get("batch_group_count", 1) != 1:
+            raise Decline("batch_group_count != 1")
+        rest = tuple(o for o in c.ops if o != op.id)
+        why = block_supported(graph, rest)
+        if why:
+            raise Decline(why)
+        lhs, rhs = op.inputs
+        extras = kernel_inputs(graph, c, exclude=(lhs, rhs))
+        return ContractionMatch(op.id, rest, extras)
+    return match
+
+
+def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, ContractionMatch, str], Step]:
+    def build(graph: Graph, c: Cluster, m: ContractionMatch, backend: str) -> Step:
+        from ..kernels.pointwise import f32_math
+        op = graph.ops[m.op]
+        lhs, rhs = op.inputs
+        o = c.outputs[0]
+        epi = f32_math(block_fn(graph, m.rest, [op.outputs[0], *m.extras], [o])) if m.rest else None
+        shape = tuple(graph.tensors[o].shape)
+
+        def step(run: Run) -> None:
+            out = run.out_vtensor(o)
+            res = call_kernel(run.vtensor(lhs), run.vtensor(rhs), op.params, backend, out=out, epilogue=epi,
+                              epilogue_args=[broadcast_input(run.vtensor(t), shape) for t in m.extras])
+            run.written(o, out, buffers_of(res))
+
+        return step
+    return build
+
+
+def _matmul(a: Any, b: Any, p: Mapping[str, Any], backend: str, **kw: Any) -> Any:
+    from ..kernels.matmul import matmul
+    return matmul(a, b, dimension_numbers=p["dimension_numbers"],
+                  preferred_element_type=p.get("preferred_element_type"), backend=backend, **kw)
+
+
+def _conv(x: Any, w: Any, p: Mapping[str, Any], backend: str, **kw: Any) -> Any:
+    from ..kernels.conv import conv
+    return conv(x, w, window_strides=p["window_strides"], padding=p["padding"],
+                lhs_dilation=p.get("lhs_dilation"), rhs_dilation=p.get("rhs_dilation"),
+                dimension_numbers=p["dimension_numbers"], feature_group_count=p["feature_group_count"],
+                preferred_element_type=p.get("preferred_element_type"), backend=backend, **kw)
+
+
+MATMUL = Template(Kind.MATMUL, library=True, match=_match("dot_general"), build=_build(_matmul))
+CONV = Template(Kind.CONV, library=True, match=_match("conv_general_dilated"), build=_build(_conv))

@@ -1,0 +1,60 @@
+"""Pointwise clusters: connected elementwise ops over one index space, one kernel."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..cluster import Cluster
+from ..graph import Graph
+from ..primitives import Kind
+from . import Decline, Run, Step, Template
+from .stage2 import block_fn, block_supported, broadcast_input, buffers_of, kernel_inputs
+
+__all__ = ["TEMPLATE"]
+
+
+IOTA_SHARE = 4   # an iota is computed in XLA and loaded when it is at most 1/4 of the output
+
+
+@dataclass(frozen=True)
+class PointwiseMatch:
+    shape: tuple[int, ...]
+    inputs: tuple[int, ...]       # kernel inputs, in the cluster's order (iota outputs last)
+    iotas: tuple[int, ...] = ()   # iota ops computed in XLA before the kernel (position tables)
+
+
+def _match(graph: Graph, c: Cluster) -> PointwiseMatch:
+    shapes = {tuple(graph.tensors[o].shape) for o in c.outputs}
+    if len(shapes) != 1:
+        raise Decline("outputs of different shapes")
+    shape = shapes.pop()
+    size = max(1, graph.tensors[c.outputs[0]].size)
+    iotas = tuple(o for o in c.ops if graph.ops[o].primitive == "iota")
+    if any(graph.tensors[graph.ops[o].outputs[0]].size * IOTA_SHARE > size for o in iotas):
+        raise Decline("an iota as large as the output (an index-dependent kernel)")
+    why = block_supported(graph, [o for o in c.ops if o not in iotas])
+    if why:
+        raise Decline(why)
+    return PointwiseMatch(shape, kernel_inputs(graph, c) + tuple(graph.ops[o].outputs[0] for o in iotas), iotas)
+
+
+def _build(graph: Graph, c: Cluster, m: PointwiseMatch, backend: str) -> Step:
+    from ..kernels.pointwise import pointwise
+    fn = block_fn(graph, [o for o in c.ops if o not in m.iotas], m.inputs, c.outputs)
+    iota_out = {graph.ops[o].outputs[0]: graph.ops[o] for o in m.iotas}
+
+    def load(run: Run, t: int) -> object:
+        op = iota_out.get(t)
+        return run.vtensor(t) if op is None else op.prim.bind(**op.params)
+
+    def step(run: Run) -> None:
+        outs = [run.out_vtensor(o) for o in c.outputs]
+        res = pointwise(fn, [broadcast_input(load(run, t), m.shape) for t in m.inputs], out_shape=m.shape,
+                        outs=outs, backend=backend)
+        res = (res,) if len(outs) == 1 else res
+        for o, v, r in zip(c.outputs, outs, res):
+            run.written(o, v, buffers_of(r))
+
+    return step
+
+
+TEMPLATE = Template(Kind.POINTWISE, library=False, match=_match, build=_build)
