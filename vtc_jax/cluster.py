@@ -26,27 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from .graph import Graph, Op
+from .primitives import ELEMENTWISE, MOVEMENT, REDUCTION, Role, info, is_movement_op, role_of
 
-MOVEMENT_PRIMITIVES = frozenset({
-    "transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "slice", "dynamic_slice",
-    "dynamic_update_slice", "concatenate", "split", "rev", "pad", "copy", "copy_p", "gather", "scatter",
-    "stack", "unstack", "device_put",
-})  # plus convert_element_type when it keeps the dtype: see is_movement_op
-ELEMENTWISE_PRIMITIVES = frozenset({
-    "add", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "sign", "abs", "floor", "ceil",
-    "round", "nextafter", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos",
-    "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "sqrt", "rsqrt",
-    "cbrt", "square", "integer_pow", "erf", "erfc", "erf_inv", "lgamma", "digamma", "is_finite",
-    "convert_element_type", "reduce_precision", "stop_gradient", "select_n", "clamp", "copysign",
-    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "shift_left",
-    "shift_right_logical", "shift_right_arithmetic", "population_count", "real", "imag", "conj",
-    "iota",
-})
-REDUCTION_PRIMITIVES = frozenset({
-    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax",
-    "argmin",
-})
-CONTRACTION_KINDS = {"dot_general": "matmul", "conv_general_dilated": "conv"}
+# The vocabulary lives in primitives.py; these names stay for readers of this module.
+MOVEMENT_PRIMITIVES = MOVEMENT      # plus convert_element_type when it keeps the dtype: see is_movement_op
+ELEMENTWISE_PRIMITIVES = ELEMENTWISE
+REDUCTION_PRIMITIVES = REDUCTION
 # Movement ops a reduction cluster may keep inside (the keepdims re-broadcast of a reduced value).
 _INTERNAL_MOVEMENT = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
 GLUE_MAX_ELEMENTS = 32  # "tiny": integer tensors up to this size are index arithmetic, not kernels
@@ -67,13 +52,6 @@ def is_movement_primitive(name: str) -> bool:
     return name in MOVEMENT_PRIMITIVES
 
 
-def is_movement_op(op: Op, graph: Graph) -> bool:
-    """Data movement, including a convert_element_type that keeps the dtype (a copy)."""
-    if op.primitive == "convert_element_type":
-        return graph.tensors[op.inputs[0]].dtype == graph.tensors[op.outputs[0]].dtype
-    return is_movement_primitive(op.primitive)
-
-
 def _is_glue(op: Op, graph: Graph) -> bool:
     """Index arithmetic: every tensor tiny, outputs integer/bool (or all scalars)."""
     ts = [graph.tensors[t] for t in (*op.inputs, *op.outputs)]
@@ -83,21 +61,20 @@ def _is_glue(op: Op, graph: Graph) -> bool:
     return small and (indexy or all(t.shape == () for t in ts))
 
 
+_ROLE_NAMES = {Role.MOVEMENT: "movement", Role.ELEMENTWISE: "elementwise", Role.GENERATOR: "elementwise",
+               Role.REDUCTION: "reduce"}
+
+
 def _role(op: Op, graph: Graph) -> str:
-    """One of dot, conv, reduce, elementwise, movement, glue, opaque."""
+    """One of matmul, conv, reduce, elementwise, movement, glue, opaque (from primitives.TABLE)."""
     if op.opaque_reason is not None:
         return "opaque"
-    if op.primitive in CONTRACTION_KINDS:
-        return CONTRACTION_KINDS[op.primitive]
-    if is_movement_op(op, graph):
-        role = "movement"
-    elif op.primitive in ELEMENTWISE_PRIMITIVES:
-        role = "elementwise"
-    elif op.primitive in REDUCTION_PRIMITIVES:
-        role = "reduce"
-    else:
+    r = role_of(op, graph)
+    if r is None:
         return "opaque"
-    return "glue" if _is_glue(op, graph) else role
+    if r is Role.CONTRACTION:
+        return str(info(op.primitive).contraction_kind)
+    return "glue" if _is_glue(op, graph) else _ROLE_NAMES[r]
 
 
 def _broadcastable(small: tuple[int, ...], big: tuple[int, ...]) -> bool:

@@ -67,6 +67,8 @@ import numpy as np
 
 from .indexmap import Dim, FloorDiv, Layout, Mod
 from .movement import Edge
+from .primitives import data_inputs, inplace_operand, is_view
+from .templates import TEMPLATES
 from .vtog import VTOG, box_volume, piece_group
 
 if TYPE_CHECKING:
@@ -78,8 +80,7 @@ __all__ = ["GPU", "GPUS", "CostModel", "modeled_bytes", "Profiler", "ProfiledSav
            "access_penalty", "piece_penalty", "LIBRARY_KINDS"]
 
 INF = float("inf")
-LIBRARY_KINDS = frozenset({"matmul", "conv"})          # XLA hands these to cuBLAS / cuDNN
-BITCAST_PRIMITIVES = frozenset({"reshape", "squeeze", "expand_dims"})
+LIBRARY_KINDS = frozenset(str(k) for k, t in TEMPLATES.items() if t.library)   # XLA: cuBLAS / cuDNN
 TILE = 64                                               # block extent a kernel coalesces along
 
 
@@ -177,17 +178,6 @@ def access_penalty(layout: Layout | None, itemsize: int, sector: int = 32,
 # Static per-graph facts
 # --------------------------------------------------------------------------------------------
 
-def _data_inputs(op: "Op") -> tuple[int, ...]:
-    """The operands that carry data (not dynamic start indices / gather indices)."""
-    if op.primitive in ("dynamic_slice", "gather"):
-        return op.inputs[:1]
-    if op.primitive == "dynamic_update_slice":
-        return op.inputs[:2]
-    if op.primitive == "pad":
-        return op.inputs[:1]
-    return op.inputs
-
-
 def _flops(op: "Op", graph: "Graph") -> int:
     out = graph.tensors[op.outputs[0]]
     if op.primitive == "dot_general":
@@ -230,8 +220,9 @@ class _Ctx:
             for oid in c.ops:
                 op = graph.ops[oid]
                 self.bitcast[oid] = self._is_bitcast(op)
-                if op.primitive == "dynamic_update_slice":
-                    operand = op.inputs[0]
+                k_inplace = inplace_operand(op.primitive)
+                if k_inplace is not None:
+                    operand = op.inputs[k_inplace]
                     later = any(self.pos.get(u.id, u.id) > self.pos.get(oid, oid)
                                 for u in graph.consumers(operand) if u.id != oid)
                     if operand in donated:   # XLA updates a donated input buffer in place
@@ -242,7 +233,7 @@ class _Ctx:
                         2 * self.nbytes[operand] if self.dus_copy[oid] else 0)
                 else:
                     w = sum(self.nbytes[t] for t in op.outputs)
-                    r = sum(self.nbytes[t] for t in _data_inputs(op))
+                    r = sum(self.nbytes[t] for t in data_inputs(op))
                     self.base[oid] = w + min(r, w)
         self.flops = {k: sum(_flops(graph.ops[o], graph) for o in c.ops)
                       for k, c in enumerate(self.clusters) if c.kind in LIBRARY_KINDS}
@@ -257,14 +248,7 @@ class _Ctx:
         self._pen: dict[int, tuple] = {}
 
     def _is_bitcast(self, op: "Op") -> bool:
-        g = self.graph
-        if op.primitive in BITCAST_PRIMITIVES:
-            return op.primitive != "reshape" or op.params.get("dimensions") is None
-        if op.primitive == "broadcast_in_dim":
-            return g.tensors[op.inputs[0]].size == g.tensors[op.outputs[0]].size
-        if op.primitive == "convert_element_type":
-            return g.tensors[op.inputs[0]].dtype == g.tensors[op.outputs[0]].dtype
-        return False
+        return is_view(op, self.graph)
 
     def _edge_bytes(self, e: Edge) -> int:
         if e.inplace and not self.dus_copy.get(e.op, True):
@@ -313,7 +297,7 @@ def _cluster_cost(ctx: _Ctx, k: int, layout: Callable[[int], Layout | None],
         for oid in c.ops:
             op = g.ops[oid]
             mine = chosen_of_op(oid)
-            data = (*_data_inputs(op), *op.outputs)
+            data = (*data_inputs(op), *op.outputs)
             if oid not in ctx.base:      # a movement op outside the model (should not happen)
                 continue
             if ctx.bitcast[oid]:
@@ -739,7 +723,7 @@ def _peak(ctx: _Ctx, strategy: "Strategy | None") -> int:
             continue
         for oid in c.ops:
             op = g.ops[oid]
-            alias = ctx.bitcast.get(oid) or (op.primitive == "dynamic_update_slice" and not ctx.dus_copy.get(oid))
+            alias = ctx.bitcast.get(oid) or (inplace_operand(op.primitive) is not None and not ctx.dus_copy.get(oid))
             if alias and not chosen_of_op(oid) and not virtual(op.inputs[0]) and not virtual(op.outputs[0]):
                 parent[find(op.outputs[0])] = find(op.inputs[0])
     pinned = set(g.inputs) | set(g.outputs) | {t.id for t in g.tensors if t.const is not None}

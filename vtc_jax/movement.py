@@ -359,7 +359,7 @@ RULES: dict[str, Callable[[_Ctx], tuple[Edge, ...]]] = {
     "transpose": _transpose, "reshape": _reshape, "squeeze": _squeeze,
     "broadcast_in_dim": _broadcast_in_dim, "slice": _slice, "dynamic_slice": _dynamic_slice,
     "dynamic_update_slice": _dynamic_update_slice, "concatenate": _concatenate, "split": _split,
-    "stack": _stack, "unstack": _unstack, "rev": _rev, "pad": _pad, "copy": _copy,
+    "stack": _stack, "unstack": _unstack, "rev": _rev, "pad": _pad, "copy": _copy, "copy_p": _copy,
     "convert_element_type": _convert_element_type, "device_put": _device_put, "gather": _gather,
     **{s: _opaque(f"{s} writes at data-dependent indices") for s in
        ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",

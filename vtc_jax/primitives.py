@@ -74,7 +74,7 @@ def _rows() -> dict[str, PrimInfo]:
             rows[n] = PrimInfo(n, role, **kw)  # type: ignore[arg-type]
 
     add("transpose slice concatenate split rev stack unstack device_put", Role.MOVEMENT)
-    add("reshape squeeze expand_dims copy copy_p", Role.MOVEMENT, view=True)
+    add("reshape squeeze copy copy_p", Role.MOVEMENT, view=True)
     add("broadcast_in_dim", Role.MOVEMENT, view=True, block_safe=True)   # views when size-preserving
     add("pad", Role.MOVEMENT, data=(0,))
     add("dynamic_slice gather", Role.MOVEMENT, data=(0,))

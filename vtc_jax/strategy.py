@@ -476,7 +476,7 @@ def complete_inplace(strategy: Strategy) -> Strategy:
     candidates, companion = [], {}
     for i in strategy.chosen:
         e = v.edges[i]
-        if e.primitive == "dynamic_update_slice" and e.direction == "write":
+        if inplace_operand(e.primitive) is not None and e.direction == Direction.WRITE:
             for j in v.out_edges(e.dst):  # e.dst is the update op's output
                 if v.edges[j].inplace and v.edges[j].op == e.op:
                     candidates.append(j)
