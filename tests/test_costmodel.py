@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from vtc_jax.cluster import cluster
-from vtc_jax.costmodel import GPUS, CostModel, ProfiledSavings, TimingProfiler, access_penalty, modeled_bytes
+from vtc_jax.accounting import modeled_bytes
+from vtc_jax.costmodel import GPUS, CostModel, access_penalty
+from vtc_jax.profiling import ProfiledSavings, TimingProfiler
 from vtc_jax.graph import trace
 from vtc_jax.indexmap import IndexMap, Layout
 from vtc_jax.movement import Edge

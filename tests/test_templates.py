@@ -210,3 +210,18 @@ def test_matches_are_computed_once_and_pin_what_they_reject():
         if isinstance(m, Reject):
             assert all(t in a.vtog.physical for t in (*c.inputs, *c.outputs))
             assert not any(a.strategy.is_virtual(t) for t in (*c.inputs, *c.outputs))
+
+
+@pytest.mark.parametrize("axes", [None, (1, 2), (0,)])
+def test_reduction_over_adjacent_axes(axes):
+    """Sums over several adjacent axes (a loss, a global average pool) run in the row kernel,
+    reading a transposed view; non-adjacent axes stay XLA."""
+    def f(x, w):
+        h = (x @ w).reshape(4, 4, 8).transpose(1, 0, 2)
+        return jnp.sum(jnp.tanh(h), axis=axes), jnp.mean(h * h, axis=axes, keepdims=True)
+
+    args = _rand((4, 8), (8, 32))
+    opt, out, msgs = _run(f, *args)
+    check_close(out, jax.jit(f)(*args), rtol=1e-5)
+    _, lowered = opt.last
+    assert any(k.startswith("reduction") for k in lowered.kernels), lowered.kernels

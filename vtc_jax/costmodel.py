@@ -48,20 +48,18 @@ greedy to take those followers in the same pick (``companions``) and which estim
 after a pick (``refresh``). With ``CostModel.bind`` passed to the greedy, its ``total_saving`` is
 exactly ``T(∅) - T(C)``.
 
-``modeled_bytes`` uses the same per-cluster accounting to report total HBM bytes and a liveness-based
+``accounting.modeled_bytes`` uses the same per-cluster accounting to report total HBM bytes and a liveness-based
 peak, for plain XLA (``baseline``) and under a strategy (``optimized``). All of this is a model:
 it knows nothing about caches beyond the repeat rule, overlap of kernels, or compute-bound kernels
-other than the library loss. On a GPU, :class:`TimingProfiler` + :class:`ProfiledSavings` measure
+other than the library loss. On a GPU, ``profiling.TimingProfiler`` + ``ProfiledSavings`` measure
 ``w(e)`` instead (Algorithm 2's profiling lines).
 """
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -76,8 +74,7 @@ if TYPE_CHECKING:
     from .graph import Graph, Op
     from .strategy import Strategy
 
-__all__ = ["GPU", "GPUS", "CostModel", "modeled_bytes", "Profiler", "ProfiledSavings", "TimingProfiler",
-           "access_penalty", "piece_penalty", "LIBRARY_KINDS"]
+__all__ = ["GPU", "GPUS", "CostModel", "modeled_bytes", "access_penalty", "piece_penalty", "LIBRARY_KINDS"]
 
 INF = float("inf")
 LIBRARY_KINDS = frozenset(str(k) for k, t in TEMPLATES.items() if t.library)   # XLA: cuBLAS / cuDNN
@@ -639,206 +636,7 @@ def _strategy_oracles(strategy: "Strategy") -> tuple[Callable[[int], Layout | No
             (lambda oid: by_op.get(oid, ())))
 
 
-# --------------------------------------------------------------------------------------------
-# Whole-program accounting
-# --------------------------------------------------------------------------------------------
-
-def modeled_bytes(graph: "Graph", clusters: Sequence["Cluster"], strategy: "Strategy | None" = None,
-                  donated: Iterable[int] = ()) -> dict[str, int]:
-    """HBM bytes and peak memory, plain XLA (``*_baseline``) vs under ``strategy`` (``*_optimized``).
-
-    * ``bytes_baseline``: every cluster reads its inputs and writes its outputs once (a fused
-      cluster's internal tensors never reach memory); a movement op moves ``B(op)`` (bitcasts 0).
-    * ``bytes_optimized``: eliminated movement ops move nothing, the rest move what no chosen edge
-      absorbed; kernels read/write through their maps (a broadcast input costs its physical bytes).
-      ``bytes_optimized_effective`` adds the sector waste of non-contiguous maps.
-    * ``bytes_compulsory``: graph inputs read once plus graph outputs written once (an output
-      updated in place in a donated input only writes its update).
-    * ``peak_*``: a liveness walk over the clusters in order: a tensor is allocated when produced
-      and freed after its last consumer; graph inputs, constants and outputs live throughout;
-      virtual tensors take no memory; a bitcast (or in-place dynamic_update_slice) output shares
-      its operand's buffer, as XLA's buffer assignment does.
-    * ``kernels_*``: kernel launches (clusters plus movement ops that still run).
-
-    ``donated`` graph inputs are updated in place by dynamic_update_slice (no copy); a kernel
-    writing in place into an input that is *not* donated costs a copy of that input (XLA makes one
-    so the caller's array survives).
-    """
-    ctx = _Ctx(graph, clusters, strategy.vtog if strategy is not None else None, donated)
-    zero = lambda k: 0.0  # noqa: E731 - bytes only
-    phys = (lambda t: None)
-    none = (lambda o: ())
-    base = [_cluster_cost(ctx, k, phys, none, zero) for k in range(len(ctx.clusters))]
-    if strategy is None:
-        opt = base
-        lay, by_op = phys, none
-    else:
-        lay, by_op = _strategy_oracles(strategy)
-        opt = [_cluster_cost(ctx, k, lay, by_op, zero) for k in range(len(ctx.clusters))]
-    copies = 0
-    if strategy is not None:  # an in-place write into an input the caller did not donate:
-        for i in strategy.chosen:  # XLA copies that input first (input_output_aliases)
-            e = strategy.vtog.edges[i]
-            if e.inplace and e.dst in set(graph.inputs) and e.dst not in ctx.donated:
-                copies += 2 * ctx.nbytes[e.dst]
-    comp_in = [t for t in dict.fromkeys(graph.inputs)]
-    comp_out = [t for t in dict.fromkeys(graph.outputs) if t not in set(graph.inputs)]
-    out_bytes = {t: ctx.nbytes[t] for t in comp_out}
-    for oid, copy in ctx.dus_copy.items():   # an output updated in place in a donated input:
-        op = graph.ops[oid]                   # only the update has to be written
-        if not copy and op.inputs[0] in ctx.donated and op.outputs[0] in out_bytes:
-            out_bytes[op.outputs[0]] = ctx.nbytes[op.inputs[1]]
-    return {
-        "bytes_baseline": int(sum(c.raw for c in base)),
-        "bytes_optimized": int(sum(c.raw for c in opt)) + copies,
-        "bytes_optimized_effective": int(round(sum(c.eff for c in opt))) + copies,
-        "bytes_compulsory": int(sum(ctx.nbytes[t] for t in comp_in) + sum(out_bytes.values())),
-        "peak_baseline": _peak(ctx, None),
-        "peak_optimized": _peak(ctx, strategy),
-        "kernels_baseline": int(sum(c.launches for c in base)),
-        "kernels_optimized": int(sum(c.launches for c in opt)),
-    }
-
-
-def _peak(ctx: _Ctx, strategy: "Strategy | None") -> int:
-    """Peak live bytes of a walk over the clusters (see :func:`modeled_bytes`).
-
-    A physical buffer that virtual tensors live in is allocated from the first time any of them
-    is produced (a kernel writing into a concat buffer ahead of the other slabs) until the last
-    time any of them is read (a kernel reading a transposed view after the original's last use).
-    """
-    g = ctx.graph
-    virtual = strategy.is_virtual if strategy is not None else (lambda t: False)
-    _, chosen_of_op = _strategy_oracles(strategy) if strategy is not None else (None, lambda o: ())
-    parent: dict[int, int] = {}
-
-    def find(t: int) -> int:
-        while parent.get(t, t) != t:
-            parent[t] = parent.get(parent[t], parent[t])
-            t = parent[t]
-        return t
-
-    for c in ctx.clusters:
-        if c.kind != "movement":
-            continue
-        for oid in c.ops:
-            op = g.ops[oid]
-            alias = ctx.bitcast.get(oid) or (inplace_operand(op.primitive) is not None and not ctx.dus_copy.get(oid))
-            if alias and not chosen_of_op(oid) and not virtual(op.inputs[0]) and not virtual(op.outputs[0]):
-                parent[find(op.outputs[0])] = find(op.inputs[0])
-    pinned = set(g.inputs) | set(g.outputs) | {t.id for t in g.tensors if t.const is not None}
-    tensors = pinned | set(ctx.producer)
-    n = len(ctx.clusters)
-    start: dict[int, int] = {}
-    end: dict[int, int] = {}
-    size: dict[int, int] = {}
-    always: set[int] = set()
-    for t in tensors:
-        if virtual(t):
-            continue
-        r = find(t)
-        size[r] = max(size.get(r, 0), ctx.nbytes[t])
-        if t in pinned:
-            always.add(r)
-        born = ctx.producer.get(t, -1)
-        start[r] = min(start.get(r, n), born)
-        end[r] = max(end.get(r, -1), born, *ctx.users.get(t, ()))
-    if strategy is not None:
-        for t in strategy.virtual:
-            born = ctx.producer.get(t)
-            uses = ctx.users.get(t, ())
-            for tgt in strategy.layout(t).targets:
-                r = find(tgt)
-                if r not in size:
-                    continue
-                if born is not None:
-                    start[r] = min(start[r], born)
-                end[r] = max(end[r], *(uses or (-1,)), born if born is not None else -1)
-    live = sum(size[r] for r in always)
-    peak = live
-    born_at: dict[int, list[int]] = {}
-    dies_at: dict[int, list[int]] = {}
-    for r in size:
-        if r in always:
-            continue
-        born_at.setdefault(start[r], []).append(r)
-        dies_at.setdefault(end[r], []).append(r)
-    for k in range(n):
-        live += sum(size[r] for r in born_at.get(k, ()))
-        peak = max(peak, live)
-        live -= sum(size[r] for r in dies_at.get(k, ()))
-    return int(peak)
-
-
-# --------------------------------------------------------------------------------------------
-# Profiling
-# --------------------------------------------------------------------------------------------
-
-class Profiler(Protocol):
-    """Anything that can time the program under a set of chosen edges (seconds)."""
-
-    def measure(self, edge_set: frozenset[int]) -> float: ...
-
-
-class ProfiledSavings:
-    """``w(e) = t(C) - t(C ∪ G(e))`` from a profiler (Algorithm 2, lines 8 and 19), cached by set.
-
-    ``G(e)`` is the edge's piece group (all slabs of a concat/split together: a half-virtual
-    tensor is not a runnable strategy); each piece is credited its share by volume.
-    """
-
-    def __init__(self, profiler: Profiler, vtog: VTOG | None = None) -> None:
-        self.profiler, self.vtog = profiler, vtog
-        self.cache: dict[frozenset[int], float] = {}
-        self.calls = 0
-
-    def time(self, edge_set: frozenset[int]) -> float:
-        edge_set = frozenset(edge_set)
-        if edge_set not in self.cache:
-            self.calls += 1
-            self.cache[edge_set] = float(self.profiler.measure(edge_set))
-        return self.cache[edge_set]
-
-    def __call__(self, edge: Edge | int, chosen: frozenset[int]) -> float:
-        if isinstance(edge, int):
-            i = edge
-        elif self.vtog is None:
-            raise TypeError("ProfiledSavings needs vtog= to map Edge objects to indices")
-        else:
-            i = self.vtog.index(edge)
-        if self.vtog is not None:
-            group = piece_group(self.vtog, i)
-            vols = [box_volume(self.vtog.edges[j].box) for j in group]
-            share = box_volume(self.vtog.edges[i].box) / sum(vols)
-        else:
-            group, share = (i,), 1.0
-        chosen = frozenset(chosen)
-        return share * (self.time(chosen) - self.time(chosen | set(group)))
-
-
-class TimingProfiler:
-    """Times ``build_fn(edge_set)(*args)`` on the GPU (median of ``repeats`` after a warm-up).
-
-    ``build_fn`` lowers the program under the given strategy edges and returns a callable. Timing a
-    CPU backend would measure nothing VTC is about (no HBM, no Triton kernels), so this refuses to
-    run anywhere but on a GPU.
-    """
-
-    def __init__(self, build_fn: Callable[[frozenset[int]], Callable[..., Any]], args: Sequence[Any],
-                 repeats: int = 20) -> None:
-        import jax
-        if jax.default_backend() != "gpu":
-            raise RuntimeError(f"TimingProfiler needs a GPU (jax.default_backend() is "
-                               f"{jax.default_backend()!r}); use CostModel for an analytical w(e)")
-        self.build_fn, self.args, self.repeats = build_fn, tuple(args), int(repeats)
-
-    def measure(self, edge_set: frozenset[int]) -> float:
-        import jax
-        fn = self.build_fn(frozenset(edge_set))
-        jax.block_until_ready(fn(*self.args))          # compile + warm up
-        times = []
-        for _ in range(self.repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*self.args))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+def modeled_bytes(*args: Any, **kwargs: Any) -> dict[str, int]:
+    """Moved to :func:`vtc_jax.accounting.modeled_bytes` (whole-program accounting)."""
+    from .accounting import modeled_bytes as impl
+    return impl(*args, **kwargs)

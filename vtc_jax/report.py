@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import costmodel, movement
+from . import movement
+from .accounting import modeled_bytes
 from .cluster import Cluster
 from .graph import Graph
 from .strategy import Strategy
@@ -38,7 +39,7 @@ class MovementInfo:
 
 @dataclass(frozen=True)
 class Modeled:
-    """Modelled HBM traffic and peak memory, in bytes (see ``costmodel.modeled_bytes``)."""
+    """Modelled HBM traffic and peak memory, in bytes (see ``accounting.modeled_bytes``)."""
     bytes_baseline: int
     bytes_optimized: int
     bytes_compulsory: int
@@ -220,7 +221,7 @@ def build_report(name: str, a: "Analysis") -> Report:
                                   tuple(g.tensors[t].shape for t in op.inputs if g.tensors[t].const is None),
                                   g.tensors[op.outputs[0]].shape, gone, reason, edges,
                                   tuple(i for i in edges if i in chosen)))
-    mb = costmodel.modeled_bytes(g, a.clusters, s, donated=a.donated)
+    mb = modeled_bytes(g, a.clusters, s, donated=a.donated)
     modeled = Modeled(**{k: int(mb[k]) for k in Modeled.__dataclass_fields__})
     opaque = tuple((g.ops[c.ops[0]].primitive, c.reason) for c in a.clusters if c.kind == "opaque")
     templates = tuple((cid, m.kind.value, "kernel" if isinstance(m, Match) else m.reason)

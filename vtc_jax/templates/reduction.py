@@ -30,7 +30,7 @@ _STAT_VIEWS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"
 @dataclass(frozen=True)
 class ReductionMatch:
     shape: tuple[int, ...]                 # the row space S
-    axis: int
+    axes: tuple[int, ...]                  # reduced axes of S (contiguous; merged into one for the kernel)
     inputs: tuple[int, ...]                # kernel inputs (rows or statistics)
     stat_inputs: tuple[int, ...]           # of those, statistic-shaped without keepdims
     passes: tuple[tuple[int, ...], ...]    # reduce op ids, pass by pass
@@ -38,19 +38,28 @@ class ReductionMatch:
     red_outputs: tuple[int, ...]
     keepdims: bool
 
+    @property
+    def merged(self) -> tuple[int, ...]:
+        """S with the reduced axes merged into one (the kernel's row space)."""
+        a0, a1 = self.axes[0], self.axes[-1]
+        n = 1
+        for a in self.axes:
+            n *= self.shape[a]
+        return self.shape[:a0] + (n,) + self.shape[a1 + 1:]
 
-def _klass(shape: tuple[int, ...], s: tuple[int, ...], axis: int) -> str | None:
+
+def _klass(shape: tuple[int, ...], s: tuple[int, ...], axes: tuple[int, ...]) -> str | None:
     """'row', 'stat' (no keepdims), 'kstat' (keepdims) or None."""
-    if shape == s[:axis] + s[axis + 1:]:
+    if shape == tuple(n for i, n in enumerate(s) if i not in axes):
         return "stat"
-    if len(shape) == len(s) and shape[axis] == 1 and all(a in (1, b) for a, b in zip(shape, s)):
+    if len(shape) > len(s) or not all(a in (1, b) for a, b in zip(shape[::-1], s[::-1])):
+        return None
+    full = (1,) * (len(s) - len(shape)) + shape
+    along = [full[a] for a in axes]
+    if all(n == s[a] for n, a in zip(along, axes)):
+        return "row"
+    if all(n == 1 for n in along) and len(shape) == len(s):
         return "kstat"
-    if len(shape) <= len(s) and all(a in (1, b) for a, b in zip(shape[::-1], s[::-1])):
-        k = axis - (len(s) - len(shape))
-        if k >= 0 and shape[k] == s[axis]:
-            return "row"
-        if k < 0 or shape[k] == 1:
-            return "kstat" if len(shape) == len(s) else None
     return None
 
 
@@ -62,22 +71,24 @@ def _match(graph: Graph, c: Cluster) -> ReductionMatch:
     bad = [op.primitive for op in reds if op.primitive not in _COMBINE]
     if bad:
         raise Decline(f"{bad[0]} has no row-reduction form")
-    axes = {tuple(op.params["axes"]) for op in reds}
+    axes_set = {tuple(sorted(op.params["axes"])) for op in reds}
     shapes = {tuple(graph.tensors[op.inputs[0]].shape) for op in reds}
-    if len(axes) != 1 or len(next(iter(axes))) != 1 or len(shapes) != 1:
-        raise Decline("reduces several axes, or different row spaces")
-    (axis,), s = next(iter(axes)), next(iter(shapes))
-    if s[axis] <= 1:
-        raise Decline("reduces a size-1 axis")
+    if len(axes_set) != 1 or len(shapes) != 1:
+        raise Decline("reduce ops over different axes or row spaces")
+    axes, s = next(iter(axes_set)), next(iter(shapes))
+    if not axes or list(axes) != list(range(axes[0], axes[-1] + 1)):
+        raise Decline("reduces non-adjacent axes")
+    if all(s[a] == 1 for a in axes):
+        raise Decline("reduces size-1 axes")
     klass: dict[int, str] = {}
     for op in ops:
         for t in (*op.inputs, *op.outputs):
             if graph.tensors[t].const is not None and graph.tensors[t].size == 1:
                 continue
-            k = _klass(tuple(graph.tensors[t].shape), s, axis)
+            k = _klass(tuple(graph.tensors[t].shape), s, axes)
             if k is None:
                 raise Decline(f"t{t} of shape {graph.tensors[t].shape} is neither a row of {s} "
-                              f"nor a statistic over axis {axis}")
+                              f"nor a statistic over axes {axes}")
             klass[t] = k
     for op in ops:
         if op in reds:
@@ -132,7 +143,7 @@ def _match(graph: Graph, c: Cluster) -> ReductionMatch:
 
     if not all(only_stats(t) for t in red_out):
         raise Decline("a statistic output depends on more than the statistics")
-    return ReductionMatch(s, axis, inputs, stat_in, passes, row_out, red_out,
+    return ReductionMatch(s, axes, inputs, stat_in, passes, row_out, red_out,
                           bool(red_out) and klass[red_out[0]] == "kstat")
 
 
@@ -189,17 +200,27 @@ def _build(graph: Graph, c: Cluster, m: ReductionMatch, backend: str) -> Step:
     outs_t = (*m.row_outputs, *m.red_outputs)
     dtypes = [graph.tensors[t].dtype for t in outs_t]
 
+    from .stage2 import broadcast_input
+    s, merged, a0 = m.shape, m.merged, m.axes[0]
+    kmerged = merged[:a0] + (1,) + merged[a0 + 1:]
+
+    def view(x: Any, shape: tuple[int, ...]) -> Any:
+        return x if tuple(x.shape) == shape else VTensor(x.layout.reshape(shape), x.dtype, x.buffers, x.symbols)
+
     def step(run: Run) -> None:
         ins = []
         for t in m.inputs:
             x = VTensor.of(run.vtensor(t))
-            if t in m.stat_inputs:   # (…) without the axis: view it with a size-1 axis to broadcast
-                x = VTensor(x.layout.expand_dims((m.axis,)), x.dtype, x.buffers, x.symbols)
+            if t in m.stat_inputs:   # S without the axes: a size-1 axis to broadcast along
+                x = VTensor(x.layout.expand_dims((a0,)), x.dtype, x.buffers, x.symbols)
+            elif len(x.shape) == len(s) and all(x.shape[a] == 1 for a in m.axes):
+                x = view(x, tuple(n for i, n in enumerate(x.shape) if i not in m.axes[1:]))
+            else:                    # a row: broadcast to S, then merge the reduced axes
+                x = view(broadcast_input(x, s), merged)
             ins.append(x)
-        if tuple(ins[0].shape) != m.shape:   # the engine takes the row space from its first input
-            raise ValueError("the first kernel input must span the row space")
-        outs = [run.out_vtensor(t) for t in outs_t]
-        res = row_reduce(ins, passes, epi, reduced=red, axis=m.axis, keepdims=m.keepdims, outs=outs,
+        outs = [view(run.out_vtensor(t), merged) for t in m.row_outputs]
+        outs += [view(run.out_vtensor(t), kmerged) if m.keepdims else run.out_vtensor(t) for t in m.red_outputs]
+        res = row_reduce(ins, passes, epi, reduced=red, axis=a0, keepdims=m.keepdims, outs=outs,
                          out_dtypes=dtypes, upcast=False, backend=backend, name="reduction")
         res = (res,) if len(outs) == 1 else res
         for t, v, r in zip(outs_t, outs, res):
@@ -214,7 +235,7 @@ def _match_checked(graph: Graph, c: Cluster) -> ReductionMatch:
         first = [t for t in m.inputs if tuple(graph.tensors[t].shape) == m.shape]
         if not first:
             raise Decline("no input spans the whole row space")
-        m = ReductionMatch(m.shape, m.axis, (first[0], *(t for t in m.inputs if t != first[0])),
+        m = ReductionMatch(m.shape, m.axes, (first[0], *(t for t in m.inputs if t != first[0])),
                            m.stat_inputs, m.passes, m.row_outputs, m.red_outputs, m.keepdims)
     return m
 
