@@ -133,9 +133,19 @@ def explain(fn: Callable[..., Any] | None = None, *, static_argnums: int | Seque
         static = set(nums)
         dyn_pos = [i for i in range(len(args)) if i not in static]
         dyn_donate = tuple(dyn_pos.index(i) for i in donate if i in dyn_pos)
-        analysis = analyze(f, a, k, cost_model=cost_model, objective=objective, gpu=gpu,
-                           donate_argnums=dyn_donate)
-        return make_report(getattr(fn, "__name__", repr(fn)), analysis)
+        try:
+            analysis = analyze(f, a, k, cost_model=cost_model, objective=objective, gpu=gpu,
+                               donate_argnums=dyn_donate)
+            return make_report(getattr(fn, "__name__", repr(fn)), analysis)
+        except VTCError:
+            raise
+        except Exception as exc:
+            try:  # the function itself at fault: jax's own error, unchanged
+                jax.eval_shape(functools.partial(f, **k), *a)
+            except Exception:
+                raise
+            raise VTCError(f"vtc_jax could not analyse {getattr(fn, '__name__', 'fn')} "
+                           f"({type(exc).__name__}: {exc})") from exc
 
     return run
 

@@ -1,0 +1,134 @@
+"""Never a wrong number, never an internal error: regression tests for the failure classes of
+third-party code (complex RoPE and bf16 epilogues are in test_templates.py, PRNG keys in
+test_optimize_keys.py, gradients in test_autodiff.py).
+
+Every comparison is against ``jax.jit(fn)``: f32 within 1e-5 of the reference's largest magnitude,
+bf16 within 2e-2.
+"""
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import vtc_jax
+from vtc_jax.testing import cross_lower
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+
+def _rand(*shapes, seed=0, dtype=jnp.float32):
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(shapes))
+    return tuple(jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(keys, shapes))
+
+
+def check_close(out, ref, rtol=1e-5):
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert a.shape == b.shape
+        finite = np.isfinite(b)
+        assert (np.isfinite(a) == finite).all()
+        assert np.max(np.abs(a - b)[finite], initial=0.0) <= rtol * max(np.max(np.abs(b[finite]), initial=0), 1.0)
+
+
+def _optimize(f, *args, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        opt = vtc_jax.optimize(f, backend="interpret", **kw)
+        return opt, opt(*args)
+
+
+# ---- failure class 5: ordinary attention code died with a bare KeyError --------------------
+
+B, T, H, KV, D = 2, 16, 4, 2, 8
+
+
+def _decode(mask_value):
+    def step(x, wq, wk, wv, k_cache, v_cache, pos):
+        q = (x @ wq).reshape(B, H, D)
+        k = (x @ wk).reshape(B, 1, KV, D)
+        v = (x @ wv).reshape(B, 1, KV, D)
+        k_cache = lax.dynamic_update_slice(k_cache, k, (0, pos, 0, 0))
+        v_cache = lax.dynamic_update_slice(v_cache, v, (0, pos, 0, 0))
+        kk = jnp.repeat(k_cache, H // KV, axis=2)          # GQA by repeat
+        vv = jnp.repeat(v_cache, H // KV, axis=2)
+        s = jnp.einsum("bhd,bthd->bht", q, kk) / jnp.sqrt(D)
+        s = jnp.where(jnp.arange(T)[None, None, :] <= pos, s, mask_value(s.dtype))
+        p = jax.nn.softmax(s, axis=-1)
+        return jnp.einsum("bht,bthd->bhd", p, vv).reshape(B, H * D), k_cache, v_cache
+    return step
+
+
+@pytest.mark.parametrize("mask", ["-inf", "finfo.min", "-1e30"])
+def test_decode_attention_in_another_dialect(mask):
+    mask_value = {"-inf": lambda dt: -jnp.inf, "finfo.min": lambda dt: jnp.finfo(dt).min,
+                  "-1e30": lambda dt: -1e30}[mask]
+    step = _decode(mask_value)
+    x, wq, wk, wv, kc, vc = _rand((B, 16), (16, H * D), (16, KV * D), (16, KV * D), (B, T, KV, D), (B, T, KV, D))
+    pos = jnp.int32(5)
+    ref = jax.jit(step)(x, wq, wk, wv, kc, vc, pos)
+    _, out = _optimize(step, x, wq, wk, wv, kc, vc, pos)
+    check_close(out, ref)
+
+
+def test_decode_attention_with_donated_caches():
+    step = _decode(lambda dt: -jnp.inf)
+    x, wq, wk, wv, kc, vc = _rand((B, 16), (16, H * D), (16, KV * D), (16, KV * D), (B, T, KV, D), (B, T, KV, D))
+    pos = jnp.int32(7)
+    ref = jax.jit(step)(x, wq, wk, wv, kc, vc, pos)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        opt = vtc_jax.optimize(step, backend="interpret", donate_argnums=(4, 5))
+        out = opt(x, wq, wk, wv, jnp.array(kc), jnp.array(vc), pos)
+    check_close(out, ref)
+
+
+def test_prefill_attention_with_tril_mask():
+    def f(x, wq, wk, wv):
+        b, s, d = x.shape
+        q = (x @ wq).reshape(b, s, 2, 8).transpose(0, 2, 1, 3)
+        k = (x @ wk).reshape(b, s, 2, 8).transpose(0, 2, 1, 3)
+        v = (x @ wv).reshape(b, s, 2, 8).transpose(0, 2, 1, 3)
+        sc = q @ k.transpose(0, 1, 3, 2) / jnp.sqrt(8.0)
+        sc = jnp.where(jnp.tril(jnp.ones((s, s), bool)), sc, jnp.finfo(sc.dtype).min)
+        o = jax.nn.softmax(sc, axis=-1) @ v
+        return o.transpose(0, 2, 1, 3).reshape(b, s, d)
+
+    args = _rand((2, 8, 16), (16, 16), (16, 16), (16, 16))
+    _, out = _optimize(f, *args)
+    check_close(out, jax.jit(f)(*args), rtol=1e-4)
+
+
+def test_explain_never_raises_an_internal_error(monkeypatch):
+    """explain raises the user's own error, or VTCError — never an internal one."""
+    import vtc_jax.api as api
+
+    def boom(*a, **k):
+        raise KeyError("internal")
+
+    monkeypatch.setattr(api, "plan", boom)
+    f = lambda x: jnp.transpose(x) + 1  # noqa: E731
+    with pytest.raises(vtc_jax.VTCError, match="internal"):
+        vtc_jax.explain(f)(jnp.ones((2, 3)))
+    with pytest.raises(TypeError):          # the user's own error stays jax's
+        vtc_jax.explain(lambda x, y: jnp.dot(x, y))(jnp.ones((2, 3)), jnp.ones((4, 5)))
+
+
+# ---- failure class 7: the XLA boundary by gathers/scatters --------------------------------
+
+def test_shufflenet_boundary_has_no_gather_or_scatter():
+    """Under jit: 2 slices + 1 concat. Under VTC they used to become 2 gathers + 1 scatter."""
+    import shufflenet_unit as S
+    args = S.example_args("small")
+    _, out = _optimize(S.step, *args)
+    check_close(out, jax.jit(S.step)(*args), rtol=1e-4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        text = cross_lower(vtc_jax.optimize(S.step, backend="triton"), *args).text
+    base = cross_lower(jax.jit(S.step), *args).text
+    for op in ("stablehlo.gather", "stablehlo.scatter"):
+        assert text.count(op) <= base.count(op), op
