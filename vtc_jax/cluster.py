@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .graph import Graph, Op
-from .primitives import ELEMENTWISE, MOVEMENT, REDUCTION, Role, info, is_movement_op, role_of
+from .primitives import ELEMENTWISE, MOVEMENT, REDUCTION, Kind, Role, info, is_movement_op, role_of
 
 # The vocabulary lives in primitives.py; these names stay for readers of this module.
 MOVEMENT_PRIMITIVES = MOVEMENT      # plus convert_element_type when it keeps the dtype: see is_movement_op
@@ -40,7 +40,7 @@ GLUE_MAX_ELEMENTS = 32  # "tiny": integer tensors up to this size are index arit
 @dataclass(frozen=True)
 class Cluster:
     id: int
-    kind: str  # "matmul" | "attention" | "pointwise" | "reduction" | "conv" | "movement" | "glue" | "opaque"
+    kind: Kind  # matmul | attention | pointwise | reduction | conv | movement | glue | opaque (a StrEnum)
     ops: tuple[int, ...]
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
@@ -330,6 +330,6 @@ def _finalise(graph: Graph, groups: _Groups) -> tuple[Cluster, ...]:
         ops = tuple(sorted(groups.members[g]))
         made = {t for o in ops for t in graph.ops[o].outputs}
         inputs = tuple(dict.fromkeys(t for o in ops for t in graph.ops[o].inputs if t not in made))
-        kind = {"elementwise": "pointwise", "reduce": "reduction"}.get(groups.kind[g], groups.kind[g])
+        kind = Kind({"elementwise": "pointwise", "reduce": "reduction"}.get(groups.kind[g], groups.kind[g]))
         out.append(Cluster(cid, kind, ops, inputs, tuple(groups.escaping(g)), _reason(graph, kind, ops)))
     return tuple(out)

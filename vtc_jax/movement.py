@@ -29,6 +29,7 @@ import numpy as np
 
 from .graph import CONTROL_FLOW_PRIMITIVES, Graph, Op
 from .indexmap import Expr, IndexMap, Layout, SymInfo, const, sym
+from .primitives import Direction, EdgeClass
 
 __all__ = ["Edge", "rules", "is_movement", "explain_no_edges", "static_value", "RULES"]
 
@@ -42,10 +43,10 @@ class Edge:
     dst: int              # tensor it points to
     op: int               # the movement op eliminated
     primitive: str
-    direction: str        # "read" (src is the op's output) | "write" (src is an input)
+    direction: Direction  # READ (src is the op's output) | WRITE (src is an input)
     box: tuple[tuple[int, int], ...]  # the part of src's index space this edge covers
     map: IndexMap         # src index -> dst index, domain = src.shape (meaningful inside box)
-    klass: str            # "I" or "II"
+    klass: EdgeClass      # I (always profitable) | II (the cost model decides)
     inplace: bool = False  # dynamic_update_slice out ⇢ operand: needs the legality check
     note: str = ""        # why this class (for the report)
 
@@ -103,7 +104,7 @@ class _Ctx:
         box = full if box is None else tuple(box)
         if klass is None:
             klass, note = _classify(m, box, self.graph.tensors[src].dtype.itemsize, innermost)
-        return Edge(src, dst, self.op.id, self.op.primitive, "read" if src in self.op.outputs else "write",
+        return Edge(src, dst, self.op.id, self.op.primitive, Direction.READ if src in self.op.outputs else Direction.WRITE,
                     box, m, klass, inplace, note)
 
     def pair(self, out_to_in: IndexMap, in_to_out: IndexMap, innermost: bool = False) -> tuple[Edge, ...]:
@@ -122,20 +123,20 @@ def _box_run(box, shape) -> int:
     return run
 
 
-def _classify(m: IndexMap, box, itemsize: int, innermost: bool) -> tuple[str, str]:
+def _classify(m: IndexMap, box, itemsize: int, innermost: bool) -> tuple[EdgeClass, str]:
     shape = m.domain
     whole = all(b == (0, n) for b, n in zip(box, shape))
     c = (m if whole else m.restrict(box)).contiguity(itemsize)
     vol = math.prod(hi - lo for lo, hi in box)
     if not whole and _box_run(box, shape) != vol:
         run = min(c.run_elems, _box_run(box, shape)) * itemsize
-        return "II", f"piece is a strided slab of src ({run} B runs)"
+        return EdgeClass.II, f"piece is a strided slab of src ({run} B runs)"
     if c.full:
-        return "I", "fully contiguous"
+        return EdgeClass.I, "fully contiguous"
     if innermost and c.run_elems > 1 and c.partial(SECTOR_BYTES):
-        return "I", f"innermost dim kept ({c.run_bytes} B runs)"
+        return EdgeClass.I, f"innermost dim kept ({c.run_bytes} B runs)"
     why = "masked (pad) " if m.conds else ""
-    return "II", f"{why}min contiguous dim {c.min_contiguous_dim}, {c.run_bytes} B runs"
+    return EdgeClass.II, f"{why}min contiguous dim {c.min_contiguous_dim}, {c.run_bytes} B runs"
 
 
 def _inverse(perm) -> tuple[int, ...]:
@@ -215,7 +216,7 @@ def _broadcast_in_dim(c: _Ctx) -> tuple[Edge, ...]:
     if math.prod(xs) == math.prod(ys):  # only inserts size-1 dims: an expand_dims, a reshape
         return c.pair(c.ident(c.x).reshape(ys), c.ident(c.y).reshape(xs))
     m = c.ident(c.x).broadcast(ys, c.p["broadcast_dimensions"])
-    return (c.edge(c.y, c.x, m, klass="II", note="broadcast: repeated reads, read side only"),)
+    return (c.edge(c.y, c.x, m, klass=EdgeClass.II, note="broadcast: repeated reads, read side only"),)
 
 
 def _slice(c: _Ctx) -> tuple[Edge, ...]:
@@ -232,7 +233,7 @@ def _dynamic_slice(c: _Ctx) -> tuple[Edge, ...]:
 def _dynamic_update_slice(c: _Ctx) -> tuple[Edge, ...]:
     upd = c.op.inputs[1]
     starts, syms = c.starts(c.op.inputs[2:], c.shape(c.x), c.shape(upd))
-    return (c.edge(c.y, c.x, c.ident(c.x), klass="I", inplace=True,
+    return (c.edge(c.y, c.x, c.ident(c.x), klass=EdgeClass.I, inplace=True,
                    note="in place: out is operand's buffer after the update (legality check)"),
             c.edge(upd, c.y, c.ident(c.y).dynamic_slice(starts, c.shape(upd), syms)))
 
@@ -345,7 +346,7 @@ def _gather(c: _Ctx) -> tuple[Edge, ...]:
             for o in range(len(c.shape(c.y)))]
     m = m.transpose(perm)
     if r > 1:
-        return (c.edge(c.y, c.x, m, klass="II", note="repeat-gather: repeated reads, read side only"),)
+        return (c.edge(c.y, c.x, m, klass=EdgeClass.II, note="repeat-gather: repeated reads, read side only"),)
     return (c.edge(c.y, c.x, m),)
 
 

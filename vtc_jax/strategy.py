@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from .indexmap import Layout
 from .movement import Edge
-from .primitives import Direction, data_inputs, inplace_operand, is_view
+from .primitives import Direction, EdgeClass, data_inputs, inplace_operand, is_view
 from .vtog import VTOG, box_volume, boxes_overlap
 
 if TYPE_CHECKING:
@@ -368,7 +368,7 @@ def greedy(vtog: VTOG, savings: SavingsFn, *, anchored: bool = False) -> Strateg
         tie, a pick made of read-direction edges first (the consumer reads through a map and the
         producer side keeps its options: a broadcast, which has only a read edge, can still be
         eliminated behind it), then by version and node id for determinism."""
-        rank = 0 if all(edges[i].direction == "read" for i in picked) else 1
+        rank = 0 if all(edges[i].direction == Direction.READ for i in picked) else 1
         return (-float(f"{val:.9g}"), rank, version[v], v, val)
 
     def push(v: int) -> None:
@@ -498,7 +498,7 @@ def complete_views(strategy: Strategy, graph: "Graph", kept_ops: Sequence[int]) 
     v = strategy.vtog
     kept = set(kept_ops)
     candidates = sorted((i for i, e in enumerate(v.edges)
-                         if e.op in kept and is_view(graph.ops[e.op], graph) and e.klass == "I"
+                         if e.op in kept and is_view(graph.ops[e.op], graph) and e.klass == EdgeClass.I
                          and v.volume(e.src) == v.volume(e.dst)),
                         key=lambda i: (v.edges[i].direction != Direction.READ, i))
     return _add_edges(strategy, candidates)
@@ -576,11 +576,11 @@ def producer_writes(strategy: Strategy, op_id: int) -> Strategy:
     it. Returns ``strategy`` unchanged when that does not validate.
     """
     v = strategy.vtog
-    writes = [i for i, e in enumerate(v.edges) if e.op == op_id and e.direction == "write"]
+    writes = [i for i, e in enumerate(v.edges) if e.op == op_id and e.direction == Direction.WRITE]
     srcs = {v.edges[i].src for i in writes}
     if not writes or len(srcs) != 1 or any(strategy.is_virtual(t) for t in srcs):
         return strategy
-    reads = {i for i in strategy.chosen if v.edges[i].op == op_id and v.edges[i].direction == "read"}
+    reads = {i for i in strategy.chosen if v.edges[i].op == op_id and v.edges[i].direction == Direction.READ}
     base = Strategy(tuple(i for i in strategy.chosen if i not in reads), strategy.total_saving,
                     tuple(p for p in strategy.trace if not set(p.edges) & reads), v)
     src = srcs.pop()
