@@ -159,17 +159,15 @@ def make_report(name: str, a: Analysis) -> Report:
 # optimize
 # --------------------------------------------------------------------------------------------
 
-MAX_BUILD_ATTEMPTS = 6   # re-plans after kernel build failures before giving up on the whole rewrite
-
-
-def fallback_messages(a: Analysis, always: frozenset[int] = frozenset()) -> list[str]:
+def fallback_messages(a: Analysis, always: frozenset[int] = frozenset(),
+                      bodies: Sequence[str] = ()) -> list[str]:
     """One line per reason VTC left part of the program to XLA where it mattered: opaque
     primitives, and compute clusters next to data movement that no template took (grouped by
     reason, so 32 identical layers give one line)."""
     g = a.graph
     msgs: list[str] = []
     for c in a.clusters:
-        if c.kind == "opaque":
+        if c.kind == "opaque" and f"{g.ops[c.ops[0]].primitive} #{c.ops[0]}" not in bodies:
             msgs.append(f"unsupported primitive {g.ops[c.ops[0]].primitive} left to XLA "
                         f"({c.reason}); tensors around it stay physical")
     res = a.strategy.resolution
@@ -267,7 +265,7 @@ class Optimized:
                            f"({type(exc).__name__}: {exc}); running it as plain XLA", exc)
             return f(*a, **k)
         self.last = (analysis, lowered)
-        for msg in fallback_messages(analysis, frozenset(self._rejected)):
+        for msg in fallback_messages(analysis, frozenset(self._rejected), self._build.bodies):
             self._fallback(msg)
         for why in lowered.fallbacks:
             self._fallback(why)
@@ -275,37 +273,14 @@ class Optimized:
         return analysis.graph.unflatten_outputs(outs)
 
     def _plan_and_build(self, f: Callable[..., Any], a: tuple, k: dict, flat: list) -> tuple[Any, Any, Any]:
-        """Analyse, lower and trace the emitted program; a cluster whose kernel fails to build
-        (or, for Triton, to lower for CUDA) is rejected and the program re-planned without it."""
-        from . import lower as lower_mod
-        from .templates import KernelBuildError
+        """Analyse, lower and trace the emitted program (``program.build``: per-cluster fallback,
+        control-flow bodies optimised recursively)."""
+        from .program import BuildOptions, build
         abstract_a, abstract_k = jax.tree_util.tree_map(_abstract, (a, k))
-        rejected: dict[int, str] = {}
-        self._rejected = rejected
-        graph = None
-        for _ in range(MAX_BUILD_ATTEMPTS):
-            analysis = analyze(f, abstract_a, abstract_k, donate_argnums=self._donate, rejected=rejected,
-                               graph=graph, **self._opts)
-            graph = analysis.graph
-            lowered = lower_mod.lower(graph, analysis.clusters, analysis.matches, analysis.strategy,
-                                      backend=self.backend)
-            try:
-                closed = jax.make_jaxpr(lowered.fn)(*flat)
-            except KernelBuildError as e:
-                if self.strict:
-                    raise VTCError(f"{e}") from e.cause
-                rejected[e.cluster] = f"its kernel failed to build ({type(e.cause).__name__}: " \
-                                      f"{str(e.cause).splitlines()[0] if str(e.cause) else ''})"
-                continue
-            if self.backend == "triton":
-                bad = lower_mod.triton_failures(closed)
-                if bad:
-                    if self.strict:
-                        raise VTCError(f"kernels failed to lower for CUDA: {bad}")
-                    rejected.update({c: f"its kernel failed to lower for CUDA ({why})" for c, why in bad.items()})
-                    continue
-            return analysis, lowered, closed
-        raise RuntimeError(f"kernels kept failing to build after {MAX_BUILD_ATTEMPTS} attempts: {rejected}")
+        self._rejected = {}
+        self._build = BuildOptions(self.backend, self.strict, self._opts, self._fallback, VTCError)
+        return build(f, abstract_a, abstract_k, flat, donate=self._donate, opts=self._build,
+                     rejected=self._rejected)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._jitted(*args, **kwargs)

@@ -297,15 +297,18 @@ def _scatter(p: Piece, value: Any, buf: Any, syms: Mapping[str, Any]) -> Any:
 # Emission
 # --------------------------------------------------------------------------------------------
 
-def _xla_step(graph: Graph, op_ids: Sequence[int]) -> Step:
+def _xla_step(graph: Graph, op_ids: Sequence[int], rewrite: Callable[[Op], Any] | None = None) -> Step:
     ops = [graph.ops[i] for i in op_ids]
+    params: dict[int, Any] = {}
 
     def step(run: _Run) -> None:
         for op in ops:
             if op.id in run.res.inplace:
                 run.update_in_place(op)
                 continue
-            out = op.prim.bind(*(run.value(t) for t in op.inputs), **op.params)
+            if op.id not in params:   # control flow: its body optimised on its own (once per trace)
+                params[op.id] = (rewrite(op) if rewrite is not None and op.opaque_reason else None) or op.params
+            out = op.prim.bind(*(run.value(t) for t in op.inputs), **params[op.id])
             for t, v in zip(op.outputs, out if op.prim.multiple_results else (out,)):
                 run.store(t, v)
 
@@ -333,8 +336,9 @@ def _kernel_step(graph: Graph, c: Cluster, m: Match, backend: str) -> Step:
 
 
 def lower(graph: Graph, clusters: Sequence[Cluster], matches: Mapping[int, Match | Reject], strategy: Strategy,
-          *, backend: str = "interpret") -> Lowered:
-    """Build the emitted program (``strategy`` must come from ``strategy.plan``)."""
+          *, backend: str = "interpret", rewrite: Callable[[Op], Any] | None = None) -> Lowered:
+    """Build the emitted program (``strategy`` must come from ``strategy.plan``). ``rewrite(op)``
+    gives new params for an opaque control-flow op (its body optimised), or None to keep it."""
     res = strategy.resolution
     if res is None:
         raise ValueError("lower needs a planned strategy (strategy.plan attaches its resolution)")
@@ -353,7 +357,7 @@ def lower(graph: Graph, clusters: Sequence[Cluster], matches: Mapping[int, Match
             continue
         if touches and c.kind not in ("movement", "glue"):   # the VTOG pins these: a planning bug
             fallbacks.append(f"{c.kind} cluster #{c.id} reads or writes a virtual tensor but runs in XLA")
-        steps.append(_xla_step(graph, c.ops))
+        steps.append(_xla_step(graph, c.ops, rewrite))
     gathers: list[str] = []
 
     def fn(*flat: Any) -> tuple[Any, ...]:
