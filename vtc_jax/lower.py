@@ -299,16 +299,17 @@ def _scatter(p: Piece, value: Any, buf: Any, syms: Mapping[str, Any]) -> Any:
 
 def _xla_step(graph: Graph, op_ids: Sequence[int], rewrite: Callable[[Op], Any] | None = None) -> Step:
     ops = [graph.ops[i] for i in op_ids]
-    params: dict[int, Any] = {}
+    impls: dict[int, Any] = {}
 
     def step(run: _Run) -> None:
         for op in ops:
             if op.id in run.res.inplace:
                 run.update_in_place(op)
                 continue
-            if op.id not in params:   # control flow: its body optimised on its own (once per trace)
-                params[op.id] = (rewrite(op) if rewrite is not None and op.opaque_reason else None) or op.params
-            out = op.prim.bind(*(run.value(t) for t in op.inputs), **params[op.id])
+            if op.id not in impls:   # control flow: its body optimised on its own (once per trace)
+                impls[op.id] = rewrite(op) if rewrite is not None and op.opaque_reason else None
+            vals = [run.value(t) for t in op.inputs]
+            out = impls[op.id](*vals) if impls[op.id] is not None else op.prim.bind(*vals, **op.params)
             for t, v in zip(op.outputs, out if op.prim.multiple_results else (out,)):
                 run.store(t, v)
 
@@ -338,7 +339,8 @@ def _kernel_step(graph: Graph, c: Cluster, m: Match, backend: str) -> Step:
 def lower(graph: Graph, clusters: Sequence[Cluster], matches: Mapping[int, Match | Reject], strategy: Strategy,
           *, backend: str = "interpret", rewrite: Callable[[Op], Any] | None = None) -> Lowered:
     """Build the emitted program (``strategy`` must come from ``strategy.plan``). ``rewrite(op)``
-    gives new params for an opaque control-flow op (its body optimised), or None to keep it."""
+    gives an implementation of an opaque control-flow op (``impl(*values) -> outputs``, its body
+    optimised), or None to keep it."""
     res = strategy.resolution
     if res is None:
         raise ValueError("lower needs a planned strategy (strategy.plan attaches its resolution)")

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
+from jax.extend.core import Literal
 
 from .graph import CONTROL_FLOW_PRIMITIVES, Op
 
@@ -80,12 +82,17 @@ def _optimize_closed(closed: Any, opts: BuildOptions) -> Any | None:
     return new
 
 
-def optimize_body(op: Op, opts: BuildOptions) -> dict[str, Any] | None:
-    """New params for a control-flow op with its body (bodies) optimised, or None to keep it."""
+def optimize_body(op: Op, opts: BuildOptions) -> Callable[..., Sequence[Any]] | None:
+    """An implementation of a control-flow op (``impl(*input values) -> output values``) with
+    its body (bodies) optimised, or None to keep the op as traced."""
     if op.primitive not in CONTROL_FLOW_PRIMITIVES:
         return None
     p = dict(op.params)
     try:
+        if op.primitive == "scan" and not p.get("reverse") and _cache_pairs(p):
+            impl = _stacked_cache_scan(op, opts)
+            opts.bodies.append(f"{op.primitive} #{op.id}")
+            return impl
         if op.primitive == "scan":
             new = _optimize_closed(p["jaxpr"], opts)
             if new is None:
@@ -107,4 +114,109 @@ def optimize_body(op: Op, opts: BuildOptions) -> dict[str, Any] | None:
         opts.warn(f"the body of {op.primitive} #{op.id} runs as traced ({type(exc).__name__}: {exc})")
         return None
     opts.bodies.append(f"{op.primitive} #{op.id}")
-    return p
+    return lambda *vals: op.prim.bind(*vals, **p)
+
+
+# --------------------------------------------------------------------------------------------
+# Stacked caches: a per-layer cache scanned over as xs -> ys becomes a carry updated in place
+# --------------------------------------------------------------------------------------------
+
+def _cache_pairs(p: dict[str, Any]) -> list[tuple[int, int, int]]:
+    """``(xs invar position, ys outvar position, eqn index)`` of every ``ys = dynamic_update_slice(
+    xs, update, starts)`` in a scan body whose ``xs`` slice is read by nothing else.
+
+    Scanned as ``xs``/``ys``, each layer's cache is sliced out of the stacked buffer and stacked
+    back into a new one: the whole cache is copied every step. As a carry updated at
+    ``[layer, starts]`` only the new row is written, in place (and VTC's kernels then read the
+    layer's slice through a map and write the row from the projection's kernel)."""
+    closed = p["jaxpr"]
+    jaxpr = closed.jaxpr
+    nc, ncar = p["num_consts"], p["num_carry"]
+    producer = {v: (i, e) for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    xs_vars = list(jaxpr.invars[nc + ncar:])
+    out = []
+    for m, ov in enumerate(jaxpr.outvars[ncar:]):
+        hit = producer.get(ov)
+        if hit is None or hit[1].primitive.name != "dynamic_update_slice":
+            continue
+        idx, eqn = hit
+        operand = eqn.invars[0]
+        if operand not in xs_vars or operand in jaxpr.outvars:
+            continue
+        users = [e for e in jaxpr.eqns if any(v is operand for v in e.invars)]
+        if len(users) != 1 or list(jaxpr.outvars).count(ov) != 1:
+            continue
+        out.append((nc + ncar + xs_vars.index(operand), ncar + m, idx))
+    return out
+
+
+def _read(env: dict[Any, Any], v: Any) -> Any:
+    return v.val if isinstance(v, Literal) else env[v]
+
+
+def _stacked_cache_scan(op: Op, opts: BuildOptions) -> Callable[..., Sequence[Any]]:
+    from jax import lax
+    p = op.params
+    closed = p["jaxpr"]
+    jaxpr = closed.jaxpr
+    nc, ncar, length = p["num_consts"], p["num_carry"], p["length"]
+    pairs = _cache_pairs(p)
+    pair_in = {k for k, _, _ in pairs}
+    pair_out = {j: n for n, (_, j, _) in enumerate(pairs)}
+    pair_eqn = {idx: n for n, (_, _, idx) in enumerate(pairs)}
+    n_in = len(jaxpr.invars)
+    other_xs = [i for i in range(nc + ncar, n_in) if i not in pair_in]
+    other_ys = [j for j in range(ncar, len(jaxpr.outvars)) if j not in pair_out]
+    npair = len(pairs)
+
+    def body_flat(*a: Any) -> list[Any]:
+        """consts, carries, stacked caches, layer index, other stacked xs -> carries, stacked
+        caches, next index, other ys slices."""
+        consts, carry = a[:nc], a[nc:nc + ncar]
+        stacked = list(a[nc + ncar:nc + ncar + npair])
+        layer = a[nc + ncar + npair]
+        xs = a[nc + ncar + npair + 1:]
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
+        env.update(zip(jaxpr.invars[:nc + ncar], (*consts, *carry)))
+        # every other xs is read at [layer] from its stacked array: a kernel reads a layer's
+        # weights through that map instead of XLA slicing them out first
+        env.update(zip((jaxpr.invars[i] for i in other_xs),
+                       (lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) for x in xs)))
+        for i, eqn in enumerate(jaxpr.eqns):
+            vals = [None if i in pair_eqn and k == 0 else _read(env, v) for k, v in enumerate(eqn.invars)]
+            if i in pair_eqn:   # the layer's slice is never materialised: update the stack
+                n = pair_eqn[i]
+                update, starts = vals[1], [jnp.asarray(s_, jnp.int32) for s_ in vals[2:]]
+                stacked[n] = lax.dynamic_update_slice(stacked[n], update[None], (layer, *starts))
+                env[eqn.outvars[0]] = lax.dynamic_index_in_dim(stacked[n], layer, 0, keepdims=False)
+                continue
+            out = eqn.primitive.bind(*vals, **eqn.params)
+            env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else (out,)))
+        outs = [_read(env, v) for v in jaxpr.outvars]
+        return [*outs[:ncar], *stacked, layer + 1, *(outs[j] for j in other_ys)]
+
+    def impl(*vals: Any) -> list[Any]:
+        consts, init = vals[:nc], vals[nc:nc + ncar]
+        stacked0 = [vals[k] for k, _, _ in pairs]
+        xs = [vals[i] for i in other_xs]
+        avals = [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in (*consts, *init, *stacked0)]
+        avals.append(jax.ShapeDtypeStruct((), "int32"))
+        avals += [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in xs]
+        traced = jax.make_jaxpr(body_flat)(*avals)
+        body = _optimize_closed(traced, opts) or traced
+        ncarry = ncar + npair + 1
+
+        def scan_body(carry: tuple, _: Any) -> tuple[tuple, tuple]:
+            outs = jax.core.eval_jaxpr(body.jaxpr, body.consts, *consts, *carry, *xs)
+            return tuple(outs[:ncarry]), tuple(outs[ncarry:])
+
+        carry, ys = lax.scan(scan_body, (*init, *stacked0, jnp.int32(0)), None, length=length,
+                             unroll=p.get("unroll", 1))
+        final, stacked = carry[:ncar], carry[ncar:ncar + npair]
+        ys_iter = iter(ys)
+        out = list(final)
+        for j in range(ncar, len(jaxpr.outvars)):
+            out.append(stacked[pair_out[j]] if j in pair_out else next(ys_iter))
+        return out
+
+    return impl
