@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .graph import Graph, Op
+from .graph import Graph, Op, is_extended
 
 MOVEMENT_PRIMITIVES = frozenset({
     "transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "slice", "dynamic_slice",
@@ -40,7 +40,7 @@ ELEMENTWISE_PRIMITIVES = frozenset({
     "convert_element_type", "reduce_precision", "stop_gradient", "select_n", "clamp", "copysign",
     "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "shift_left",
     "shift_right_logical", "shift_right_arithmetic", "population_count", "real", "imag", "conj",
-    "iota",
+    "iota", "bitcast_convert_type",  # the latter only between equal widths: see _role
 })
 REDUCTION_PRIMITIVES = frozenset({
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax",
@@ -87,8 +87,13 @@ def _role(op: Op, graph: Graph) -> str:
     """One of dot, conv, reduce, elementwise, movement, glue, opaque."""
     if op.opaque_reason is not None:
         return "opaque"
+    if any(is_extended(graph.tensors[t].dtype) for t in (*op.inputs, *op.outputs)):
+        return "glue"  # PRNG-key ops (random_seed/bits/split, slices of key arrays): plain XLA
     if op.primitive in CONTRACTION_KINDS:
         return CONTRACTION_KINDS[op.primitive]
+    if op.primitive == "bitcast_convert_type" and \
+            graph.tensors[op.inputs[0]].shape != graph.tensors[op.outputs[0]].shape:
+        return "opaque"  # a width-changing bitcast adds/drops a minor dim: not elementwise
     if is_movement_op(op, graph):
         role = "movement"
     elif op.primitive in ELEMENTWISE_PRIMITIVES:
