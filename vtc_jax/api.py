@@ -305,7 +305,9 @@ class Optimized:
         for why in lowered.fallbacks:
             self._fallback(f"{why}; it runs in XLA with its virtual inputs gathered")
         flat = jax.tree_util.tree_leaves((a, k))
-        return analysis.graph.unflatten_outputs(lowered.fn(*flat))
+        from .autodiff import with_original_derivatives  # derivatives: fn's own, as plain XLA
+        program = with_original_derivatives(lowered.fn, f, analysis.graph.in_tree)
+        return analysis.graph.unflatten_outputs(program(*flat))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._jitted(*args, **kwargs)
