@@ -137,3 +137,19 @@ def test_grad_with_donated_forward_and_whole_fallback(monkeypatch):
     with pytest.warns(vtc_jax.VTCFallbackWarning, match="synthetic"):
         got = jax.grad(_loss(g), argnums=(0, 1))(x, w)
     check_same(got, jax.grad(_loss(jax.jit(fn)), argnums=(0, 1))(x, w))
+
+
+def test_custom_vjp_inside_fn_keeps_its_rule():
+    @jax.custom_vjp
+    def clip_grad(v):
+        return v
+
+    clip_grad.defvjp(lambda v: (v, None), lambda _, g: (jnp.clip(g, -0.5, 0.5),))
+
+    def h(x, w):
+        return jnp.transpose(clip_grad(x @ w) * 3.0)
+
+    x, w = _args()
+    f = vtc_jax.optimize(h, backend="interpret", strict=True)
+    grads = lambda g: jax.grad(_loss(g), argnums=(0, 1))(x, w)
+    check_same(grads(f), grads(jax.jit(h)))
