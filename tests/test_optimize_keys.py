@@ -58,6 +58,7 @@ def test_explain_reports_with_keys():
     report = vtc_jax.explain(_noisy_matmul)(x, w)
     assert isinstance(report, vtc_jax.Report)
     assert "transpose" in str(report)
+    assert any(c.kind == "glue" and "PRNG" in c.reason for c in report.clusters)
     report.to_json(), report.to_dot()
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)  # analysis only, abstract key
     report = vtc_jax.explain(_keyed)(key, jax.ShapeDtypeStruct((8, 16), jnp.float32),

@@ -324,6 +324,8 @@ def cluster(graph: Graph) -> tuple[Cluster, ...]:
 
 def _reason(graph: Graph, kind: str, ops: tuple[int, ...]) -> str:
     if kind == "glue":
+        if any(is_extended(graph.tensors[t].dtype) for o in ops for t in (*graph.ops[o].inputs, *graph.ops[o].outputs)):
+            return "PRNG-key ops (and index arithmetic) left to XLA"
         return "scalar index arithmetic left to XLA"
     if kind == "opaque":
         op = graph.ops[ops[0]]
