@@ -177,3 +177,37 @@ def test_not_callable_raises_type_error():
 def test_bad_args_propagate_jax_error():
     with pytest.raises(TypeError):
         trace(lambda a, b: a @ b, jnp.ones((2, 3)), jnp.ones((4, 5)))
+
+
+def test_prng_keys_are_ordinary_tensors():
+    """Extended dtypes (key<fry>, key<rbg>) are representable; the random ops re-bind unchanged."""
+    from vtc_jax.graph import is_extended
+
+    closed_key = jax.random.key(5)
+
+    def fn(key, x):
+        a, b = jax.random.split(key)
+        inner = jax.random.fold_in(jax.random.PRNGKey(0), 3)           # raw uint32 key data
+        rbg = jax.random.split(jax.random.key(1, impl="rbg"))[1]
+        n = jax.random.normal(a, x.shape) + jax.random.uniform(inner, x.shape)
+        n = n + jax.random.normal(rbg, x.shape) + jax.random.normal(closed_key, x.shape)
+        return (x + n) @ x.T, b, jax.random.key_data(b)
+
+    key, x = jax.random.key(11), _rand(0, 4, 6)
+    g = trace(fn, key, x)
+    _check_well_formed(g)
+    assert is_extended(g.tensors[g.inputs[0]].dtype) and not is_extended(g.tensors[g.inputs[1]].dtype)
+    keyed = [t for t in g.tensors if is_extended(t.dtype)]
+    assert {str(t.dtype) for t in keyed} == {"key<fry>", "key<rbg>"}
+    assert any(t.const is not None for t in keyed)  # the closed-over key: a jax array, not numpy
+    prims = {op.primitive for op in g.ops}
+    assert {"random_seed", "random_split", "random_fold_in", "random_bits", "random_wrap"} <= prims
+    want = jax.jit(fn)(key, x)
+    for got in (g.evaluate(key, x), jax.jit(g.evaluate)(key, x)):
+        out, b, data = g.unflatten_outputs(got)
+        np.testing.assert_allclose(out, want[0], rtol=1e-6)
+        assert b.dtype == want[1].dtype
+        np.testing.assert_array_equal(jax.random.key_data(b), jax.random.key_data(want[1]))
+        np.testing.assert_array_equal(data, want[2])
+    sds = trace(fn, jax.ShapeDtypeStruct((), key.dtype), jax.ShapeDtypeStruct((4, 6), jnp.float32))
+    assert sds.tensors[sds.inputs[0]].dtype == key.dtype

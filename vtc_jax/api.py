@@ -269,8 +269,10 @@ class Optimized:
             self._fallback(msg)
         for why in lowered.fallbacks:
             self._fallback(why)
-        outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
-        return analysis.graph.unflatten_outputs(outs)
+        from .autodiff import with_original_derivatives  # derivatives: fn's own, as plain XLA
+        program = with_original_derivatives(lambda *xs: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *xs),
+                                            f, analysis.graph.in_tree)
+        return analysis.graph.unflatten_outputs(program(*flat))
 
     def _plan_and_build(self, f: Callable[..., Any], a: tuple, k: dict, flat: list) -> tuple[Any, Any, Any]:
         """Analyse, lower and trace the emitted program (``program.build``: per-cluster fallback,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .graph import Graph, Op
+from .graph import Graph, Op, is_extended
 from .primitives import ELEMENTWISE, MOVEMENT, REDUCTION, Kind, Role, info, is_movement_op, role_of
 
 # The vocabulary lives in primitives.py; these names stay for readers of this module.
@@ -69,6 +69,11 @@ def _role(op: Op, graph: Graph) -> str:
     """One of matmul, conv, reduce, elementwise, movement, glue, opaque (from primitives.TABLE)."""
     if op.opaque_reason is not None:
         return "opaque"
+    if any(is_extended(graph.tensors[t].dtype) for t in (*op.inputs, *op.outputs)):
+        return "glue"  # PRNG-key ops (random_seed/bits/split, slices of key arrays): plain XLA
+    if op.primitive == "bitcast_convert_type" and \
+            graph.tensors[op.inputs[0]].shape != graph.tensors[op.outputs[0]].shape:
+        return "opaque"  # a width-changing bitcast adds/drops a minor dim: not elementwise
     r = role_of(op, graph)
     if r is None:
         return "opaque"
@@ -299,6 +304,8 @@ def cluster(graph: Graph, *, not_attention: frozenset[int] = frozenset()) -> tup
 
 def _reason(graph: Graph, kind: str, ops: tuple[int, ...]) -> str:
     if kind == "glue":
+        if any(is_extended(graph.tensors[t].dtype) for o in ops for t in (*graph.ops[o].inputs, *graph.ops[o].outputs)):
+            return "PRNG-key ops (and index arithmetic) left to XLA"
         return "scalar index arithmetic left to XLA"
     if kind == "opaque":
         op = graph.ops[ops[0]]

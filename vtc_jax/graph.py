@@ -29,12 +29,38 @@ INLINED_PRIMITIVES: Mapping[str, tuple[str, ...]] = {
 CONTROL_FLOW_PRIMITIVES = frozenset({"scan", "while", "cond"})
 
 
+def is_extended(dtype: Any) -> bool:
+    """True for jax's extended dtypes (PRNG key types such as ``key<fry>``, ``key<rbg>``).
+
+    They are not numpy dtypes: ``np.dtype(d)``, ``np.issubdtype(d, ...)`` and ``np.asarray`` of such
+    an array raise. ``d.itemsize`` works (the size of the key data). Tensors of these dtypes are
+    only ever produced and consumed by ordinary XLA ops (``random_seed``, ``random_wrap``,
+    ``random_bits``, ``random_split``, ...), which later stages re-bind unchanged.
+    """
+    if dtype is None or isinstance(dtype, np.dtype):
+        return False
+    try:
+        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.extended))
+    except TypeError:
+        return False
+
+
+def as_dtype(dtype: Any) -> Any:
+    """``np.dtype(dtype)``, except that jax extended dtypes (PRNG keys) are returned unchanged."""
+    if dtype is None:
+        return np.dtype(object)
+    if is_extended(dtype):
+        return dtype
+    return np.dtype(dtype)
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     id: int
     shape: tuple[int, ...]
-    dtype: np.dtype
-    const: object | None = None  # numpy value for literals / closed-over consts, else None
+    dtype: np.dtype              # or a jax extended dtype (PRNG key: ``key<fry>``), see is_extended
+    const: object | None = None  # numpy value for literals / closed-over consts (a jax array for
+                                 # key-typed consts, which numpy cannot hold), else None
 
     @property
     def size(self) -> int:
@@ -123,9 +149,10 @@ class _Builder:
         self.ops: list[_RawOp] = []
 
     def tensor(self, aval: Any, const: object | None = None) -> int:
-        dtype = np.dtype(getattr(aval, "dtype", np.dtype(object)))
+        dtype = as_dtype(getattr(aval, "dtype", None))
         if const is not None:
-            const = np.asarray(const, dtype=dtype)
+            # numpy cannot hold PRNG keys: a key-typed const stays a (concrete) jax array
+            const = jax.numpy.asarray(const) if is_extended(dtype) else np.asarray(const, dtype=dtype)
         self.tensors.append((tuple(int(d) for d in getattr(aval, "shape", ())), dtype, const))
         return len(self.tensors) - 1
 

@@ -157,6 +157,8 @@ class _Run:
         for tid in targets:
             if tid in self.env:
                 bufs.append(self.env[tid])
+            elif self.graph.tensors[tid].const is not None:  # a read edge onto a literal/const
+                bufs.append(jnp.asarray(self.graph.tensors[tid].const))
             elif fresh_ok:
                 ti = self.graph.tensors[tid]
                 bufs.append(jax.ShapeDtypeStruct(ti.shape, ti.dtype))

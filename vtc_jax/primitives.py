@@ -85,7 +85,8 @@ def _rows() -> dict[str, PrimInfo]:
         "expm1 tanh logistic sin cos tan asin acos atan atan2 sinh cosh asinh acosh atanh sqrt rsqrt "
         "cbrt square integer_pow erf erfc erf_inv lgamma digamma is_finite reduce_precision "
         "stop_gradient select_n clamp copysign eq ne lt le gt ge and or not xor shift_left "
-        "shift_right_logical shift_right_arithmetic population_count real imag conj",
+        "shift_right_logical shift_right_arithmetic population_count real imag conj "
+        "bitcast_convert_type",   # equal widths only (cluster.py keeps width changes opaque)
         Role.ELEMENTWISE, block_safe=True)
     # a dtype change is elementwise; the same dtype is a copy (a view): see role_of / is_view
     add("convert_element_type", Role.ELEMENTWISE, view=True, block_safe=True)

@@ -13,7 +13,7 @@ kernel the difference. Adding a template: a kernel in ``kernels/``, its adapter 
 one line in :data:`TEMPLATES`.
 
 What no template can take is decided from dtypes up front (:func:`dtype_problem`): complex
-numbers, PRNG keys and other extended dtypes, float8, sub-byte and unsigned integers have no
+numbers, PRNG keys and other extended dtypes, float8 and sub-byte integers have no
 Triton lowering in Pallas, so such clusters stay XLA from the analysis on (and ``explain`` says so).
 
 Kernel modules are imported lazily (inside ``build``): analysis never pays for Pallas.
@@ -110,10 +110,8 @@ def dtype_problem(graph: Graph, c: Cluster) -> str | None:
                 return f"t{t} has dtype {dt} (an extended dtype such as a PRNG key): no kernel type"
             if jnp.issubdtype(d, jnp.complexfloating):
                 return f"t{t} is {d.name}: complex numbers have no Triton type"
-            if jnp.issubdtype(d, jnp.unsignedinteger):
-                return f"t{t} is {d.name}: unsigned integers are left to XLA"
             if any(d.name.startswith(p) for p in _NO_TRITON) or not (
-                    d == np.bool_ or jnp.issubdtype(d, jnp.floating) or jnp.issubdtype(d, jnp.signedinteger)):
+                    d == np.bool_ or jnp.issubdtype(d, jnp.floating) or jnp.issubdtype(d, jnp.integer)):
                 return f"t{t} is {d.name}: no Pallas Triton lowering for this dtype"
     return None
 
