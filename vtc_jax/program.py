@@ -74,8 +74,9 @@ def _optimize_closed(closed: Any, opts: BuildOptions) -> Any | None:
     def fn(*xs: Any) -> Any:
         return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *xs)
 
+    nested = len(opts.bodies)
     _, lowered, new = build(fn, tuple(sds), {}, sds, donate=(), opts=opts, rejected={})
-    if not lowered.kernels:
+    if not lowered.kernels and len(opts.bodies) == nested:   # no kernel here nor in a nested body
         return None
     if [(a.shape, a.dtype) for a in new.out_avals] != [(a.shape, a.dtype) for a in closed.out_avals]:
         raise TypeError("optimised body changed its output types")
