@@ -682,7 +682,8 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
     B = int(np.prod(m.batch)) // H if m.batch else 1
     R, T, D, Dv = m.rows, m.T, m.D, m.Dv
 
-    def view(x: VTensor, perm: tuple[int, ...], shape: tuple[int, ...]) -> VTensor:
+    def view(x: Any, perm: tuple[int, ...], shape: tuple[int, ...]) -> VTensor:
+        x = VTensor.of(x)
         return VTensor(x.layout.transpose(perm).reshape(shape), x.dtype, x.buffers, x.symbols)
 
     def re(x: VTensor, shape: tuple[int, ...]) -> VTensor:
