@@ -15,8 +15,8 @@ Kernel (one program per (Z, q-block), the paper's three stages)::
 
     grid (Z, cdiv(M, bq)):
         q = Q.load((z, i*bq, 0), (1, bq, Dp))                 # once
-        rows' valid keys [lo(r), hi(r)):   hi = min(T, hi_base + (r % S if causal else 0))
-                                           lo = max(0, hi - window) with a sliding window
+        rows' valid keys [lo(r), hi(r)):   e = hi_base + (r % S if causal else 0), hi = min(T, e)
+                                           lo = max(0, e - window) with a sliding window
         for j in [min lo // bk, cdiv(max hi, bk)):            # blocks past the diagonal skipped
             kb = K.load((z, j*bk, 0)); vb = V.load(...)
             s = q·kbᵀ·scale [cap·tanh(s/cap)], masked to lo <= t < hi      # (bq, bk) f32
@@ -95,7 +95,8 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
         the sequence; M = G·S folds G grouped query heads into the rows).
     causal: keys ``t <= q_offset + (r % S)`` are valid. ``q_offset``: static int or runtime scalar.
     kv_len: non-causal only: keys ``t < kv_len`` valid (static int or runtime scalar; default T).
-    window: sliding window: also keys ``t >= hi - window`` only (hi = end of the row's keys).
+    window: sliding window: also keys ``t > q_offset + (r % S) - window`` only (causal), or
+        ``t >= kv_len - window`` (before clamping the end to T).
     sm_scale: default 1/sqrt(D). soft_cap: ``cap*tanh(s/cap)`` after scaling, before masking.
     out: VTensor (Z, M, Dv) written in place when its buffers are arrays; default fresh, q's dtype.
     block_q, block_k: powers of two >= 16 (capped at the padded M / T).
@@ -182,8 +183,8 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     hi = jnp.zeros((c.bq, 1), jnp.int32) + base
     if c.causal:
         hi = hi + (rows % c.S if c.S != c.M else rows)
+    lo = jnp.maximum(hi - c.window, 0) if c.window is not None else None   # from the unclamped end
     hi = jnp.minimum(hi, c.T)
-    lo = jnp.maximum(hi - c.window, 0) if c.window is not None else None
     live = rows < c.M          # padded rows past M: do not let them widen the key range
     # Blocks meeting any row's range: [min lo // bk, cdiv(max hi, bk)).
     j1 = (jnp.max(jnp.where(live, hi, 0)) + c.bk - 1) // c.bk

@@ -540,11 +540,12 @@ def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tup
                           "positions or a padding mask): the kernels take one bound for all rows")
         if not np.issubdtype(np.dtype(info.dtype), np.integer):
             raise Decline(f"the mask depends on a runtime {np.dtype(info.dtype).name} scalar")
-    seq_cap = max((shape[a] for a in dims["q_free_d1"]), default=1)
-    xs = sorted({*range(0, min(T + seq_cap + 2, 48)), T // 2, T - 1, T, T + 1, T + seq_cap}) if x is not None else [None]
-    if x is not None and T * seq_cap > (1 << 18):
-        xs = sorted({0, 1, 2, 3, 5, 8, T // 3, T // 2, T - seq_cap - 1, T - 2, T - 1, T, T + 1} - {-1})
-        xs = [v for v in xs if v >= 0]
+    # probe positions inside the cache, [0, T): the kernels assume the runtime scalar lies there
+    if x is None:
+        xs: list[Any] = [None]
+    else:
+        n = 48 if T * max((shape[a] for a in dims["q_free_d1"]), default=1) <= (1 << 18) else 12
+        xs = sorted({*np.linspace(0, T - 1, min(n, T)).astype(int).tolist(), 0, 1, 2, T // 2, T - 1})
     arrays = {}
     try:
         for xv in xs:
@@ -600,17 +601,17 @@ def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tup
             break
     if found is None:
         raise Decline("the mask is not a causal / key-length / sliding-window bound on key positions "
-                      "(valid keys lo(i) <= t < hi(i) with hi = i + c [+ pos])")
+                      "(valid keys hi(i) - W <= t < hi(i) with hi = [i +] c [+ pos])")
     return found
 
 
 def _family(S: int, T: int, causal: bool, base: int, w: int | None) -> np.ndarray:
     i = np.arange(S)[:, None]
     t = np.arange(T)[None, :]
-    hi = np.minimum(base + (i if causal else 0), T)
-    valid = t < hi
+    hi = base + (i if causal else 0)
+    valid = t < np.minimum(hi, T)
     if w is not None:
-        valid &= t >= np.maximum(hi - w, 0)
+        valid &= t >= hi - w            # from the unclamped end
     return valid
 
 
