@@ -86,7 +86,7 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
                       kv_len: Any = None, window: int | None = None, seq_len: int | None = None,
                       sm_scale: float | None = None, soft_cap: float | None = None,
                       out: VTensor | None = None, block_q: int = 64, block_k: int = 64,
-                      num_warps: int = 4, num_stages: int | None = None,
+                      num_warps: int | None = None, num_stages: int | None = None,
                       backend: str = "interpret") -> Any:
     """Flash attention ``softmax(mask(cap(q·kᵀ·scale)))·v`` for many query rows.
 
@@ -100,6 +100,10 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
     sm_scale: default 1/sqrt(D). soft_cap: ``cap*tanh(s/cap)`` after scaling, before masking.
     out: VTensor (Z, M, Dv) written in place when its buffers are arrays; default fresh, q's dtype.
     block_q, block_k: powers of two >= 16 (capped at the padded M / T).
+    num_warps: default 4, 8 for head dims > 128 (sm_90, bf16, block 64x64: 234 registers and no
+        spills at D = 128 with 4 warps; D = 256 spills with 4 warps, none with 8 —
+        tests/test_kernel_prefill.py, offline test). num_stages: 2 for 16-bit inputs, 1 for f32.
+        f32 is a correctness configuration (IEEE-f32 dots spill at D = 128 in every setting tried).
 
     Returns the array for a fresh/one-buffer output, else the tuple of ``out``'s buffers.
     """
@@ -151,6 +155,8 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
     if num_stages is None:
         num_stages = 1 if compute.itemsize >= 4 else 2
     Dp, Dvp = max(MIN_DOT, next_pow2(D)), max(MIN_DOT, next_pow2(Dv))
+    if num_warps is None:
+        num_warps = 8 if max(Dp, Dvp) > 128 else 4
     bq = min(block_q, max(MIN_DOT, next_pow2(M)))
     bk = min(block_k, max(MIN_DOT, next_pow2(T)))
     while bk > MIN_DOT and max(num_stages, 1) * bk * (Dp + Dvp) * compute.itemsize > SMEM_BUDGET:
