@@ -341,3 +341,35 @@ def test_declined_forms_say_why(fn, why):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
         check_close(vtc_jax.optimize(fn, backend="interpret")(*args), jax.jit(fn)(*args), 1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill block: the head transposes and the K/V cache write disappear
+# --------------------------------------------------------------------------------------------
+
+def prefill_block(x, w_qkv, kc, vc, pos):
+    """QKV projection -> split/reshape -> K/V written into the cache at pos -> causal GQA
+    attention of the S new tokens over the cache (offset pos) -> heads merged."""
+    b, s, _ = x.shape
+    qkv = x @ w_qkv
+    q, k, v = jnp.split(qkv, [H * D, (H + HKV) * D], axis=-1)
+    q, k, v = q.reshape(b, s, H, D), k.reshape(b, s, HKV, D), v.reshape(b, s, HKV, D)
+    kc = lax.dynamic_update_slice(kc, k, (0, pos, 0, 0))
+    vc = lax.dynamic_update_slice(vc, v, (0, pos, 0, 0))
+    mask = jnp.arange(T)[None, :] <= pos + jnp.arange(s)[:, None]
+    o = _attend(q, kc, vc, lambda sc: jax.nn.softmax(jnp.where(mask, sc * D ** -0.5, -jnp.inf), -1))
+    return o, kc, vc
+
+
+def test_prefill_block_movement_disappears():
+    args = (rand((B, S, 32)), rand((32, (H + 2 * HKV) * D), seed=1) * 0.2,
+            rand((B, T, HKV, D), seed=2), rand((B, T, HKV, D), seed=3), jnp.int32(5))
+    check_attention(prefill_block, args, "prefill", lower=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        opt = cross_lower(vtc_jax.optimize(prefill_block, backend="triton"), *args)
+    base = cross_lower(jax.jit(prefill_block), *args)
+    assert base.count("stablehlo.transpose") and base.count("stablehlo.dynamic_update_slice")
+    for op in ("transpose", "dynamic_update_slice", "concatenate", "slice", "gather", "scatter"):
+        assert opt.count(f"stablehlo.{op}") == 0, op
+    assert any("prefill_attention" in k.name for k in opt.triton_kernels)
