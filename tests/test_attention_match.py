@@ -318,6 +318,10 @@ def x_small_neg(q, kc, vc, pos):
     return _attend(q, kc, vc, lambda s: jax.nn.softmax(jnp.where(jnp.arange(T) <= pos, s, -100.0), -1))
 
 
+def x_mask_scaled_down(q, kc, vc, pos):
+    return _attend(q, kc, vc, lambda s: jax.nn.softmax(jnp.where(jnp.arange(T) <= pos, s, -1e5) * 1e-3, -1))
+
+
 def x_padding_mask(q, kc, vc, valid):
     return _attend(q, kc, vc, lambda s: jax.nn.softmax(jnp.where(valid[:, None, None, :], s, -jnp.inf), -1))
 
@@ -328,8 +332,9 @@ def x_padding_mask(q, kc, vc, valid):
     (x_mask_before_cap, "soft-caps scores that are already masked"),
     (x_relu, "not a scale, soft-cap, mask or softmax step"),
     (x_small_neg, "not a mask value"),
+    (x_mask_scaled_down, "no longer a mask"),
     (x_padding_mask, "shape (2, 24)"),
-], ids=["per_batch_pos", "alibi", "mask_before_cap", "relu", "small_neg", "padding_mask"])
+], ids=["per_batch_pos", "alibi", "mask_before_cap", "relu", "small_neg", "scaled_down", "padding_mask"])
 def test_declined_forms_say_why(fn, why):
     args = decode_args()
     if fn is x_padding_mask:

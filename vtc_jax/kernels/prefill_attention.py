@@ -143,7 +143,7 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
             hi_static, scalar = None, jnp.asarray(q_offset, jnp.int32) + 1
     elif kv_len is not None:
         if _is_static_int(kv_len):
-            hi_static = min(int(kv_len), T)
+            hi_static = int(kv_len)          # clamped to T in the kernel, after the window
         else:
             hi_static, scalar = None, jnp.asarray(kv_len, jnp.int32)
     if scalar is not None:

@@ -237,6 +237,8 @@ class _Mask:
     tensor: int                 # the pred (select) or the bias (add)
     keep: bool | None           # select: pred value that keeps the score; None: additive bias
     axes: tuple[Any, ...]       # axes of the scores where it is applied
+    fill: float | None = None   # select: the (largest) value of the masked lanes
+    factor: float = 1.0         # scaling applied to the scores after this mask
 
 
 def _view_axes(graph: Graph, op: Any, axes: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -266,7 +268,7 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
     d1, d2 = dots
     s0 = d1.outputs[0]
     role: dict[int, _Role] = {s0: _Role("s", 0, tuple(range(len(graph.tensors[s0].shape))))}
-    st = dict(stage=0, inner=1.0, outer=1.0, tanh=False, masks=[], bound=None, key=None,
+    st = dict(stage=0, inner=1.0, outer=1.0, tanh=False, masks=[], key=None,
               nomax=False)
     after_d2: list[Any] = []
 
@@ -280,10 +282,11 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
     def scale_by(op: Any, a: float) -> None:
         if not np.isfinite(a) or a == 0:
             fail(op, f"scales the scores by {a}")
-        if st["bound"] is not None:
+        if st["masks"]:
             if a < 0:
                 fail(op, "scales masked scores by a negative factor (the mask would flip)")
-            st["bound"] *= a
+            for m in st["masks"]:
+                m.factor *= a
         if st["tanh"]:
             st["outer"] *= a
         else:
@@ -355,13 +358,11 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
                 if v is None or v > NEG_BOUND:
                     fail(op, f"selects the scores against {'a runtime value' if v is None else v}, "
                              f"not a mask value <= {NEG_BOUND:g} (-inf, finfo.min, -1e9, ...)")
-                st["masks"].append(_Mask(op.inputs[0], i0 == 2, r.axes))
-                st["bound"] = v if st["bound"] is None else max(st["bound"], v)
+                st["masks"].append(_Mask(op.inputs[0], i0 == 2, r.axes, fill=v))
                 new_stage(out, r.axes)
                 continue
             if p == "add" and len(others) == 1:
                 st["masks"].append(_Mask(others[0], None, r.axes))
-                st["bound"] = NEG_BOUND if st["bound"] is None else st["bound"]
                 new_stage(out, r.axes)
                 continue
             if p == "reduce_max":
@@ -406,6 +407,10 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
                 continue
         fail(op, f"on the {_NAMES[k]} is not a step of the softmax")
 
+    for m in st["masks"]:
+        if m.fill is not None and m.fill * m.factor > NEG_BOUND:
+            raise Decline(f"masked scores are scaled to {m.fill * m.factor:g} after the mask: "
+                          f"above {NEG_BOUND:g}, no longer a mask")
     if any(op.primitive not in ("convert_element_type",) for op in after_d2):
         raise Decline("ops after the second dot other than a dtype conversion")
     prob = [(i, role[x]) for i, x in enumerate(d2.inputs) if x in role]
@@ -495,7 +500,7 @@ def _mask_arrays(graph: Graph, masks: list[_Mask], env: dict[int, Any], rank: in
         val = ev(m.tensor)
         if m.keep is None:
             b = np.asarray(val, np.float32)
-            bad = (b != 0) & (b > NEG_BOUND)
+            bad = (b != 0) & (b * m.factor > NEG_BOUND)
             if bad.any():
                 raise Decline(f"additive bias t{m.tensor} takes values other than 0 and <= {NEG_BOUND:g} "
                               f"(e.g. {float(b[bad].reshape(-1)[0]):g}): a general bias is not supported")
@@ -651,7 +656,10 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     T, D, Dv = ks[dims["kf"][0]], ks[dims["kc"][0]], vs[dims["vf"][0]]
     if window is not None and window < 1:
         raise Decline(f"sliding window of {window} keys")
-    decode = not causal and rows <= DECODE_MAX_ROWS
+    # the decode kernel starts a window at the *clamped* end min(hi, T): when the end can pass T
+    # (hi = pos + c with c > 1, or a static end past T) the prefill kernel keeps jax's numbers
+    clamps = window is not None and (hi_c > 1 if hi_x is not None else hi_c > T)
+    decode = not causal and rows <= DECODE_MAX_ROWS and not clamps
     if seq_axis is None:
         S = rows
     return _AttnMatch(q, k, v, c.outputs[0], q_perm, k_perm, v_perm, out_perm, batch, rows, S, T, D, Dv,
