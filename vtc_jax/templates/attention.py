@@ -15,7 +15,7 @@ the step it did not recognise. Accepted between q·k and p·v:
   -inf, which equals jax's numbers whenever a row has one valid key (``exp(neg + s - max)``
   underflows to exactly 0 in f32 for scores of magnitude < ~5e3). The one semantic difference: a
   row with *no* valid key gives NaN (``-inf``) or the average of all values (finite ``neg``) in
-  jax, and 0 from the kernels.
+  jax, and 0 from the kernels. Scaling after a mask must keep the masked value <= NEG_BOUND.
 * softmax: ``jax.nn.softmax`` or by hand (``exp(x - max) / sum``, ``stop_gradient`` on the max,
   ``e * (1 / sum)``), f32 up/down casts, reshapes/transposes that keep the axes, in any order of
   the dimensions (the reductions must be over the key axis).
@@ -27,12 +27,15 @@ and the result is fitted to the family the kernels implement::
 
     valid(i, t)  <=>  lo(i) <= t < hi(i),   hi(i) = min(T, a·i + c [+ pos]),   lo = max(0, hi - W)
 
-(``a`` = 1: causal by query position ``i``; ``W``: sliding window). Masks that vary along the
-batch or head axes (per-batch positions, padding masks) are declined with that reason.
+(``a`` = 1: causal by query position ``i``; ``W``: sliding window, measured from the unclamped
+end as jax does). The runtime scalar is probed over [0, T) — the kernels assume a position or
+length inside the cache. Masks that vary along the batch or head axes (per-batch positions,
+padding masks) or depend on a non-scalar runtime tensor are declined with that reason: neither
+kernel takes per-batch positions. An additive bias with other values (ALiBi) is declined too.
 
 Decode (every query row sees the same keys, at most 16 query rows per batch·head — one token,
 GQA heads folded in) runs ``kernels.attention.decode_attention``; everything else (prefill,
-causal or not) ``kernels.prefill_attention.prefill_attention``. GQA is not a parameter: both
+causal or not, and a window whose end can pass T) ``kernels.prefill_attention.prefill_attention``. GQA is not a parameter: both
 kernels read K/V through their layouts and the group size is read off the layout
 (:func:`_group_size`: a head index that does not appear in K's map is a repeat).
 """
