@@ -1,12 +1,47 @@
-"""Decode attention clusters: dot → scale / soft-cap / mask → softmax → dot, one flash-decoding kernel.
+"""Attention clusters: dot → scale / soft-cap / mask → softmax → dot, one flash kernel.
 
-The matcher reads the template's parameters off the cluster's primitives (scale, soft-cap, the
-causal ``pos`` / ``kv_len`` bound and a sliding window) or declines with the step it did not
-recognise. GQA is not a parameter: the kernel reads K/V through their layouts, and the group
-size is read off the layout (a head index that does not appear in K's map is a repeat).
+The matcher reads the cluster by *meaning*, not by spelling. It walks the cluster's primitives
+in order and gives every value a role — scores (with the scale, soft-cap and masks applied so
+far), their row max, ``scores - max``, ``exp``, the row sum, probabilities — or declines naming
+the step it did not recognise. Accepted between q·k and p·v:
+
+* scaling: ``mul``/``div`` by anything that folds to a scalar constant (``1/sqrt(D)``,
+  ``lax.rsqrt(D)``, ``/ jnp.sqrt(D)``); scaling *after* a soft-cap is folded into the cap.
+  (``q * scale`` before the first dot is not part of the cluster: the kernel reads the scaled q.)
+* soft-cap ``tanh(s / c) * c`` (in any arrangement of the two scalings around the ``tanh``);
+* masks: ``select_n`` (``jnp.where(mask, s, neg)`` or ``jnp.where(~mask, neg, s)``) and additive
+  biases ``s + b`` where ``b`` only takes the values 0 and a large negative. ``neg`` may be
+  ``-inf``, ``finfo.min`` or any value ``<= NEG_BOUND`` (-1e4): the kernel treats such lanes as
+  -inf, which equals jax's numbers whenever a row has one valid key (``exp(neg + s - max)``
+  underflows to exactly 0 in f32 for scores of magnitude < ~5e3). The one semantic difference: a
+  row with *no* valid key gives NaN (``-inf``) or the average of all values (finite ``neg``) in
+  jax, and 0 from the kernels. Scaling after a mask must keep the masked value <= NEG_BOUND.
+* softmax: ``jax.nn.softmax`` or by hand (``exp(x - max) / sum``, ``stop_gradient`` on the max,
+  ``e * (1 / sum)``), f32 up/down casts, reshapes/transposes that keep the axes, in any order of
+  the dimensions (the reductions must be over the key axis).
+
+The mask itself is read numerically, not syntactically: the mask operand's producers (outside
+the cluster: iotas, comparisons, ``&``, ``jnp.tril``, broadcasts, constants) are evaluated on
+compact numpy arrays for a set of values of the one runtime scalar they may depend on (``pos``),
+and the result is fitted to the family the kernels implement::
+
+    valid(i, t)  <=>  lo(i) <= t < hi(i),   hi(i) = min(T, a·i + c [+ pos]),   lo = max(0, hi - W)
+
+(``a`` = 1: causal by query position ``i``; ``W``: sliding window, measured from the unclamped
+end as jax does). The runtime scalar is probed over [0, T) — the kernels assume a position or
+length inside the cache. Masks that vary along the batch or head axes (per-batch positions,
+padding masks) or depend on a non-scalar runtime tensor are declined with that reason: neither
+kernel takes per-batch positions. An additive bias with other values (ALiBi) is declined too.
+
+Decode (every query row sees the same keys, at most 16 query rows per batch·head — one token,
+GQA heads folded in) runs ``kernels.attention.decode_attention``; everything else (prefill,
+causal or not, and a window whose end can pass T) ``kernels.prefill_attention.prefill_attention``. GQA is not a parameter: both
+kernels read K/V through their layouts and the group size is read off the layout
+(:func:`_group_size`: a head index that does not appear in K's map is a repeat).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +54,13 @@ from ..primitives import Kind
 from . import Decline, Run, Step, Template
 from .stage2 import buffers_of
 
-__all__ = ["TEMPLATE"]
+__all__ = ["TEMPLATE", "NEG_BOUND", "DECODE_MAX_ROWS"]
 
-_SOFTMAX_OPS = frozenset({"reduce_max", "max", "stop_gradient", "sub", "exp", "reduce_sum", "div",
-                          "broadcast_in_dim", "reshape", "convert_element_type", "squeeze", "expand_dims"})
+NEG_BOUND = -1e4          # a mask value at or below this is -inf for the kernels
+DECODE_MAX_ROWS = 16      # query rows per batch·head the decode kernel takes (one MIN_DOT tile)
+_MAX_PROBE_ELEMS = 1 << 22
+_VIEWS = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims", "transpose",
+                    "broadcast_in_dim", "copy", "copy_p", "stop_gradient", "reduce_precision"})
 
 
 @dataclass(frozen=True)
@@ -31,170 +69,610 @@ class _AttnMatch:
     k: int
     v: int
     out: int
-    q_dims: tuple[tuple[int, ...], ...]   # q: (batch dims, free dims, contract dims)
-    k_dims: tuple[tuple[int, ...], ...]   # k: (batch dims, free (T) dims, contract dims)
-    v_dims: tuple[tuple[int, ...], ...]   # v: (batch dims, contract (T) dims, free dims)
+    q_perm: tuple[int, ...]     # q axes in canonical order (batch..., query rows..., D)
+    k_perm: tuple[int, ...]     # (batch..., T, D)
+    v_perm: tuple[int, ...]     # (batch..., T, Dv)
+    out_perm: tuple[int, ...]   # (batch..., query rows..., Dv)
+    batch: tuple[int, ...]      # sizes of the batch axes (the last one is the head axis)
+    rows: int                   # query rows per batch entry (groups x S)
+    seq: int                    # S: row r is query position r % S
+    T: int
+    D: int
+    Dv: int
     scale: float
     soft_cap: float | None
-    pos: int | None                       # scalar tensor: keys t <= pos valid
-    kv_len: int | None                    # scalar tensor: keys t < kv_len valid
-    window: int | None = None             # static: keys t > pos - window valid too
+    causal: bool                # hi(i) = min(T, i + c [+ x])
+    hi_const: int               # c
+    hi_scalar: int | None       # runtime scalar tensor x (None: static)
+    window: int | None
+    decode: bool
+
+    @property
+    def kernel(self) -> str:
+        return "decode" if self.decode else "prefill"
 
 
-def _match_attention(graph: Graph, c: Cluster) -> _AttnMatch | str:
-    """Read the decode-attention parameters off the cluster's primitives (or say what differs)."""
-    ops = [graph.ops[i] for i in c.ops]
-    dots = [op for op in ops if op.primitive == "dot_general"]
-    if len(dots) != 2 or len(c.outputs) != 1:
-        return "expected two dot_generals and one output"
-    d1, d2 = dots
-    s = d1.outputs[0]
-    scale, cap, pos, kv_len, window = 1.0, None, None, None, None
-    producers = {t: op for op in ops for t in op.outputs}
-    # walk forward from s over the score modifiers until the softmax starts
-    cur = s
-    users = lambda t: [op for op in ops if t in op.inputs]
-    while True:
-        us = users(cur)
-        if len(us) != 1:
-            break
-        u = us[0]
-        other = [t for t in u.inputs if t != cur]
-        if u.primitive in ("mul", "div") and other and _scalar(graph, other[0]) is not None \
-                and not (u.primitive == "div" and users(u.outputs[0]) and users(u.outputs[0])[0].primitive == "tanh"):
-            val = _scalar(graph, other[0])
-            scale = scale * val if u.primitive == "mul" else scale / val
-        elif u.primitive == "div" and other and _scalar(graph, other[0]) is not None:
-            capv = _scalar(graph, other[0])
-            t1 = users(u.outputs[0])[0]
-            t2 = users(t1.outputs[0])
-            if not t2 or t2[0].primitive != "mul" or _scalar(graph, [t for t in t2[0].inputs if t != t1.outputs[0]][0]) != capv:
-                return "unrecognised tanh soft-cap"
-            cap = capv
-            u = t2[0]
-        elif u.primitive in ("convert_element_type", "reshape", "squeeze", "expand_dims") or (
-                u.primitive == "broadcast_in_dim"
-                and graph.tensors[u.outputs[0]].size == graph.tensors[cur].size):
-            pass  # dtype or view changes of the scores: nothing to do in the kernel
-        elif u.primitive == "select_n":
-            pred, on_false, on_true = u.inputs
-            if on_true != cur or _scalar_const_of(graph, on_false) != -np.inf:
-                return "select_n is not a -inf mask of the scores"
-            found = _mask_bounds(graph, pred)
-            if isinstance(found, str):
-                return found
-            pos, kv_len, window = found
+# --------------------------------------------------------------------------------------------
+# Numeric evaluation of mask producers (compact numpy arrays: size-1 axes stand for broadcasts)
+# --------------------------------------------------------------------------------------------
+
+class _NoFold(Exception):
+    pass
+
+
+_BIN = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum, "min": np.minimum,
+        "and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor, "lt": np.less,
+        "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal,
+        "ne": np.not_equal, "pow": np.power, "atan2": np.arctan2}
+_UN = {"neg": np.negative, "abs": np.abs, "sign": np.sign, "sqrt": np.sqrt, "exp": np.exp,
+       "log": np.log, "tanh": np.tanh, "floor": np.floor, "ceil": np.ceil,
+       "rsqrt": lambda x: 1.0 / np.sqrt(x)}
+
+
+class _Eval:
+    """Evaluate tensors of ``graph`` from constants, iotas and the runtime values in ``env``."""
+
+    def __init__(self, graph: Graph, env: dict[int, Any] | None = None) -> None:
+        self.g, self.env, self.cache = graph, dict(env or {}), {}
+
+    def leaves(self, t: int, seen: set[int] | None = None) -> set[int]:
+        """Runtime tensors the value of ``t`` depends on (graph inputs / unfoldable ops' outputs)."""
+        seen = set() if seen is None else seen
+        if t in seen:
+            return set()
+        seen.add(t)
+        info = self.g.tensors[t]
+        if info.const is not None:
+            return set()
+        op = self.g.producer(t)
+        if op is None or not self._foldable(op):
+            return {t}
+        return set().union(*(self.leaves(x, seen) for x in op.inputs)) if op.inputs else set()
+
+    @staticmethod
+    def _foldable(op: Any) -> bool:
+        p = op.primitive
+        return op.opaque_reason is None and (p in _BIN or p in _UN or p in _VIEWS or p in (
+            "iota", "select_n", "not", "div", "rem", "clamp", "integer_pow", "squeeze"))
+
+    def __call__(self, t: int) -> np.ndarray:
+        if t in self.cache:
+            return self.cache[t]
+        info = self.g.tensors[t]
+        rank = len(info.shape)
+        if t in self.env:
+            val = np.asarray(self.env[t], info.dtype).reshape((1,) * rank if np.size(self.env[t]) == 1
+                                                              else info.shape)
+        elif info.const is not None:
+            c = np.asarray(info.const, info.dtype)
+            val = c.reshape((1,) * rank) if c.size == 1 else c.reshape(info.shape)
         else:
-            break
-        cur = u.outputs[0]
-    if not any(op.primitive == "reduce_max" for op in users(cur)):
-        return f"scores feed {[op.primitive for op in users(cur)]}, not a softmax"
-    start = producers[cur].id if cur in producers else d1.id
-    for op in ops:
-        if start < op.id < d2.id and op.primitive not in _SOFTMAX_OPS:
-            return f"{op.primitive} between the softmax and the second dot"
-    after = [op for op in ops if op.id > d2.id]
-    if any(op.primitive != "convert_element_type" for op in after):
-        return "ops after the second dot other than a dtype conversion"
-    (c1l, c1r), (b1l, b1r) = d1.params["dimension_numbers"]
-    (c2l, c2r), (b2l, b2r) = d2.params["dimension_numbers"]
-    q, k = d1.inputs
-    p, v = d2.inputs
-    free = lambda t, cs, bs: tuple(i for i in range(len(graph.tensors[t].shape)) if i not in cs and i not in bs)
-    qf, kf, vf = free(q, c1l, b1l), free(k, c1r, b1r), free(v, c2r, b2r)
-    if len(kf) != 1 or len(c2r) != 1 or len(c1l) != 1 or len(vf) != 1:
-        return "attention with several key / head-dim axes"
-    return _AttnMatch(q, k, v, c.outputs[0], (tuple(b1l), qf, tuple(c1l)), (tuple(b1r), kf, tuple(c1r)),
-                      (tuple(b2r), tuple(c2r), vf), scale, cap, pos, kv_len, window)
+            op = self.g.producer(t)
+            if op is None or not self._foldable(op):
+                raise _NoFold(t)
+            val = self._op(op, t)
+        self.cache[t] = val
+        return val
+
+    def _op(self, op: Any, t: int) -> np.ndarray:
+        p, info = op.primitive, self.g.tensors[t]
+        shape, dt = info.shape, np.dtype(info.dtype)
+        xs = [self(x) for x in op.inputs]
+        ins = [self.g.tensors[x] for x in op.inputs]
+        if p == "iota":
+            d = op.params["dimension"]
+            val = np.arange(shape[d]).reshape(tuple(n if i == d else 1 for i, n in enumerate(shape)))
+        elif p in ("convert_element_type", "copy", "copy_p", "stop_gradient", "reduce_precision"):
+            val = xs[0]
+        elif p == "broadcast_in_dim":
+            new = [1] * len(shape)
+            for j, bd in enumerate(op.params["broadcast_dimensions"]):
+                new[bd] = xs[0].shape[j]
+            val = xs[0].reshape(new)
+        elif p == "transpose":
+            val = np.transpose(xs[0], op.params["permutation"])
+        elif p in ("reshape", "squeeze", "expand_dims"):
+            x, old = xs[0], ins[0].shape
+            if [n for n in old if n != 1] == [n for n in shape if n != 1]:
+                kept = iter(x.shape[i] for i, n in enumerate(old) if n != 1)
+                val = x.reshape(tuple(next(kept) if n != 1 else 1 for n in shape))
+            else:
+                if int(np.prod(old)) > _MAX_PROBE_ELEMS:
+                    raise _NoFold(t)
+                val = np.broadcast_to(x, old).reshape(shape)
+        elif p == "select_n":
+            pred, *cases = xs
+            val = cases[0] if len(cases) == 1 else np.choose(pred.astype(np.int32), cases) \
+                if len(cases) > 2 else np.where(pred.astype(bool), cases[1], cases[0])
+        elif p == "not":
+            val = np.logical_not(xs[0]) if dt == np.bool_ else np.invert(xs[0])
+        elif p == "div":
+            val = (np.trunc(np.true_divide(xs[0], xs[1])) if np.issubdtype(dt, np.integer)
+                   else np.true_divide(*[x.astype(np.float32) if x.dtype.itemsize < 4 else x for x in xs]))
+        elif p == "rem":
+            val = np.fmod(xs[0], xs[1])
+        elif p == "clamp":
+            val = np.clip(xs[1], xs[0], xs[2])
+        elif p == "integer_pow":
+            val = np.power(xs[0], op.params["y"])
+        elif p in _BIN:
+            a, b = (x.astype(np.float32) if x.dtype.kind == "V" or (x.dtype.kind == "f" and x.dtype.itemsize < 4)
+                    else x for x in xs)
+            val = _BIN[p](a, b)
+        elif p in _UN:
+            a = xs[0].astype(np.float32) if xs[0].dtype.itemsize < 4 else xs[0]
+            with np.errstate(all="ignore"):
+                val = _UN[p](a)
+        else:
+            raise _NoFold(t)
+        val = np.asarray(val)
+        if val.ndim != len(shape) or any(a not in (1, b) for a, b in zip(val.shape, shape)):
+            val = np.broadcast_to(val, shape) if val.size == 1 or val.ndim != len(shape) else val
+        return val.astype(dt)
 
 
-def _scalar(graph: Graph, t: int) -> float | None:
-    c = graph.tensors[t].const
-    if c is None or np.size(c) != 1:
-        return None
-    return float(np.asarray(c).reshape(()))
-
-
-def _scalar_const_of(graph: Graph, t: int) -> float | None:
-    """The value of a (broadcast, converted) scalar constant."""
-    while True:
-        v = _scalar(graph, t)
-        if v is not None:
-            return v
-        op = graph.producer(t)
-        if op is None or op.primitive not in ("broadcast_in_dim", "convert_element_type", "reshape"):
+def _fold_scalar(graph: Graph, t: int) -> float | None:
+    """The value of ``t`` if it is a constant that holds one value (possibly broadcast)."""
+    ev = _Eval(graph)
+    try:
+        if ev.leaves(t):
             return None
-        t = op.inputs[0]
-
-
-def _mask_bounds(graph: Graph, pred: int) -> tuple[int | None, int | None, int | None] | str:
-    """``(pos, kv_len, window)`` of a causal mask, optionally ``&`` a sliding window
-    ``iota > pos - window`` (Gemma-2's local layers)."""
-    t = pred
-    while (op := graph.producer(t)) is not None and op.primitive in ("broadcast_in_dim", "reshape"):
-        t = op.inputs[0]
-    if op is not None and op.primitive == "and":
-        parts = [_mask_bound(graph, x) for x in op.inputs]
-        ends = [p for p in parts if not isinstance(p, str) and p[0] in ("pos", "kv_len")]
-        starts = [p for p in parts if not isinstance(p, str) and p[0] == "after"]
-        if len(ends) != 1 or len(starts) != 1:
-            return "mask is not a causal bound and a sliding window"
-        kind, end = ends[0]
-        window = _window(graph, starts[0][1], end, kind)
-        if window is None:
-            return "sliding window start is not `pos - constant`"
-        return (end, None, window) if kind == "pos" else (None, end, window)
-    found = _mask_bound(graph, pred)
-    if isinstance(found, str):
-        return found
-    kind, end = found
-    if kind == "after":
-        return "mask keeps keys after a position (not causal)"
-    return (end, None, None) if kind == "pos" else (None, end, None)
-
-
-def _window(graph: Graph, start: int, end: int, kind: str) -> int | None:
-    """``start == end - w`` (keys ``t > pos - w``): the window ``w`` the template expects."""
-    op = graph.producer(start)
-    if op is None or op.primitive not in ("sub", "add") or op.inputs[0] != end:
+        val = ev(t)
+    except (_NoFold, ValueError, TypeError):
         return None
-    c = _scalar(graph, op.inputs[1])
-    if c is None:
+    flat = np.asarray(val, np.float64).reshape(-1)
+    return float(flat[0]) if flat.size and np.all(flat == flat[0]) else None
+
+
+# --------------------------------------------------------------------------------------------
+# The matcher: roles of the cluster's values
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class _Role:
+    kind: str                   # s | max | shift | exp | sum | rsum | p
+    stage: int
+    axes: tuple[Any, ...]       # per axis: the first dot's output axis it is (None: size 1)
+
+
+@dataclass
+class _Mask:
+    tensor: int                 # the pred (select) or the bias (add)
+    keep: bool | None           # select: pred value that keeps the score; None: additive bias
+    axes: tuple[Any, ...]       # axes of the scores where it is applied
+    fill: float | None = None   # select: the (largest) value of the masked lanes
+    factor: float = 1.0         # scaling applied to the scores after this mask
+
+
+def _view_axes(graph: Graph, op: Any, axes: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The first-dot axes of a view's output (None: the view regroups axes)."""
+    p = op.primitive
+    src, dst = graph.tensors[op.inputs[0]].shape, graph.tensors[op.outputs[0]].shape
+    if p in ("convert_element_type", "copy", "copy_p", "stop_gradient", "reduce_precision"):
+        return axes
+    if p == "transpose":
+        return tuple(axes[i] for i in op.params["permutation"])
+    if p == "broadcast_in_dim" and int(np.prod(src)) != int(np.prod(dst)):
         return None
-    w = int(c) if op.primitive == "sub" else -int(c)
-    return w if kind == "pos" else None
+    if [n for n in src if n != 1] != [n for n in dst if n != 1]:
+        return None
+    kept = iter(a for a, n in zip(axes, src) if n != 1)
+    return tuple(next(kept) if n != 1 else None for n in dst)
 
 
-def _mask_bound(graph: Graph, pred: int) -> tuple[str, int] | str:
-    """``iota <= pos`` (or ``iota < kv_len``) behind broadcasts: which bound, and its scalar tensor."""
-    t = pred
-    while (op := graph.producer(t)) is not None and op.primitive in ("broadcast_in_dim", "reshape"):
-        t = op.inputs[0]
-    if op is None or op.primitive not in ("le", "lt", "ge", "gt"):
-        return "mask is not a comparison of key positions with a scalar"
-    a, b = op.inputs
-    prim = op.primitive
-    if graph.producer(b) is not None and graph.producer(b).primitive == "iota":
-        a, b = b, a
-        prim = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}[prim]
-    if graph.producer(a) is None or graph.producer(a).primitive != "iota" or graph.tensors[b].shape != ():
-        return "mask is not a comparison of key positions with a scalar"
-    if prim == "le":
-        return ("pos", b)
-    if prim == "lt":
-        return ("kv_len", b)
-    if prim == "gt":
-        return ("after", b)
-    return "mask keeps keys from a position on (ge): not a supported window form"
+def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
+    """Walk the cluster in program order; give each value a role or raise Decline."""
+    ops = [graph.ops[i] for i in sorted(c.ops)]
+    dots = [op for op in ops if op.primitive == "dot_general"]
+    if len(dots) != 2:
+        raise Decline(f"expected two dot_generals (q·k and p·v), found {len(dots)}")
+    if len(c.outputs) != 1:
+        raise Decline("the cluster has more than one output")
+    d1, d2 = dots
+    s0 = d1.outputs[0]
+    role: dict[int, _Role] = {s0: _Role("s", 0, tuple(range(len(graph.tensors[s0].shape))))}
+    st = dict(stage=0, inner=1.0, outer=1.0, tanh=False, masks=[], key=None,
+              nomax=False)
+    after_d2: list[Any] = []
+
+    def fail(op: Any, why: str) -> None:
+        raise Decline(f"{op.primitive} (op #{op.id}) {why}")
+
+    def latest(op: Any, r: _Role) -> None:
+        if r.stage != st["stage"]:
+            fail(op, "modifies an earlier version of the scores (the scores branch)")
+
+    def scale_by(op: Any, a: float) -> None:
+        if not np.isfinite(a) or a == 0:
+            fail(op, f"scales the scores by {a}")
+        if st["masks"]:
+            if a < 0:
+                fail(op, "scales masked scores by a negative factor (the mask would flip)")
+            for m in st["masks"]:
+                m.factor *= a
+        if st["tanh"]:
+            st["outer"] *= a
+        else:
+            st["inner"] *= a
+
+    def new_stage(t: int, axes: tuple[Any, ...]) -> None:
+        st["stage"] += 1
+        role[t] = _Role("s", st["stage"], axes)
+
+    def key_of(op: Any, r: _Role, axes_param: Any) -> None:
+        ax = tuple(r.axes[a] for a in axes_param)
+        if len(ax) != 1 or ax[0] is None:
+            fail(op, f"reduces over axes {tuple(axes_param)}, not one key axis")
+        if st["key"] is None:
+            st["key"] = ax[0]
+        elif st["key"] != ax[0]:
+            fail(op, "reduces over a different axis than the softmax max")
+
+    for op in ops:
+        if op is d1:
+            continue
+        if op is d2:
+            continue
+        if op.id > d2.id:
+            after_d2.append(op)
+            continue
+        p = op.primitive
+        tagged = [(i, role[x]) for i, x in enumerate(op.inputs) if x in role]
+        others = [x for x in op.inputs if x not in role]
+        out = op.outputs[0]
+        if not tagged:
+            fail(op, "inside the attention region does not read the scores")
+        i0, r = tagged[0]
+        k = r.kind
+        if p in _VIEWS and len(op.inputs) == 1:
+            if k in ("max", "sum", "rsum"):      # row statistics: their keepdims broadcasts
+                role[out] = _Role(k, r.stage, ())
+                continue
+            axes = _view_axes(graph, op, r.axes)
+            if axes is None:
+                fail(op, f"regroups the axes of the {_NAMES[k]} ({graph.tensors[op.inputs[0]].shape}"
+                         f" -> {graph.tensors[out].shape})")
+            role[out] = _Role(k, r.stage, axes)
+            continue
+        if k == "s" and len(tagged) == 1:
+            latest(op, r)
+            if p in ("mul", "div") and len(others) == 1:
+                a = _fold_scalar(graph, others[0])
+                if a is None:
+                    fail(op, "scales the scores by a value that is not a scalar constant")
+                if p == "div":
+                    if i0 != 0:
+                        fail(op, "divides a constant by the scores")
+                    a = 1.0 / a
+                scale_by(op, a)
+                new_stage(out, r.axes)
+                continue
+            if p == "tanh":
+                if st["tanh"]:
+                    fail(op, "is a second tanh on the scores")
+                if st["masks"]:
+                    fail(op, "soft-caps scores that are already masked (tanh(-inf) is not a mask)")
+                st["tanh"] = True
+                new_stage(out, r.axes)
+                continue
+            if p == "select_n" and len(op.inputs) == 3 and i0 in (1, 2):
+                fill = op.inputs[3 - i0]
+                v = _fold_extreme(graph, fill)
+                if v is None or v > NEG_BOUND:
+                    fail(op, f"selects the scores against {'a runtime value' if v is None else v}, "
+                             f"not a mask value <= {NEG_BOUND:g} (-inf, finfo.min, -1e9, ...)")
+                st["masks"].append(_Mask(op.inputs[0], i0 == 2, r.axes, fill=v))
+                new_stage(out, r.axes)
+                continue
+            if p == "add" and len(others) == 1:
+                st["masks"].append(_Mask(others[0], None, r.axes))
+                new_stage(out, r.axes)
+                continue
+            if p == "reduce_max":
+                key_of(op, r, op.params["axes"])
+                role[out] = _Role("max", r.stage, ())
+                continue
+            if p == "exp":
+                st["nomax"] = True
+                role[out] = _Role("exp", r.stage, r.axes)
+                continue
+            fail(op, f"on the scores is not a scale, soft-cap, mask or softmax step")
+        if k == "max" and p in ("max", "min") and len(others) == 1:
+            v = _fold_scalar(graph, others[0])
+            if p == "max" and v is not None and (v == -np.inf or v <= NEG_BOUND):
+                role[out] = _Role("max", r.stage, ())
+                continue
+            fail(op, "clamps the softmax max by something other than a very negative constant")
+        if p == "sub" and len(tagged) == 2 and tagged[0][1].kind == "s" and tagged[1][1].kind == "max":
+            if tagged[0][1].stage != tagged[1][1].stage:
+                fail(op, "subtracts the max of different scores")
+            role[out] = _Role("shift", r.stage, r.axes)
+            continue
+        if k == "shift" and p == "exp":
+            role[out] = _Role("exp", r.stage, r.axes)
+            continue
+        if k == "exp" and p == "reduce_sum" and len(tagged) == 1:
+            key_of(op, r, op.params["axes"])
+            role[out] = _Role("sum", r.stage, ())
+            continue
+        if k == "sum" and p == "div" and len(others) == 1 and tagged[0][0] == 1:
+            if _fold_scalar(graph, others[0]) != 1.0:
+                fail(op, "divides a constant other than 1 by the softmax sum")
+            role[out] = _Role("rsum", r.stage, ())
+            continue
+        if len(tagged) == 2 and {tagged[0][1].kind, tagged[1][1].kind} in ({"exp", "sum"}, {"exp", "rsum"}):
+            e = next(t for _, t in tagged if t.kind == "exp")
+            n = next(t for _, t in tagged if t.kind != "exp")
+            if e.stage != n.stage:
+                fail(op, "normalises by the sum of different scores")
+            if (p == "div" and n.kind == "sum" and tagged[0][1].kind == "exp") or (p == "mul" and n.kind == "rsum"):
+                role[out] = _Role("p", e.stage, e.axes)
+                continue
+        fail(op, f"on the {_NAMES[k]} is not a step of the softmax")
+
+    for m in st["masks"]:
+        if m.fill is not None and m.fill * m.factor > NEG_BOUND:
+            raise Decline(f"masked scores are scaled to {m.fill * m.factor:g} after the mask: "
+                          f"above {NEG_BOUND:g}, no longer a mask")
+    if any(op.primitive not in ("convert_element_type",) for op in after_d2):
+        raise Decline("ops after the second dot other than a dtype conversion")
+    prob = [(i, role[x]) for i, x in enumerate(d2.inputs) if x in role]
+    if len(prob) != 1 or prob[0][1].kind != "p":
+        raise Decline("the second dot does not read the softmax probabilities "
+                      f"({[role[x].kind for x in d2.inputs if x in role] or 'nothing from the scores'})")
+    return dict(d1=d1, d2=d2, st=st, prob=prob[0])
 
 
-def _canonical(x: Any, dims: tuple[tuple[int, ...], ...]) -> Any:
-    """View an operand as (batch..., then the dims in ``dims`` order) by transposing its layout."""
-    from ..kernels.vio import VTensor
-    x = VTensor.of(x)
-    perm = tuple(d for group in dims for d in group)
-    return VTensor(x.layout.transpose(perm), x.dtype, x.buffers, x.symbols)
+_NAMES = {"s": "scores", "max": "softmax max", "shift": "scores - max", "exp": "softmax numerator",
+          "sum": "softmax sum", "rsum": "softmax 1/sum", "p": "probabilities"}
 
+
+def _fold_extreme(graph: Graph, t: int) -> float | None:
+    """The largest value of a constant tensor (None when it depends on runtime values)."""
+    ev = _Eval(graph)
+    try:
+        if ev.leaves(t):
+            return None
+        return float(np.max(np.asarray(ev(t), np.float64)))
+    except (_NoFold, ValueError, TypeError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# Dimension roles and the mask fit
+# --------------------------------------------------------------------------------------------
+
+def _dims(graph: Graph, a: dict[str, Any]) -> dict[str, Any]:
+    d1, d2, st = a["d1"], a["d2"], a["st"]
+    (c1l, c1r), (b1l, b1r) = d1.params["dimension_numbers"]
+    lhs, rhs = d1.inputs
+    rank = lambda t: len(graph.tensors[t].shape)
+    free = lambda t, cs, bs: tuple(i for i in range(rank(t)) if i not in cs and i not in bs)
+    nb = len(b1l)
+    lf, rf = free(lhs, c1l, b1l), free(rhs, c1r, b1r)
+    # first-dot output axes: batch, lhs free, rhs free
+    out_axes = [("b", j) for j in range(nb)] + [("l", i) for i in lf] + [("r", i) for i in rf]
+    key = st["key"]
+    if key is None:
+        raise Decline("no softmax over a key axis")
+    side, key_axis = out_axes[key]
+    if side == "b":
+        raise Decline("the softmax runs over a batch axis of the first dot")
+    if side == "l":
+        k, q, kc, qc, kb, qb, kf, qf, qbase = lhs, rhs, c1l, c1r, b1l, b1r, lf, rf, nb + len(lf)
+    else:
+        k, q, kc, qc, kb, qb, kf, qf, qbase = rhs, lhs, c1r, c1l, b1r, b1l, rf, lf, nb
+    if len(kf) != 1:
+        raise Decline(f"K has {len(kf)} free axes (several key axes)")
+    if len(kc) != 1:
+        raise Decline(f"q·k contracts {len(kc)} axes (expected one head dim)")
+    q_free_d1 = tuple(range(qbase, qbase + len(qf)))   # first-dot axes of q's free axes
+    # second dot: p (probabilities) and v
+    (c2l, c2r), (b2l, b2r) = d2.params["dimension_numbers"]
+    pi, pr = a["prob"]
+    v = d2.inputs[1 - pi]
+    pc, vc, pb, vb = (c2l, c2r, b2l, b2r) if pi == 0 else (c2r, c2l, b2r, b2l)
+    if len(pc) != 1 or pr.axes[pc[0]] != key:
+        raise Decline("the second dot does not contract the probabilities over the key axis")
+    pbd1 = [pr.axes[i] for i in pb]
+    if sorted(x for x in pbd1 if x is not None) != list(range(nb)) or len(pbd1) != nb:
+        raise Decline("the second dot's batch axes are not the first dot's batch axes")
+    v_batch = [vb[pbd1.index(j)] for j in range(nb)]
+    pfree = [i for i in range(len(pr.axes)) if i not in pc and i not in pb]
+    if any(pr.axes[i] is not None and pr.axes[i] not in q_free_d1 for i in pfree):
+        raise Decline("the probabilities keep an axis that is not a query axis")
+    vf = [i for i in range(rank(v)) if i not in vc and i not in vb]
+    if len(vf) != 1:
+        raise Decline(f"v has {len(vf)} free axes (expected one head dim)")
+    # d2 output axes: batch (d2 order), lhs free, rhs free
+    lhs_free = pfree if pi == 0 else vf
+    rhs_free = vf if pi == 0 else pfree
+    out_lab: list[Any] = [("b", pbd1[j]) for j in range(len(pb))]
+    for part in (lhs_free, rhs_free):
+        for i in part:
+            out_lab.append(("dv",) if part is vf else (("q", pr.axes[i]) if pr.axes[i] is not None else ("1",)))
+    return dict(q=q, k=k, v=v, nb=nb, qb=qb, kb=kb, qf=qf, qc=qc, kf=kf, kc=kc, v_batch=v_batch,
+                vc=vc, vf=vf, q_free_d1=q_free_d1, key=key, out_lab=out_lab)
+
+
+def _mask_arrays(graph: Graph, masks: list[_Mask], env: dict[int, Any], rank: int) -> np.ndarray:
+    """The valid lanes of the combined mask over the first dot's output axes (compact)."""
+    ev = _Eval(graph, env)
+    valid = np.ones((1,) * rank, bool)
+    for m in masks:
+        val = ev(m.tensor)
+        if m.keep is None:
+            b = np.asarray(val, np.float32)
+            bad = (b != 0) & (b * m.factor > NEG_BOUND)
+            if bad.any():
+                raise Decline(f"additive bias t{m.tensor} takes values other than 0 and <= {NEG_BOUND:g} "
+                              f"(e.g. {float(b[bad].reshape(-1)[0]):g}): a general bias is not supported")
+            keep = b == 0
+        else:
+            keep = val.astype(bool) if m.keep else ~val.astype(bool)
+        for i, a in enumerate(m.axes):
+            if a is None and keep.shape[i] != 1:
+                raise Decline("a mask varies along an axis the scores do not have")
+        kept = [i for i, a in enumerate(m.axes) if a is not None]
+        arr = np.transpose(keep, kept + [i for i in range(keep.ndim) if i not in kept])
+        arr = arr.reshape(arr.shape[:len(kept)])
+        full = [1] * rank
+        order = sorted(range(len(kept)), key=lambda j: m.axes[kept[j]])
+        arr = np.transpose(arr, order)
+        for j, o in enumerate(order):
+            full[m.axes[kept[o]]] = arr.shape[j]
+        valid = valid & arr.reshape(full)
+    return valid
+
+
+def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tuple[int, ...]):
+    """(seq axis, causal, c, scalar, window) with valid(i, t) = lo <= t < min(T, a·i + c [+ x])."""
+    rank = len(shape)
+    T = shape[dims["key"]]
+    if not masks:
+        return None, False, T, None, None
+    ev = _Eval(graph)
+    leaves: set[int] = set()
+    try:
+        for m in masks:
+            leaves |= ev.leaves(m.tensor)
+    except _NoFold as e:
+        raise Decline(f"mask t{e} cannot be evaluated")
+    if len(leaves) > 1:
+        raise Decline(f"the mask depends on several runtime tensors ({sorted(leaves)})")
+    x = next(iter(leaves), None)
+    if x is not None:
+        info = graph.tensors[x]
+        if info.size != 1:
+            raise Decline(f"the mask depends on a runtime tensor of shape {info.shape} (per-batch "
+                          "positions or a padding mask): the kernels take one bound for all rows")
+        if not np.issubdtype(np.dtype(info.dtype), np.integer):
+            raise Decline(f"the mask depends on a runtime {np.dtype(info.dtype).name} scalar")
+    # probe positions inside the cache, [0, T): the kernels assume the runtime scalar lies there
+    if x is None:
+        xs: list[Any] = [None]
+    else:
+        n = 48 if T * max((shape[a] for a in dims["q_free_d1"]), default=1) <= (1 << 18) else 12
+        xs = sorted({*np.linspace(0, T - 1, min(n, T)).astype(int).tolist(), 0, 1, 2, T // 2, T - 1})
+    arrays = {}
+    try:
+        for xv in xs:
+            arrays[xv] = _mask_arrays(graph, masks, {} if x is None else {x: xv}, rank)
+    except _NoFold as e:
+        raise Decline(f"mask t{e} cannot be evaluated")
+    # independent of the batch axes and of all query axes but one
+    seq_axis = None
+    for xv, arr in arrays.items():
+        for ax in range(rank):
+            if ax == dims["key"] or arr.shape[ax] == 1:
+                continue
+            if np.all(arr == arr.take([0], axis=ax)):
+                continue
+            if ax < dims["nb"]:
+                raise Decline("the mask varies along a batch/head axis: the kernels take one mask for "
+                              "all batch entries")
+            if seq_axis not in (None, ax):
+                raise Decline("the mask varies along two query axes")
+            seq_axis = ax
+    mats = {}
+    for xv, arr in arrays.items():
+        idx = [0] * rank
+        for ax in range(rank):
+            if ax in (dims["key"], seq_axis):
+                idx[ax] = slice(None)
+        m = arr[tuple(idx)]
+        if seq_axis is not None and seq_axis > dims["key"]:
+            m = m.T
+        S = shape[seq_axis] if seq_axis is not None else 1
+        mats[xv] = np.broadcast_to(m.reshape((-1, m.shape[-1])) if m.ndim == 2 else m.reshape(1, -1), (S, T))
+    # rows' [lo, hi)
+    found = None
+    for causal in ((True, False) if seq_axis is not None else (False,)):
+        for use_x in ((True, False) if x is not None else (False,)):
+            c = w = None
+            for xv, m in mats.items():
+                for i in range(m.shape[0]):
+                    row = m[i]
+                    if not row.any():
+                        continue
+                    lo, hi = int(np.argmax(row)), T - int(np.argmax(row[::-1]))
+                    if c is None and hi < T:
+                        c = hi - (i if causal else 0) - (xv if use_x else 0)
+                    if w is None and lo > 0 and hi < T:
+                        w = hi - lo
+            c = T if c is None else c
+            if all(np.array_equal(_family(m.shape[0], T, causal, c + (xv if use_x else 0), w), m)
+                   for xv, m in mats.items()):
+                found = (seq_axis, causal, c, x if use_x else None, w)
+                break
+        if found:
+            break
+    if found is None:
+        raise Decline("the mask is not a causal / key-length / sliding-window bound on key positions "
+                      "(valid keys hi(i) - W <= t < hi(i) with hi = [i +] c [+ pos])")
+    return found
+
+
+def _family(S: int, T: int, causal: bool, base: int, w: int | None) -> np.ndarray:
+    i = np.arange(S)[:, None]
+    t = np.arange(T)[None, :]
+    hi = base + (i if causal else 0)
+    valid = t < np.minimum(hi, T)
+    if w is not None:
+        valid &= t >= hi - w            # from the unclamped end
+    return valid
+
+
+def _match(graph: Graph, c: Cluster) -> _AttnMatch:
+    a = _analyse(graph, c)
+    st = a["st"]
+    dims = _dims(graph, a)
+    d1 = a["d1"]
+    shape = graph.tensors[d1.outputs[0]].shape
+    seq_axis, causal, hi_c, hi_x, window = _fit_mask(graph, st["masks"], dims, shape)
+    inner, outer = st["inner"], st["outer"]
+    if st["tanh"]:
+        scale, cap = inner * outer, outer
+    else:
+        scale, cap = inner * outer, None
+    nb = dims["nb"]
+    qf_d1 = list(dims["q_free_d1"])
+    if seq_axis is not None:
+        qf_d1.remove(seq_axis)
+        qf_d1.append(seq_axis)
+    # canonical permutations
+    q, k, v = dims["q"], dims["k"], dims["v"]
+    qfree_of = dict(zip(dims["q_free_d1"], dims["qf"]))
+    q_perm = tuple(dims["qb"]) + tuple(qfree_of[x] for x in qf_d1) + tuple(dims["qc"])
+    k_perm = tuple(dims["kb"]) + tuple(dims["kf"]) + tuple(dims["kc"])
+    v_perm = tuple(dims["v_batch"]) + tuple(dims["vc"]) + tuple(dims["vf"])
+    lab = dims["out_lab"]
+    order = [("b", j) for j in range(nb)] + [("q", x) for x in qf_d1] + [("dv",)]
+    out_perm = tuple(i for i, x in enumerate(lab) if x[0] == "1") + tuple(
+        lab.index(o) for o in order if o in lab)
+    if sorted(out_perm) != list(range(len(lab))):
+        raise Decline("cannot place the output axes")
+    qs, ks, vs = graph.tensors[q].shape, graph.tensors[k].shape, graph.tensors[v].shape
+    batch = tuple(qs[i] for i in dims["qb"])
+    rows = int(np.prod([shape[x] for x in qf_d1])) if qf_d1 else 1
+    S = shape[seq_axis] if seq_axis is not None else rows
+    T, D, Dv = ks[dims["kf"][0]], ks[dims["kc"][0]], vs[dims["vf"][0]]
+    if window is not None and window < 1:
+        raise Decline(f"sliding window of {window} keys")
+    # the decode kernel starts a window at the *clamped* end min(hi, T): when the end can pass T
+    # (hi = pos + c with c > 1, or a static end past T) the prefill kernel keeps jax's numbers
+    clamps = window is not None and (hi_c > 1 if hi_x is not None else hi_c > T)
+    decode = not causal and rows <= DECODE_MAX_ROWS and not clamps
+    if seq_axis is None:
+        S = rows
+    return _AttnMatch(q, k, v, c.outputs[0], q_perm, k_perm, v_perm, out_perm, batch, rows, S, T, D, Dv,
+                      float(scale), None if cap is None else float(cap), causal, int(hi_c), hi_x,
+                      None if window is None else int(window), decode)
+
+
+# --------------------------------------------------------------------------------------------
+# Build
+# --------------------------------------------------------------------------------------------
 
 def _group_size(k: Any, heads: int) -> int:
     """Largest G such that K is identical across each group of G heads (a GQA repeat): read off
@@ -210,32 +688,25 @@ def _group_size(k: Any, heads: int) -> int:
     return 1
 
 
-def _match(graph: Graph, c: Cluster) -> _AttnMatch:
-    m = _match_attention(graph, c)
-    if isinstance(m, str):
-        raise Decline(m)
-    qs = graph.tensors[m.q].shape
-    if not 1 <= len(m.q_dims[0]) <= 2 or int(np.prod([qs[i] for i in m.q_dims[1]])) != 1:
-        raise Decline("not a single-query (decode) attention with (batch, head) or (head) batch dims")
-    return m
-
-
 def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
-    from ..kernels.attention import decode_attention
     from ..kernels.vio import VTensor
-    ks = graph.tensors[m.k].shape
-    H = ks[m.k_dims[0][-1]]                      # the last batch dim is the head axis
-    B = int(np.prod([ks[i] for i in m.k_dims[0]])) // H
-    T, D = ks[m.k_dims[1][0]], ks[m.k_dims[2][0]]
-    Dv = graph.tensors[m.v].shape[m.v_dims[2][0]]
+    H = m.batch[-1] if m.batch else 1
+    B = int(np.prod(m.batch)) // H if m.batch else 1
+    R, T, D, Dv = m.rows, m.T, m.D, m.Dv
 
-    def view(x: VTensor, shape: tuple[int, ...]) -> VTensor:
+    def view(x: Any, perm: tuple[int, ...], shape: tuple[int, ...]) -> VTensor:
+        x = VTensor.of(x)
+        return VTensor(x.layout.transpose(perm).reshape(shape), x.dtype, x.buffers, x.symbols)
+
+    def re(x: VTensor, shape: tuple[int, ...]) -> VTensor:
         return VTensor(x.layout.reshape(shape), x.dtype, x.buffers, x.symbols)
 
     def step(run: Run) -> None:
-        q = view(_canonical(run.vtensor(m.q), m.q_dims), (B, H, 1, D))
-        k = view(_canonical(run.vtensor(m.k), m.k_dims), (B, H, T, D))
-        v = view(_canonical(run.vtensor(m.v), m.v_dims), (B, H, T, Dv))
+        q = view(run.vtensor(m.q), m.q_perm, (B, H, R, D))
+        k = view(run.vtensor(m.k), m.k_perm, (B, H, T, D))
+        v = view(run.vtensor(m.v), m.v_perm, (B, H, T, Dv))
+        out0 = run.out_vtensor(m.out)
+        out = view(out0, m.out_perm, (B, H, R, Dv))
         g = min(_group_size(k, H), _group_size(v, H))
         hk = H // g
 
@@ -244,23 +715,40 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
                 (0,) * 5, (B, hk, 1) + tuple(x.shape[2:])).reshape((B, hk) + tuple(x.shape[2:]))
             return VTensor(lay, x.dtype, x.buffers, x.symbols)
 
-        qg = view(q, (B, hk, g, D))
-        out = run.out_vtensor(m.out)
-        og = view(out, (B, hk, g, Dv))
-        kw = {}
-        if m.pos is not None:
-            kw["pos"] = jnp.asarray(run.value(m.pos), jnp.int32)
-        if m.kv_len is not None:
-            kw["kv_len"] = jnp.asarray(run.value(m.kv_len), jnp.int32)
-        if m.window is not None:
-            kw["window"] = m.window
-        res = decode_attention(qg, per_group(k), per_group(v), sm_scale=m.scale, soft_cap=m.soft_cap,
-                               out=og, backend=backend, **kw)
-        run.written(m.out, out, buffers_of(res))
+        base: Any = m.hi_const
+        if m.hi_scalar is not None:
+            base = jnp.asarray(run.value(m.hi_scalar), jnp.int32).reshape(()) + m.hi_const
+        if m.decode:
+            from ..kernels.attention import decode_attention
+            kw: dict[str, Any] = {}
+            if m.hi_scalar is not None:
+                if m.hi_const == 1:     # keys t <= pos: the decode kernel's own form
+                    kw["pos"] = jnp.asarray(run.value(m.hi_scalar), jnp.int32).reshape(())
+                else:
+                    kw["kv_len"] = base
+            elif m.hi_const < T:
+                kw["kv_len"] = max(int(m.hi_const), 0)
+            if m.window is not None:
+                kw["window"] = m.window
+            res = decode_attention(re(q, (B, hk, g * R, D)), per_group(k), per_group(v),
+                                   sm_scale=m.scale, soft_cap=m.soft_cap, out=re(out, (B, hk, g * R, Dv)),
+                                   backend=backend, **kw)
+        else:
+            from ..kernels.prefill_attention import prefill_attention
+            kw = {}
+            if m.causal:
+                kw.update(causal=True, q_offset=base - 1)
+            elif m.hi_scalar is not None or m.hi_const < T:
+                kw["kv_len"] = base if m.hi_scalar is not None else max(int(m.hi_const), 0)
+            if m.window is not None:
+                kw["window"] = m.window
+            res = prefill_attention(re(q, (B * hk, g * R, D)), re(per_group(k), (B * hk, T, D)),
+                                    re(per_group(v), (B * hk, T, Dv)), seq_len=m.seq, sm_scale=m.scale,
+                                    soft_cap=m.soft_cap, out=re(out, (B * hk, g * R, Dv)),
+                                    backend=backend, **kw)
+        run.written(m.out, out0, buffers_of(res))
 
     return step
-
-
 
 
 TEMPLATE = Template(Kind.ATTENTION, library=False, match=_match, build=_build)
