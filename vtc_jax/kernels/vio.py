@@ -294,12 +294,15 @@ class VRef:
         env.update({Sym(k): v.astype(jnp.int32) for k, v in self.syms.items()})
         return env, inb
 
-    def _piece_mask(self, p: Piece, env: dict[Atom, Any], inb: Any) -> Any:
+    def _piece_mask(self, p: Piece, env: dict[Atom, Any], inb: Any, block: Sequence[int]) -> Any:
+        """The piece's lanes in this block (None: all). Conditions on runtime symbols alone (a
+        concat piece picked by ``pos``) give a scalar: broadcast to the block."""
         masks = [inb]
         bounds = p.map.bounds
         for c in p.where + p.map.conds:
             masks.append(_cond_mask(c, env, bounds))
-        return _all(masks)
+        m = _all(masks)
+        return m if m is None or tuple(m.shape) == tuple(block) else jnp.broadcast_to(m, tuple(block))
 
     def _strided_index(self, p: Piece, sb: Any, origin: Sequence[Any], block: Sequence[int],
                        env: dict[Atom, Any]) -> tuple[Any, ...]:
@@ -325,7 +328,7 @@ class VRef:
             result = jnp.full(block, r.value, dtype) if rmask is None else \
                 jnp.where(rmask, jnp.asarray(r.value, dtype), result)
         for p in layout.pieces:
-            mask = self._piece_mask(p, env, inb)
+            mask = self._piece_mask(p, env, inb, block)
             val = self._load_piece(p, origin, block, env, mask).astype(dtype)
             result = val if mask is None else jnp.where(mask, val, result)
         return result
@@ -355,7 +358,7 @@ class VRef:
                 continue
 
             def write(p: Piece = p) -> None:
-                mask = self._piece_mask(p, env, inb)
+                mask = self._piece_mask(p, env, inb, block)
                 self._store_piece(p, origin, block, env, mask, value)
 
             if hit is None:
