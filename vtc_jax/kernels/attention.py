@@ -63,7 +63,13 @@ from jax.experimental import pallas as pl
 
 from .vio import Plan, VTensor, next_pow2
 
-__all__ = ["decode_attention", "default_num_splits", "NUM_SMS"]
+__all__ = ["decode_attention", "default_num_splits", "normalise", "NUM_SMS"]
+
+
+def _empty_nan(empty_rows: str) -> bool:
+    if empty_rows not in ("zero", "nan"):
+        raise ValueError(f"empty_rows must be 'zero' or 'nan', got {empty_rows!r}")
+    return empty_rows == "nan"
 
 NUM_SMS = 132          # H100 SXM: the default split count aims to give every SM a program
 MIN_DOT = 16           # tt.dot wants M, N, K >= 16
@@ -127,13 +133,21 @@ class _Cfg:
     hi_offset: int            # runtime end = scalar + hi_offset (pos + 1, or kv_len + 0)
     compute: np.dtype
     precision: Any
+    empty_nan: bool = False   # a row with no valid key is NaN (jax's softmax of all -inf), else 0
+
+
+def normalise(acc: jax.Array, l: jax.Array, empty_nan: bool) -> jax.Array:
+    """``acc / l`` per row; a row with no valid key (``l == 0``) is 0, or NaN where the program's
+    mask is ``-inf`` (``jax.nn.softmax`` of an all ``-inf`` row is NaN)."""
+    o = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    return jnp.where((l > 0)[:, None], o, jnp.nan) if empty_nan else o
 
 
 def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = None,
                      sm_scale: float | None = None, soft_cap: float | None = None,
                      window: int | None = None, out: VTensor | None = None, block_k: int = 64,
                      num_splits: int | None = None, num_warps: int = 8, num_stages: int | None = None,
-                     backend: str = "interpret") -> Any:
+                     backend: str = "interpret", empty_rows: str = "zero") -> Any:
     """Single-token (decode) attention ``softmax(mask(cap(q·kᵀ·scale)))·v`` per query head.
 
     q: logical (B, Hkv, G, D); k: (B, Hkv, T, D); v: (B, Hkv, T, Dv) — :class:`vio.VTensor` or
@@ -229,7 +243,8 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
                soft_cap=None if soft_cap is None else float(soft_cap),
                window=None if window is None else int(window), hi_static=hi_static,
                hi_offset=hi_offset, compute=compute,
-               precision=lax.Precision.HIGHEST if compute == np.float32 else None)
+               precision=lax.Precision.HIGHEST if compute == np.float32 else None,
+               empty_nan=_empty_nan(empty_rows))
 
     if S == 1:
         plan = Plan.build([q, k, v], [out])
@@ -310,7 +325,7 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     # Stage 3.
     if c.S == 1:
         (o_ref,) = outs
-        o = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        o = normalise(acc, l, c.empty_nan)
         o = _fold_rows(o, c.G, c.Gs).astype(o_ref.binding.dtype)
         o_ref.store((b, h, 0, 0), (1, 1, c.Gs, c.Dvp), o.reshape(1, 1, c.Gs, c.Dvp))
         return
@@ -339,5 +354,5 @@ def _combine_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     init = (jnp.full((c.Gs,), _NEG, jnp.float32), jnp.zeros((c.Gs,), jnp.float32),
             jnp.zeros((c.Gs, c.Dvp), jnp.float32))
     _, l, acc = lax.fori_loop(0, c.S, step, init)
-    o = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.binding.dtype)
+    o = normalise(acc, l, c.empty_nan).astype(o_ref.binding.dtype)
     o_ref.store((b, h, 0, 0), (1, 1, c.Gs, c.Dvp), o.reshape(1, 1, c.Gs, c.Dvp))

@@ -47,6 +47,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .attention import normalise
 from .vio import Plan, VTensor, next_pow2
 
 __all__ = ["prefill_attention"]
@@ -80,6 +81,7 @@ class _Cfg:
     soft_cap: float | None
     compute: np.dtype
     precision: Any
+    empty_nan: bool = False   # a row with no valid key is NaN (an all -inf softmax row), else 0
 
 
 def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset: Any = 0,
@@ -87,7 +89,7 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
                       sm_scale: float | None = None, soft_cap: float | None = None,
                       out: VTensor | None = None, block_q: int = 64, block_k: int = 64,
                       num_warps: int | None = None, num_stages: int | None = None,
-                      backend: str = "interpret") -> Any:
+                      backend: str = "interpret", empty_rows: str = "zero") -> Any:
     """Flash attention ``softmax(mask(cap(q·kᵀ·scale)))·v`` for many query rows.
 
     q: logical (Z, M, D); k: (Z, T, D); v: (Z, T, Dv) — VTensors or arrays.
@@ -165,7 +167,8 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
                hi_static=hi_static, window=None if window is None else int(window),
                scale=float(1.0 / math.sqrt(D) if sm_scale is None else sm_scale),
                soft_cap=None if soft_cap is None else float(soft_cap), compute=compute,
-               precision=lax.Precision.HIGHEST if compute == np.float32 else None)
+               precision=lax.Precision.HIGHEST if compute == np.float32 else None,
+               empty_nan={"zero": False, "nan": True}[empty_rows])
     plan = Plan.build([q, k, v], [out])
     nq = -(-M // bq)
     (res,) = plan.call(lambda ins, outs: _body(cfg, ins, outs), grid=(Z, nq), backend=backend,
@@ -224,5 +227,5 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     init = (jnp.full((c.bq,), _NEG, jnp.float32), jnp.zeros((c.bq,), jnp.float32),
             jnp.zeros((c.bq, c.Dvp), jnp.float32))
     _, l, acc = lax.fori_loop(j0, j1, step, init)
-    o = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.binding.dtype)
+    o = normalise(acc, l, c.empty_nan).astype(o_ref.binding.dtype)
     o_ref.store((z, r0, 0), (1, c.bq, c.Dvp), o.reshape(1, c.bq, c.Dvp))

@@ -13,9 +13,10 @@ the step it did not recognise. Accepted between q·k and p·v:
   biases ``s + b`` where ``b`` only takes the values 0 and a large negative. ``neg`` may be
   ``-inf``, ``finfo.min`` or any value ``<= NEG_BOUND`` (-1e4): the kernel treats such lanes as
   -inf, which equals jax's numbers whenever a row has one valid key (``exp(neg + s - max)``
-  underflows to exactly 0 in f32 for scores of magnitude < ~5e3). The one semantic difference: a
-  row with *no* valid key gives NaN (``-inf``) or the average of all values (finite ``neg``) in
-  jax, and 0 from the kernels. Scaling after a mask must keep the masked value <= NEG_BOUND.
+  underflows to exactly 0 in f32 for scores of magnitude < ~5e3). A row with *no* valid key (a
+  runtime position outside ``[0, T)``) is NaN in jax for a ``-inf`` select mask, and so it is
+  from the kernels (``empty_rows="nan"``); for a finite ``neg`` or an additive bias jax gives the
+  average of all values and the kernels 0 — the one semantic difference left. Scaling after a mask must keep the masked value <= NEG_BOUND.
 * softmax: ``jax.nn.softmax`` or by hand (``exp(x - max) / sum``, ``stop_gradient`` on the max,
   ``e * (1 / sum)``), f32 up/down casts, reshapes/transposes that keep the axes, in any order of
   the dimensions (the reductions must be over the key axis).
@@ -86,6 +87,7 @@ class _AttnMatch:
     hi_scalar: int | None       # runtime scalar tensor x (None: static)
     window: int | None
     decode: bool
+    empty_nan: bool = False     # every mask fills -inf: a row with no valid key is NaN, as in jax
 
     @property
     def kernel(self) -> str:
@@ -667,7 +669,9 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
         S = rows
     return _AttnMatch(q, k, v, c.outputs[0], q_perm, k_perm, v_perm, out_perm, batch, rows, S, T, D, Dv,
                       float(scale), None if cap is None else float(cap), causal, int(hi_c), hi_x,
-                      None if window is None else int(window), decode)
+                      None if window is None else int(window), decode,
+                      bool(st["masks"]) and all(mk.keep is not None and mk.fill is not None and np.isneginf(mk.fill)
+                                                for mk in st["masks"]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -732,7 +736,7 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
                 kw["window"] = m.window
             res = decode_attention(re(q, (B, hk, g * R, D)), per_group(k), per_group(v),
                                    sm_scale=m.scale, soft_cap=m.soft_cap, out=re(out, (B, hk, g * R, Dv)),
-                                   backend=backend, **kw)
+                                   backend=backend, empty_rows="nan" if m.empty_nan else "zero", **kw)
         else:
             from ..kernels.prefill_attention import prefill_attention
             kw = {}
@@ -745,7 +749,7 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
             res = prefill_attention(re(q, (B * hk, g * R, D)), re(per_group(k), (B * hk, T, D)),
                                     re(per_group(v), (B * hk, T, Dv)), seq_len=m.seq, sm_scale=m.scale,
                                     soft_cap=m.soft_cap, out=re(out, (B * hk, g * R, Dv)),
-                                    backend=backend, **kw)
+                                    backend=backend, empty_rows="nan" if m.empty_nan else "zero", **kw)
         run.written(m.out, out0, buffers_of(res))
 
     return step
