@@ -63,7 +63,7 @@ from jax.experimental import pallas as pl
 
 from .vio import Plan, VTensor, next_pow2
 
-__all__ = ["decode_attention", "default_num_splits", "normalise", "NUM_SMS"]
+__all__ = ["decode_attention", "default_num_splits", "normalise", "softmax_block", "NUM_SMS"]
 
 
 def _empty_nan(empty_rows: str) -> bool:
@@ -134,6 +134,24 @@ class _Cfg:
     compute: np.dtype
     precision: Any
     empty_nan: bool = False   # a row with no valid key is NaN (jax's softmax of all -inf), else 0
+
+
+def softmax_block(qt: jax.Array, kb: jax.Array, vb: jax.Array, valid: jax.Array, carry: tuple, *,
+                  scale: float, soft_cap: float | None, compute: Any, precision: Any) -> tuple:
+    """Stage 2 of both attention kernels: fold one K/V block into the running (max, sum, acc)
+    of the online softmax, in f32; lanes not ``valid`` score ``-inf``."""
+    m_prev, l_prev, acc_prev = carry
+    sc = jnp.dot(qt, kb.T, preferred_element_type=jnp.float32, precision=precision)
+    sc = sc * scale
+    if soft_cap is not None:
+        sc = soft_cap * jnp.tanh(sc / soft_cap)
+    sc = jnp.where(valid, sc, -jnp.inf)
+    m_next = jnp.maximum(m_prev, sc.max(axis=1))
+    corr = jnp.exp(m_prev - m_next)
+    p = jnp.exp(sc - m_next[:, None])
+    l_next = l_prev * corr + p.sum(axis=1)
+    pv = jnp.dot(p.astype(compute), vb, preferred_element_type=jnp.float32, precision=precision)
+    return m_next, l_next, acc_prev * corr[:, None] + pv
 
 
 def normalise(acc: jax.Array, l: jax.Array, empty_nan: bool) -> jax.Array:
@@ -301,22 +319,12 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
         kb = k_ref.load((b, h, t0, 0), (1, 1, c.bk, c.Dp)).reshape(c.bk, c.Dp).astype(c.compute)
         vb = v_ref.load((b, h, t0, 0), (1, 1, c.bk, c.Dvp)).reshape(c.bk, c.Dvp).astype(c.compute)
         # Stage 2: scores and the online softmax, in f32.
-        sc = jnp.dot(qt, kb.T, preferred_element_type=jnp.float32, precision=c.precision)
-        sc = sc * c.scale
-        if c.soft_cap is not None:
-            sc = c.soft_cap * jnp.tanh(sc / c.soft_cap)
         t = lanes + t0
         valid = t < hi
         if c.window is not None:
             valid = valid & (t >= lo)
-        sc = jnp.where(valid, sc, -jnp.inf)
-        m_next = jnp.maximum(m_prev, sc.max(axis=1))
-        corr = jnp.exp(m_prev - m_next)
-        p = jnp.exp(sc - m_next[:, None])
-        l_next = l_prev * corr + p.sum(axis=1)
-        pv = jnp.dot(p.astype(c.compute), vb, preferred_element_type=jnp.float32,
-                     precision=c.precision)
-        return m_next, l_next, acc_prev * corr[:, None] + pv
+        return softmax_block(qt, kb, vb, valid, (m_prev, l_prev, acc_prev), scale=c.scale,
+                             soft_cap=c.soft_cap, compute=c.compute, precision=c.precision)
 
     init = (jnp.full((c.Gp,), _NEG, jnp.float32), jnp.zeros((c.Gp,), jnp.float32),
             jnp.zeros((c.Gp, c.Dvp), jnp.float32))

@@ -41,13 +41,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .attention import normalise
+from .attention import normalise, softmax_block
 from .vio import Plan, VTensor, next_pow2
 
 __all__ = ["prefill_attention"]
@@ -207,22 +206,12 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
         t0 = j * c.bk
         kb = k_ref.load((z, t0, 0), (1, c.bk, c.Dp)).reshape(c.bk, c.Dp).astype(c.compute)
         vb = v_ref.load((z, t0, 0), (1, c.bk, c.Dvp)).reshape(c.bk, c.Dvp).astype(c.compute)
-        sc = jnp.dot(qt, kb.T, preferred_element_type=jnp.float32, precision=c.precision)
-        sc = sc * c.scale
-        if c.soft_cap is not None:
-            sc = c.soft_cap * jnp.tanh(sc / c.soft_cap)
         t = lanes + t0
         valid = t < hi
         if lo is not None:
             valid = valid & (t >= lo)
-        sc = jnp.where(valid, sc, -jnp.inf)
-        m_next = jnp.maximum(m_prev, sc.max(axis=1))
-        corr = jnp.exp(m_prev - m_next)
-        p = jnp.exp(sc - m_next[:, None])
-        l_next = l_prev * corr + p.sum(axis=1)
-        pv = jnp.dot(p.astype(c.compute), vb, preferred_element_type=jnp.float32,
-                     precision=c.precision)
-        return m_next, l_next, acc_prev * corr[:, None] + pv
+        return softmax_block(qt, kb, vb, valid, (m_prev, l_prev, acc_prev), scale=c.scale,
+                             soft_cap=c.soft_cap, compute=c.compute, precision=c.precision)
 
     init = (jnp.full((c.bq,), _NEG, jnp.float32), jnp.zeros((c.bq,), jnp.float32),
             jnp.zeros((c.bq, c.Dvp), jnp.float32))
