@@ -1,0 +1,145 @@
+"""The model zoo (tests/zoo, issue #9) against ``jax.jit``, in the ways users call a step.
+
+For every model, ``vtc_jax.optimize(step, backend="interpret")`` must equal ``jax.jit(step)``
+(max |diff| <= 1e-5 x max |ref| for f32, 2e-2 for bf16) in four modes:
+
+* ``plain``   — called directly;
+* ``donated`` — caches donated (``donate_argnums`` on the cache arguments; vision models have no
+  cache, so their input ``x`` is donated); fresh ``jnp.array`` copies are passed each call;
+* ``vmap``    — ``jax.vmap(vtc_jax.optimize(step))`` over a new leading axis of size 2 on ``x``
+  (and the caches) vs ``jax.vmap(jax.jit(step))``;
+* ``nested``  — ``jax.jit(lambda *a: vtc_jax.optimize(step)(*a))``.
+
+``VTCFallbackWarning``s are recorded (attached to the test's output), never errors. A mode that
+does not work today is an ``xfail(strict=True)`` with the exact error, listed in ``XFAIL``.
+``test_explain_paper`` analyses each step at paper size (ShapeDtypeStructs) and pins a lower bound
+on the movement ops eliminated (the count measured when the zoo was written).
+"""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vtc_jax
+from tests.zoo import gemma_flax, llama_pure, prefill, vision
+
+# name -> (step, example_args, donated argnums, vmapped argnums)
+MODELS = {
+    "llama_pure[where_ninf]": (llama_pure.make_step("where_ninf"), llama_pure.example_args, (2,), (1, 2)),
+    "llama_pure[where_finfo]": (llama_pure.make_step("where_finfo"), llama_pure.example_args, (2,), (1, 2)),
+    "llama_pure[additive_1e30]": (llama_pure.make_step("additive_1e30"), llama_pure.example_args, (2,), (1, 2)),
+    "gemma_flax": (gemma_flax.step, gemma_flax.example_args, (2, 3), (1, 2, 3)),
+    "prefill": (prefill.step, prefill.example_args, (2, 3), (1, 2, 3)),
+    "prefill[sdpa]": (prefill.step_sdpa, prefill.example_args, (2, 3), (1, 2, 3)),
+    **{f"vision[{n}]": (s, a, (1,), (1,)) for n, (s, a) in vision.MODELS.items()},
+}
+MODES = ("plain", "donated", "vmap", "nested")
+
+# (model, mode) -> the exact error of a mode that fails today.
+XFAIL: dict = {}
+
+# model -> len(report.eliminated) measured at paper size (a lower bound from here on).
+ELIMINATED = {
+    "llama_pure[where_ninf]": 33,      # of 42 movement ops
+    "llama_pure[where_finfo]": 32,     # of 41
+    "llama_pure[additive_1e30]": 32,   # of 41
+    "gemma_flax": 40,                  # of 41
+    "prefill": 16,                     # of 18
+    "prefill[sdpa]": 13,               # of 16
+    "vision[shufflenet]": 22,          # of 23
+    "vision[c3k2]": 32,                # of 32
+    "vision[linattn]": 27,             # of 27
+}
+
+# The heaviest cases (> 7 s each on one CPU core after the model's first compile): deselect with
+# ``-m "not slow"``; the whole file runs in about 3.5 minutes on one core.
+SLOW: set = {("gemma_flax", "vmap"), ("vision[c3k2]", "vmap"), ("gemma_flax", "donated"),
+             ("gemma_flax", "nested")}
+
+
+def _tol(x):
+    return 2e-2 if jnp.asarray(x).dtype == jnp.bfloat16 else 1e-5
+
+
+def check_close(out, ref):
+    la, lb = jax.tree.leaves(out), jax.tree.leaves(ref)
+    assert len(la) == len(lb)
+    for a, b in zip(la, lb):
+        tol = _tol(b)
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert a.shape == b.shape
+        finite = np.isfinite(b)
+        assert (np.isfinite(a) == finite).all()
+        err = np.max(np.abs(a - b)[finite], initial=0.0)
+        scale = np.max(np.abs(b[finite]), initial=0.0)
+        assert err <= tol * max(scale, 1e-30), (err, scale)
+
+
+def _copy(tree):
+    return jax.tree.map(lambda v: jnp.array(v, copy=True) if isinstance(v, jax.Array) else v, tree)
+
+
+def _batch(args, axes):
+    """A new leading axis of size 2 on the arguments in ``axes`` (second copy scaled by 0.5)."""
+    out = list(args)
+    for i in axes:
+        out[i] = jax.tree.map(lambda v: jnp.stack([v, (v * 0.5).astype(v.dtype)]), args[i])
+    return tuple(out)
+
+
+def _run(mode, step, args, donate, axes):
+    if mode == "plain":
+        return vtc_jax.optimize(step, backend="interpret")(*args), jax.jit(step)(*args)
+    if mode == "donated":
+        ref = jax.jit(step)(*_copy(args))
+        opt = vtc_jax.optimize(step, backend="interpret", donate_argnums=donate)
+        out = opt(*_copy(args))
+        out2 = opt(*_copy(args))          # a second call: donation must not have eaten anything it reuses
+        check_close(out2, ref)
+        return out, ref
+    if mode == "vmap":
+        bargs = _batch(args, axes)
+        in_axes = tuple(0 if i in axes else None for i in range(len(args)))
+        out = jax.vmap(vtc_jax.optimize(step, backend="interpret"), in_axes=in_axes)(*bargs)
+        return out, jax.vmap(jax.jit(step), in_axes=in_axes)(*bargs)
+    if mode == "nested":
+        opt = vtc_jax.optimize(step, backend="interpret")
+        return jax.jit(lambda *a: opt(*a))(*args), jax.jit(step)(*args)
+    raise ValueError(mode)
+
+
+def _cases():
+    for name in MODELS:
+        for mode in MODES:
+            marks = []
+            if (name, mode) in XFAIL:
+                marks.append(pytest.mark.xfail(strict=True, reason=XFAIL[(name, mode)]))
+            if (name, mode) in SLOW:
+                marks.append(pytest.mark.slow)
+            yield pytest.param(name, mode, marks=marks, id=f"{name}-{mode}")
+
+
+@pytest.mark.parametrize("name,mode", list(_cases()))
+def test_zoo_matches_jit(name, mode, record_property):
+    step, example_args, donate, axes = MODELS[name]
+    args = example_args("small")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", vtc_jax.VTCFallbackWarning)
+        out, ref = _run(mode, step, args, donate, axes)
+    check_close(out, ref)
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, vtc_jax.VTCFallbackWarning)]
+    record_property("fallbacks", fallbacks)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if ("explain", n) in SLOW else [])
+                                  for n in MODELS])
+def test_explain_paper(name):
+    step, example_args, _, _ = MODELS[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        report = vtc_jax.explain(step)(*example_args("paper"))
+    assert len(report.movement) > 0
+    assert len(report.eliminated) >= ELIMINATED[name], (len(report.eliminated), len(report.movement))
+    print(f"{name}: {len(report.eliminated)}/{len(report.movement)} eliminated")
