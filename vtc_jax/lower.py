@@ -213,6 +213,27 @@ class _Run:
                 lay = Layout.assemble(self.graph.tensors[t].shape, [(self._home(e.dst), e.map, e.box)])
                 self.scatter(t, lay, value)
 
+    def _store_window(self, lay: Layout, value: Any) -> bool:
+        """Write ``value`` into its buffer with ``dynamic_update_slice`` when the layout is one
+        unit-strided piece that keeps the dims in order (a concat slab, a cache row)."""
+        if len(lay.pieces) != 1 or lay.fills or lay.pieces[0].where:
+            return False
+        p = lay.pieces[0]
+        sb = p.map.strided_box()
+        if sb is None or any(j is not None and k != 1 for j, k, _ in sb):
+            return False
+        mapped = [j for j, _, _ in sb if j is not None]
+        if mapped != sorted(mapped) or any(n != 1 for j, n in enumerate(lay.shape) if j not in mapped):
+            return False   # dims must keep their order; a virtual dim with no home must be size 1
+        syms = dict(self.symbols(lay))
+        starts = [jnp.asarray(off.evaluate({_sym(k): v for k, v in syms.items()}, jnp), jnp.int32)
+                  for _, _, off in sb]
+        shape = [lay.shape[j] if j is not None else 1 for j, _, _ in sb]
+        ti = self.graph.tensors[p.target]
+        buf = self.env.get(p.target, jnp.zeros(ti.shape, ti.dtype))
+        self.env[p.target] = lax.dynamic_update_slice(buf, value.astype(buf.dtype).reshape(shape), starts)
+        return True
+
     def _home(self, t: int) -> Layout:
         return self.layout(t) if self.is_virtual(t) else Layout.physical(t, self.graph.tensors[t].shape)
 
@@ -224,9 +245,9 @@ class _Run:
             # a one-to-one op (reshape, transpose, ...): its output is the op applied to t
             self.store(e.dst, op.prim.bind(*(value if x == t else self.value(x) for x in op.inputs), **op.params))
             return True
-        if self.is_virtual(e.dst):
-            return False
-        lay = Layout.assemble(g.tensors[t].shape, [(Layout.physical(e.dst, g.tensors[e.dst].shape), e.map, e.box)])
+        # a slab or a row of its home (through the home's own layout when that is virtual, e.g. a
+        # cache updated in place): a dynamic_update_slice when the composed layout is a window
+        lay = Layout.assemble(g.tensors[t].shape, [(self._home(e.dst), e.map, e.box)])
         return self._store_window(lay, value)
 
 def _sym(name: str) -> Any:
