@@ -132,3 +132,19 @@ def test_shufflenet_boundary_has_no_gather_or_scatter():
     base = cross_lower(jax.jit(S.step), *args).text
     for op in ("stablehlo.gather", "stablehlo.scatter"):
         assert text.count(op) <= base.count(op), op
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_two_outputs_of_one_kernel_written_into_one_concat(dtype):
+    """One pointwise kernel produces both pieces of a concatenation (fuzz repro 5): the two
+    outputs share the concat's buffer, so both pieces land in it (they used to come back as two
+    buffers, one holding only its own piece: NaN in the other)."""
+    def fn(k, a):
+        c = a.astype(dtype)
+        return jnp.concatenate([k[:, :2] * c, k[:, 2:] * c], axis=-1)
+
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((1, 4)), dtype)
+    a = rng.standard_normal((1, 1)).astype(np.float32)
+    _, out = _optimize(fn, k, a)
+    check_close(out, jax.jit(fn)(k, a), rtol=1e-5 if dtype == jnp.float32 else 2e-2)

@@ -67,6 +67,7 @@ class _Run:
     gathers: list[str]
     env: dict[int, Any] = field(default_factory=dict)     # physical tensor -> current buffer
     vals: dict[int, Any] = field(default_factory=dict)    # XLA-computed values of virtual tensors
+    fresh: dict[int, Any] = field(default_factory=dict)   # unallocated buffers handed to kernels
 
     @property
     def res(self) -> Resolution:
@@ -159,9 +160,9 @@ class _Run:
                 bufs.append(self.env[tid])
             elif self.graph.tensors[tid].const is not None:  # a read edge onto a literal/const
                 bufs.append(jnp.asarray(self.graph.tensors[tid].const))
-            elif fresh_ok:
+            elif fresh_ok:   # one object per unwritten buffer: a kernel's outputs sharing it share a slot
                 ti = self.graph.tensors[tid]
-                bufs.append(jax.ShapeDtypeStruct(ti.shape, ti.dtype))
+                bufs.append(self.fresh.setdefault(tid, jax.ShapeDtypeStruct(ti.shape, ti.dtype)))
             else:
                 raise RuntimeError(f"t{tid} is read before any kernel wrote it")
         return VTensor(dataclasses.replace(layout, pieces=pieces), dtype, tuple(bufs), self.symbols(layout))

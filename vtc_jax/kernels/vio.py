@@ -193,13 +193,25 @@ class Plan:
                 args.append(b.reshape(-1) if f else b)
             in_b.append(_Binding(v.layout, v.dtype, tuple(tuple(b.shape) for b in v.buffers),
                                  tuple(np.dtype(b.dtype) for b in v.buffers), flat, tuple(slots)))
+        # One output slot per distinct buffer object: two outputs written into one buffer (the
+        # pieces of a concatenation a multi-output kernel produces) share it, or each would come
+        # back as its own copy holding only its own pieces.
+        shared_flat: dict[int, bool] = {}
+        for v in outputs:
+            for b, f in zip(v.buffers, flat_flags(v)):
+                shared_flat[id(b)] = shared_flat.get(id(b), False) or f
+        slot_of: dict[int, int] = {}
         out_b = []
         for v in outputs:
             collect_syms(v)
-            flat = flat_flags(v)
+            flat = tuple(shared_flat[id(b)] for b in v.buffers)
             slots = []
             for b, f in zip(v.buffers, flat):
+                if id(b) in slot_of:
+                    slots.append(slot_of[id(b)])
+                    continue
                 shape = (math.prod(b.shape),) if f else tuple(b.shape)
+                slot_of[id(b)] = len(out_shape)
                 slots.append(len(out_shape))
                 if not _is_fresh(b):
                     aliases[len(args)] = len(out_shape)
