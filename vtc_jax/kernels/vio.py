@@ -32,9 +32,9 @@ How a piece is accessed (cheapest first)
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import jax
@@ -43,13 +43,11 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..indexmap import Atom, Dim, Expr, Layout, Piece, Sym, SymInfo
+from ..indexmap import Atom, Dim, Expr, Layout, Piece, Sym
+from .tiling import next_pow2
 
-__all__ = ["VTensor", "VRef", "Plan", "compiler_params", "next_pow2"]
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
+__all__ = ["VTensor", "VRef", "Plan", "compiler_params", "next_pow2", "broadcast_input",
+           "epilogue_input", "output", "outputs", "pack_results"]
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 2) -> Any:
@@ -106,6 +104,45 @@ class VTensor:
     def of(x: Any) -> "VTensor":
         return x if isinstance(x, VTensor) else VTensor.physical(jnp.asarray(x))
 
+    # -- views: the same buffers and symbols under another layout (no data movement) ----------
+    def with_layout(self, layout: Layout) -> "VTensor":
+        """The same buffers and symbols seen through ``layout`` (re-validated)."""
+        return dataclasses.replace(self, layout=layout)
+
+    def with_symbol(self, name: str, value: Any) -> "VTensor":
+        """One more runtime symbol (an int32 scalar the kernel can read as ``VRef.syms[name]``)."""
+        if name in dict(self.symbols):
+            raise ValueError(f"VTensor already carries a runtime symbol named {name!r}")
+        return dataclasses.replace(self, symbols=self.symbols + ((name, value),))
+
+    def transpose(self, perm: Sequence[int]) -> "VTensor":
+        """``lax.transpose`` as a layout (``self`` when ``perm`` is the identity)."""
+        perm = tuple(int(p) for p in perm)
+        return self if perm == tuple(range(len(self.shape))) else self.with_layout(self.layout.transpose(perm))
+
+    def reshape(self, shape: Sequence[int]) -> "VTensor":
+        """Row-major ``reshape`` as a layout."""
+        return self.with_layout(self.layout.reshape(tuple(int(n) for n in shape)))
+
+    def expand_dims(self, axes: Sequence[int]) -> "VTensor":
+        """New size-1 dims at ``axes`` (positions in the result), as a layout."""
+        return self.with_layout(self.layout.expand_dims(tuple(axes)))
+
+    def broadcast_to(self, shape: Sequence[int]) -> "VTensor":
+        """Numpy broadcasting to ``shape`` as a broadcast layout (``self`` when the shape matches):
+        the broadcast tensor is never materialised."""
+        shape = tuple(int(n) for n in shape)
+        src = self.shape
+        if src == shape:
+            return self
+        try:
+            ok = len(src) <= len(shape) and np.broadcast_shapes(src, shape) == shape
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"cannot broadcast {src} to {shape}")
+        return self.with_layout(self.layout.broadcast(shape, tuple(range(len(shape) - len(src), len(shape)))))
+
     def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         return (self.buffers, tuple(v for _, v in self.symbols)), (self.layout, self.dtype,
                                                                    tuple(k for k, _ in self.symbols))
@@ -119,6 +156,79 @@ class VTensor:
 
 def _is_fresh(b: Any) -> bool:
     return isinstance(b, jax.ShapeDtypeStruct)
+
+
+# --------------------------------------------------------------------------------------------
+# A template's inputs and outputs (shared by every entry point)
+# --------------------------------------------------------------------------------------------
+
+def broadcast_input(x: Any, shape: Sequence[int]) -> VTensor:
+    """An input of logical ``shape``: a VTensor (broadcast if its shape is smaller) or an array
+    (numpy broadcasting rules, expressed as a broadcast layout onto the array itself; a rank-0
+    array is viewed as a (1,) buffer)."""
+    shape = tuple(int(n) for n in shape)
+    if isinstance(x, VTensor):
+        return x.broadcast_to(shape)
+    x = jnp.asarray(x)
+    if tuple(x.shape) != shape and x.ndim == 0:
+        x = x.reshape(1)
+    return VTensor.physical(x).broadcast_to(shape)
+
+
+def epilogue_input(x: Any, shape: Sequence[int]) -> VTensor:
+    """An epilogue argument of a kernel whose output has logical ``shape`` (matmul, conv): a
+    VTensor of exactly that shape, or an array broadcast to it (numpy rules) through a broadcast
+    layout — a bias vector is never materialised at the output's size."""
+    shape = tuple(int(n) for n in shape)
+    if isinstance(x, VTensor):
+        if tuple(x.shape) != shape:
+            raise ValueError(f"epilogue VTensor has shape {x.shape}, the output is {shape}: "
+                             "give it a broadcast layout")
+        return x
+    return VTensor.physical(jnp.asarray(x)).broadcast_to(shape)
+
+
+def output(out: VTensor | None, shape: Sequence[int], dtype: Any, what: str = "expected") -> VTensor:
+    """A single-output kernel's output: ``out`` (checked to have logical ``shape``; the error says
+    ``out has logical shape .., {what} {shape}``) or a fresh physical array of ``dtype``."""
+    shape = tuple(int(n) for n in shape)
+    if out is None:
+        return VTensor.fresh(shape, np.dtype(dtype))
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out has logical shape {out.shape}, {what} {shape}")
+    return out
+
+
+def outputs(outs: Any, shapes: Sequence[Sequence[int]], dtypes: Sequence[Any]
+            ) -> tuple[list[VTensor], list[bool]]:
+    """(output VTensors, lifted) for a kernel with one output per entry of ``shapes``.
+
+    ``outs``: None (fresh physical arrays of ``dtypes``), a VTensor or a sequence of them, checked
+    against ``shapes``. A fresh rank-0 output gets a (1,) buffer (``lifted``; blocks have rank >= 1)
+    that :func:`pack_results` turns back into a rank-0 array.
+    """
+    shapes = [tuple(int(n) for n in s) for s in shapes]
+    if outs is None:
+        lifted = [s == () for s in shapes]
+        return [VTensor.fresh((1,) if s == () else s, d) for s, d in zip(shapes, dtypes)], lifted
+    vouts = [outs] if isinstance(outs, VTensor) else list(outs)
+    if len(vouts) != len(shapes):
+        raise ValueError(f"{len(vouts)} outs for {len(shapes)} outputs")
+    for i, (v, s) in enumerate(zip(vouts, shapes)):
+        if v.shape != s:
+            raise ValueError(f"output {i} has shape {v.shape}, expected {s}")
+    return vouts, [False] * len(vouts)
+
+
+def pack_results(bufs: Sequence[tuple[Any, ...]], lifted: Sequence[bool] = ()) -> list[Any]:
+    """What entry points return per output, from ``Plan.call``'s buffers: its physical buffer, or
+    the tuple of its buffers when the output VTensor has several; lifted outputs as rank 0."""
+    packed = []
+    for i, b in enumerate(bufs):
+        if i < len(lifted) and lifted[i]:
+            b = (b[0].reshape(()),)
+        packed.append(b[0] if len(b) == 1 else tuple(b))
+    return packed
 
 
 def _unit_strided(p: Piece) -> tuple[tuple[int | None, int, Expr], ...] | None:
