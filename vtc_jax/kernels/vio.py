@@ -429,6 +429,11 @@ class VRef:
         env, inb = self._env(origin, block)
         dtype = self.binding.dtype
         layout = self.binding.layout
+        if len(layout.pieces) == 1 and not layout.fills and _is_plus_zero(fill) and \
+                self._zeroes_masked_lanes(layout.pieces[0], block):
+            # The masked load itself reads +0 on exactly the masked lanes: nothing to merge.
+            p = layout.pieces[0]
+            return self._load_piece(p, origin, block, env, self._piece_mask(p, env, inb)).astype(dtype)
         result = jnp.full(block, fill, dtype)
         for r in reversed(layout.fills):   # borders of pads: the first region containing a lane wins
             rmask = _all([inb, *(_cond_mask(c, env, None) for c in r.where)])
@@ -439,6 +444,25 @@ class VRef:
             val = self._load_piece(p, origin, block, env, mask).astype(dtype)
             result = val if mask is None else jnp.where(mask, val, result)
         return result
+
+    def _zeroes_masked_lanes(self, p: Piece, block: tuple[int, ...]) -> bool:
+        """Whether ``_load_piece``'s masked load alone gives what the merge with a zero fill would.
+
+        It reads 0 on every lane outside its mask: always for a gather; for a strided box unless a
+        block dim wider than 1 has no home in the buffer (a broadcast read, whose folded mask lets
+        lanes outside the block's mask read the shared element). A strided box that is transposed
+        in registers also keeps the select: without it XLA:CPU folds the transpose into a consuming
+        dot, whose summation order then changes and interpret mode would no longer be bit-identical
+        (on Triton the select is a few cheap ops next to a register transpose).
+        """
+        sb = None if self.binding.flat[p.target] else _unit_strided(p)
+        if sb is None:
+            return True
+        mapped = [j for j, _, _ in sb if j is not None]
+        if any(b > 1 for k, b in enumerate(block) if k not in mapped):
+            return False
+        big = [j for j in mapped if block[j] > 1]   # target order of the dims that really move
+        return big == sorted(big)
 
     def _load_piece(self, p: Piece, origin: Sequence[Any], block: tuple[int, ...], env: dict[Atom, Any],
                     mask: Any) -> jax.Array:
@@ -490,6 +514,13 @@ class VRef:
             val = jnp.where(mask, val, jnp.zeros((), val.dtype))
         tmask = None if mask is None else _to_target_order(mask, sb, block, fold_first=True)
         plgpu.store(ref.at[idx], _to_target_order(val, sb, block, fold_first=True), mask=tmask)
+
+
+def _is_plus_zero(x: Any) -> bool:
+    """A static fill of +0 (what a masked load's ``other`` gives; -0.0 and traced fills are not)."""
+    if not isinstance(x, (bool, int, float, np.integer, np.floating)):
+        return False
+    return float(x) == 0.0 and math.copysign(1.0, float(x)) > 0
 
 
 def _cond_mask(c: Any, env: dict[Atom, Any], bounds: Any) -> jax.Array:
