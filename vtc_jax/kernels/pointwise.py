@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 
 from .tiling import F32_MATH_PRIMITIVES, choose_block, f32_math, grid_origin
 from .vio import Plan, VTensor, broadcast_input, outputs, pack_results
+from .vio import out_dtypes as out_dtypes_of
 
 __all__ = ["pointwise", "choose_block", "as_vtensor", "grid_origin", "f32_math", "F32_MATH_PRIMITIVES"]
 
@@ -106,16 +107,8 @@ def pointwise(fn: Callable[..., Any], inputs: Sequence[Any], *, out_shape: Seque
     for r in results:  # a result may also be a scalar (a constant output of re-bound ops)
         if tuple(r.shape) not in (out_shape, ()):
             raise ValueError(f"fn returns shape {tuple(r.shape)}, expected {out_shape}: fn must be elementwise")
-    n_out = len(results)
-    if out_dtypes is None:
-        dtypes = [np.dtype(r.dtype) for r in results]
-    elif isinstance(out_dtypes, (list, tuple)):
-        dtypes = [np.dtype(d) for d in out_dtypes]
-    else:
-        dtypes = [np.dtype(out_dtypes)] * n_out
-    if len(dtypes) != n_out:
-        raise ValueError(f"{len(dtypes)} out_dtypes for {n_out} results")
-    vouts, lifted = outputs(outs, [out_shape] * n_out, dtypes)
+    dtypes = out_dtypes_of(out_dtypes, [r.dtype for r in results])
+    vouts, lifted = outputs(outs, [out_shape] * len(results), dtypes)
 
     shape = out_shape
     if shape == ():  # rank 0: a (1,) view of everything

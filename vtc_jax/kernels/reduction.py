@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from ..indexmap import Layout
 from .tiling import f32_math, grid_origin, next_pow2
 from .vio import Plan, VTensor, broadcast_input, outputs, pack_results
+from .vio import out_dtypes as out_dtypes_of
 
 __all__ = ["Stat", "row_reduce", "reduce_sum", "reduce_max", "reduce_min", "mean", "softmax",
            "rms_norm", "layer_norm", "choose_row_blocks"]
@@ -314,14 +315,7 @@ def row_reduce(inputs: Sequence[Any], passes: Sequence[Stat | Sequence[Stat]],
     # Abstract evaluation: how many outputs, which dtypes.
     ab = _abstract(vins, passes, epilogue, reduced, upcast)
     n_out = ab.n_epi + ab.n_red
-    if out_dtypes is None:
-        dtypes = [np.dtype(vins[0].dtype)] * n_out
-    elif isinstance(out_dtypes, (list, tuple)):
-        dtypes = [np.dtype(d) for d in out_dtypes]
-    else:
-        dtypes = [np.dtype(out_dtypes)] * n_out
-    if len(dtypes) != n_out:
-        raise ValueError(f"{len(dtypes)} out_dtypes for {n_out} outputs")
+    dtypes = out_dtypes_of(out_dtypes, [vins[0].dtype] * n_out)
 
     # Outputs (fresh physical by default). A fresh rank-0 reduced output gets a (1,) buffer.
     red_shape = tuple(n for d, n in enumerate(shape) if d != axis) if not keepdims else \

@@ -17,6 +17,18 @@ Contract for someone adding a template
   loaded under its own mask and merged. A store only touches the pieces whose static box meets
   the block (``pl.when``), each under its own mask.
 * Never accumulate into one output block from several grid programs (they race on a GPU).
+* Re-view operands with the :class:`VTensor` methods, never by copying: ``with_layout``,
+  ``transpose``, ``reshape``, ``expand_dims``, ``broadcast_to`` (numpy rules) only change the
+  layout; ``with_symbol`` adds a runtime scalar the body reads as ``VRef.syms[name]``.
+* Inputs and outputs of an entry point: :func:`broadcast_input` (inputs of a logical shape),
+  :func:`epilogue_input` (matmul/conv epilogue arguments), :func:`output` (one ``out``, checked or
+  fresh), :func:`outputs` + :func:`out_dtypes` (several, fresh rank-0 ones lifted to ``(1,)``) and
+  :func:`pack_results` (what the entry point returns). Blocks, grids and loops:
+  :mod:`vtc_jax.kernels.tiling`.
+* Shape of a template (as JAX's Pallas GPU ops): a kernel body ``_kernel(cfg, ins, outs)`` taking
+  a frozen static configuration, a planning step that checks arguments, re-views operands and
+  builds that configuration, and a thin public wrapper that launches
+  ``Plan.build(...).call(functools.partial(_kernel, cfg), grid=...)`` and packs the results.
 
 How a piece is accessed (cheapest first)
 ----------------------------------------
@@ -47,7 +59,7 @@ from ..indexmap import Atom, Dim, Expr, Layout, Piece, Sym
 from .tiling import next_pow2
 
 __all__ = ["VTensor", "VRef", "Plan", "compiler_params", "next_pow2", "broadcast_input",
-           "epilogue_input", "output", "outputs", "pack_results"]
+           "epilogue_input", "out_dtypes", "output", "outputs", "pack_results"]
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 2) -> Any:
@@ -186,6 +198,19 @@ def epilogue_input(x: Any, shape: Sequence[int]) -> VTensor:
                              "give it a broadcast layout")
         return x
     return VTensor.physical(jnp.asarray(x)).broadcast_to(shape)
+
+
+def out_dtypes(spec: Any, defaults: Sequence[Any]) -> list[np.dtype]:
+    """One dtype per output: ``spec`` None (``defaults``), one dtype for all, or a sequence."""
+    if spec is None:
+        dtypes = [np.dtype(d) for d in defaults]
+    elif isinstance(spec, (list, tuple)):
+        dtypes = [np.dtype(d) for d in spec]
+    else:
+        dtypes = [np.dtype(spec)] * len(defaults)
+    if len(dtypes) != len(defaults):
+        raise ValueError(f"{len(dtypes)} out_dtypes for {len(defaults)} outputs")
+    return dtypes
 
 
 def output(out: VTensor | None, shape: Sequence[int], dtype: Any, what: str = "expected") -> VTensor:
