@@ -78,35 +78,9 @@ def pointwise(fn: Callable[..., Any], inputs: Sequence[Any], *, out_shape: Seque
     Returns, per result of ``fn``, its output's physical buffer (or the tuple of its buffers when
     the output VTensor has several); a single result is returned bare, a tuple result as a tuple.
     """
-    arrays = [x for x in inputs if not _is_scalar(x)]
-    if out_shape is None:
-        if outs is not None:
-            out_shape = (outs if isinstance(outs, VTensor) else outs[0]).shape
-        else:
-            out_shape = np.broadcast_shapes(*[tuple(np.shape(x)) if not isinstance(x, VTensor) else x.shape
-                                              for x in arrays]) if arrays else ()
-    out_shape = tuple(int(n) for n in out_shape)
-
-    # Inputs: VTensors of the logical output shape; Python scalars stay in fn's closure.
-    vins: list[VTensor] = []
-    slots: list[tuple[bool, Any]] = []  # per fn argument: (True, index into vins) or (False, scalar)
-    for x in inputs:
-        if _is_scalar(x):
-            slots.append((False, x))
-        else:
-            slots.append((True, len(vins)))
-            vins.append(broadcast_input(x, out_shape))
-
-    def call_fn(*blocks: Any) -> Any:
-        return fn(*[blocks[v] if is_in else v for is_in, v in slots])
-
-    # What fn returns: count, dtypes (abstract evaluation on the logical shape).
-    abstract = jax.eval_shape(call_fn, *[jax.ShapeDtypeStruct(out_shape, v.dtype) for v in vins])
-    tuple_result = isinstance(abstract, (tuple, list))
-    results = tuple(abstract) if tuple_result else (abstract,)
-    for r in results:  # a result may also be a scalar (a constant output of re-bound ops)
-        if tuple(r.shape) not in (out_shape, ()):
-            raise ValueError(f"fn returns shape {tuple(r.shape)}, expected {out_shape}: fn must be elementwise")
+    out_shape = _out_shape(inputs, outs) if out_shape is None else tuple(int(n) for n in out_shape)
+    vins, call_fn = _bind(fn, inputs, out_shape)
+    tuple_result, results = _results(call_fn, vins, out_shape)
     dtypes = out_dtypes_of(out_dtypes, [r.dtype for r in results])
     vouts, lifted = outputs(outs, [out_shape] * len(results), dtypes)
 
@@ -128,6 +102,45 @@ def pointwise(fn: Callable[..., Any], inputs: Sequence[Any], *, out_shape: Seque
                      num_warps=num_warps, num_stages=num_stages, name=name)
     packed = pack_results(bufs, lifted)
     return tuple(packed) if tuple_result else packed[0]
+
+
+def _out_shape(inputs: Sequence[Any], outs: Any) -> tuple[int, ...]:
+    """Default logical output shape: ``outs``' shape, else the broadcast shape of the inputs."""
+    if outs is not None:
+        return tuple(int(n) for n in (outs if isinstance(outs, VTensor) else outs[0]).shape)
+    shapes = [x.shape if isinstance(x, VTensor) else tuple(np.shape(x)) for x in inputs if not _is_scalar(x)]
+    return tuple(int(n) for n in np.broadcast_shapes(*shapes)) if shapes else ()
+
+
+def _bind(fn: Callable[..., Any], inputs: Sequence[Any], out_shape: tuple[int, ...]
+          ) -> tuple[list[VTensor], Callable[..., Any]]:
+    """Inputs as VTensors of the logical output shape, and ``fn`` of their blocks only: Python
+    scalars stay in its closure."""
+    vins: list[VTensor] = []
+    slots: list[tuple[bool, Any]] = []  # per fn argument: (True, index into vins) or (False, scalar)
+    for x in inputs:
+        if _is_scalar(x):
+            slots.append((False, x))
+        else:
+            slots.append((True, len(vins)))
+            vins.append(broadcast_input(x, out_shape))
+
+    def call_fn(*blocks: Any) -> Any:
+        return fn(*[blocks[v] if is_in else v for is_in, v in slots])
+
+    return vins, call_fn
+
+
+def _results(call_fn: Callable[..., Any], vins: Sequence[VTensor], out_shape: tuple[int, ...]
+             ) -> tuple[bool, tuple[Any, ...]]:
+    """(tuple result?, abstract results) of ``call_fn`` on the logical shape; checks elementwise."""
+    abstract = jax.eval_shape(call_fn, *[jax.ShapeDtypeStruct(out_shape, v.dtype) for v in vins])
+    tuple_result = isinstance(abstract, (tuple, list))
+    results = tuple(abstract) if tuple_result else (abstract,)
+    for r in results:  # a result may also be a scalar (a constant output of re-bound ops)
+        if tuple(r.shape) not in (out_shape, ()):
+            raise ValueError(f"fn returns shape {tuple(r.shape)}, expected {out_shape}: fn must be elementwise")
+    return tuple_result, results
 
 
 def _is_scalar(x: Any) -> bool:
