@@ -19,7 +19,8 @@ import pytest
 from jax import lax
 
 from vtc_jax.indexmap import Layout, SymInfo, sym
-from vtc_jax.kernels.matmul import _split_block, choose_blocks, matmul
+from vtc_jax.kernels.matmul import choose_blocks, matmul
+from vtc_jax.kernels.tiling import split_block as _split_block
 from vtc_jax.kernels.vio import VTensor
 from vtc_jax.testing import check_kernel
 

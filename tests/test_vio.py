@@ -88,3 +88,121 @@ def test_symbol_missing_is_a_clear_error():
     lay = Layout.physical(0, (4, 8)).dynamic_slice([sym("p"), 0], (2, 8), [SymInfo("p", 0, 2)])
     with pytest.raises(ValueError, match="runtime symbols"):
         VTensor(lay, jnp.float32, (jnp.zeros((4, 8)),))
+
+
+# --------------------------------------------------------------------------------------------
+# VTensor views and the shared input/output helpers (no kernels)
+# --------------------------------------------------------------------------------------------
+
+def _eval(v: VTensor) -> np.ndarray:
+    return v.layout.evaluate({i: np.asarray(b) for i, b in enumerate(v.buffers)},
+                             {k: np.asarray(x) for k, x in v.symbols})
+
+
+def test_vtensor_views_are_layouts_over_the_same_buffers():
+    x = np.asarray(A)
+    v = VTensor.physical(A)
+    assert v.transpose((0, 1)) is v                          # identity: no new layout
+    t = v.transpose((1, 0))
+    assert t.shape == (36, 20) and t.buffers == v.buffers
+    np.testing.assert_array_equal(_eval(t), x.T)
+    np.testing.assert_array_equal(_eval(t.reshape((9, 80))), x.T.reshape(9, 80))
+    np.testing.assert_array_equal(_eval(v.expand_dims((0, 2))), x[None, :, None, :])
+    np.testing.assert_array_equal(_eval(v.broadcast_to((3, 20, 36))), np.broadcast_to(x, (3, 20, 36)))
+    assert v.broadcast_to((20, 36)) is v
+    col = VTensor.physical(B[:, :1])                         # (20, 1) -> (20, 12)
+    np.testing.assert_array_equal(_eval(col.broadcast_to((20, 12))), np.broadcast_to(np.asarray(B[:, :1]), (20, 12)))
+    with pytest.raises(ValueError, match="cannot broadcast"):
+        v.broadcast_to((36,))
+    with pytest.raises(ValueError, match="cannot broadcast"):
+        v.broadcast_to((20, 35))
+    w = v.with_layout(Layout.physical(0, (20, 36)).slice((2, 0), (5, 36)))
+    np.testing.assert_array_equal(_eval(w), x[2:5])
+    with pytest.raises(ValueError):                          # re-validated against the buffers
+        v.with_layout(Layout.physical(0, (4, 4)))
+    s = v.with_symbol("pos", jnp.int32(3))
+    assert dict(s.symbols)["pos"] == 3 and s.layout is v.layout
+    with pytest.raises(ValueError, match="already carries"):
+        s.with_symbol("pos", jnp.int32(1))
+
+
+def test_input_output_helpers():
+    from vtc_jax.kernels.vio import broadcast_input, epilogue_input, output, outputs, pack_results
+    bias = jnp.arange(6.0)
+    np.testing.assert_array_equal(_eval(broadcast_input(bias, (4, 6))), np.broadcast_to(np.arange(6.0), (4, 6)))
+    assert broadcast_input(jnp.float32(2), (3,)).buffers[0].shape == (1,)   # rank 0 -> (1,) buffer
+    assert broadcast_input(jnp.float32(2), ()).shape == ()
+    v = VTensor.physical(jnp.zeros((4, 6)))
+    assert broadcast_input(VTensor.physical(bias), (4, 6)).shape == (4, 6)   # VTensors broadcast too
+    assert epilogue_input(bias, (4, 6)).shape == (4, 6)
+    assert epilogue_input(jnp.float32(2), (4, 6)).buffers[0].shape == ()     # rank 0 stays rank 0
+    assert epilogue_input(v, (4, 6)) is v
+    with pytest.raises(ValueError, match="broadcast layout"):
+        epilogue_input(VTensor.physical(bias), (4, 6))                       # VTensors must match
+    assert output(None, (2, 3), jnp.bfloat16).buffers[0] == jax.ShapeDtypeStruct((2, 3), jnp.bfloat16)
+    assert output(v, (4, 6), jnp.float32) is v
+    with pytest.raises(ValueError, match="out has logical shape .*, the conv gives"):
+        output(v, (4, 5), jnp.float32, "the conv gives")
+    outs, lifted = outputs(None, [(), (2,)], [jnp.float32, jnp.int32])
+    assert lifted == [True, False] and [o.shape for o in outs] == [(1,), (2,)]
+    assert outputs(v, [(4, 6)], [jnp.float32]) == ([v], [False])
+    with pytest.raises(ValueError, match="2 outs for 1 outputs"):
+        outputs([v, v], [(4, 6)], [jnp.float32])
+    with pytest.raises(ValueError, match="output 0 has shape"):
+        outputs([v], [(4, 5)], [jnp.float32])
+    a, b = jnp.ones((1,)), jnp.zeros((2, 2))
+    packed = pack_results([(a,), (b,), (a, b)], [True])
+    assert packed[0].shape == () and packed[1] is b and packed[2] == (a, b)
+
+
+def test_tiling_helpers():
+    from vtc_jax.kernels import tiling
+    assert [tiling.next_pow2(n) for n in (1, 2, 3, 16, 17)] == [1, 2, 4, 16, 32]
+    tiling.check_pow2("bk", 32)
+    with pytest.raises(ValueError, match="bk=24 must be a power of two >= 16"):
+        tiling.check_pow2("bk", 24)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        tiling.check_pow2("bk", 8)
+    tiling.check_pow2("b", 8, minimum=1)
+    g = tiling.Group((3, 40), tiling.split_block((3, 40), 64))
+    assert g.blocks == (1, 64) and g.tiles == (3, 1) and g.ntiles == 3
+    assert [g.origins(t) for t in range(3)] == [(0, 0), (1, 0), (2, 0)]
+    origin, n = tiling.grid_origin((5, 300), (1, 128), 7)
+    assert n == 15 and origin == (2, 128)
+    assert tiling.fori(1, lambda i, c: c + i + 1, 0) == 1     # one trip: no loop
+    prec, acc = tiling.dot_config(np.float32)
+    assert prec == jax.lax.Precision.HIGHEST and acc == np.float32
+    assert tiling.dot_config(jnp.bfloat16) == (None, np.float32)
+    assert tiling.program_id(0, 1) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Masked lanes of a load read `fill`, with or without the merge select
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fill", [0.0, 7.0, -0.0])
+@pytest.mark.parametrize("view", ["physical", "transpose", "broadcast", "gather"])
+def test_load_fill_on_masked_lanes(view, fill):
+    """A (3, 5) tensor read as one (4, 8) block: lanes outside it read ``fill`` exactly (sign of
+    zero included) whether the single-piece load merges with a select or relies on the masked
+    load's own zeros."""
+    x = jnp.asarray(RNG.standard_normal((5, 5)), jnp.float32)
+    base = Layout.physical(0, (5, 5))
+    layout = {"physical": base.slice((0, 0), (3, 5)),
+              "transpose": base.transpose((1, 0)).slice((0, 0), (3, 5)),
+              "broadcast": base.slice((0, 0), (1, 5)).broadcast((3, 5), (0, 1)),
+              "gather": base.rev((0,)).slice((0, 0), (3, 5))}[view]
+    expect = np.full((4, 8), fill, np.float32)
+    expect[:3, :5] = layout.evaluate({0: np.asarray(x)})
+
+    def call(x, *, backend):
+        plan = Plan.build([VTensor(layout, x.dtype, (x,))], [VTensor.fresh((4, 8), x.dtype)])
+
+        def body(ins, outs):
+            outs[0].store((0, 0), (4, 8), ins[0].load((0, 0), (4, 8), fill=fill))
+
+        return plan.call(body, grid=(1,), backend=backend)[0][0]
+
+    res = check_kernel(call, lambda x: expect, (x,), rtol=0, atol=0)
+    out = np.asarray(res.output)
+    np.testing.assert_array_equal(np.signbit(out), np.signbit(expect))

@@ -1,5 +1,6 @@
 """Kernel templates with virtual tensor I/O (``vio``): matmul, decode attention, pointwise,
-reduction, convolution. ``examples()`` lists each in its default configuration."""
+reduction, convolution; shared block/grid helpers in ``tiling``. ``examples()`` lists each
+template in its default configuration."""
 
 
 def examples():  # noqa: ANN201 - imported lazily: the catalogue pulls in every template

@@ -51,6 +51,7 @@ program id, so vio sees a static in-bounds origin there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -59,20 +60,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import pallas as pl
 
-from .vio import Plan, VTensor, next_pow2
+from .tiling import MIN_DOT_BLOCK, check_pow2, dot_config, next_pow2, program_id
+from .vio import Plan, VTensor, output, pack_results
 
 __all__ = ["decode_attention", "default_num_splits", "normalise", "softmax_block", "NUM_SMS"]
 
-
-def _empty_nan(empty_rows: str) -> bool:
-    if empty_rows not in ("zero", "nan"):
-        raise ValueError(f"empty_rows must be 'zero' or 'nan', got {empty_rows!r}")
-    return empty_rows == "nan"
-
 NUM_SMS = 132          # H100 SXM: the default split count aims to give every SM a program
-MIN_DOT = 16           # tt.dot wants M, N, K >= 16
+MIN_DOT = MIN_DOT_BLOCK  # tt.dot wants M, N, K >= 16
 MAX_SPLITS = 64
 SMEM_BUDGET = 128 * 1024  # bytes of staged K/V blocks; sm_90 allows 227 KiB, sm_80 163 KiB per block
 _LEN_SYM = "__vtc_attn_len"  # runtime symbol carrying pos (or kv_len) into the kernel
@@ -104,12 +99,6 @@ def _fold_rows(x: jax.Array, g: int, gs: int) -> jax.Array:
     rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
     x = jnp.where(rows < g, x, jnp.zeros_like(x))
     return x.reshape((gp // gs, gs) + x.shape[1:]).sum(axis=0)
-
-
-def _pid(axis: int, size: int) -> Any:
-    """The program id along a grid axis, as the Python int 0 when the axis has one program: vio
-    then knows the block origin statically and emits no bounds mask along that dim."""
-    return 0 if size == 1 else pl.program_id(axis)
 
 
 @dataclass(frozen=True)
@@ -194,16 +183,40 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
     else the tuple of ``out``'s physical buffers.
     """
     q, k, v = VTensor.of(q), VTensor.of(k), VTensor.of(v)
+    _check(q, k, v, block_k=block_k, pos=pos, kv_len=kv_len, window=window)
+    B, H, G, D = q.shape
+    T, Dv = k.shape[2], v.shape[3]
+    out = output(out, (B, H, G, Dv), q.dtype)
+    hi_static, hi_offset, scalar = _valid_end(pos, kv_len, T)
+    if scalar is not None:
+        # The scalar rides along as a runtime symbol of q: vio passes symbols as (1,) int32
+        # operands and hands every VRef their values (one scalar read in the kernel; a (1,)
+        # physical input would be a masked vector load plus a reduction).
+        if _LEN_SYM in dict(q.symbols):
+            raise ValueError(f"q already carries a runtime symbol named {_LEN_SYM!r}")
+        q = q.with_symbol(_LEN_SYM, jnp.asarray(scalar, jnp.int32))
+    compute = np.dtype(jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype))
+    if num_stages is None:
+        num_stages = 1 if compute.itemsize >= 4 else 2
+    cfg = _config(q.shape, T, Dv, compute, block_k=block_k, num_stages=num_stages,
+                  num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
+                  hi_static=hi_static, hi_offset=hi_offset)
+    if empty_rows not in ("zero", "nan"):
+        raise ValueError(f"empty_rows must be 'zero' or 'nan', got {empty_rows!r}")
+    cfg = dataclasses.replace(cfg, empty_nan=empty_rows == "nan")
+    return _launch(cfg, q, k, v, out, backend=backend, num_warps=num_warps, num_stages=num_stages)
+
+
+def _check(q: VTensor, k: VTensor, v: VTensor, *, block_k: int, pos: Any, kv_len: Any,
+           window: int | None) -> None:
     if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
         raise ValueError(f"expected q (B, Hkv, G, D), k/v (B, Hkv, T, D); got {q.shape}, {k.shape}, "
                          f"{v.shape}")
     B, H, G, D = q.shape
     T = k.shape[2]
-    Dv = v.shape[3]
     if tuple(k.shape) != (B, H, T, D) or tuple(v.shape[:3]) != (B, H, T):
         raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
-    if block_k < MIN_DOT or block_k & (block_k - 1):
-        raise ValueError(f"block_k={block_k} must be a power of two >= {MIN_DOT}")
+    check_pow2("block_k", block_k, MIN_DOT)
     if pos is not None and kv_len is not None:
         raise ValueError("give pos or kv_len, not both")
     if window is not None and int(window) < 1:
@@ -212,15 +225,27 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         if not jnp.issubdtype(v_.dtype, jnp.floating):
             raise NotImplementedError(f"floating dtypes only, got {v_.dtype}")
 
-    out_shape = (B, H, G, Dv)
-    if out is None:
-        out = VTensor.fresh(out_shape, q.dtype)
-    elif tuple(out.shape) != out_shape:
-        raise ValueError(f"out has logical shape {out.shape}, expected {out_shape}")
 
-    compute = np.dtype(jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype))
-    if num_stages is None:
-        num_stages = 1 if compute.itemsize >= 4 else 2
+def _valid_end(pos: Any, kv_len: Any, T: int) -> tuple[int | None, int, Any]:
+    """Where the valid keys end: ``(hi_static, hi_offset, scalar)`` — a static end (``scalar``
+    None), or ``scalar + hi_offset`` for a runtime ``pos`` (offset 1) or ``kv_len`` (offset 0)."""
+    if pos is not None:
+        if _is_static_int(pos):
+            return min(int(pos) + 1, T), 0, None
+        return None, 1, pos
+    if kv_len is not None:
+        if _is_static_int(kv_len):
+            return min(int(kv_len), T), 0, None
+        return None, 0, kv_len
+    return T, 0, None
+
+
+def _config(q_shape: tuple[int, ...], T: int, Dv: int, compute: np.dtype, *, block_k: int,
+            num_stages: int, num_splits: int | None, sm_scale: float | None,
+            soft_cap: float | None, window: int | None, hi_static: int | None,
+            hi_offset: int) -> _Cfg:
+    """Tiles, key block and split count (see the module docstring)."""
+    B, H, G, D = q_shape
     Dp, Dvp = max(MIN_DOT, next_pow2(D)), max(MIN_DOT, next_pow2(Dv))
     bk = min(block_k, max(MIN_DOT, next_pow2(T)))
     # Shared memory: Triton stages the K and V blocks (num_stages deep). Halve the block until
@@ -229,64 +254,42 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         bk //= 2
     S = default_num_splits(B * H, T, bk) if num_splits is None else int(num_splits)
     S = max(1, min(S, -(-T // bk)))  # never more splits than KV blocks
+    return _Cfg(B=B, H=H, G=G, D=D, Dv=Dv, T=T, Gp=max(MIN_DOT, next_pow2(G)), Gs=next_pow2(G),
+                Dp=Dp, Dvp=Dvp, bk=bk, S=S,
+                scale=float(1.0 / math.sqrt(D) if sm_scale is None else sm_scale),
+                soft_cap=None if soft_cap is None else float(soft_cap),
+                window=None if window is None else int(window), hi_static=hi_static,
+                hi_offset=hi_offset, compute=compute, precision=dot_config(compute)[0])
 
-    # Where the valid keys end: static, or a runtime scalar. The scalar rides along as a runtime
-    # symbol of q: vio passes symbols as (1,) int32 operands and hands every VRef their values
-    # (one scalar read in the kernel; a (1,) physical input would be a masked vector load plus a
-    # reduction). vio has no first-class "template scalar" input: see the report.
-    scalar: Any = None
-    hi_static: int | None = T
-    hi_offset = 0
-    if pos is not None:
-        if _is_static_int(pos):
-            hi_static = min(int(pos) + 1, T)
-        else:
-            hi_static, hi_offset = None, 1
-            scalar = pos
-    elif kv_len is not None:
-        if _is_static_int(kv_len):
-            hi_static = min(int(kv_len), T)
-        else:
-            hi_static = None
-            scalar = kv_len
 
-    if scalar is not None:
-        if _LEN_SYM in dict(q.symbols):
-            raise ValueError(f"q already carries a runtime symbol named {_LEN_SYM!r}")
-        q = dataclasses.replace(q, symbols=q.symbols + ((_LEN_SYM, jnp.asarray(scalar, jnp.int32)),))
-
-    cfg = _Cfg(B=B, H=H, G=G, D=D, Dv=Dv, T=T, Gp=max(MIN_DOT, next_pow2(G)), Gs=next_pow2(G),
-               Dp=Dp, Dvp=Dvp, bk=bk, S=S,
-               scale=float(1.0 / math.sqrt(D) if sm_scale is None else sm_scale),
-               soft_cap=None if soft_cap is None else float(soft_cap),
-               window=None if window is None else int(window), hi_static=hi_static,
-               hi_offset=hi_offset, compute=compute,
-               precision=lax.Precision.HIGHEST if compute == np.float32 else None,
-               empty_nan=_empty_nan(empty_rows))
-
-    if S == 1:
+def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, *, backend: str,
+            num_warps: int, num_stages: int) -> Any:
+    """One kernel when S == 1; else the split kernel into f32 partials, then the combine kernel."""
+    if c.S == 1:
         plan = Plan.build([q, k, v], [out])
-        (res,) = plan.call(lambda ins, outs: _split_body(cfg, ins, outs), grid=(B, H, 1),
-                           backend=backend, num_warps=num_warps, num_stages=num_stages,
-                           name="vtc_decode_attention")
-        return res[0] if len(res) == 1 else res
-
-    parts = [VTensor.fresh((B, H, S, G), jnp.float32), VTensor.fresh((B, H, S, G), jnp.float32),
-             VTensor.fresh((B, H, S, G, Dv), jnp.float32)]
+        bufs = plan.call(functools.partial(_split_body, c), grid=(c.B, c.H, 1), backend=backend,
+                         num_warps=num_warps, num_stages=num_stages, name="vtc_decode_attention")
+        return pack_results(bufs)[0]
+    parts = [VTensor.fresh((c.B, c.H, c.S, c.G), jnp.float32),
+             VTensor.fresh((c.B, c.H, c.S, c.G), jnp.float32),
+             VTensor.fresh((c.B, c.H, c.S, c.G, c.Dv), jnp.float32)]
     plan = Plan.build([q, k, v], parts)
-    (m,), (l,), (acc,) = plan.call(lambda ins, outs: _split_body(cfg, ins, outs), grid=(B, H, S),
+    (m,), (l,), (acc,) = plan.call(functools.partial(_split_body, c), grid=(c.B, c.H, c.S),
                                    backend=backend, num_warps=num_warps, num_stages=num_stages,
                                    name="vtc_decode_attention_split")
     plan2 = Plan.build([m, l, acc], [out])
-    (res,) = plan2.call(lambda ins, outs: _combine_body(cfg, ins, outs), grid=(B, H),
-                        backend=backend, num_warps=4, num_stages=1,
-                        name="vtc_decode_attention_combine")
-    return res[0] if len(res) == 1 else res
+    bufs = plan2.call(functools.partial(_combine_body, c), grid=(c.B, c.H), backend=backend,
+                      num_warps=4, num_stages=1, name="vtc_decode_attention_combine")
+    return pack_results(bufs)[0]
 
+
+# --------------------------------------------------------------------------------------------
+# The kernels
+# --------------------------------------------------------------------------------------------
 
 def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     q_ref, k_ref, v_ref = ins[:3]
-    b, h, s = _pid(0, c.B), _pid(1, c.H), _pid(2, c.S)
+    b, h, s = program_id(0, c.B), program_id(1, c.H), program_id(2, c.S)
 
     # The valid keys [lo, hi): scalars (traced or static).
     if c.hi_static is None:
@@ -347,7 +350,7 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
 def _combine_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     m_ref, l_ref, a_ref = ins
     (o_ref,) = outs
-    b, h = _pid(0, c.B), _pid(1, c.H)
+    b, h = program_id(0, c.B), program_id(1, c.H)
 
     def step(s: Any, carry: Any) -> Any:
         m_run, l_run, acc_run = carry

@@ -21,7 +21,6 @@ def examples() -> Iterator[tuple[str, Callable[..., Any], tuple]]:
     """
     import jax
     import jax.numpy as jnp
-    from jax import lax
 
     from vtc_jax.indexmap import Layout, SymInfo, sym
     from vtc_jax.kernels.attention import decode_attention

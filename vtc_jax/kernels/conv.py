@@ -49,11 +49,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import pallas as pl
 
 from ..indexmap import IndexMap, Layout, dim
-from .matmul import _broadcast_arg, _check_pow2, _Group, _split_block, choose_blocks
-from .vio import Plan, VTensor, next_pow2
+from .tiling import Group, cdiv, check_pow2, choose_blocks, dot_config, fori, next_pow2, program_id, split_block
+from .vio import Plan, VTensor, epilogue_input, output, pack_results
 
 __all__ = ["conv", "conv_views"]
 
@@ -66,10 +65,6 @@ _DW_TILE_PER_WARP = 512
 # --------------------------------------------------------------------------------------------
 # Static planning
 # --------------------------------------------------------------------------------------------
-
-def _with_layout(v: VTensor, layout: Layout) -> VTensor:
-    return dataclasses.replace(v, layout=layout)
-
 
 def _normalise_padding(padding: Any, in_spatial: Sequence[int], k_spatial: Sequence[int],
                        strides: Sequence[int], lhs_dilation: Sequence[int],
@@ -190,6 +185,100 @@ def conv_views(x: Layout, w: Layout, out: Layout, g: ConvGeometry) -> tuple[Layo
     return a, b, _y_view(out, g)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Config:
+    """Everything static about one convolution kernel (dot path or depthwise path)."""
+    bm: int
+    bn: int
+    tiles_m: int
+    tiles_n: int
+    k: Group                 # dot: the K group (K.., Cg) and its blocks; depthwise: the taps, block 1
+    groups: int              # G (grid axis 2 of the dot path; 1 for depthwise)
+    depthwise: bool
+    compute_dtype: np.dtype
+    acc_dtype: np.dtype
+    precision: Any
+    store_dtype: np.dtype
+    epilogue: Callable[..., jax.Array] | None
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        return (self.tiles_m, self.tiles_n) if self.depthwise else (self.tiles_m, self.tiles_n, self.groups)
+
+
+def _plan(g: ConvGeometry, compute_dtype: np.dtype, store_dtype: np.dtype, precision: Any,
+          epilogue: Callable[..., jax.Array] | None, block_m: int, block_n: int, block_k: int,
+          num_warps: int) -> _Config:
+    """Blocks and grid: (bm, bn) output tiles; the dot path splits ``bk`` over (K.., Cg)."""
+    precision, acc_dtype = dot_config(compute_dtype, precision)
+    if g.depthwise:
+        bm = min(block_m, max(16, next_pow2(g.m)))
+        bn = min(block_n, max(16, next_pow2(g.oc)))
+        while bm * bn > _DW_TILE_PER_WARP * num_warps and max(bm, bn) > 16:  # registers: no dot
+            if bm >= bn:
+                bm //= 2
+            else:
+                bn //= 2
+        k = Group(g.k_spatial, (1,) * len(g.k_spatial))
+        return _Config(bm, bn, cdiv(g.m, bm), cdiv(g.oc, bn), k, 1, True, compute_dtype, acc_dtype,
+                       precision, store_dtype, epilogue)
+    k_sizes = (*g.k_spatial, g.cg)
+    bm, bn, bk = choose_blocks(g.m, g.ocg, math.prod(k_sizes), block_m=block_m,
+                               block_n=block_n, block_k=block_k)
+    k = Group(k_sizes, split_block(k_sizes, bk))
+    return _Config(bm, bn, cdiv(g.m, bm), cdiv(g.ocg, bn), k, g.groups, False, compute_dtype, acc_dtype,
+                   precision, store_dtype, epilogue)
+
+
+# --------------------------------------------------------------------------------------------
+# The kernels
+# --------------------------------------------------------------------------------------------
+
+def _conv_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
+    """Program (m, n, g): the (bm, bn) tile of Y[:, g, :], the K group (K.., Cg) looped inside."""
+    a_ref, b_ref, e_refs = ins[0], ins[1], ins[2:]
+    (y_ref,) = outs
+    bm, bn, kb, bk = c.bm, c.bn, c.k.blocks, c.k.block
+    m0 = program_id(0, c.tiles_m) * bm
+    n0 = program_id(1, c.tiles_n) * bn
+    gi = program_id(2, c.groups)
+
+    def step(kk: Any, acc: jax.Array) -> jax.Array:
+        *k, c0 = c.k.origins(kk)
+        xa = a_ref.load((m0, *k, gi, c0), (bm, *kb[:-1], 1, kb[-1]), fill=0.0)
+        wb = b_ref.load((*k, c0, gi, n0), (*kb, 1, bn), fill=0.0)
+        xa = xa.reshape(bm, bk).astype(c.compute_dtype)
+        wb = wb.reshape(bk, bn).astype(c.compute_dtype)
+        return acc + jnp.dot(xa, wb, preferred_element_type=c.acc_dtype, precision=c.precision)
+
+    acc = fori(c.k.ntiles, step, jnp.zeros((bm, bn), c.acc_dtype))
+    if c.epilogue is not None:
+        extra = [e.load((m0, gi, n0), (bm, 1, bn), fill=0.0).reshape(bm, bn) for e in e_refs]
+        acc = c.epilogue(acc, *extra)
+    y_ref.store((m0, gi, n0), (bm, 1, bn), acc.astype(c.store_dtype).reshape(bm, 1, bn))
+
+
+def _depthwise_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
+    """Program (m, n): the (bm, bn) tile of Y, f32 multiply-adds over the taps (no dot)."""
+    a_ref, b_ref, e_refs = ins[0], ins[1], ins[2:]
+    (y_ref,) = outs
+    bm, bn, ones = c.bm, c.bn, c.k.blocks
+    m0 = program_id(0, c.tiles_m) * bm
+    c0 = program_id(1, c.tiles_n) * bn
+
+    def step(t: Any, acc: jax.Array) -> jax.Array:
+        k = c.k.origins(t)
+        xa = a_ref.load((m0, *k, c0), (bm, *ones, bn), fill=0.0).reshape(bm, bn)
+        wb = b_ref.load((*k, c0), (*ones, bn), fill=0.0).reshape(1, bn)
+        return acc + xa.astype(c.acc_dtype) * wb.astype(c.acc_dtype)
+
+    acc = fori(c.k.ntiles, step, jnp.zeros((bm, bn), c.acc_dtype))
+    if c.epilogue is not None:
+        extra = [e.load((m0, c0), (bm, bn), fill=0.0) for e in e_refs]
+        acc = c.epilogue(acc, *extra)
+    y_ref.store((m0, c0), (bm, bn), acc.astype(c.store_dtype))
+
+
 # --------------------------------------------------------------------------------------------
 # The template
 # --------------------------------------------------------------------------------------------
@@ -229,7 +318,7 @@ def conv(x: Any, w: Any, *, window_strides: Sequence[int], padding: Any,
     (fresh or updated in place), else the tuple of ``out``'s physical buffers.
     """
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-        _check_pow2(name, v)
+        check_pow2(name, v)
     if int(batch_group_count) != 1:
         raise NotImplementedError("conv template: batch_group_count != 1")
     x, w = VTensor.of(x), VTensor.of(w)
@@ -240,93 +329,18 @@ def conv(x: Any, w: Any, *, window_strides: Sequence[int], padding: Any,
     g = _geometry(x.shape, w.shape, compute_dtype, window_strides=window_strides, padding=padding,
                   lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
                   dimension_numbers=dimension_numbers, feature_group_count=feature_group_count)
-    if out is None:
-        out = VTensor.fresh(g.out_shape, np.dtype(preferred_element_type or compute_dtype))
-    elif tuple(out.shape) != g.out_shape:
-        raise ValueError(f"out has logical shape {out.shape}, the convolution gives {g.out_shape}")
-    extras = [_broadcast_arg(e, g.out_shape) for e in epilogue_args]
+    out = output(out, g.out_shape, preferred_element_type or compute_dtype, "the convolution gives")
+    extras = [epilogue_input(e, g.out_shape) for e in epilogue_args]
 
     a_l, b_l, y_l = conv_views(x.layout, w.layout, out.layout, g)
-    a, b, y = _with_layout(x, a_l), _with_layout(w, b_l), _with_layout(out, y_l)
-    extras = [_with_layout(e, _y_view(e.layout, g)) for e in extras]
+    a, b, y = x.with_layout(a_l), w.with_layout(b_l), out.with_layout(y_l)
+    extras = [e.with_layout(_y_view(e.layout, g)) for e in extras]
 
-    if precision is None and compute_dtype == np.float32:
-        precision = lax.Precision.HIGHEST
-    acc_dtype = jnp.float32 if compute_dtype.itemsize <= 4 else compute_dtype
-    store_dtype = out.dtype
-    nsp = len(g.k_spatial)
-
-    if g.depthwise:
-        bm = min(block_m, max(16, next_pow2(g.m)))
-        bn = min(block_n, max(16, next_pow2(g.oc)))
-        while bm * bn > _DW_TILE_PER_WARP * num_warps and max(bm, bn) > 16:  # registers: no dot
-            if bm >= bn:
-                bm //= 2
-            else:
-                bn //= 2
-        taps = _Group(g.k_spatial, (1,) * nsp)
-        n_taps, tiles_m, tiles_n = taps.ntiles, -(-g.m // bm), -(-g.oc // bn)
-        ones = (1,) * nsp
-
-        def body(ins: list[Any], outs: list[Any]) -> None:
-            a_ref, b_ref, e_refs = ins[0], ins[1], ins[2:]
-            (y_ref,) = outs
-            m0 = 0 if tiles_m == 1 else pl.program_id(0) * bm
-            c0 = 0 if tiles_n == 1 else pl.program_id(1) * bn
-
-            def step(t: Any, acc: jax.Array) -> jax.Array:
-                k = taps.origins(t)
-                xa = a_ref.load((m0, *k, c0), (bm, *ones, bn), fill=0.0).reshape(bm, bn)
-                wb = b_ref.load((*k, c0), (*ones, bn), fill=0.0).reshape(1, bn)
-                return acc + xa.astype(acc_dtype) * wb.astype(acc_dtype)
-
-            acc = jnp.zeros((bm, bn), acc_dtype)
-            acc = step(0, acc) if n_taps == 1 else lax.fori_loop(0, n_taps, step, acc)
-            if epilogue is not None:
-                extra = [e.load((m0, c0), (bm, bn), fill=0.0) for e in e_refs]
-                acc = epilogue(acc, *extra)
-            y_ref.store((m0, c0), (bm, bn), acc.astype(store_dtype))
-
-        grid: tuple[int, ...] = (tiles_m, tiles_n)
-        name = "vtc_conv_depthwise"
-    else:
-        k_sizes = (*g.k_spatial, g.cg)
-        bm, bn, bk = choose_blocks(g.m, g.ocg, math.prod(k_sizes), block_m=block_m,
-                                   block_n=block_n, block_k=block_k)
-        kgroup = _Group(k_sizes, _split_block(k_sizes, bk))
-        kb = kgroup.blocks
-        bk = kgroup.block
-        n_k, tiles_m, tiles_n = kgroup.ntiles, -(-g.m // bm), -(-g.ocg // bn)
-        groups = g.groups
-
-        def body(ins: list[Any], outs: list[Any]) -> None:
-            a_ref, b_ref, e_refs = ins[0], ins[1], ins[2:]
-            (y_ref,) = outs
-            m0 = 0 if tiles_m == 1 else pl.program_id(0) * bm
-            n0 = 0 if tiles_n == 1 else pl.program_id(1) * bn
-            gi = 0 if groups == 1 else pl.program_id(2)
-
-            def step(kk: Any, acc: jax.Array) -> jax.Array:
-                *k, c0 = kgroup.origins(kk)
-                xa = a_ref.load((m0, *k, gi, c0), (bm, *kb[:-1], 1, kb[-1]), fill=0.0)
-                wb = b_ref.load((*k, c0, gi, n0), (*kb, 1, bn), fill=0.0)
-                xa = xa.reshape(bm, bk).astype(compute_dtype)
-                wb = wb.reshape(bk, bn).astype(compute_dtype)
-                return acc + jnp.dot(xa, wb, preferred_element_type=acc_dtype, precision=precision)
-
-            acc = jnp.zeros((bm, bn), acc_dtype)
-            acc = step(0, acc) if n_k == 1 else lax.fori_loop(0, n_k, step, acc)
-            if epilogue is not None:
-                extra = [e.load((m0, gi, n0), (bm, 1, bn), fill=0.0).reshape(bm, bn) for e in e_refs]
-                acc = epilogue(acc, *extra)
-            y_ref.store((m0, gi, n0), (bm, 1, bn), acc.astype(store_dtype).reshape(bm, 1, bn))
-
-        grid = (tiles_m, tiles_n, groups)
-        name = "vtc_conv"
-
+    cfg = _plan(g, compute_dtype, out.dtype, precision, epilogue, block_m, block_n, block_k, num_warps)
+    kernel, name = (_depthwise_kernel, "vtc_conv_depthwise") if g.depthwise else (_conv_kernel, "vtc_conv")
     if num_stages is None:  # f32 dots need the registers a second pipeline stage takes (spills)
         num_stages = 1 if np.dtype(compute_dtype).itemsize >= 4 else 2
     plan = Plan.build([a, b, *extras], [y])
-    (res,) = plan.call(body, grid=grid, backend=backend, num_warps=num_warps,
-                       num_stages=num_stages, name=name)
-    return res[0] if len(res) == 1 else res
+    bufs = plan.call(functools.partial(kernel, cfg), grid=cfg.grid, backend=backend,
+                     num_warps=num_warps, num_stages=num_stages, name=name)
+    return pack_results(bufs)[0]

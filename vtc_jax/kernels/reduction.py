@@ -29,6 +29,7 @@ across the grid.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -40,8 +41,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..indexmap import Layout
-from .pointwise import as_vtensor, f32_math, grid_origin
-from .vio import Plan, VTensor, next_pow2
+from .tiling import f32_math, grid_origin, next_pow2
+from .vio import Plan, VTensor, broadcast_input, outputs, pack_results
+from .vio import out_dtypes as out_dtypes_of
 
 __all__ = ["Stat", "row_reduce", "reduce_sum", "reduce_max", "reduce_min", "mean", "softmax",
            "rms_norm", "layer_norm", "choose_row_blocks"]
@@ -102,13 +104,172 @@ def _clean(before: Layout, after: Layout) -> bool:
     return all(_strided(p) for p in after.pieces) or not all(_strided(p) for p in before.pieces)
 
 
-def _with_layout(v: VTensor, layout: Layout) -> VTensor:
-    return VTensor(layout, v.dtype, v.buffers, v.symbols)
-
-
 def _as_list(x: Any) -> list[Any]:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
+
+def _acc_dtype(dtype: Any, upcast: bool) -> np.dtype:
+    dtype = np.dtype(dtype)
+    if upcast and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return np.dtype(jnp.float32)
+    return dtype
+
+
+# --------------------------------------------------------------------------------------------
+# Static planning
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Abstract:
+    """What the user functions give, by abstract evaluation on small blocks."""
+    cdt: tuple[np.dtype, ...]           # compute dtype per input
+    stat_sds: tuple[Any, ...]           # per stat: ShapeDtypeStruct of its (rows, 1) value
+    n_epi: int
+    n_red: int
+    epi_tuple: bool
+    red_tuple: bool
+
+
+def _abstract(vins: Sequence[VTensor], passes: Sequence[Sequence[Stat]], epilogue: Any, reduced: Any,
+              upcast: bool) -> _Abstract:
+    cdt = [np.dtype(jnp.float32) if upcast and jnp.issubdtype(v.dtype, jnp.floating) and
+           np.dtype(v.dtype).itemsize < 4 else np.dtype(v.dtype) for v in vins]
+    blk_sds = [jax.ShapeDtypeStruct((2, 8), d) for d in cdt]
+    stat_sds: list[Any] = []
+    for ps in passes:
+        new = []
+        for st in ps:
+            r = jax.eval_shape(st.prologue, *blk_sds, *stat_sds)
+            new.append(jax.ShapeDtypeStruct((2, 1), _acc_dtype(r.dtype, upcast)))
+        stat_sds += new
+    epi_abs = jax.eval_shape(epilogue, *blk_sds, *stat_sds) if epilogue is not None else ()
+    red_abs = jax.eval_shape(reduced, *stat_sds) if reduced is not None else ()
+    return _Abstract(tuple(cdt), tuple(stat_sds), len(_as_list(epi_abs)), len(_as_list(red_abs)),
+                     isinstance(epi_abs, (tuple, list)), isinstance(red_abs, (tuple, list)))
+
+
+def _row_views(vins: list[VTensor], vouts: list[VTensor], lifted: Sequence[bool], n_epi: int,
+               axis: int, keepdims: bool) -> tuple[list[VTensor], list[VTensor], tuple[int, ...]]:
+    """Re-view every operand so that the reduced axis is last: ``(lead..., C)`` and ``(lead..., 1)``,
+    flattened to ``(rows, C)`` when every view stays a strided box. Returns the views and their
+    common logical shape ``view`` (rank >= 2)."""
+    rank = len(vins[0].shape)
+    perm = tuple(d for d in range(rank) if d != axis) + (axis,)
+    tshape = tuple(vins[0].shape[d] for d in perm)
+    C, R = tshape[-1], math.prod(tshape[:-1])
+
+    def red_view(v: VTensor, was_lifted: bool) -> VTensor:
+        if was_lifted:                      # (1,) buffer of a rank-0 result (rank-1 input)
+            return v
+        return v.transpose(perm) if keepdims else v.expand_dims((rank - 1,))
+
+    vins = [v.transpose(perm) for v in vins]
+    vouts = [v.transpose(perm) if i < n_epi else red_view(v, lifted[i]) for i, v in enumerate(vouts)]
+    if rank == 1:
+        return [v.expand_dims((0,)) for v in vins], [v.expand_dims((0,)) for v in vouts], (1, C)
+    if rank == 2:
+        return vins, vouts, (R, C)
+    flat_in = [v.reshape((R, C)) for v in vins]
+    flat_out = [v.reshape((R, C if i < n_epi else 1)) for i, v in enumerate(vouts)]
+    if all(_clean(a.layout, b.layout) for a, b in zip(vins + vouts, flat_in + flat_out)):
+        return flat_in, flat_out, (R, C)
+    return vins, vouts, tshape
+
+
+@dataclass(frozen=True, eq=False)
+class _Config:
+    """Everything static about one row-reduction kernel."""
+    view: tuple[int, ...]               # logical shape of every input view: (lead..., rows, C)
+    br: int
+    bc: int
+    looped: bool
+    passes: tuple[tuple[Stat, ...], ...]
+    epilogue: Callable[..., Any] | None
+    reduced: Callable[..., Any] | None
+    abstract: _Abstract
+    upcast: bool
+
+    @property
+    def cols(self) -> int:
+        return self.view[-1]
+
+    @property
+    def block(self) -> tuple[int, ...]:
+        return (1,) * (len(self.view) - 2) + (self.br, self.bc)
+
+    @property
+    def red_block(self) -> tuple[int, ...]:
+        return (1,) * (len(self.view) - 2) + (self.br, 1)
+
+    @property
+    def n_programs(self) -> int:
+        return grid_origin(self.view[:-1], self.block[:-1], 0)[1]
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel
+# --------------------------------------------------------------------------------------------
+
+def _row_kernel(c: _Config, ins: Sequence[Any], outs: Sequence[Any]) -> None:
+    """Program ``pid``: ``BR`` rows, whole (one block in registers) or looped over column blocks."""
+    blk, rblk, bc, C, n_epi = c.block, c.red_block, c.bc, c.cols, c.abstract.n_epi
+    row_origin, _ = grid_origin(c.view[:-1], blk[:-1], pl.program_id(0))
+    col = lax.broadcasted_iota(jnp.int32, blk, len(blk) - 1)
+
+    def load_all(c0: Any) -> list[Any]:
+        return [r.load(row_origin + (c0,), blk).astype(d) for r, d in zip(ins, c.abstract.cdt)]
+
+    def col_mask(c0: Any) -> Any:
+        if isinstance(c0, int) and c0 + bc <= C:
+            return None
+        return col + c0 < C
+
+    def prep(st: Stat, blocks: list[Any], stats: list[Any], mask: Any) -> Any:
+        v = st.prologue(*blocks, *stats)
+        v = jnp.broadcast_to(v, blk).astype(_acc_dtype(v.dtype, c.upcast))
+        return v if mask is None else jnp.where(mask, v, _identity(st.combine, v.dtype))
+
+    stats: list[Any] = []
+    if not c.looped:
+        blocks = load_all(0)                                   # stage 1
+        mask = col_mask(0)
+        for ps in c.passes:                                    # stage 2
+            stats += [_reduce(st.combine, prep(st, blocks, stats, mask)) for st in ps]
+        if c.epilogue is not None:
+            res = _as_list(c.epilogue(*blocks, *stats))
+            for o, v in zip(outs[:n_epi], res):                # stage 3
+                o.store(row_origin + (0,), blk, v)
+    else:
+        n_cb = -(-C // bc)
+        for ps in c.passes:
+            inits = tuple(jnp.full(blk, _identity(st.combine, s.dtype), s.dtype)
+                          for st, s in zip(ps, c.abstract.stat_sds[len(stats):len(stats) + len(ps)]))
+
+            def step(j: Any, accs: tuple[Any, ...], ps: Sequence[Stat] = ps, done: list[Any] = list(stats)) -> Any:
+                c0 = j * bc
+                blocks, mask = load_all(c0), col_mask(c0)
+                return tuple(_combine2(st.combine, a, prep(st, blocks, done, mask)) for st, a in zip(ps, accs))
+
+            accs = lax.fori_loop(0, n_cb, step, inits)
+            stats += [_reduce(st.combine, a) for st, a in zip(ps, accs)]
+        if c.epilogue is not None:
+            def write(j: Any, carry: Any) -> Any:
+                c0 = j * bc
+                res = _as_list(c.epilogue(*load_all(c0), *stats))
+                for o, v in zip(outs[:n_epi], res):
+                    o.store(row_origin + (c0,), blk, v)
+                return carry
+
+            lax.fori_loop(0, n_cb, write, 0)
+    if c.reduced is not None:
+        res = _as_list(c.reduced(*stats))
+        for o, v in zip(outs[n_epi:], res):
+            o.store(row_origin + (0,), rblk, jnp.broadcast_to(v, rblk))
+
+
+# --------------------------------------------------------------------------------------------
+# The engine
+# --------------------------------------------------------------------------------------------
 
 def row_reduce(inputs: Sequence[Any], passes: Sequence[Stat | Sequence[Stat]],
                epilogue: Callable[..., Any] | None = None, *, reduced: Callable[..., Any] | None = None,
@@ -142,7 +303,7 @@ def row_reduce(inputs: Sequence[Any], passes: Sequence[Stat | Sequence[Stat]],
     if rank == 0:
         raise ValueError("cannot reduce a rank-0 tensor")
     axis = axis % rank
-    vins = [as_vtensor(x, shape) for x in inputs]
+    vins = [broadcast_input(x, shape) for x in inputs]
     passes = [[p] if isinstance(p, Stat) else list(p) for p in passes]
     if epilogue is None and reduced is None:
         raise ValueError("row_reduce needs an epilogue and/or a reduced output function")
@@ -151,169 +312,31 @@ def row_reduce(inputs: Sequence[Any], passes: Sequence[Stat | Sequence[Stat]],
         epilogue = f32_math(epilogue) if epilogue is not None else None
         reduced = f32_math(reduced) if reduced is not None else None
 
-    perm = tuple(d for d in range(rank) if d != axis) + (axis,)
-    tshape = tuple(shape[d] for d in perm)
-    lead, C = tshape[:-1], tshape[-1]
-    red_shape = tuple(n for d, n in enumerate(shape) if d != axis) if not keepdims else \
-        tuple(1 if d == axis else n for d, n in enumerate(shape))
-    R = math.prod(lead)
-
     # Abstract evaluation: how many outputs, which dtypes.
-    cdt = [np.dtype(jnp.float32) if upcast and jnp.issubdtype(v.dtype, jnp.floating) and
-           np.dtype(v.dtype).itemsize < 4 else np.dtype(v.dtype) for v in vins]
-    blk_sds = [jax.ShapeDtypeStruct((2, 8), d) for d in cdt]
-    stat_sds: list[Any] = []
-    for ps in passes:
-        new = []
-        for st in ps:
-            r = jax.eval_shape(st.prologue, *blk_sds, *stat_sds)
-            new.append(jax.ShapeDtypeStruct((2, 1), _acc_dtype(r.dtype, upcast)))
-        stat_sds += new
-    epi_abs = jax.eval_shape(epilogue, *blk_sds, *stat_sds) if epilogue is not None else ()
-    red_abs = jax.eval_shape(reduced, *stat_sds) if reduced is not None else ()
-    n_epi, n_red = len(_as_list(epi_abs)), len(_as_list(red_abs))
-    epi_tuple, red_tuple = isinstance(epi_abs, (tuple, list)), isinstance(red_abs, (tuple, list))
-    n_out = n_epi + n_red
-    if out_dtypes is None:
-        dtypes = [np.dtype(vins[0].dtype)] * n_out
-    elif isinstance(out_dtypes, (list, tuple)):
-        dtypes = [np.dtype(d) for d in out_dtypes]
-    else:
-        dtypes = [np.dtype(out_dtypes)] * n_out
-    if len(dtypes) != n_out:
-        raise ValueError(f"{len(dtypes)} out_dtypes for {n_out} outputs")
+    ab = _abstract(vins, passes, epilogue, reduced, upcast)
+    n_out = ab.n_epi + ab.n_red
+    dtypes = out_dtypes_of(out_dtypes, [vins[0].dtype] * n_out)
 
     # Outputs (fresh physical by default). A fresh rank-0 reduced output gets a (1,) buffer.
-    lifted = [False] * n_out
-    if outs is None:
-        vouts = []
-        for i, d in enumerate(dtypes):
-            s = shape if i < n_epi else red_shape
-            lifted[i] = s == ()
-            vouts.append(VTensor.fresh((1,) if s == () else s, d))
-    else:
-        vouts = _as_list(outs)
-        if len(vouts) != n_out:
-            raise ValueError(f"{len(vouts)} outs for {n_out} outputs")
-        for i, v in enumerate(vouts):
-            want = shape if i < n_epi else red_shape
-            if v.shape != want:
-                raise ValueError(f"output {i} has shape {v.shape}, expected {want}")
+    red_shape = tuple(n for d, n in enumerate(shape) if d != axis) if not keepdims else \
+        tuple(1 if d == axis else n for d, n in enumerate(shape))
+    vouts, lifted = outputs(outs, [shape] * ab.n_epi + [red_shape] * ab.n_red, dtypes)
+    vins, vouts, view = _row_views(vins, vouts, lifted, ab.n_epi, axis, keepdims)
 
-    # Re-view every layout so the reduced axis is last: (lead..., C) and (lead..., 1).
-    def row_view(layout: Layout) -> Layout:
-        return layout if perm == tuple(range(rank)) else layout.transpose(perm)
-
-    def red_view(layout: Layout, was_lifted: bool) -> Layout:
-        if was_lifted:                      # (1,) buffer of a rank-0 result (rank-1 input)
-            return layout
-        if keepdims:
-            return row_view(layout)
-        return layout.expand_dims((rank - 1,))
-
-    in_l = [row_view(v.layout) for v in vins]
-    out_l = [row_view(v.layout) if i < n_epi else red_view(v.layout, lifted[i]) for i, v in enumerate(vouts)]
-    if rank == 1:
-        view = (1, C)
-        in_l = [l.expand_dims((0,)) for l in in_l]
-        out_l = [l.expand_dims((0,)) for l in out_l]
-    else:
-        flat_in = [l.reshape((R, C)) for l in in_l]
-        flat_out = [l.reshape((R, C if i < n_epi else 1)) for i, l in enumerate(out_l)]
-        if rank > 2 and all(_clean(a, b) for a, b in zip(in_l + out_l, flat_in + flat_out)):
-            view, in_l, out_l = (R, C), flat_in, flat_out
-        elif rank == 2:
-            view = (R, C)
-        else:
-            view = tshape
-    vins = [_with_layout(v, l) for v, l in zip(vins, in_l)]
-    vouts = [_with_layout(v, l) for v, l in zip(vouts, out_l)]
-
-    M = view[-2]
-    br, bc, looped = choose_row_blocks(M, C, max_row_block)
+    br, bc, looped = choose_row_blocks(view[-2], view[-1], max_row_block)
     if block_cols is not None:
         bc = int(block_cols)
-        looped = bc < C
+        looped = bc < view[-1]
     if block_rows is not None:
         br = int(block_rows)
-    nlead = len(view) - 2
-    blk = (1,) * nlead + (br, bc)
-    rblk = (1,) * nlead + (br, 1)
-    n_cb = -(-C // bc)
-    _, n_programs = grid_origin(view[:-1], blk[:-1], 0)
-    warps = num_warps or _default_warps(br * bc)
+    cfg = _Config(view, br, bc, looped, tuple(tuple(ps) for ps in passes), epilogue, reduced, ab, upcast)
     plan = Plan.build(vins, vouts)
-
-    def body(ins: Sequence[Any], outs_: Sequence[Any]) -> None:
-        row_origin, _ = grid_origin(view[:-1], blk[:-1], pl.program_id(0))
-        col = lax.broadcasted_iota(jnp.int32, blk, len(blk) - 1)
-
-        def load_all(c0: Any) -> list[Any]:
-            return [r.load(row_origin + (c0,), blk).astype(d) for r, d in zip(ins, cdt)]
-
-        def col_mask(c0: Any) -> Any:
-            if isinstance(c0, int) and c0 + bc <= C:
-                return None
-            return col + c0 < C
-
-        def prep(st: Stat, blocks: list[Any], stats: list[Any], mask: Any) -> Any:
-            v = st.prologue(*blocks, *stats)
-            v = jnp.broadcast_to(v, blk).astype(_acc_dtype(v.dtype, upcast))
-            return v if mask is None else jnp.where(mask, v, _identity(st.combine, v.dtype))
-
-        stats: list[Any] = []
-        if not looped:
-            blocks = load_all(0)                                   # stage 1
-            mask = col_mask(0)
-            for ps in passes:                                      # stage 2
-                stats += [_reduce(st.combine, prep(st, blocks, stats, mask)) for st in ps]
-            if epilogue is not None:
-                res = _as_list(epilogue(*blocks, *stats))
-                for o, v in zip(outs_[:n_epi], res):               # stage 3
-                    o.store(row_origin + (0,), blk, v)
-        else:
-            for ps in passes:
-                inits = tuple(jnp.full(blk, _identity(st.combine, s.dtype), s.dtype)
-                              for st, s in zip(ps, stat_sds[len(stats):len(stats) + len(ps)]))
-
-                def step(j: Any, accs: tuple[Any, ...], ps: list[Stat] = ps, done: list[Any] = list(stats)) -> Any:
-                    c0 = j * bc
-                    blocks, mask = load_all(c0), col_mask(c0)
-                    return tuple(_combine2(st.combine, a, prep(st, blocks, done, mask)) for st, a in zip(ps, accs))
-
-                accs = lax.fori_loop(0, n_cb, step, inits)
-                stats += [_reduce(st.combine, a) for st, a in zip(ps, accs)]
-            if epilogue is not None:
-                def write(j: Any, carry: Any) -> Any:
-                    c0 = j * bc
-                    res = _as_list(epilogue(*load_all(c0), *stats))
-                    for o, v in zip(outs_[:n_epi], res):
-                        o.store(row_origin + (c0,), blk, v)
-                    return carry
-
-                lax.fori_loop(0, n_cb, write, 0)
-        if reduced is not None:
-            res = _as_list(reduced(*stats))
-            for o, v in zip(outs_[n_epi:], res):
-                o.store(row_origin + (0,), rblk, jnp.broadcast_to(v, rblk))
-
-    bufs = plan.call(body, grid=(n_programs,), backend=backend, num_warps=warps,
-                     num_stages=num_stages, name=name)
-    packed = []
-    for i, b in enumerate(bufs):
-        if lifted[i]:
-            b = (b[0].reshape(()),)
-        packed.append(b[0] if len(b) == 1 else tuple(b))
-    if n_out == 1 and not ((epilogue is not None and epi_tuple) or (reduced is not None and red_tuple)):
+    bufs = plan.call(functools.partial(_row_kernel, cfg), grid=(cfg.n_programs,), backend=backend,
+                     num_warps=num_warps or _default_warps(br * bc), num_stages=num_stages, name=name)
+    packed = pack_results(bufs, lifted)
+    if n_out == 1 and not ((epilogue is not None and ab.epi_tuple) or (reduced is not None and ab.red_tuple)):
         return packed[0]
     return tuple(packed)
-
-
-def _acc_dtype(dtype: Any, upcast: bool) -> np.dtype:
-    dtype = np.dtype(dtype)
-    if upcast and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
-        return np.dtype(jnp.float32)
-    return dtype
 
 
 # --------------------------------------------------------------------------------------------
@@ -363,7 +386,7 @@ def softmax(x: Any, axis: int = -1, *, out: VTensor | None = None, dtype: Any = 
 
 def _last_axis_param(p: Any, shape: tuple[int, ...]) -> Any:
     """A per-feature parameter of shape (C,) (or broadcastable) as an input of logical ``shape``."""
-    return as_vtensor(p, shape)
+    return broadcast_input(p, shape)
 
 
 def rms_norm(x: Any, w: Any = None, eps: float = 1e-6, *, out: VTensor | None = None,

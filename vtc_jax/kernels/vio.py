@@ -17,6 +17,18 @@ Contract for someone adding a template
   loaded under its own mask and merged. A store only touches the pieces whose static box meets
   the block (``pl.when``), each under its own mask.
 * Never accumulate into one output block from several grid programs (they race on a GPU).
+* Re-view operands with the :class:`VTensor` methods, never by copying: ``with_layout``,
+  ``transpose``, ``reshape``, ``expand_dims``, ``broadcast_to`` (numpy rules) only change the
+  layout; ``with_symbol`` adds a runtime scalar the body reads as ``VRef.syms[name]``.
+* Inputs and outputs of an entry point: :func:`broadcast_input` (inputs of a logical shape),
+  :func:`epilogue_input` (matmul/conv epilogue arguments), :func:`output` (one ``out``, checked or
+  fresh), :func:`outputs` + :func:`out_dtypes` (several, fresh rank-0 ones lifted to ``(1,)``) and
+  :func:`pack_results` (what the entry point returns). Blocks, grids and loops:
+  :mod:`vtc_jax.kernels.tiling`.
+* Shape of a template (as JAX's Pallas GPU ops): a kernel body ``_kernel(cfg, ins, outs)`` taking
+  a frozen static configuration, a planning step that checks arguments, re-views operands and
+  builds that configuration, and a thin public wrapper that launches
+  ``Plan.build(...).call(functools.partial(_kernel, cfg), grid=...)`` and packs the results.
 
 How a piece is accessed (cheapest first)
 ----------------------------------------
@@ -32,9 +44,9 @@ How a piece is accessed (cheapest first)
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import jax
@@ -43,13 +55,11 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..indexmap import Atom, Dim, Expr, Layout, Piece, Sym, SymInfo
+from ..indexmap import Atom, Dim, Expr, Layout, Piece, Sym
+from .tiling import next_pow2
 
-__all__ = ["VTensor", "VRef", "Plan", "compiler_params", "next_pow2"]
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
+__all__ = ["VTensor", "VRef", "Plan", "compiler_params", "next_pow2", "broadcast_input",
+           "epilogue_input", "out_dtypes", "output", "outputs", "pack_results"]
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 2) -> Any:
@@ -106,6 +116,45 @@ class VTensor:
     def of(x: Any) -> "VTensor":
         return x if isinstance(x, VTensor) else VTensor.physical(jnp.asarray(x))
 
+    # -- views: the same buffers and symbols under another layout (no data movement) ----------
+    def with_layout(self, layout: Layout) -> "VTensor":
+        """The same buffers and symbols seen through ``layout`` (re-validated)."""
+        return dataclasses.replace(self, layout=layout)
+
+    def with_symbol(self, name: str, value: Any) -> "VTensor":
+        """One more runtime symbol (an int32 scalar the kernel can read as ``VRef.syms[name]``)."""
+        if name in dict(self.symbols):
+            raise ValueError(f"VTensor already carries a runtime symbol named {name!r}")
+        return dataclasses.replace(self, symbols=self.symbols + ((name, value),))
+
+    def transpose(self, perm: Sequence[int]) -> "VTensor":
+        """``lax.transpose`` as a layout (``self`` when ``perm`` is the identity)."""
+        perm = tuple(int(p) for p in perm)
+        return self if perm == tuple(range(len(self.shape))) else self.with_layout(self.layout.transpose(perm))
+
+    def reshape(self, shape: Sequence[int]) -> "VTensor":
+        """Row-major ``reshape`` as a layout."""
+        return self.with_layout(self.layout.reshape(tuple(int(n) for n in shape)))
+
+    def expand_dims(self, axes: Sequence[int]) -> "VTensor":
+        """New size-1 dims at ``axes`` (positions in the result), as a layout."""
+        return self.with_layout(self.layout.expand_dims(tuple(axes)))
+
+    def broadcast_to(self, shape: Sequence[int]) -> "VTensor":
+        """Numpy broadcasting to ``shape`` as a broadcast layout (``self`` when the shape matches):
+        the broadcast tensor is never materialised."""
+        shape = tuple(int(n) for n in shape)
+        src = self.shape
+        if src == shape:
+            return self
+        try:
+            ok = len(src) <= len(shape) and np.broadcast_shapes(src, shape) == shape
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"cannot broadcast {src} to {shape}")
+        return self.with_layout(self.layout.broadcast(shape, tuple(range(len(shape) - len(src), len(shape)))))
+
     def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         return (self.buffers, tuple(v for _, v in self.symbols)), (self.layout, self.dtype,
                                                                    tuple(k for k, _ in self.symbols))
@@ -119,6 +168,92 @@ class VTensor:
 
 def _is_fresh(b: Any) -> bool:
     return isinstance(b, jax.ShapeDtypeStruct)
+
+
+# --------------------------------------------------------------------------------------------
+# A template's inputs and outputs (shared by every entry point)
+# --------------------------------------------------------------------------------------------
+
+def broadcast_input(x: Any, shape: Sequence[int]) -> VTensor:
+    """An input of logical ``shape``: a VTensor (broadcast if its shape is smaller) or an array
+    (numpy broadcasting rules, expressed as a broadcast layout onto the array itself; a rank-0
+    array is viewed as a (1,) buffer)."""
+    shape = tuple(int(n) for n in shape)
+    if isinstance(x, VTensor):
+        return x.broadcast_to(shape)
+    x = jnp.asarray(x)
+    if tuple(x.shape) != shape and x.ndim == 0:
+        x = x.reshape(1)
+    return VTensor.physical(x).broadcast_to(shape)
+
+
+def epilogue_input(x: Any, shape: Sequence[int]) -> VTensor:
+    """An epilogue argument of a kernel whose output has logical ``shape`` (matmul, conv): a
+    VTensor of exactly that shape, or an array broadcast to it (numpy rules) through a broadcast
+    layout — a bias vector is never materialised at the output's size."""
+    shape = tuple(int(n) for n in shape)
+    if isinstance(x, VTensor):
+        if tuple(x.shape) != shape:
+            raise ValueError(f"epilogue VTensor has shape {x.shape}, the output is {shape}: "
+                             "give it a broadcast layout")
+        return x
+    return VTensor.physical(jnp.asarray(x)).broadcast_to(shape)
+
+
+def out_dtypes(spec: Any, defaults: Sequence[Any]) -> list[np.dtype]:
+    """One dtype per output: ``spec`` None (``defaults``), one dtype for all, or a sequence."""
+    if spec is None:
+        dtypes = [np.dtype(d) for d in defaults]
+    elif isinstance(spec, (list, tuple)):
+        dtypes = [np.dtype(d) for d in spec]
+    else:
+        dtypes = [np.dtype(spec)] * len(defaults)
+    if len(dtypes) != len(defaults):
+        raise ValueError(f"{len(dtypes)} out_dtypes for {len(defaults)} outputs")
+    return dtypes
+
+
+def output(out: VTensor | None, shape: Sequence[int], dtype: Any, what: str = "expected") -> VTensor:
+    """A single-output kernel's output: ``out`` (checked to have logical ``shape``; the error says
+    ``out has logical shape .., {what} {shape}``) or a fresh physical array of ``dtype``."""
+    shape = tuple(int(n) for n in shape)
+    if out is None:
+        return VTensor.fresh(shape, np.dtype(dtype))
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out has logical shape {out.shape}, {what} {shape}")
+    return out
+
+
+def outputs(outs: Any, shapes: Sequence[Sequence[int]], dtypes: Sequence[Any]
+            ) -> tuple[list[VTensor], list[bool]]:
+    """(output VTensors, lifted) for a kernel with one output per entry of ``shapes``.
+
+    ``outs``: None (fresh physical arrays of ``dtypes``), a VTensor or a sequence of them, checked
+    against ``shapes``. A fresh rank-0 output gets a (1,) buffer (``lifted``; blocks have rank >= 1)
+    that :func:`pack_results` turns back into a rank-0 array.
+    """
+    shapes = [tuple(int(n) for n in s) for s in shapes]
+    if outs is None:
+        lifted = [s == () for s in shapes]
+        return [VTensor.fresh((1,) if s == () else s, d) for s, d in zip(shapes, dtypes)], lifted
+    vouts = [outs] if isinstance(outs, VTensor) else list(outs)
+    if len(vouts) != len(shapes):
+        raise ValueError(f"{len(vouts)} outs for {len(shapes)} outputs")
+    for i, (v, s) in enumerate(zip(vouts, shapes)):
+        if v.shape != s:
+            raise ValueError(f"output {i} has shape {v.shape}, expected {s}")
+    return vouts, [False] * len(vouts)
+
+
+def pack_results(bufs: Sequence[tuple[Any, ...]], lifted: Sequence[bool] = ()) -> list[Any]:
+    """What entry points return per output, from ``Plan.call``'s buffers: its physical buffer, or
+    the tuple of its buffers when the output VTensor has several; lifted outputs as rank 0."""
+    packed = []
+    for i, b in enumerate(bufs):
+        if i < len(lifted) and lifted[i]:
+            b = (b[0].reshape(()),)
+        packed.append(b[0] if len(b) == 1 else tuple(b))
+    return packed
 
 
 def _unit_strided(p: Piece) -> tuple[tuple[int | None, int, Expr], ...] | None:
@@ -334,6 +469,11 @@ class VRef:
         env, inb = self._env(origin, block)
         dtype = self.binding.dtype
         layout = self.binding.layout
+        if len(layout.pieces) == 1 and not layout.fills and _is_plus_zero(fill) and \
+                self._zeroes_masked_lanes(layout.pieces[0], block):
+            # The masked load itself reads +0 on exactly the masked lanes: nothing to merge.
+            p = layout.pieces[0]
+            return self._load_piece(p, origin, block, env, self._piece_mask(p, env, inb, block)).astype(dtype)
         result = jnp.full(block, fill, dtype)
         for r in reversed(layout.fills):   # borders of pads: the first region containing a lane wins
             rmask = _all([inb, *(_cond_mask(c, env, None) for c in r.where)])
@@ -344,6 +484,25 @@ class VRef:
             val = self._load_piece(p, origin, block, env, mask).astype(dtype)
             result = val if mask is None else jnp.where(mask, val, result)
         return result
+
+    def _zeroes_masked_lanes(self, p: Piece, block: tuple[int, ...]) -> bool:
+        """Whether ``_load_piece``'s masked load alone gives what the merge with a zero fill would.
+
+        It reads 0 on every lane outside its mask: always for a gather; for a strided box unless a
+        block dim wider than 1 has no home in the buffer (a broadcast read, whose folded mask lets
+        lanes outside the block's mask read the shared element). A strided box that is transposed
+        in registers also keeps the select: without it XLA:CPU folds the transpose into a consuming
+        dot, whose summation order then changes and interpret mode would no longer be bit-identical
+        (on Triton the select is a few cheap ops next to a register transpose).
+        """
+        sb = None if self.binding.flat[p.target] else _unit_strided(p)
+        if sb is None:
+            return True
+        mapped = [j for j, _, _ in sb if j is not None]
+        if any(b > 1 for k, b in enumerate(block) if k not in mapped):
+            return False
+        big = [j for j in mapped if block[j] > 1]   # target order of the dims that really move
+        return big == sorted(big)
 
     def _load_piece(self, p: Piece, origin: Sequence[Any], block: tuple[int, ...], env: dict[Atom, Any],
                     mask: Any) -> jax.Array:
@@ -395,6 +554,13 @@ class VRef:
             val = jnp.where(mask, val, jnp.zeros((), val.dtype))
         tmask = None if mask is None else _to_target_order(mask, sb, block, fold_first=True)
         plgpu.store(ref.at[idx], _to_target_order(val, sb, block, fold_first=True), mask=tmask)
+
+
+def _is_plus_zero(x: Any) -> bool:
+    """A static fill of +0 (what a masked load's ``other`` gives; -0.0 and traced fills are not)."""
+    if not isinstance(x, (bool, int, float, np.integer, np.floating)):
+        return False
+    return float(x) == 0.0 and math.copysign(1.0, float(x)) > 0
 
 
 def _cond_mask(c: Any, env: dict[Atom, Any], bounds: Any) -> jax.Array:
