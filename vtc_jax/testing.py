@@ -174,12 +174,15 @@ def cross_lower(fn: Callable, *args: Any) -> LoweredModule:
 
     ``args`` may be arrays or ``jax.ShapeDtypeStruct`` pytrees. The Triton custom call is not on
     export's stable list, so that safety check is disabled: we only inspect the module.
-    Needs jax-cuda12-plugin installed (the Pallas Triton lowering lives behind it).
+    Needs jax-cuda12-plugin installed (the Pallas Triton lowering lives behind it). On jax >= 0.11
+    without a GPU the lowering runs inside ``compat.cuda_lowering()`` (an abstract H100).
     """
-    exported = jax.export.export(
-        jax.jit(fn), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL_TARGET)],
-    )(*jax.tree.map(_sds, args))
+    from .compat import cuda_lowering
+    with cuda_lowering():
+        exported = jax.export.export(
+            jax.jit(fn), platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL_TARGET)],
+        )(*jax.tree.map(_sds, args))
     return LoweredModule.from_text(exported.mlir_module())
 
 
