@@ -57,7 +57,7 @@ def _current_abstract_device() -> object | None:
 def abstract_h100_mesh() -> "jax.sharding.AbstractMesh":
     """A one-device abstract mesh whose device is an H100 (jax >= 0.11 only)."""
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
-    return AbstractMesh((1,), ("_vtc_cuda",), axis_types=(AxisType.Explicit,),
+    return AbstractMesh((1,), ("_vtc_cuda",), axis_types=(AxisType.Auto,),
                         abstract_device=AbstractDevice(CPU_LOWERING_DEVICE_KIND,
                                                        CPU_LOWERING_CORES, "cuda"))
 
