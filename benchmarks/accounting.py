@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Static accounting of the paper's five workloads (verification ladder, rung 3): no GPU, nothing run.
 
-    JAX_PLATFORMS=cpu python benchmarks/accounting.py        # rewrites BENCHMARKS.md + benchmarks/accounting.png
+    JAX_PLATFORMS=cpu python benchmarks/accounting.py        # rewrites benchmarks/accounting.md + benchmarks/accounting.png
 
 For each workload of ``examples/`` × batch {1, 16} at paper size (``jax.ShapeDtypeStruct`` arguments,
 nothing allocated or executed):
@@ -572,7 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--layer-budget", type=float, default=480.0,
                    help="seconds for the layer series; a count whose extrapolated time exceeds what is left "
                         "is skipped with a note")
-    p.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "accounting.md"))
     p.add_argument("--png", default=str(ROOT / "benchmarks" / "accounting.png"))
     p.add_argument("--json", default=None, help="also dump the raw numbers here")
     ns = p.parse_args(argv)
