@@ -384,6 +384,8 @@ def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
     skip = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "after-all",
             "partition-id", "replica-id", "opt-barrier"}
     candidates = [i for i in entry if i.opcode not in skip]
+    # thunk names are the instruction names sanitised for PTX ("gemm_fusion_dot.10" -> "..._10")
+    by_thunk_name = {re.sub(r"[^\w]", "_", i.name): i for i in candidates}
     used: set[str] = set()
     triton_calls = [i for i in candidates if i.opcode == "custom-call"
                     and TRITON_CALL_TARGET in i.attrs]
@@ -395,7 +397,8 @@ def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
         kind, rest = m.groups()
         km = _KERNEL_RE.search(rest)
         name = km.group(1) if km else (rest.split() or [kind])[0]
-        ins = by_name.get(name) if name not in used else None
+        ins = by_name.get(name) or by_thunk_name.get(name)
+        ins = ins if ins is not None and ins.name not in used else None
         triton = False
         if ins is None:
             ins = next((i for i in triton_calls if i.name not in used
