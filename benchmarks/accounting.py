@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Static accounting of the paper's five workloads (verification ladder, rung 3): no GPU, nothing run.
 
-    JAX_PLATFORMS=cpu python benchmarks/accounting.py        # rewrites BENCHMARKS.md (keeps the block of benchmarks/compiled.py)
+    JAX_PLATFORMS=cpu python benchmarks/accounting.py        # rewrites benchmarks/accounting.md + benchmarks/accounting.png
 
 For each workload of ``examples/`` × batch {1, 16} at paper size (``jax.ShapeDtypeStruct`` arguments,
 nothing allocated or executed):
@@ -12,11 +12,14 @@ nothing allocated or executed):
   ``jax.jit(step, donate_argnums=caches)`` and of ``vtc_jax.optimize(step, backend="triton", same
   donation)``: ``len(module.movement_into_consumers())`` (a movement op whose result reaches a
   kernel, a dot or a function result) and a per-op count of the stablehlo movement ops;
-* Triton kernels in the optimised module and dots/convs left to the library (launches, bytes and
-  buffers come from XLA's own compile: ``benchmarks/compiled.py``, whose block this script keeps);
+* Triton kernels in the optimised module, dots/convs left to the library, and the *modelled* kernel
+  launches of both (``costmodel.modeled_bytes``: XLA's own fusions cannot be counted without
+  compiling for a GPU);
+* *modelled* HBM bytes (plain XLA, optimised, compulsory) and *modelled* peak memory (plain XLA,
+  optimised), from ``costmodel.modeled_bytes`` over the jaxpr;
 * the analysis time (``Report.analysis_seconds``, on this CPU);
 
-plus the paper's measured peak-memory table beside XLA's buffer assignment, and the analysis time of
+plus the paper's measured peak-memory table beside our modelled savings, and the analysis time of
 1..32 unrolled Llama-3 decoder layers. Workloads whose example module does not exist (yet) are
 skipped with a note. ``account(name, batch)`` is the per-case function (tests use it).
 """
@@ -334,10 +337,9 @@ def render(cases: list[Case], layers: list[dict[str, Any]], info: dict[str, str]
     out = [
         "# Benchmarks",
         "",
-        "Regenerate this file with two commands (the first writes the compiled block, the second the rest):",
+        "Regenerate this file (and `benchmarks/accounting.png`) with one command:",
         "",
         "```sh",
-        "JAX_PLATFORMS=cpu python benchmarks/compiled.py",
         COMMAND,
         "```",
         "",
@@ -366,11 +368,10 @@ def render(cases: list[Case], layers: list[dict[str, Any]], info: dict[str, str]
             "*jit* = `jax.jit(step, donate_argnums=caches)`, *VTC* = `vtc_jax.optimize(step, backend=\"triton\", "
             "same donation)`. *Movement into consumers*: movement ops whose result reaches a Triton kernel, a "
             "dot/conv or a function result in the CUDA-lowered module (`LoweredModule.movement_into_consumers`). "
-            "Launches, bytes and memory are in the compiled table above (XLA's own compile; the analytical "
-            "model's plain-XLA launch counts, bytes and peaks were contradicted by it and are no longer "
-            "published here).", ""]
+            "Bytes and memory in MiB (2^20 bytes).", ""]
     rows = []
     for c in ok:
+        m = c.modeled
         b, o = c.baseline, c.optimized
         fail = lambda x, k: x if x is not None else ("lowering failed" if k in c.lower_errors else "-")  # noqa: E731
         bi = fail(b and len(b.into_consumers), "jit")
@@ -379,12 +380,16 @@ def render(cases: list[Case], layers: list[dict[str, Any]], info: dict[str, str]
             c.workload, c.batch, c.jaxpr_ops, f"{c.movement_ops} ({c.eliminated} eliminated)",
             f"{bi} → {oi}", fail(o and o.triton_kernels, "VTC"),
             f"{fail(b and b.library_calls, 'jit')} → {fail(o and o.library_calls, 'VTC')}",
+            f"{m['kernels_baseline']} → {m['kernels_optimized']}",
+            f"{_mib(m['bytes_baseline'])} / {_mib(m['bytes_optimized'])} / {_mib(m['bytes_compulsory'])}",
+            f"{_mib(m['peak_baseline'])} → {_mib(m['peak_optimized'])} ({c.peak_saving:.1f}%)",
             f"{c.analysis_seconds:.2f} ({c.analysis_cpu_seconds:.2f})",
         ])
     out.append(_md_table(
         ["workload", "batch", "jaxpr ops", "movement ops in jaxpr", "movement into consumers, jit → VTC",
-         "Triton kernels (VTC)", "dots/convs left to XLA, jit → VTC",
-         "analysis s, wall (CPU)"], rows, "lrrrrrrr"))
+         "Triton kernels (VTC)", "dots/convs left to XLA, jit → VTC", "kernel launches, jit → VTC (modelled)",
+         "HBM bytes jit / VTC / compulsory, MiB (modelled)", "peak memory jit → VTC, MiB (modelled)",
+         "analysis s, wall (CPU)"], rows, "lrrrrrrrrrr"))
     out.append("")
 
     out += ["## Movement ops left in the CUDA-lowered module, by op", "",
@@ -437,29 +442,22 @@ def render(cases: list[Case], layers: list[dict[str, Any]], info: dict[str, str]
             out += ["", "Nothing kept in: " + ", ".join(clean) + "."]
     out.append("")
 
-    out += ["## Peak memory: the paper's measured table beside XLA's buffer assignment", "",
+    out += ["## Peak memory: the paper's measured table beside our modelled savings", "",
             "The paper's numbers (Table *Peak GPU memory consumption of PyTorch and VTC*, `tab:memory`) are "
             "**measured** on an A100 with PyTorch's memory monitor for the whole end-to-end inference "
             "(PyTorch's caching allocator, its workspace and everything the model keeps alive), in MB as printed. "
-            "Ours are XLA's **buffer assignment** of the program compiled for an H100 (`benchmarks/compiled.py`: "
-            "arguments + outputs + temporaries − aliased, one layer, no allocator, no framework), plain jit vs "
-            "VTC, in MiB. Only the savings are comparable in kind, and only roughly; the absolute figures "
-            "measure different things.", ""]
-    compiled = {}
-    cj = ROOT / "benchmarks" / "compiled.json"
-    if cj.exists():
-        compiled = {(r["workload"], r["batch"]): r for r in json.loads(cj.read_text())}
+            "Ours are **modelled** from the jaxpr by a liveness walk over the clusters (`costmodel.modeled_bytes`, "
+            "peak_*): plain XLA vs VTC's strategy, in MiB. Only the savings are comparable in kind, and only "
+            "roughly; the absolute figures measure different things.", ""]
     rows = []
     for c in ok:
         p = PAPER_MEMORY_MB.get(c.label, {}).get(c.batch)
-        r = compiled.get((c.workload, c.batch))
         rows.append([c.label, c.batch,
                      f"{p[0]:,.1f}" if p else "-", f"{p[1]:,.1f}" if p else "-", f"{p[2]:.1f}%" if p else "-",
-                     _mib(r["buffers_jit"]) if r else "-", _mib(r["buffers_vtc"]) if r else "-",
-                     f"{(1 - r['buffers_vtc'] / r['buffers_jit']) * 100:.1f}%" if r else "-"])
+                     _mib(c.modeled["peak_baseline"]), _mib(c.modeled["peak_optimized"]), f"{c.peak_saving:.1f}%"])
     out.append(_md_table(["model", "batch", "paper: PyTorch MB (measured)", "paper: VTC MB (measured)",
-                          "paper: savings", "ours: jit MiB (compiled)", "ours: VTC MiB (compiled)",
-                          "ours: savings (compiled)"], rows, "lrrrrrrr"))
+                          "paper: savings", "ours: jit MiB (modelled)", "ours: VTC MiB (modelled)",
+                          "ours: savings (modelled)"], rows, "lrrrrrrr"))
     out.append("")
 
     out += [f"## Analysis time vs unrolled Llama-3 layers (batch {LAYER_BATCH}, paper size)", "",
@@ -574,7 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--layer-budget", type=float, default=480.0,
                    help="seconds for the layer series; a count whose extrapolated time exceeds what is left "
                         "is skipped with a note")
-    p.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "accounting.md"))
     p.add_argument("--png", default=str(ROOT / "benchmarks" / "accounting.png"))
     p.add_argument("--json", default=None, help="also dump the raw numbers here")
     ns = p.parse_args(argv)
@@ -632,21 +630,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         tqdm.write(f"{n:3d} layers: analysis {layers[-1]['analysis_seconds']:.2f} s wall, "
                    f"{layers[-1]['cpu_seconds']:.2f} s CPU")
 
-    png_rel = None   # the modelled bytes/peak chart is not published: XLA's compile contradicted it
+    png_path = Path(ns.png)
+    png_rel = None
+    try:
+        plot(cases, png_path)
+        png_rel = os.path.relpath(png_path, Path(ns.out).resolve().parent)
+    except Exception as exc:  # noqa: BLE001
+        notes.append(f"chart not drawn: {type(exc).__name__}: {exc}")
     elapsed = time.perf_counter() - t_start
     text = render(cases, layers, info, notes, elapsed, png_rel)
-    old = Path(ns.out).read_text() if Path(ns.out).exists() else ""
-    begin, end = "<!-- compiled:begin -->", "<!-- compiled:end -->"
-    if begin in old and end in old:   # keep benchmarks/compiled.py's block (XLA's compile) above the summary
-        block = old[old.index(begin):old.index(end) + len(end)]
-        head, sep, rest = text.partition("\n## ")
-        text = head.rstrip() + "\n\n" + block + "\n" + (sep + rest if sep else "")
     Path(ns.out).write_text(text)
     if ns.json:
         Path(ns.json).write_text(json.dumps({"machine": info, "cases": [asdict(c) for c in cases],
                                              "layers": layers}, indent=1, default=str))
     print(text.split("## Movement ops left")[0])
-    print(f"wrote {ns.out} in {elapsed:.0f} s")
+    print(f"wrote {ns.out} and {png_path} in {elapsed:.0f} s")
     return 0 if all(c.error is None for c in cases) else 1
 
 

@@ -4,9 +4,9 @@
     JAX_PLATFORMS=cpu python benchmarks/kernels.py            # rewrites benchmarks/kernels.md
 
 Each kernel template in its default configuration (block sizes, warps, stages chosen by the
-template) at paper-relevant shapes is cross-lowered for CUDA with ``backend="triton"``, and every
-Triton kernel of the module is compiled to PTX and a cubin for sm_90 with XLA's bundled Triton and
-``ptxas`` (``vtc_jax.offline.compile_lowered``); no GPU is needed. A second table does the same
+template) at paper-relevant shapes is cross-lowered for CUDA with ``backend="triton"``, and the
+module is compiled deviceless for sm_90 by XLA (its own Triton to PTX; ``ptxas -v`` on that PTX;
+``vtc_jax.offline.compile_lowered``); no GPU is needed. A second table does the same
 for the kernels ``vtc_jax.optimize(step, backend="triton")`` emits for each workload of
 ``examples/`` at paper size.
 

@@ -31,6 +31,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest  # noqa: E402
+
+pytest.importorskip("hypothesis", reason="property tests need hypothesis (the test extra)")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax

@@ -8,6 +8,7 @@ import math
 import jax
 import numpy as np
 import pytest
+pytest.importorskip("hypothesis", reason="property tests need hypothesis (the test extra)")
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from jax import lax

@@ -1,10 +1,11 @@
-"""Offline PTX/cubin compile of a tiny Triton kernel (no GPU needed)."""
+"""Offline rung: compile for an H100 (sm_90) with XLA, no GPU — public jax APIs on every version."""
 import jax
 import jax.numpy as jnp
 import pytest
 
 from test_testing import add_one
-from vtc_jax.offline import ABORT_PROBE, SMEM_LIMIT, compile_kernel, compile_lowered, format_table
+from vtc_jax.offline import (SMEM_LIMIT, compile_lowered, compile_many, compile_program,
+                             format_table)
 from vtc_jax.testing import cross_lower
 
 pytestmark = pytest.mark.offline
@@ -16,32 +17,47 @@ def lowered():
                        jax.ShapeDtypeStruct((256,), jnp.float32))
 
 
-def test_compile_kernel_reports_resources(lowered):
-    [k] = lowered.triton_kernels
-    r = compile_kernel(k.ir, num_warps=4, num_stages=1, name=k.name)
+def test_compile_lowered_reports_resources(lowered):
+    [r] = compile_lowered(lowered)
     assert r.ptx_ok and r.cubin_ok, r.error
-    assert r.error is None and r.gpu_name == "sm_90a"
+    assert r.error is None and r.gpu_name == "sm_90a" and r.name == "add_one"
     assert r.registers > 0
     assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0
+    assert (r.num_warps, r.num_stages) == (4, 1)  # from the custom call's backend config
     assert 0 <= r.smem_bytes <= SMEM_LIMIT["sm_90"] and r.fits("sm_90")
 
 
-def test_compile_lowered_uses_backend_config_and_isolates_failures(lowered):
+def test_compile_many_takes_cross_lowered_ir_and_reports_unknown_ir(lowered):
     [k] = lowered.triton_kernels
-
-    class Mixed:  # good, unparsable, a worker crash (as on LLVM ERROR), good again
-        triton_kernels = (k, ("garbage", b"not triton ir"), ("abort", ABORT_PROBE), k)
-
-    good, bad, crash, again = compile_lowered(Mixed, num_stages=2)
+    good, bad, again = compile_many([(k.name, k.ir, 4, 1), ("garbage", b"not triton ir", 4, 2),
+                                     ("again", k.ir, 4, 1)])
     assert good.cubin_ok and (good.num_warps, good.num_stages) == (4, 1)
-    assert not bad.ptx_ok and "parse" in bad.error and bad.num_stages == 2
-    assert not crash.ptx_ok and "worker signal SIGABRT" in crash.error
-    assert again.cubin_ok and again.registers == good.registers
-    table = format_table([good, bad, crash, again])
+    assert not bad.ptx_ok and "unknown Triton IR" in bad.error
+    assert again.cubin_ok and again.registers == good.registers and again.name == "again"
+    table = format_table([good, bad, again])
     assert "add_one" in table and "FAIL" in table
 
 
-def test_compile_kernel_sm80():
-    m = cross_lower(lambda x: add_one(x, backend="triton"), jax.ShapeDtypeStruct((64,), jnp.float32))
-    r = compile_kernel(m.triton_kernels[0].ir, num_warps=4, num_stages=1, arch="8.0")
-    assert r.cubin_ok and r.gpu_name == "sm_80", r.error
+def test_compile_program_counts_launches_bytes_and_memory():
+    x = jax.ShapeDtypeStruct((256,), jnp.float32)
+    p = compile_program(lambda x: add_one(x, backend="triton") * 2, x)
+    assert len(p.launches) == 2, p.thunks          # the Triton kernel and one XLA fusion
+    [t] = p.triton_launches
+    assert t.name == "add_one" and t.read_bytes == 1024 and t.write_bytes == 1024
+    assert p.bytes == 4 * 1024
+    assert p.memory["argument_size_in_bytes"] == 1024 and p.memory["output_size_in_bytes"] == 1024
+    assert p.memory["total"] >= 2048
+    assert {k.name for k in p.kernels} == {x.name for x in p.launches}, p.kernel_error
+
+
+def test_compile_program_in_place_update_counts_the_update_only():
+    cache = jax.ShapeDtypeStruct((64, 1024), jnp.float32)
+    row = jax.ShapeDtypeStruct((1, 1024), jnp.float32)
+    pos = jax.ShapeDtypeStruct((), jnp.int32)
+    p = compile_program(lambda c, r, i: jax.lax.dynamic_update_slice(c, r * 2, (i, 0)),
+                        cache, row, pos, donate_argnums=(0,), kernels=False)
+    assert len(p.launches) == 1, p.thunks
+    [x] = p.launches
+    assert x.in_place_bytes == 64 * 1024 * 4       # the cache: updated in place, not counted
+    assert x.write_bytes == 1024 * 4               # the row written
+    assert p.memory["alias_size_in_bytes"] == 64 * 1024 * 4

@@ -5,6 +5,7 @@
 index maps that the neighbouring Pallas kernels read and write through. ``explain(fn)(*args)``
 reports what it would do, without running anything.
 """
+from . import compat  # noqa: F401  (jax-version shims; filters jax's Pallas Triton deprecation)
 from .api import Optimized, VTCError, VTCFallbackWarning, explain, optimize
 from .report import Report
 

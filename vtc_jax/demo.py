@@ -40,6 +40,8 @@ def run(batch: int = 16) -> int:
     print(f"== 1. Analysis: Llama-3-8B decoder layer, batch {batch}, context 4096, bf16 (paper size) ==")
     report = vtc_jax.explain(L.step)(*L.example_args("paper", batch=batch))
     print(report)
+    print("  (the figures above are the analytical model; its plain-XLA baseline is an upper bound "
+          "that XLA's own H100 compile contradicts: see BENCHMARKS.md, python benchmarks/compiled.py)")
 
     print("\n== 2. Equivalence at small size (Pallas interpret mode on CPU) ==")
     ok = True

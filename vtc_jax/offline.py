@@ -1,36 +1,74 @@
-"""Rung 2b of the verification ladder: compile Triton IR to PTX and cubin with no GPU and no driver.
+"""Rung 2b of the verification ladder: compile for an H100 (sm_90) with XLA, no GPU, no driver.
 
 Cross-lowering proves that Triton IR exists; it does not catch register pressure, spills or a
-shared-memory footprint over the device limit (that is only checked at kernel load time). XLA's
-bundled Triton compiler (registered by the CUDA plugin even under ``JAX_PLATFORMS=cpu``) turns the IR
-into PTX, and ``ptxas`` from the ``nvidia-cuda-nvcc-cu12`` wheel assembles it and reports resources.
+shared-memory footprint over the device limit (only checked at kernel load time), and it says
+nothing about what XLA makes of the rest of the program. So the program is compiled *deviceless*
+with public jax APIs only: ``jax.experimental.topologies.get_topology_desc`` with an H100 target
+config (``H100_TARGET_CONFIG``) gives a compile-only CUDA device; ``jax.jit(f).lower(...)
+.compile()`` then runs XLA's whole GPU pipeline (fusion, layout, scheduling, buffer assignment) and
+compiles every Triton custom call with XLA's own bundled Triton, on jax 0.10.2 … 0.12.x alike.
 
-Some Triton failures abort the process (``LLVM ERROR``, exit 134), so the Triton step runs in a worker
-subprocess. One worker compiles a batch sequentially (start-up costs ~1 s, a kernel ~0.05 s); when it
-dies, the kernel it was on is marked failed and a fresh worker continues with the rest.
+What comes back (:class:`CompiledProgram`):
+
+* the optimised HLO and XLA's thunk sequence (``--xla_dump_to``): one line per kernel launch, with
+  grid and dynamic shared memory;
+* ``compiled.memory_analysis()``: arguments, outputs, temporaries, aliased bytes;
+* the PTX XLA emits: XLA is pointed (``xla_gpu_cuda_data_dir``) at a ``ptxas`` wrapper that keeps a
+  copy of each PTX file it hands to the real ``ptxas`` (from the ``nvidia-cuda-nvcc-cu12`` wheel);
+  ``ptxas -v`` on that PTX gives registers, spill bytes and static shared memory per kernel
+  (:class:`KernelResources`).
+
+The compile runs in this process (XLA failures are Python exceptions here, not aborts).
+``compile_lowered``/``compile_many`` keep the per-Triton-kernel interface of the kernel tests: the
+kernels come from ``vtc_jax.testing.cross_lower`` modules, which are compiled whole as above.
 """
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 # Shared memory per block (opt-in maximum), bytes. Only checked by the driver at load time.
 SMEM_LIMIT: dict[str, int] = {"sm_90": 232448, "sm_80": 166912, "sm_86": 101376, "sm_89": 101376}
 
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
-ABORT_PROBE = b"__vtc_offline_abort__"  # IR that makes the worker abort: tests crash recovery
-_WORKER_TIMEOUT_S = 120.0  # per kernel in a batch, plus one start-up allowance
+
+# GpuTargetConfig (text proto) of an H100 SXM 80GB: XLA's deviceless GPU compile reads the device
+# from here. Figures from NVIDIA's published H100 SXM specifications (132 SMs, 228 KiB shared memory
+# per SM of which 227 KiB per block opt-in, 50 MiB L2, 3.35 TB/s HBM3, 1.98 GHz boost).
+H100_TARGET_CONFIG = """\
+gpu_device_info {
+  cuda_compute_capability { major: 9 minor: 0 }
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_block_optin: 232448
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 3352000000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 85520809984
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 1 patch: 0 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
 
 
 @dataclass(frozen=True)
@@ -78,79 +116,13 @@ def ptxas_path() -> str:
     raise FileNotFoundError("ptxas not found: pip install nvidia-cuda-nvcc-cu12 (or set VTC_PTXAS)")
 
 
-# ---------------------------------------------------------------- worker (runs in a subprocess)
+# ---------------------------------------------------------------- ptxas
 
-def _worker(jobdir: str) -> None:
-    """Compile every job in ``jobdir/jobs.json`` from index ``start`` on; append one JSON line per
-    job to ``results.jsonl`` *before* moving on, so the parent knows where a crash happened."""
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    d = Path(jobdir)
-    spec = json.loads((d / "jobs.json").read_text())
-    import jax
-    jax.devices()  # plugin discovery registers the CUDA Triton compilation handler
-    from jax._src.lib import triton as jt  # private: pinned by jax<0.11 in pyproject
-    with open(d / "results.jsonl", "a") as out:
-        out.write('{"ready": true}\n')
-        out.flush()
-        for job in spec["jobs"][spec["start"]:]:
-            res: dict[str, Any] = {"i": job["i"]}
-            try:
-                if not jt.has_compilation_handler("cuda"):
-                    raise RuntimeError("no CUDA Triton compilation handler: pip install "
-                                       "jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2")
-                ir_bytes = (d / f"{job['i']}.ir").read_bytes()
-                if ir_bytes == ABORT_PROBE:
-                    os.abort()
-                r = jt.compile("cuda", ir_bytes, job["arch"],
-                               num_warps=job["num_warps"], num_ctas=1,
-                               num_stages=job["num_stages"])
-                (d / f"{job['i']}.ptx").write_text(r.asm)
-                res["smem_bytes"] = int(r.smem_bytes)
-            except Exception as e:  # noqa: BLE001 — reported per kernel
-                res["error"] = f"triton: {type(e).__name__}: {e}"
-            out.write(json.dumps(res) + "\n")
-            out.flush()
-
-
-_WORKER_BOOT = ("import importlib.util as u, sys; s = u.spec_from_file_location('_vtc_offline', "
-                "sys.argv[1]); m = sys.modules['_vtc_offline'] = u.module_from_spec(s); "
-                "s.loader.exec_module(m); "
-                "m._worker(sys.argv[2])")
-
-
-def _triton_batch(jobs: list[dict[str, Any]], d: Path) -> dict[int, dict[str, Any]]:
-    """Run the worker over ``jobs`` (restarting after crashes); results keyed by job index."""
-    results: dict[int, dict[str, Any]] = {}
-    start = 0
-    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    while start < len(jobs):
-        (d / "jobs.json").write_text(json.dumps({"jobs": jobs, "start": start}))
-        (d / "results.jsonl").unlink(missing_ok=True)
-        err = ""
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-P", "-c", _WORKER_BOOT, __file__, str(d)], env=env,
-                capture_output=True, text=True,
-                timeout=_WORKER_TIMEOUT_S * (len(jobs) - start + 1))
-            rc = proc.returncode
-            how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit {rc}"
-            err = f"worker {how}: {_tail(proc.stderr)}".rstrip(": ")
-        except subprocess.TimeoutExpired as e:
-            err = f"worker timed out after {e.timeout:.0f} s"
-        path = d / "results.jsonl"
-        lines = [json.loads(ln) for ln in (path.read_text().splitlines() if path.exists() else [])
-                 if ln.strip()]
-        if not any(r.get("ready") for r in lines):  # died before compiling anything: give up
-            for j in jobs[start:]:
-                results[j["i"]] = {"i": j["i"], "error": f"{err} (worker start-up)"}
-            break
-        results.update((r["i"], r) for r in lines if "i" in r)
-        done = sum(1 for j in jobs[start:] if j["i"] in results)
-        if start + done < len(jobs):  # the worker died on jobs[start + done]
-            results[jobs[start + done]["i"]] = {"i": jobs[start + done]["i"], "error": err}
-            done += 1
-        start += done
-    return results
+_TARGET_RE = re.compile(r"(?m)^\s*\.target\s+(sm_\w+)")
+_ENTRY_RE = re.compile(r"Compiling entry function '([^']+)'")
+_FIELD_RE = {k: re.compile(p) for k, p in {
+    "registers": r"Used (\d+) registers", "spill_store_bytes": r"(\d+) bytes spill stores",
+    "spill_load_bytes": r"(\d+) bytes spill loads", "static_smem": r"(\d+) bytes smem"}.items()}
 
 
 def _tail(text: str, lines: int = 8) -> str:
@@ -158,85 +130,472 @@ def _tail(text: str, lines: int = 8) -> str:
     return "\n".join(keep[-lines:]).strip()
 
 
-# ---------------------------------------------------------------- ptxas
-
-_RE = {k: re.compile(p) for k, p in {
-    "registers": r"Used (\d+) registers", "spill_store_bytes": r"(\d+) bytes spill stores",
-    "spill_load_bytes": r"(\d+) bytes spill loads", "smem": r"(\d+) bytes smem",
-    "target": r"(?m)^\s*\.target\s+(sm_\w+)"}.items()}
-
-
-def _ptxas(ptx_file: Path) -> dict[str, Any]:
-    """Assemble PTX for its own ``.target`` and parse ``ptxas -v``. Max registers over entries,
-    summed spills and static smem."""
-    ptx = ptx_file.read_text()
-    m = _RE["target"].search(ptx)
+def ptxas_entries(ptx_file: Path) -> tuple[str, dict[str, dict[str, Any]], str | None]:
+    """Assemble one PTX file for its own ``.target`` with ``ptxas -v``: (target, per-entry fields
+    {registers, spill_store_bytes, spill_load_bytes, static_smem}, error or None)."""
+    m = _TARGET_RE.search(ptx_file.read_text(errors="replace"))
     target = m.group(1) if m else "sm_90a"
     proc = subprocess.run([ptxas_path(), "-v", f"--gpu-name={target}", str(ptx_file), "-o",
                            str(ptx_file.with_suffix(".cubin"))],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
-    out: dict[str, Any] = {"gpu_name": target, "cubin_ok": proc.returncode == 0}
     if proc.returncode != 0:
-        out["error"] = f"ptxas exit {proc.returncode}: {_tail(log)}"
-        return out
-    regs = [int(x) for x in _RE["registers"].findall(log)]
-    out["registers"] = max(regs) if regs else None
-    for key in ("spill_store_bytes", "spill_load_bytes"):
-        out[key] = sum(int(x) for x in _RE[key].findall(log))
-    out["static_smem"] = sum(int(x) for x in _RE["smem"].findall(log))
+        return target, {}, f"ptxas exit {proc.returncode}: {_tail(log)}"
+    entries: dict[str, dict[str, Any]] = {}
+    parts = _ENTRY_RE.split(log)  # [preamble, name1, text1, name2, text2, ...]
+    for name, text in zip(parts[1::2], parts[2::2]):
+        fields = {k: sum(int(x) for x in r.findall(text)) for k, r in _FIELD_RE.items()}
+        entries[name] = fields
+    return target, entries, None
+
+
+# ---------------------------------------------------------------- deviceless compile for an H100
+
+_PTXAS_WRAPPER = """#!/bin/sh
+# Written by vtc_jax.offline: keep a copy of the PTX that XLA hands to ptxas, then run the real one.
+if [ -f "$1" ]; then cp "$1" "$(mktemp "{capture}/ptx-XXXXXXXX")" 2>/dev/null; fi
+exec "{real}" "$@"
+"""
+
+_h100 = None
+
+
+def h100_device() -> Any:
+    """A compile-only CUDA device for an H100 (``jax.experimental.topologies``; no GPU needed)."""
+    global _h100
+    if _h100 is None:
+        from jax.experimental import topologies
+        _h100 = topologies.get_topology_desc("h100", "cuda", target_config=H100_TARGET_CONFIG,
+                                             topology="1x1x1").devices[0]
+    return _h100
+
+
+_NON_LAUNCH_THUNKS = frozenset({"kCommandBuffer", "kSequential", "kWaitForStreams",
+                                "kWaitForStream", "kHostSendDone", "kHostRecvDone"})
+_THUNK_RE = re.compile(r"^\s*\d+:\s+(k\w+)\s*(?:\[[^\]]*\])?\s*(.*)$")
+_KERNEL_RE = re.compile(r"(\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+shared_memory: (\d+)")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_LEAF_RE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"
+
+
+def _leaf_sizes(shape: str) -> list[int]:
+    out = []
+    for dt, dims in _LEAF_RE.findall(shape):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        out.append(n * _DTYPE_BYTES.get(dt, 1))
     return out
 
 
-# ---------------------------------------------------------------- public API
+def _balanced(text: str, i: int) -> int:
+    """Index just past the bracket group opening at ``text[i]``."""
+    depth = 0
+    pairs = {"(": ")", "{": "}", "[": "]"}
+    close = pairs[text[i]]
+    for j in range(i, len(text)):
+        if text[j] == text[i]:
+            depth += 1
+        elif text[j] == close:
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return len(text)
 
-def compile_many(kernels: Sequence[tuple[str, bytes, int, int]], *, arch: str = "9.0"
-                 ) -> list[KernelResources]:
-    """Compile ``(name, ir_bytes, num_warps, num_stages)`` tuples; one result per kernel, in order.
-    ``arch`` is the compute capability Triton targets ("9.0" gives sm_90a, "8.0" sm_80)."""
-    with tempfile.TemporaryDirectory(prefix="vtc-offline-") as tmp:
-        d = Path(tmp)
-        jobs = []
-        for i, (_, ir_bytes, nw, ns) in enumerate(kernels):
-            (d / f"{i}.ir").write_bytes(ir_bytes)
-            jobs.append({"i": i, "arch": arch, "num_warps": int(nw), "num_stages": int(ns)})
-        triton = _triton_batch(jobs, d)
-        out = []
-        for job, (name, _, nw, ns) in zip(jobs, kernels):
-            t = triton.get(job["i"], {"error": "no result"})
-            common = dict(name=name, num_warps=int(nw), num_stages=int(ns))
-            if "error" in t:
-                out.append(KernelResources(error=t["error"], **common))
-                continue
-            p = _ptxas(d / f"{job['i']}.ptx")
-            out.append(KernelResources(
-                registers=p.get("registers"), spill_store_bytes=p.get("spill_store_bytes"),
-                spill_load_bytes=p.get("spill_load_bytes"),
-                smem_bytes=t["smem_bytes"] + p.get("static_smem", 0), ptx_ok=True,
-                cubin_ok=p["cubin_ok"], error=p.get("error"), gpu_name=p["gpu_name"], **common))
+
+@dataclass(frozen=True)
+class _Instr:
+    name: str
+    shape: str
+    opcode: str
+    operands: tuple[str, ...]
+    attrs: str
+    args: str = ""                  # raw text inside the parentheses (a parameter's index)
+
+
+_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+
+
+def _parse_instr(line: str) -> _Instr | None:
+    m = _INSTR_RE.match(line)
+    if not m:
+        return None
+    rest = line[m.end():]
+    if rest.startswith("("):
+        k = _balanced(rest, 0)
+        shape, rest = rest[:k], rest[k:].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    op = re.match(r"([\w\-]+)\(", rest)
+    if not op:
+        return None
+    k = _balanced(rest, op.end() - 1)
+    operands = tuple(re.findall(r"%([\w.\-]+)", rest[op.end():k - 1]))
+    return _Instr(m.group(1), shape, op.group(1), operands, rest[k:], rest[op.end():k - 1])
+
+
+def _computations(hlo: str) -> dict[str, list[_Instr]]:
+    comps: dict[str, list[_Instr]] = {}
+    cur = None
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            cur = "ENTRY" if head.group(1) else head.group(2)
+            comps[cur] = []
+            continue
+        if line.startswith("}"):
+            cur = None
+            continue
+        if cur is not None:
+            ins = _parse_instr(line)
+            if ins:
+                comps[cur].append(ins)
+    return comps
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of the compiled program (a line of XLA's thunk sequence).
+
+    Bytes are buffer bytes from the optimised HLO: every distinct buffer the launch reads
+    (``read_bytes``) or writes (``write_bytes``). A buffer updated in place (an operand aliased to a
+    result) is counted in ``in_place_bytes`` instead: HLO does not show how much of it the kernel
+    touches; for XLA's in-place dynamic-update-slice/scatter fusions the update written is in
+    ``write_bytes``."""
+    name: str
+    kind: str
+    triton: bool = False            # a Triton custom call (a Pallas kernel)
+    grid: tuple[int, ...] = ()
+    threads: tuple[int, ...] = ()
+    shared_memory: int = 0          # dynamic shared memory from the thunk, bytes
+    hlo: str | None = None          # the HLO instruction it launches
+    read_bytes: int = 0
+    write_bytes: int = 0
+    in_place_bytes: int = 0
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    @property
+    def bytes(self) -> int:
+        return self.read_bytes + self.write_bytes
+
+
+@dataclass(frozen=True)
+class CompiledProgram:
+    """A program compiled by XLA for an H100 without a GPU (see the module docstring)."""
+    hlo: str
+    thunks: str
+    launches: tuple[Launch, ...]
+    memory: dict[str, int]           # CompiledMemoryStats fields, plus "total"
+    kernels: tuple[KernelResources, ...] = ()
+    kernel_error: str | None = None  # why ``kernels`` is empty or partial
+    jax_version: str = ""
+
+    @property
+    def triton_launches(self) -> tuple[Launch, ...]:
+        return tuple(x for x in self.launches if x.triton)
+
+    @property
+    def bytes(self) -> int:
+        return sum(x.bytes for x in self.launches)
+
+    @property
+    def in_place_bytes(self) -> int:
+        return sum(x.in_place_bytes for x in self.launches)
+
+    def kernel(self, name: str) -> KernelResources | None:
+        return next((k for k in self.kernels if k.name == name), None)
+
+
+def _memory(compiled: Any) -> dict[str, int]:
+    stats = compiled.memory_analysis()
+    keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+            "temp_size_in_bytes", "generated_code_size_in_bytes")
+    mem = {k: int(getattr(stats, k, 0) or 0) for k in keys}
+    mem["total"] = (mem["argument_size_in_bytes"] + mem["output_size_in_bytes"]
+                    + mem["temp_size_in_bytes"] - mem["alias_size_in_bytes"])
+    return mem
+
+
+def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
+    comps = _computations(hlo)
+    entry = comps.get("ENTRY", [])
+    by_name = {i.name: i for i in entry}
+
+    def value(name: str, index: int | None = None) -> tuple[str, int | None]:
+        ins = by_name.get(name)
+        while ins is not None and ins.opcode in ("bitcast", "get-tuple-element", "copy-done"):
+            if ins.opcode == "get-tuple-element":
+                m = re.search(r"index=(\d+)", ins.attrs)
+                index = int(m.group(1)) if m else 0
+            ins = by_name.get(ins.operands[0])
+            name = ins.name if ins else name
+        return name, index
+
+    def size(v: tuple[str, int | None]) -> int:
+        ins = by_name.get(v[0])
+        if ins is None:
+            return 0
+        leaves = _leaf_sizes(ins.shape)
+        if v[1] is None:
+            return sum(leaves)
+        return leaves[v[1]] if v[1] < len(leaves) else 0
+
+    def in_place(ins: _Instr) -> dict[int, tuple[int, int]]:
+        """{result leaf index: (operand index, bytes written)} for results aliased to operands."""
+        out: dict[int, tuple[int, int]] = {}
+        m = re.search(r"output_to_operand_aliasing=\{(.*?)\}\s*(?:,\s*\w+=|$)", ins.attrs)
+        if m:
+            for res, opnd in re.findall(r"\{(\d*)\}:\s*\((\d+)", m.group(1)):
+                out[int(res or 0)] = (int(opnd), 0)
+        if ins.opcode == "fusion":
+            calls = re.search(r"calls=%?([\w.\-]+)", ins.attrs)
+            body = comps.get(calls.group(1), []) if calls else []
+            root = body[-1] if body else None
+            if root is not None and root.opcode in ("dynamic-update-slice", "scatter"):
+                first = next((i for i in body if i.name == root.operands[0]), None)
+                if first is not None and first.opcode == "parameter" and first.args.isdigit():
+                    k = int(first.args)
+                    upd_name = root.operands[1 if root.opcode == "dynamic-update-slice" else 2]
+                    upd = next((i for i in body if i.name == upd_name), None)
+                    written = sum(_leaf_sizes(upd.shape)) if upd else 0
+                    out[0] = (k, written)
         return out
 
+    def stats(ins: _Instr) -> tuple[int, int, int]:
+        alias = in_place(ins)
+        aliased_operands = {opnd for opnd, _ in alias.values()}
+        seen, read = set(), 0
+        for j, o in enumerate(ins.operands):
+            if j in aliased_operands:
+                continue
+            v = value(o)
+            if v not in seen:
+                seen.add(v)
+                read += size(v)
+        leaves = _leaf_sizes(ins.shape)
+        write = sum(b for i, b in enumerate(leaves) if i not in alias)
+        write += sum(w for _, w in alias.values())
+        inplace = sum(leaves[i] for i in alias if i < len(leaves))
+        return read, write, inplace
 
-def compile_kernel(ir_bytes: bytes, *, num_warps: int, num_stages: int, arch: str = "9.0",
-                   name: str = "kernel") -> KernelResources:
-    """Compile one kernel's Triton IR (bytecode or text) to PTX and cubin; see module docstring."""
-    return compile_many([(name, ir_bytes, num_warps, num_stages)], arch=arch)[0]
+    skip = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "after-all",
+            "partition-id", "replica-id", "opt-barrier"}
+    candidates = [i for i in entry if i.opcode not in skip]
+    # thunk names are the instruction names sanitised for PTX ("gemm_fusion_dot.10" -> "..._10")
+    by_thunk_name = {re.sub(r"[^\w]", "_", i.name): i for i in candidates}
+    used: set[str] = set()
+    triton_calls = [i for i in candidates if i.opcode == "custom-call"
+                    and TRITON_CALL_TARGET in i.attrs]
+    launches = []
+    for line in thunks.splitlines():
+        m = _THUNK_RE.match(line)
+        if not m or m.group(1) in _NON_LAUNCH_THUNKS:
+            continue
+        kind, rest = m.groups()
+        km = _KERNEL_RE.search(rest)
+        name = km.group(1) if km else (rest.split() or [kind])[0]
+        ins = by_name.get(name) or by_thunk_name.get(name)
+        ins = ins if ins is not None and ins.name not in used else None
+        triton = False
+        if ins is None:
+            ins = next((i for i in triton_calls if i.name not in used
+                        and re.search(r'name = "' + re.escape(name.split("__")[0]) + '"', i.attrs)),
+                       None)
+            triton = ins is not None
+        elif ins.opcode == "custom-call" and TRITON_CALL_TARGET in ins.attrs:
+            triton = True
+        fields: dict[str, Any] = {"name": name, "kind": kind, "triton": triton}
+        if km:
+            fields.update(grid=tuple(int(x) for x in km.group(2).split(",")),
+                          threads=tuple(int(x) for x in km.group(3).split(",")),
+                          shared_memory=int(km.group(4)))
+        if ins is not None:
+            used.add(ins.name)
+            r, w, ip = stats(ins)
+            fields.update(hlo=ins.name, read_bytes=r, write_bytes=w, in_place_bytes=ip)
+            for key in ("num_warps", "num_stages"):
+                mm = re.search(key + r" = (\d+)", ins.attrs)
+                if mm and triton:
+                    fields[key] = int(mm.group(1))
+        launches.append(Launch(**fields))
+    return tuple(launches)
+
+
+def _sds(x: Any, sharding: Any) -> Any:
+    import jax
+    import numpy as np
+    return jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=sharding)
+
+
+def compile_program(fn: Callable, *args: Any, kernels: bool = True, donate_argnums: Any = (),
+                    **kwargs: Any) -> CompiledProgram:
+    """Compile ``fn`` (a function, a ``jax.jit`` object or a ``vtc_jax.optimize`` object) for an
+    H100 with XLA, deviceless; ``args``/``kwargs`` are arrays or ``ShapeDtypeStruct`` pytrees.
+
+    A plain function is wrapped in ``jax.jit(fn, donate_argnums=donate_argnums)``. With ``kernels``
+    the PTX XLA emits is assembled by ``ptxas -v`` for per-kernel resources."""
+    import jax
+    from .compat import cuda_lowering
+
+    sharding = jax.sharding.SingleDeviceSharding(h100_device())
+    args = jax.tree.map(lambda x: _sds(x, sharding), args)
+    kwargs = jax.tree.map(lambda x: _sds(x, sharding), kwargs)
+    target = fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums)
+    with tempfile.TemporaryDirectory(prefix="vtc-xla-") as tmp:
+        d = Path(tmp)
+        dump, capture, cuda = d / "dump", d / "ptx", d / "cuda"
+        capture.mkdir()
+        options: dict[str, Any] = {"xla_dump_to": str(dump)}
+        kernel_error = None
+        if kernels:
+            try:
+                real = ptxas_path()
+            except FileNotFoundError as e:
+                kernel_error, kernels = str(e), False
+        if kernels:
+            (cuda / "bin").mkdir(parents=True)
+            wrapper = cuda / "bin" / "ptxas"
+            wrapper.write_text(_PTXAS_WRAPPER.format(capture=capture, real=real))
+            wrapper.chmod(0o755)
+            nvvm = Path(real).parent.parent / "nvvm"
+            if nvvm.is_dir():
+                (cuda / "nvvm").symlink_to(nvvm)
+            options.update(xla_gpu_cuda_data_dir=str(cuda), xla_gpu_enable_libnvptxcompiler=False)
+        with cuda_lowering(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            compiled = target.lower(*args, **kwargs).compile(compiler_options=options)
+        hlo_files = sorted(dump.glob("*after_optimizations.txt"))
+        if not hlo_files:
+            raise RuntimeError(f"XLA wrote no optimised HLO to {dump}")
+        hlo_file = hlo_files[-1]
+        prefix = hlo_file.name.split(".sm_")[0]
+        thunk_files = (sorted(dump.glob(prefix + "*thunk_sequence_after_thunk_passes.txt"))
+                       or sorted(dump.glob(prefix + "*thunk_sequence.txt")))
+        hlo = hlo_file.read_text()
+        thunks = thunk_files[-1].read_text() if thunk_files else ""
+        launches = _launches(hlo, thunks)
+        res: list[KernelResources] = []
+        if kernels:
+            res, kernel_error = _kernel_resources(
+                sorted(capture.iterdir(), key=lambda f: f.stat().st_mtime_ns), launches)
+        return CompiledProgram(hlo, thunks, launches, _memory(compiled), tuple(res), kernel_error,
+                               jax.__version__)
+
+
+def _kernel_resources(ptx_files: Sequence[Path], launches: Sequence[Launch]
+                      ) -> tuple[list[KernelResources], str | None]:
+    """ptxas -v over every PTX file XLA produced; the last compile of an entry name wins (XLA may
+    compile a fusion more than once). Shared memory = the launch's dynamic + ptxas's static."""
+    if not ptx_files:
+        return [], ("XLA handed no PTX to ptxas (was the PTX compiled in-process? this jaxlib may "
+                    "ignore xla_gpu_enable_libnvptxcompiler)")
+    entries: dict[str, tuple[str, dict[str, Any]]] = {}
+    errors = []
+    for f in ptx_files:
+        target, found, err = ptxas_entries(f)
+        if err:
+            errors.append(err)
+        for name, fields in found.items():
+            entries[name] = (target, fields)
+    by_name = {x.name: x for x in launches}
+    out = []
+    for name, (target, f) in entries.items():
+        launch = by_name.get(name)
+        dyn = launch.shared_memory if launch else 0
+        out.append(KernelResources(
+            name=name, registers=f["registers"], spill_store_bytes=f["spill_store_bytes"],
+            spill_load_bytes=f["spill_load_bytes"], smem_bytes=dyn + f["static_smem"],
+            ptx_ok=True, cubin_ok=True, num_warps=launch.num_warps if launch else None,
+            num_stages=launch.num_stages if launch else None, gpu_name=target))
+    return out, ("; ".join(errors) or None)
+
+
+# ---------------------------------------------------------------- per Triton kernel (kernel tests)
+
+def _compile_exported(exported: Any) -> CompiledProgram:
+    return compile_program(exported.call, *exported.in_avals)
 
 
 def compile_lowered(lowered_module: Any, *, num_warps: int | None = None,
                     num_stages: int | None = None, arch: str = "9.0") -> list[KernelResources]:
-    """Compile every Triton kernel of a ``vtc_jax.testing.LoweredModule``.
+    """Resources of every Triton kernel of a ``vtc_jax.testing.LoweredModule`` (in module order),
+    from compiling the module deviceless for sm_90 (``compile_program``).
 
-    ``num_warps``/``num_stages`` come from each custom call's backend config (Pallas records the
-    ``CompilerParams`` there); the arguments are used only where it has none.
-    """
-    ks = []
-    for k in lowered_module.triton_kernels:
-        nw = getattr(k, "num_warps", None) or num_warps or DEFAULT_NUM_WARPS
-        ns = getattr(k, "num_stages", None) or num_stages or DEFAULT_NUM_STAGES
-        ks.append((k[0], k[1], nw, ns))
-    return compile_many(ks, arch=arch) if ks else []
+    ``num_warps``/``num_stages`` are what Pallas recorded in each custom call (the arguments are
+    kept for compatibility and ignored); only ``arch="9.0"`` is supported."""
+    exported = getattr(lowered_module, "exported", None)
+    kernels = list(getattr(lowered_module, "triton_kernels", ()))
+    if exported is None:
+        return [KernelResources(name=k[0], error="not a vtc_jax.testing.cross_lower module")
+                for k in kernels]
+    return _match(kernels, _compile_or_error(exported, arch))
 
+
+def compile_many(kernels: Sequence[tuple[str, bytes, int, int]], *, arch: str = "9.0"
+                 ) -> list[KernelResources]:
+    """Resources for ``(name, ir_bytes, num_warps, num_stages)`` tuples whose IR came from
+    ``vtc_jax.testing.cross_lower`` (each module is compiled once, deviceless, for sm_90)."""
+    from .testing import exported_for_ir
+    groups: dict[int, tuple[Any, list[int]]] = {}
+    out: list[KernelResources | None] = [None] * len(kernels)
+    for i, (name, ir, _, _) in enumerate(kernels):
+        owner = exported_for_ir(ir)
+        if owner is None:
+            out[i] = KernelResources(name=name, error=(
+                "unknown Triton IR: compile_many takes IR from vtc_jax.testing.cross_lower modules"))
+            continue
+        groups.setdefault(id(owner[0]), (owner[0], []))[1].append(i)
+    for exported, idxs in groups.values():
+        program = _compile_or_error(exported, arch)
+        from .testing import LoweredModule
+        module_kernels = LoweredModule.from_text(exported.mlir_module()).triton_kernels
+        matched = _match(list(module_kernels), program)
+        for i in idxs:
+            k_index = exported_for_ir(kernels[i][1])[1]
+            r = matched[k_index]
+            out[i] = KernelResources(**{**r.__dict__, "name": kernels[i][0]})
+    return [r for r in out if r is not None]
+
+
+def _compile_or_error(exported: Any, arch: str) -> CompiledProgram | str:
+    if arch not in ("9.0", "9.0a", "sm_90", "sm_90a"):
+        return f"only sm_90 is supported by the deviceless compile (asked for {arch})"
+    try:
+        return _compile_exported(exported)
+    except Exception as e:  # noqa: BLE001 - reported per kernel
+        return f"XLA: {type(e).__name__}: {_tail(str(e))}"
+
+
+def _match(kernels: list[Any], program: CompiledProgram | str) -> list[KernelResources]:
+    """Pair the module's Triton kernels (module order) with the compiled Triton launches: by
+    Pallas name, XLA's ``name__N`` duplicates in launch order."""
+    if isinstance(program, str):
+        return [KernelResources(name=k[0], error=program) for k in kernels]
+    pool = list(program.triton_launches)
+    out = []
+    for k in kernels:
+        name = k[0]
+        launch = next((x for x in pool if x.name == name or x.name.split("__")[0] == name
+                       or re.sub(r"__\d+$", "", x.name) == name), None)
+        if launch is None:
+            out.append(KernelResources(name=name, error=(
+                f"no compiled Triton launch named {name!r}; launches: "
+                + ", ".join(x.name for x in program.triton_launches))))
+            continue
+        pool.remove(launch)
+        r = program.kernel(launch.name)
+        if r is None:
+            out.append(KernelResources(name=name, num_warps=launch.num_warps,
+                                       num_stages=launch.num_stages,
+                                       error=program.kernel_error or "no PTX for this kernel"))
+            continue
+        out.append(KernelResources(**{**r.__dict__, "name": name,
+                                      "num_warps": launch.num_warps or getattr(k, "num_warps", None),
+                                      "num_stages": launch.num_stages or getattr(k, "num_stages", None)}))
+    return out
 
 def format_table(results: Iterable[KernelResources], gpu: str = "sm_90") -> str:
     """A plain-text table: one row per kernel, verdict against ``gpu``'s shared-memory limit."""

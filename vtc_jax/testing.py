@@ -10,7 +10,7 @@ Convention: a kernel entry point takes a keyword ``backend`` in {"interpret", "t
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import jax
@@ -70,6 +70,7 @@ class LoweredModule:
     text: str
     triton_kernels: tuple[TritonKernel, ...]
     op_counts: dict[str, int]
+    exported: Any = field(default=None, compare=False, repr=False)  # jax.export.Exported, if any
 
     def count(self, op_name: str) -> int:
         """Number of ``op_name`` ops (e.g. ``"stablehlo.transpose"``) in the module."""
@@ -174,13 +175,31 @@ def cross_lower(fn: Callable, *args: Any) -> LoweredModule:
 
     ``args`` may be arrays or ``jax.ShapeDtypeStruct`` pytrees. The Triton custom call is not on
     export's stable list, so that safety check is disabled: we only inspect the module.
-    Needs jax-cuda12-plugin installed (the Pallas Triton lowering lives behind it).
+    Needs jax-cuda12-plugin installed (the Pallas Triton lowering lives behind it). On jax >= 0.11
+    without a GPU the lowering runs inside ``compat.cuda_lowering()`` (an abstract H100).
     """
-    exported = jax.export.export(
-        jax.jit(fn), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL_TARGET)],
-    )(*jax.tree.map(_sds, args))
-    return LoweredModule.from_text(exported.mlir_module())
+    from .compat import cuda_lowering
+    with cuda_lowering():
+        exported = jax.export.export(
+            jax.jit(fn), platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL_TARGET)],
+        )(*jax.tree.map(_sds, args))
+    module = replace(LoweredModule.from_text(exported.mlir_module()), exported=exported)
+    for i, k in enumerate(module.triton_kernels):
+        _IR_OWNERS[k.ir] = (exported, i)
+    while len(_IR_OWNERS) > 4096:
+        _IR_OWNERS.pop(next(iter(_IR_OWNERS)))
+    return module
+
+
+# Triton IR bytes -> (the Exported module holding it, kernel index): lets vtc_jax.offline compile a
+# kernel given only its IR, by compiling the module it came from.
+_IR_OWNERS: dict[bytes, tuple[Any, int]] = {}
+
+
+def exported_for_ir(ir: bytes) -> tuple[Any, int] | None:
+    """The ``jax.export.Exported`` (and kernel index) that ``cross_lower`` found ``ir`` in."""
+    return _IR_OWNERS.get(bytes(ir))
 
 
 @dataclass(frozen=True)
