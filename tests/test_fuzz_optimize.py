@@ -35,6 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
+import fuzz_report
 import vtc_jax
 
 RTOL = 1e-4
@@ -719,13 +720,28 @@ def assert_same(out, ref) -> None:
         np.testing.assert_allclose(o[fin], r[fin], rtol=RTOL, atol=RTOL * scale, err_msg=f"output {i}")
 
 
-def check_equals_jit(prog: Program) -> None:
+def check_equals_jit(prog: Program, family: str = "chains") -> None:
+    fuzz_report.record_program(family)
     fn = prog.make()
     args = prog.inputs()
     ref = jax.jit(fn)(*args)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)  # falling back is allowed
-        out = vtc_jax.optimize(fn, backend="interpret")(*args)
+    with warnings.catch_warnings(record=True) as caught:   # falling back is allowed (and tallied)
+        warnings.simplefilter("always")
+        try:
+            out = vtc_jax.optimize(fn, backend="interpret")(*args)
+        except Exception as exc:
+            fuzz_report.record_exception(family, exc)
+            raise
+        finally:
+            fuzz_report.record_warnings(family, caught)
+    try:
+        _judge(prog, fn, args, out, ref)
+    except AssertionError:
+        fuzz_report.record_mismatch(family)
+        raise
+
+
+def _judge(prog: Program, fn, args, out, ref) -> None:
     try:
         assert_same(out, ref)
     except AssertionError:
@@ -750,22 +766,22 @@ def check_equals_jit(prog: Program) -> None:
 @fuzz_settings(100)
 @given(pipelines(["matmul"]))
 def test_matmul_chain_consumer(prog):
-    check_equals_jit(prog)
+    check_equals_jit(prog, "chains/matmul")
 
 
 @fuzz_settings(90)
 @given(pipelines(["pointwise", "reduction", "input"]))
 def test_pointwise_reduction_chain_consumer(prog):
-    check_equals_jit(prog)
+    check_equals_jit(prog, "chains/pointwise_reduction")
 
 
 @fuzz_settings(70)
 @given(meetings())
 def test_two_chains_meet(prog):
-    check_equals_jit(prog)
+    check_equals_jit(prog, "chains/meet")
 
 
 @fuzz_settings(70)
 @given(attentions())
 def test_decode_attention_chains(prog):
-    check_equals_jit(prog)
+    check_equals_jit(prog, "chains/attention")
