@@ -20,6 +20,8 @@ from collections import Counter
 COUNTS: Counter = Counter()
 
 _NUM = re.compile(r"#\d+|\b\d+\b")
+_TENSOR = re.compile(r"\bt\d+\b")
+EXAMPLES: dict[str, str] = {}   # reason -> the shortest program source seen with it
 
 
 def reason(message: str) -> str:
@@ -27,7 +29,7 @@ def reason(message: str) -> str:
     msg = str(message)
     if msg.startswith("vtc_jax: "):
         msg = msg[len("vtc_jax: "):]
-    msg = _NUM.sub("N", msg)
+    msg = _TENSOR.sub("tN", _NUM.sub("N", msg))
     msg = re.sub(r"\((?:N, )*N(?:; )?", "(", msg)
     msg = re.sub(r"\s+", " ", msg).strip()
     return msg[:200]
@@ -38,7 +40,12 @@ def record_program(family: str) -> None:
     COUNTS[f"programs/{family}"] += 1
 
 
-def record_warnings(family: str, caught) -> None:
+def _example(key: str, source: str | None) -> None:
+    if source is not None and (key not in EXAMPLES or len(source) < len(EXAMPLES[key])):
+        EXAMPLES[key] = source
+
+
+def record_warnings(family: str, caught, source: str | None = None) -> None:
     from vtc_jax import VTCFallbackWarning
     seen = False
     for w in caught:
@@ -46,19 +53,23 @@ def record_warnings(family: str, caught) -> None:
             seen = True
             COUNTS["fallback_warnings"] += 1
             COUNTS[f"fallback/{reason(w.message)}"] += 1
+            _example(f"fallback/{reason(w.message)}", source)
     if seen:
         COUNTS["programs_with_fallback"] += 1
         COUNTS[f"programs_with_fallback/{family}"] += 1
 
 
-def record_mismatch(family: str) -> None:
+def record_mismatch(family: str, source: str | None = None) -> None:
     COUNTS["mismatches"] += 1
     COUNTS[f"mismatches/{family}"] += 1
+    _example(f"mismatches/{family}", source)
 
 
-def record_exception(family: str, exc: BaseException) -> None:
+def record_exception(family: str, exc: BaseException, source: str | None = None) -> None:
     COUNTS["exceptions"] += 1
-    COUNTS[f"exceptions/{family}/{type(exc).__name__}"] += 1
+    key = f"exceptions/{family}/{type(exc).__name__}: {reason(str(exc).splitlines()[0] if str(exc) else '')}"
+    COUNTS[key] += 1
+    _example(key, source)
 
 
 def write() -> None:
@@ -66,18 +77,24 @@ def write() -> None:
     path = os.environ.get("VTC_FUZZ_REPORT")
     if not path or not COUNTS:
         return
-    line = {"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "pid": os.getpid(), "counts": dict(COUNTS)}
+    line = {"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "pid": os.getpid(), "counts": dict(COUNTS),
+            "examples": EXAMPLES}
     with open(path, "a") as f:
         f.write(json.dumps(line, sort_keys=True) + "\n")
 
 
 
-def summarize(path: str) -> str:
+def summarize(path: str, examples: bool = False) -> str:
     total: Counter = Counter()
+    found: dict[str, str] = {}
     with open(path) as f:
         for ln in f:
             if ln.strip():
-                total.update(json.loads(ln)["counts"])
+                rec = json.loads(ln)
+                total.update(rec["counts"])
+                for k, src in rec.get("examples", {}).items():
+                    if k not in found or len(src) < len(found[k]):
+                        found[k] = src
     out = [f"programs run:            {total['programs']}",
            f"mismatches:              {total['mismatches']}",
            f"escaping exceptions:     {total['exceptions']}",
@@ -88,8 +105,11 @@ def summarize(path: str) -> str:
         if keys:
             out.append(f"{head}")
             out += [f"  {total[k]:6d}  {k[len(head):]}" for k in keys]
+    if examples:
+        for k, src in sorted(found.items()):
+            out += ["", f"# shortest program with {k}", src]
     return "\n".join(out)
 
 
-if __name__ == "__main__":
-    print(summarize(sys.argv[1]))
+if __name__ == "__main__":   # python tests/fuzz_report.py REPORT [--examples]
+    print(summarize(sys.argv[1], "--examples" in sys.argv))

@@ -730,14 +730,14 @@ def check_equals_jit(prog: Program, family: str = "chains") -> None:
         try:
             out = vtc_jax.optimize(fn, backend="interpret")(*args)
         except Exception as exc:
-            fuzz_report.record_exception(family, exc)
+            fuzz_report.record_exception(family, exc, repr(prog))
             raise
         finally:
-            fuzz_report.record_warnings(family, caught)
+            fuzz_report.record_warnings(family, caught, repr(prog))
     try:
         _judge(prog, fn, args, out, ref)
     except AssertionError:
-        fuzz_report.record_mismatch(family)
+        fuzz_report.record_mismatch(family, repr(prog))
         raise
 
 
