@@ -641,8 +641,8 @@ def complex_program(b: TBuilder) -> str:
 
 
 @st.composite
-def mixed_dtype_programs(draw) -> TProgram:
-    kind = draw(st.sampled_from(["bf16", "complex", "int"]))
+def mixed_dtype_programs(draw, kinds=("bf16", "int", "complex")) -> TProgram:
+    kind = draw(st.sampled_from(list(kinds)))
     b = TBuilder(draw, f"mixed_dtypes/{kind}")
     z = {"bf16": bf16_program, "int": int_program, "complex": complex_program}[kind](b)
     return b.program(z, b.int(-2, 9))
@@ -776,7 +776,7 @@ FAMILIES = {
     "mixed_dtypes": mixed_dtype_programs(), "prng": prng_programs(),
 }
 FAMILY_CI = {"concat_row": 25, "pad_slice_pad": 25, "np_consts": 25, "nested_ds": 25, "donated_cache": 20,
-             "mixed_dtypes": 30, "prng": 20}
+             "mixed_dtypes/bf16": 15, "mixed_dtypes/int": 15, "mixed_dtypes/complex": 10, "prng": 20}
 SLOW_TOTAL = 2100
 
 
@@ -810,9 +810,21 @@ def test_donated_rope_cache(prog):
     check_family(prog)
 
 
-@fuzz_settings(FAMILY_CI["mixed_dtypes"] * SCALE)
-@given(mixed_dtype_programs())
-def test_mixed_dtypes(prog):
+@fuzz_settings(FAMILY_CI["mixed_dtypes/bf16"] * SCALE)
+@given(mixed_dtype_programs(["bf16"]))
+def test_mixed_dtypes_bf16_f32_islands(prog):
+    check_family(prog)
+
+
+@fuzz_settings(FAMILY_CI["mixed_dtypes/int"] * SCALE)
+@given(mixed_dtype_programs(["int"]))
+def test_mixed_dtypes_int32(prog):
+    check_family(prog)
+
+
+@fuzz_settings(FAMILY_CI["mixed_dtypes/complex"] * SCALE)
+@given(mixed_dtype_programs(["complex"]))
+def test_mixed_dtypes_complex(prog):
     check_family(prog)
 
 
