@@ -327,6 +327,11 @@ def concat_rows(draw) -> TProgram:
             sizes = [1 if i == ax else n for i, n in enumerate(s)]
         starts = [start_expr(b, n, k) if i == ax or b.maybe(3) else "0" for i, (n, k) in enumerate(zip(s, sizes))]
         r = b.let(f"lax.dynamic_slice({c}, ({', '.join(starts)},), {_t(sizes)})")
+    if b.maybe(4) and ax == 0:   # a second dynamic row of the same concat (pos - 1), added in
+        r2 = b.let(f"lax.dynamic_index_in_dim({c}, pos - 1, 0, keepdims=True)")
+        r2 = fit(b, r2, b.shape(r)) if _size(b.shape(r2)) >= _size(b.shape(r)) else r2
+        if b.shape(r2) == b.shape(r):
+            r = b.let(f"{r} + 2.0 * {r2}")
     if b.maybe(3):
         r = tchain(b, r, 2)
     z = consumer(b, r, ("matmul", "matmul", "pointwise", "reduction"))
@@ -398,7 +403,13 @@ def np_const(b: TBuilder, shape) -> str:
 def np_const_programs(draw) -> TProgram:
     b = TBuilder(draw, "np_consts")
     m, k, n = dim(b), dim(b), dim(b)
-    form = b.pick(["epilogue", "weight", "pointwise", "reduction", "mask", "chain_weight"])
+    form = b.pick(["epilogue", "weight", "pointwise", "reduction", "mask", "chain_weight", "index_table"])
+    if form == "index_table":   # an int numpy table looked up at pos gives a dynamic_slice start
+        x = computed(b, (m, n), ("matmul", "tanh"))
+        tab = b.const(f"np.array({[b.int(-1, m) for _ in range(4)]}, np.int32)")
+        size = b.int(1, m)
+        y = b.let(f"lax.dynamic_slice_in_dim({x}, {tab}[pos % 4], {size}, axis=0)")
+        return b.program(consumer(b, y, ("matmul", "pointwise")), b.int(-2, 9))
     if form == "weight":  # a constant matrix as the matmul's RHS (or LHS)
         x = tchain(b, computed(b, (m, k), ("tanh", "input", "mul")), 2)
         x = fit(b, x, (m, k))
@@ -497,9 +508,13 @@ def donated_caches(draw) -> TProgram:
                          f"jnp.einsum('bm,mn->bn', {x}, {b.arg((dm, h * d))})"]))
     k = b.let(f"{proj}.reshape({_t((batch, h, d))})")
     # per-batch angles: positions (B,) times inverse frequencies, or an angle input (B, half)
-    if b.maybe(2):
+    src = b.pick(["input", "np_inv", "jnp_inv"])
+    if src == "np_inv":   # numpy inverse frequencies (closed over: FUZZ_REPROS.md #3 makes it a fallback)
         inv = b.const(f"1.0 / (10000.0 ** (np.arange({half}, dtype=np.float32) / {half}))")
         ang = b.let(f"({b.arg((batch,), 'f32')} + pos.astype(jnp.float32))[:, None] * {inv}")
+    elif src == "jnp_inv":
+        ang = b.let(f"({b.arg((batch,), 'f32')} + pos.astype(jnp.float32))[:, None]"
+                    f" * jnp.exp(-0.5 * jnp.arange({half}, dtype=jnp.float32))")
     else:
         ang = b.arg((batch, half), "f32")
     cos = b.let(f"jnp.cos({ang})[:, None, :].astype({k}.dtype)")
@@ -529,6 +544,14 @@ def donated_caches(draw) -> TProgram:
     else:
         starts = ["0", start, "0", "0"] if layout == "bthd" else ["0", "0", start, "0"]
         new = b.let(f"lax.dynamic_update_slice({cache}, {row}, ({', '.join(starts)},))")
+    old_read = None
+    if b.maybe(4):   # the old cache is read too (an in-place update must wait for this reader)
+        old_read = b.let(b.pick([f"jnp.sum({cache}, axis={tax})", f"{cache} * 0.5",
+                                 f"lax.dynamic_index_in_dim({cache}, pos, {tax}, keepdims=False)"]))
+    if b.maybe(5):   # a second row written at another position (a two-token step)
+        row2 = b.let(f"jnp.tanh({row})")
+        starts = ["0", "pos + 1", "0", "0"] if layout == "bthd" else ["0", "0", "pos + 1", "0"]
+        new = b.let(f"lax.dynamic_update_slice({new}, {row2}, ({', '.join(starts)},))")
     # read after the update: decode attention of a query over the new cache, or a reduction
     read = b.pick(["attention", "attention", "sum", "row"])
     if read == "attention":
@@ -545,8 +568,12 @@ def donated_caches(draw) -> TProgram:
     else:
         out = b.let(f"lax.dynamic_index_in_dim({new}, pos, {tax}, keepdims=False) * 2.0")
     outs = [out, new] if b.maybe(4) is False else [new, out]
+    if old_read is not None:
+        outs.append(old_read)
     if b.maybe(6):
         outs.append(new)   # returned twice
+    if b.maybe(8):
+        outs.append(cache)   # the donated argument itself returned (before its update)
     b.outputs = tuple(outs)
     # pos < 0 masks every key: jax.jit's softmax gives NaN rows, the attention kernel zeros
     # (tests/FUZZ_REPROS.md #1, kept as its own failing test in test_fuzz_repros.py)
@@ -588,8 +615,21 @@ def bf16_program(b: TBuilder) -> str:
 def int_program(b: TBuilder) -> str:
     t, d = dim(b, 2, 6), dim(b, 1, 5)
     x = computed(b, (t, d), ("matmul", "tanh"))
-    form = b.pick(["index_arith", "int_pointwise", "both"])
+    form = b.pick(["index_arith", "int_pointwise", "both", "int_matmul", "int_dus"])
     z = x
+    if form == "int_matmul":   # integer matmul (exact), then back to float
+        n0, n1 = b.arg((t, dim(b, 1, 4)), "i32"), None
+        n1 = b.arg((b.shape(n0)[1], d), "i32")
+        ni = b.let(b.pick([f"jnp.dot({n0}, {n1})", f"{n0} @ {n1} + 1",
+                           f"jnp.dot(jnp.transpose({n1}), jnp.transpose({n0})).T"]))
+        b.side(ni)
+        z = b.let(f"{x} * {ni}.astype(jnp.float32)")
+    if form == "int_dus":   # an int32 buffer updated at a computed index, read back as a mask
+        buf = b.arg((t, d), "i32")
+        row = b.let(f"jnp.arange({d}, dtype=jnp.int32)[None] * 2 - pos")
+        nb = b.let(f"lax.dynamic_update_slice({buf}, {row}, (pos % {t}, 0))")
+        b.side(nb)
+        z = b.let(b.pick([f"jnp.where({nb} > 0, {x}, 0.0)", f"{x} * ({nb} % 3).astype({x}.dtype)"]))
     if form in ("index_arith", "both"):
         off = b.arg((2,), "i32")
         i = b.raw(b.pick([f"(pos * 3 + {off}[0]) % {t}", f"jnp.clip(pos // 2 + {off}[1], 0, {t - 1})",
@@ -612,6 +652,8 @@ def int_program(b: TBuilder) -> str:
         ni = fit(b, ni, s)
         z = b.let(b.pick([f"{z} * {ni}.astype(jnp.float32)", f"jnp.where({ni} > 0, {z}, -{z})",
                           f"{z} + lax.convert_element_type({ni}, jnp.float32)"]))
+    if b.maybe(4):
+        b.sides.append(b.let(f"{z} > 0"))   # a bool output
     return consumer(b, z, ("pointwise", "matmul", "reduction"))
 
 
