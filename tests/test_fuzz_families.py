@@ -408,7 +408,7 @@ def np_const_programs(draw) -> TProgram:
         x = computed(b, (m, n), ("matmul", "tanh"))
         tab = b.const(f"np.array({[b.int(-1, m) for _ in range(4)]}, np.int32)")
         size = b.int(1, m)
-        y = b.let(f"lax.dynamic_slice_in_dim({x}, {tab}[pos % 4], {size}, axis=0)")
+        y = b.let(f"lax.dynamic_slice_in_dim({x}, jnp.asarray({tab})[pos % 4], {size}, axis=0)")
         return b.program(consumer(b, y, ("matmul", "pointwise")), b.int(-2, 9))
     if form == "weight":  # a constant matrix as the matmul's RHS (or LHS)
         x = tchain(b, computed(b, (m, k), ("tanh", "input", "mul")), 2)

@@ -25,6 +25,7 @@ Programs stay tiny (dims 1-8, at most three compute ops besides the attention co
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -39,13 +40,14 @@ import fuzz_report
 import vtc_jax
 
 RTOL = 1e-4
+SCALE = int(os.environ.get("VTC_FUZZ_EXAMPLES", "1"))   # multiplies every test's max_examples
 MAX_ELEMS = 96      # cap on any intermediate's size (keeps interpret-mode kernels quick)
 MAX_RANK = 4
 NAMESPACE = {"jax": jax, "jnp": jnp, "lax": lax, "np": np}
 
 
-def fuzz_settings(n: int) -> settings:
-    return settings(max_examples=n, deadline=None, derandomize=True, print_blob=False,
+def fuzz_settings(n: int, scaled: bool = False) -> settings:
+    return settings(max_examples=n * (SCALE if scaled else 1), deadline=None, derandomize=True, print_blob=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much])
 
@@ -760,28 +762,28 @@ def _judge(prog: Program, fn, args, out, ref) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The tests (max_examples add up to 330)
+# The tests (max_examples add up to 330; VTC_FUZZ_EXAMPLES=N multiplies them)
 # --------------------------------------------------------------------------------------------
 
-@fuzz_settings(100)
+@fuzz_settings(100, scaled=True)
 @given(pipelines(["matmul"]))
 def test_matmul_chain_consumer(prog):
     check_equals_jit(prog, "chains/matmul")
 
 
-@fuzz_settings(90)
+@fuzz_settings(90, scaled=True)
 @given(pipelines(["pointwise", "reduction", "input"]))
 def test_pointwise_reduction_chain_consumer(prog):
     check_equals_jit(prog, "chains/pointwise_reduction")
 
 
-@fuzz_settings(70)
+@fuzz_settings(70, scaled=True)
 @given(meetings())
 def test_two_chains_meet(prog):
     check_equals_jit(prog, "chains/meet")
 
 
-@fuzz_settings(70)
+@fuzz_settings(70, scaled=True)
 @given(attentions())
 def test_decode_attention_chains(prog):
     check_equals_jit(prog, "chains/attention")

@@ -64,6 +64,19 @@ def test_repro3_closed_over_numpy_constant_operand_builds():
     assert not [m for m in msgs if "failed to build" in m], msgs
 
 
+def test_repro3b_closed_over_numpy_weight_through_transpose_builds():
+    """#3 (np_consts): the same with a constant matmul weight read through a transpose."""
+    w = np.random.default_rng(0).standard_normal((3, 2)).astype(np.float32)
+
+    def fn(x):
+        return x @ jnp.transpose(w.T)
+
+    x = np.ones((2, 3), np.float32)
+    out, msgs = _optimize(fn, x)
+    np.testing.assert_allclose(out, jax.jit(fn)(x), rtol=1e-5)
+    assert not [m for m in msgs if "failed to build" in m], msgs
+
+
 def test_repro4_pointwise_reads_dynamic_row_of_concat():
     """#4 (concat_row): a pointwise kernel reading a dynamic row of a concatenation fails to build
     ("cannot reshape array of shape () (size 1) into shape [1, 4]"): the cluster falls back."""
