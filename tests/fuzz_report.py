@@ -45,7 +45,9 @@ def _example(key: str, source: str | None) -> None:
         EXAMPLES[key] = source
 
 
-def record_warnings(family: str, caught, source: str | None = None) -> None:
+def record_warnings(family: str, caught, source: str | None = None, program_counted: bool = False) -> bool:
+    """Tally the VTCFallbackWarnings of one ``optimize`` call (a donated-cache program makes two
+    calls: each call's warnings count, the program counts once). Returns whether there were any."""
     from vtc_jax import VTCFallbackWarning
     seen = False
     for w in caught:
@@ -54,9 +56,10 @@ def record_warnings(family: str, caught, source: str | None = None) -> None:
             COUNTS["fallback_warnings"] += 1
             COUNTS[f"fallback/{reason(w.message)}"] += 1
             _example(f"fallback/{reason(w.message)}", source)
-    if seen:
+    if seen and not program_counted:
         COUNTS["programs_with_fallback"] += 1
         COUNTS[f"programs_with_fallback/{family}"] += 1
+    return seen
 
 
 def record_mismatch(family: str, source: str | None = None) -> None:

@@ -51,6 +51,9 @@ from test_fuzz_optimize import (MAX_ELEMS, MAX_RANK, MOVES, Builder, _shrunk, _s
                                 mv_split, mv_transpose)
 
 SCALE = int(os.environ.get("VTC_FUZZ_EXAMPLES", "1"))
+# VTC_FUZZ_SKIP_KNOWN=1 leaves out the program shapes of known failures (tests/FUZZ_REPROS.md) so a
+# long run can look for new ones; by default they are drawn (and the tests that hit them fail).
+SKIP_KNOWN = os.environ.get("VTC_FUZZ_SKIP_KNOWN") == "1"
 F32_RTOL, BF16_RTOL = 1e-4, 2e-2
 NAMESPACE = {"jax": jax, "jnp": jnp, "lax": jax.lax, "np": np}
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "i32": jnp.int32, "c64": jnp.complex64}
@@ -494,7 +497,7 @@ def nested_dynamic_slices(draw) -> TProgram:
 @st.composite
 def donated_caches(draw) -> TProgram:
     b = TBuilder(draw, "donated_cache")
-    if b.maybe(4):
+    if b.maybe(4) and not SKIP_KNOWN:   # bf16 caches: FUZZ_REPROS.md #5 (NaN rows)
         b.dtype = "bf16"
     batch, h, half, t = b.int(1, 2), b.int(1, 2), b.int(1, 3), b.int(2, 6)
     d = 2 * half
@@ -747,8 +750,9 @@ def assert_same(out, ref, rtol: float) -> None:
         np.testing.assert_allclose(o[fin], r[fin], rtol=rtol, atol=rtol * scale, err_msg=f"output {i}")
 
 
-def _run_optimize(prog: TProgram, fn, args, **kw):
+def _run_optimize(prog: TProgram, fn, args, fell_back: list | None = None, **kw):
     """``optimize(fn)(*args)`` with its fallback warnings tallied; only VTCError may escape."""
+    fell_back = [False] if fell_back is None else fell_back
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -760,18 +764,22 @@ def _run_optimize(prog: TProgram, fn, args, **kw):
             fuzz_report.record_exception(prog.family, exc, repr(prog))
             raise
         finally:
-            fuzz_report.record_warnings(prog.family, caught, repr(prog))
+            fell_back[0] |= fuzz_report.record_warnings(prog.family, caught, repr(prog), fell_back[0])
     return out
 
 
 def _judge(prog: TProgram, fn, args, out, ref) -> None:
     try:
         assert_same(out, ref, prog.rtol)
-    except AssertionError:
+    except AssertionError as mismatch:
         # jax.jit can itself be wrong for a dynamic slice of a dynamic slice (XLA folds them without
         # clamping the outer start: openxla/xla#49121): op-by-op execution is the specification.
-        with jax.disable_jit():
-            spec = fn(*args)
+        try:
+            with jax.disable_jit():
+                spec = fn(*fresh(args))
+        except Exception:   # no op-by-op specification: judged against jax.jit
+            fuzz_report.record_mismatch(prog.family, repr(prog))
+            raise mismatch from None
         try:
             assert_same(ref, spec, prog.rtol)
         except AssertionError:
@@ -801,9 +809,12 @@ def check_family(prog: TProgram) -> None:
             warnings.simplefilter("ignore")   # "donated buffers were not usable"
             ref_don = jax.jit(fn, donate_argnums=dn)(*fresh(args))
         assert_same(ref_don, ref, prog.rtol)   # jax.jit with donation: the same program
-        out = _run_optimize(prog, fn, fresh(args), donate_argnums=dn)
+        fell_back = [False]
+        out = _run_optimize(prog, fn, fresh(args), fell_back, donate_argnums=dn)
         _judge(prog, fn, args, out, ref)
-    out = _run_optimize(prog, fn, fresh(args))
+    else:
+        fell_back = None
+    out = _run_optimize(prog, fn, fresh(args), fell_back)
     _judge(prog, fn, args, out, ref)
 
 
@@ -815,11 +826,12 @@ def check_family(prog: TProgram) -> None:
 FAMILIES = {
     "concat_row": concat_rows(), "pad_slice_pad": pad_slice_pads(), "np_consts": np_const_programs(),
     "nested_ds": nested_dynamic_slices(), "donated_cache": donated_caches(),
-    "mixed_dtypes": mixed_dtype_programs(), "prng": prng_programs(),
+    "mixed_dtypes/bf16": mixed_dtype_programs(["bf16"]), "mixed_dtypes/int": mixed_dtype_programs(["int"]),
+    "mixed_dtypes/complex": mixed_dtype_programs(["complex"]), "prng": prng_programs(),
 }
 FAMILY_CI = {"concat_row": 25, "pad_slice_pad": 25, "np_consts": 25, "nested_ds": 25, "donated_cache": 20,
              "mixed_dtypes/bf16": 15, "mixed_dtypes/int": 15, "mixed_dtypes/complex": 10, "prng": 20}
-SLOW_TOTAL = 2100
+SLOW_TOTAL = 2106   # the slow test: SLOW_TOTAL // len(FAMILIES) = 234 programs per family
 
 
 @fuzz_settings(FAMILY_CI["concat_row"] * SCALE)
@@ -877,7 +889,8 @@ def test_prng_inside(prog):
 
 
 @pytest.mark.slow
-@fuzz_settings(SLOW_TOTAL)
-@given(st.one_of(*FAMILIES.values()))
-def test_all_families_slow(prog):
-    check_family(prog)
+@pytest.mark.parametrize("family", list(FAMILIES))
+@fuzz_settings(SLOW_TOTAL // len(FAMILIES) * SCALE)
+@given(data=st.data())
+def test_all_families_slow(family, data):
+    check_family(data.draw(FAMILIES[family], label="prog"))

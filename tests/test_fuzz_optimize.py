@@ -752,7 +752,7 @@ def _judge(prog: Program, fn, args, out, ref) -> None:
         # Op-by-op execution is the specification: only if the reference disagrees with it is
         # optimize judged against it instead.
         with jax.disable_jit():
-            spec = fn(*args)
+            spec = fn(*[jnp.asarray(a) for a in args])   # jax arrays: `.at[...]` on an input
         try:
             assert_same(ref, spec)
         except AssertionError:

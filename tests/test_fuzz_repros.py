@@ -89,3 +89,17 @@ def test_repro4_pointwise_reads_dynamic_row_of_concat():
     out, msgs = _optimize(fn, *args)
     np.testing.assert_allclose(out, jax.jit(fn)(*args), rtol=1e-5)
     assert not [m for m in msgs if "failed to build" in m], msgs
+
+
+def test_repro5_bf16_concat_of_pieces_scaled_by_converted_scalar():
+    """#5 (donated_cache, bf16 caches): two slices of a (1, n) bf16 row, each multiplied by an f32
+    value converted to bf16, concatenated: the first piece comes back NaN."""
+    def fn(k, a):
+        c = a.astype(jnp.bfloat16)
+        return jnp.concatenate([k[:, :2] * c, k[:, 2:] * c], axis=-1)
+
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((1, 4)), jnp.bfloat16)
+    a = rng.standard_normal((1, 1)).astype(np.float32)
+    out, _ = _optimize(fn, k, a)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(jax.jit(fn)(k, a), np.float32))
