@@ -13,12 +13,13 @@ draws a tiny program as source lines, every line checked with ``jax.eval_shape``
 * ``nested_ds``: a dynamic_slice of a dynamic_slice (clamped starts, movement in between).
 * ``donated_cache``: a KV-cache-like argument updated at ``pos`` by a row built from a
   split → rotate → concatenate of a matmul output (Gemma-style RoPE with per-batch angles), returned
-  and read after the update (attention-like). Run four ways: ``jax.jit`` (the reference),
+  and read after the update (attention-like); sometimes the old cache is read too, a second row is
+  written, or the donated argument is returned as is. Run four ways: ``jax.jit`` (the reference),
   ``optimize`` with the cache donated, ``optimize`` without, ``jax.jit`` with the cache donated;
   donated buffers are fresh copies each time.
 * ``mixed_dtypes``: bf16 programs with f32 islands (astype around reductions and matmuls,
-  ``preferred_element_type``), int32 index arithmetic feeding dynamic_slice and integer pointwise
-  ops, complex numbers between two matmuls.
+  ``preferred_element_type``), int32 index arithmetic feeding dynamic_slice, integer pointwise ops,
+  integer matmuls and updates, bool outputs; complex numbers between two matmuls (three tests).
 * ``prng``: keys made inside the function (``PRNGKey(0)``, ``key(0)``, ``fold_in(·, pos)``, split)
   and normal/uniform/bernoulli draws used as dropout-like masks in pointwise ops.
 
@@ -27,8 +28,11 @@ touches bf16); integer/bool leaves exactly; non-finite entries must match exactl
 ``VTCFallbackWarning`` is allowed (its message is tallied by ``fuzz_report``); any exception other
 than ``VTCError`` escaping ``optimize`` is a failure.
 
-CI runs ``FAMILY_CI`` programs per family; ``VTC_FUZZ_EXAMPLES=N`` multiplies every count by N
-(the ``slow`` test runs ``SLOW_TOTAL`` ≥ 2,000 programs across the families).
+CI runs ``FAMILY_CI`` programs per family (195 in all; with the 330 of ``test_fuzz_optimize.py``,
+525); ``VTC_FUZZ_EXAMPLES=N`` multiplies every count by N. The ``slow`` test runs ``SLOW_TOTAL``
+(2,106) programs, 234 per family (``pytest -m slow tests/test_fuzz_families.py``, ~12 min on two
+cores). ``VTC_FUZZ_REPORT=path`` writes the tally (``python tests/fuzz_report.py path``);
+``VTC_FUZZ_SKIP_KNOWN=1`` leaves out the shapes of known failures (``tests/FUZZ_REPROS.md``).
 """
 from __future__ import annotations
 
