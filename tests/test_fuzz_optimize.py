@@ -25,6 +25,7 @@ Programs stay tiny (dims 1-8, at most three compute ops besides the attention co
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -38,16 +39,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
+import fuzz_report
 import vtc_jax
 
 RTOL = 1e-4
+SCALE = int(os.environ.get("VTC_FUZZ_EXAMPLES", "1"))   # multiplies every test's max_examples
 MAX_ELEMS = 96      # cap on any intermediate's size (keeps interpret-mode kernels quick)
 MAX_RANK = 4
 NAMESPACE = {"jax": jax, "jnp": jnp, "lax": lax, "np": np}
 
 
-def fuzz_settings(n: int) -> settings:
-    return settings(max_examples=n, deadline=None, derandomize=True, print_blob=False,
+def fuzz_settings(n: int, scaled: bool = False) -> settings:
+    return settings(max_examples=n * (SCALE if scaled else 1), deadline=None, derandomize=True, print_blob=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much])
 
@@ -722,13 +725,28 @@ def assert_same(out, ref) -> None:
         np.testing.assert_allclose(o[fin], r[fin], rtol=RTOL, atol=RTOL * scale, err_msg=f"output {i}")
 
 
-def check_equals_jit(prog: Program) -> None:
+def check_equals_jit(prog: Program, family: str = "chains") -> None:
+    fuzz_report.record_program(family)
     fn = prog.make()
     args = prog.inputs()
     ref = jax.jit(fn)(*args)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)  # falling back is allowed
-        out = vtc_jax.optimize(fn, backend="interpret")(*args)
+    with warnings.catch_warnings(record=True) as caught:   # falling back is allowed (and tallied)
+        warnings.simplefilter("always")
+        try:
+            out = vtc_jax.optimize(fn, backend="interpret")(*args)
+        except Exception as exc:
+            fuzz_report.record_exception(family, exc, repr(prog))
+            raise
+        finally:
+            fuzz_report.record_warnings(family, caught, repr(prog))
+    try:
+        _judge(prog, fn, args, out, ref)
+    except AssertionError:
+        fuzz_report.record_mismatch(family, repr(prog))
+        raise
+
+
+def _judge(prog: Program, fn, args, out, ref) -> None:
     try:
         assert_same(out, ref)
     except AssertionError:
@@ -737,7 +755,7 @@ def check_equals_jit(prog: Program) -> None:
         # Op-by-op execution is the specification: only if the reference disagrees with it is
         # optimize judged against it instead.
         with jax.disable_jit():
-            spec = fn(*args)
+            spec = fn(*[jnp.asarray(a) for a in args])   # jax arrays: `.at[...]` on an input
         try:
             assert_same(ref, spec)
         except AssertionError:
@@ -747,28 +765,28 @@ def check_equals_jit(prog: Program) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The tests (max_examples add up to 330)
+# The tests (max_examples add up to 330; VTC_FUZZ_EXAMPLES=N multiplies them)
 # --------------------------------------------------------------------------------------------
 
-@fuzz_settings(100)
+@fuzz_settings(100, scaled=True)
 @given(pipelines(["matmul"]))
 def test_matmul_chain_consumer(prog):
-    check_equals_jit(prog)
+    check_equals_jit(prog, "chains/matmul")
 
 
-@fuzz_settings(90)
+@fuzz_settings(90, scaled=True)
 @given(pipelines(["pointwise", "reduction", "input"]))
 def test_pointwise_reduction_chain_consumer(prog):
-    check_equals_jit(prog)
+    check_equals_jit(prog, "chains/pointwise_reduction")
 
 
-@fuzz_settings(70)
+@fuzz_settings(70, scaled=True)
 @given(meetings())
 def test_two_chains_meet(prog):
-    check_equals_jit(prog)
+    check_equals_jit(prog, "chains/meet")
 
 
-@fuzz_settings(70)
+@fuzz_settings(70, scaled=True)
 @given(attentions())
 def test_decode_attention_chains(prog):
-    check_equals_jit(prog)
+    check_equals_jit(prog, "chains/attention")
