@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import re
 import warnings
-from typing import Iterator
+from typing import Any, Iterator
 
 import jax
 
@@ -99,3 +99,14 @@ def quiet_jax_triton_deprecation() -> None:
 
 
 quiet_jax_triton_deprecation()
+
+
+def scan_counts(params: Any) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation's params.
+
+    jax <= 0.10 has ``num_consts``/``num_carry``; jax 0.12 replaced them (and ``linear``) with
+    ``ft_in``, a FlatTree packing (consts, carry, xs)."""
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(list(consts)), len(list(carry))

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
+from .compat import scan_counts
 from .graph import CONTROL_FLOW_PRIMITIVES, Op
 
 __all__ = ["BuildOptions", "build", "optimize_body", "MAX_BUILD_ATTEMPTS"]
@@ -132,7 +133,7 @@ def _cache_pairs(p: dict[str, Any]) -> list[tuple[int, int, int]]:
     layer's slice through a map and write the row from the projection's kernel)."""
     closed = p["jaxpr"]
     jaxpr = closed.jaxpr
-    nc, ncar = p["num_consts"], p["num_carry"]
+    nc, ncar = scan_counts(p)  # jax 0.12: ft_in instead of num_consts/num_carry
     producer = {v: (i, e) for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     xs_vars = list(jaxpr.invars[nc + ncar:])
     out = []
@@ -160,7 +161,7 @@ def _stacked_cache_scan(op: Op, opts: BuildOptions) -> Callable[..., Sequence[An
     p = op.params
     closed = p["jaxpr"]
     jaxpr = closed.jaxpr
-    nc, ncar, length = p["num_consts"], p["num_carry"], p["length"]
+    (nc, ncar), length = scan_counts(p), p["length"]
     pairs = _cache_pairs(p)
     pair_in = {k for k, _, _ in pairs}
     pair_out = {j: n for n, (_, j, _) in enumerate(pairs)}
