@@ -139,7 +139,8 @@ def test_scanned_llama_paper_size_leaves_no_movement_and_no_cache_copy(batch):
 def test_32_scanned_layers_analyse_once_per_body():
     """The body is analysed once, not per layer: tracing 32 scanned Llama-3-8B layers (analysis
     of the outer program and of the body, kernels traced) stays within a few CPU seconds
-    (measured 1.2 s on the 2-core CI machine; the bound leaves room for a loaded box)."""
+    (measured 1.2 s alone on the 2-core CI machine; the bound leaves room for a loaded box and
+    XLA's compile threads, which process time counts)."""
     import time
     LS = _llama_scan()
     args = LS.example_args("paper", batch=16, layers=32)
@@ -150,7 +151,7 @@ def test_32_scanned_layers_analyse_once_per_body():
         opt.trace(*args)
         cpu = time.process_time() - t0
     assert opt._build.bodies == ["scan #0"]
-    assert cpu < 5.0, cpu
+    assert cpu < 10.0, cpu
 
 
 def test_scanned_gemma_with_cond_alternation_equals_jit():
