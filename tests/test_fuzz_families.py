@@ -28,8 +28,8 @@ touches bf16); integer/bool leaves exactly; non-finite entries must match exactl
 ``VTCFallbackWarning`` is allowed (its message is tallied by ``fuzz_report``); any exception other
 than ``VTCError`` escaping ``optimize`` is a failure.
 
-CI runs ``FAMILY_CI`` programs per family (195 in all; with the 330 of ``test_fuzz_optimize.py``,
-525); ``VTC_FUZZ_EXAMPLES=N`` multiplies every count by N. The ``slow`` test runs ``SLOW_TOTAL``
+CI runs ``FAMILY_CI`` programs per family (180 in all; with the 330 of ``test_fuzz_optimize.py``,
+510); ``VTC_FUZZ_EXAMPLES=N`` multiplies every count by N. The ``slow`` test runs ``SLOW_TOTAL``
 (2,106) programs, 234 per family (``pytest -m slow tests/test_fuzz_families.py``, ~12 min on two
 cores). ``VTC_FUZZ_REPORT=path`` writes the tally (``python tests/fuzz_report.py path``);
 ``VTC_FUZZ_SKIP_KNOWN=1`` leaves out the shapes of known failures (``tests/FUZZ_REPROS.md``).

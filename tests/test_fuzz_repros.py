@@ -103,3 +103,16 @@ def test_repro5_bf16_concat_of_pieces_scaled_by_converted_scalar():
     a = rng.standard_normal((1, 1)).astype(np.float32)
     out, _ = _optimize(fn, k, a)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(jax.jit(fn)(k, a), np.float32))
+
+
+def test_repro6_dus_of_a_dus_overwritten_by_its_reverse_optimises():
+    """#6 (existing chains family, test_two_chains_meet): the lowering calls a method that does
+    not exist (``_Run._store_window``, vtc_jax/lower.py): the whole rewrite falls back."""
+    def fn(pos, x, u):
+        v = lax.dynamic_update_slice_in_dim(x, jnp.tanh(u), pos, 0)
+        return lax.dynamic_update_slice(v, jnp.flip(v, 0), (0,)) + 1.0
+
+    args = (np.int32(1), np.array([0.5, -1.0], np.float32), np.array([2.0], np.float32))
+    out, msgs = _optimize(fn, *args)
+    np.testing.assert_allclose(out, jax.jit(fn)(*args), rtol=1e-5)
+    assert not [m for m in msgs if "failed" in m], msgs
