@@ -427,7 +427,9 @@ def np_const_programs(draw) -> TProgram:
         y = b.let(b.pick([f"{x} @ {w}", f"jnp.dot({x}, {w})", f"jnp.dot({w}.T, {x}.T).T"]))
     elif form == "chain_weight":  # a constant read through a movement chain into a matmul
         w = b.const(f"np.random.default_rng({b.int(0, 99)}).standard_normal(({n}, {k})).astype(np.float32)")
-        wt = b.let(f"{w}.T" if b.maybe(2) else f"jnp.transpose({w})")
+        # jnp.asarray keeps the constant closed over; a bare numpy ``C.T`` would stay numpy and the
+        # chain's ``[pos]`` would index it with a tracer, which jax.jit itself rejects
+        wt = b.let(f"jnp.asarray({w}).T" if b.maybe(2) else f"jnp.transpose({w})")
         wt = tchain(b, wt, 2)
         wt = fit(b, wt, (k, n))
         y = b.let(f"jnp.dot({b.arg((m, k))}, {wt})")
