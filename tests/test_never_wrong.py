@@ -148,3 +148,80 @@ def test_two_outputs_of_one_kernel_written_into_one_concat(dtype):
     a = rng.standard_normal((1, 1)).astype(np.float32)
     _, out = _optimize(fn, k, a)
     check_close(out, jax.jit(fn)(k, a), rtol=1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention at any runtime position: a row with no valid key (pos < 0) and windows past the end
+# --------------------------------------------------------------------------------------------
+
+_T, _D = 16, 16
+
+
+def _decode_attn(fill, additive=False, window=None, clip=False, bias=None):
+    def fn(pos, q, k, v):
+        s = jnp.einsum('hd,htd->ht', q, k) / jnp.sqrt(jnp.float32(_D))
+        t = jnp.arange(_T)
+        m = t <= (jnp.clip(pos, 0, _T - 1) if clip else pos)
+        if bias is not None:     # the window as an additive bias on top of a causal select
+            s = jnp.where(m, s, fill) + jnp.where(t > pos - window, 0.0, bias)
+            return jnp.einsum('ht,htd->hd', jax.nn.softmax(s, axis=-1), v)
+        if window is not None:
+            m = m & (t > pos - window)
+        s = s + jnp.where(m, 0.0, fill) if additive else jnp.where(m, s, fill)
+        return jnp.einsum('ht,htd->hd', jax.nn.softmax(s, axis=-1), v)
+    return fn
+
+
+def _prefill_attn(fill, additive=False):
+    def fn(pos, q, k, v):   # 4 query rows at positions pos .. pos + 3 (a chunk of a prefill)
+        s = jnp.einsum('hsd,htd->hst', q, k) * (_D ** -0.5)
+        m = jnp.arange(_T)[None, :] <= jnp.arange(q.shape[1])[:, None] + pos
+        s = s + jnp.where(m, 0.0, fill) if additive else jnp.where(m, s, fill)
+        return jnp.einsum('hst,htd->hsd', jax.nn.softmax(s, axis=-1), v)
+    return fn
+
+
+_FMIN = float(jnp.finfo(jnp.float32).min)
+_ANY_POS_CASES = {
+    "decode finfo.min": (_decode_attn(_FMIN), False),
+    "decode -1e9 select": (_decode_attn(-1e9), False),
+    "decode additive -1e30": (_decode_attn(-1e30, True), False),
+    "decode additive finfo.min": (_decode_attn(_FMIN, True), False),
+    "decode window -inf": (_decode_attn(-jnp.inf, window=3), False),
+    "decode window finfo.min": (_decode_attn(_FMIN, window=3), False),
+    "prefill finfo.min": (_prefill_attn(_FMIN), False),
+    "prefill additive -1e30": (_prefill_attn(-1e30, True), False),
+    # jax's row at pos < 0 depends on the rounding of s - 1e9: the kernels round the same way
+    "decode additive -1e9": (_decode_attn(-1e9, True), False),
+    # a select and a bias: an empty row's lanes hold finfo.min or finfo.min - 1e30 by lane: declined
+    "decode select and bias": (_decode_attn(_FMIN, window=3, bias=-1e30), True),
+    # the mask leaves the causal family for pos outside [0, T): declined, not extrapolated
+    "decode clipped pos": (_decode_attn(-jnp.inf, clip=True), True),
+}
+
+
+@pytest.mark.parametrize("case", list(_ANY_POS_CASES))
+def test_attention_equals_jit_at_any_position(case):
+    """Positions outside the cache: pos < 0 leaves a row with no valid key (jax: NaN for a -inf
+    mask, the mean of V for a finite one; the kernels used to give 0), and a sliding window at
+    pos >= T starts at pos - window, not at T - window (the decode kernel counted from the clamped
+    end). Attention the kernels cannot match falls back with a reason."""
+    fn, declined = _ANY_POS_CASES[case]
+    prefill = case.startswith("prefill")
+    q, k, v = _rand((2, 4, _D) if prefill else (2, _D), (2, _T, _D), (2, _T, _D))
+    opt = vtc_jax.optimize(fn, backend="interpret")
+    for pos in (-3, -1, 0, 5, _T - 1, _T, _T + 4, 3 * _T):
+        ref = jax.jit(fn)(np.int32(pos), q, k, v)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+            out = opt(np.int32(pos), q, k, v)
+        check_close(out, ref)
+    _, lowered = opt.last
+    served = any(name.startswith("attention") for name in lowered.kernels)
+    assert served != declined, (lowered.kernels, opt.explain(np.int32(0), q, k, v).templates)
+    if not declined:    # the empty-row pass lowers for CUDA too
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+            mod = cross_lower(vtc_jax.optimize(fn, backend="triton"), np.int32(0), q, k, v)
+        names = [kern.name for kern in mod.triton_kernels]
+        assert any("attention" in n for n in names), names

@@ -27,8 +27,11 @@ Kernels (the paper's Listing 1 stages: load through vio / untouched compute / st
     attn_combine  grid (B, Hkv), only when S > 1: loops over the S partials, rescales them by
         exp(m_s - max m), sums, divides by the combined l, OUT.store.
 
-Valid keys are ``lo <= t < hi`` with ``hi = pos + 1`` (or ``kv_len``, or ``T``) and, with a sliding
-``window``, ``lo = hi - window`` (keys ``t > pos - window``). The split is decided at run time from
+Valid keys are ``lo <= t < hi`` with ``hi = min(end, T)``, ``end = pos + 1`` (or ``kv_len``, or
+``T``) and, with a sliding ``window``, ``lo = end - window`` (keys ``t > pos - window``, counted from
+the unclamped end as jax does for ``pos >= T``). A row with no valid key (``hi <= lo``: a position
+< 0) outputs what ``empty_rows`` says (:func:`empty_rows_mode`; for a finite mask a second pass
+over all T keys, which runs no step unless the row is empty). The split is decided at run time from
 ``[lo, hi)``: the valid KV blocks are dealt out evenly over the S programs of a head, so a short
 prefix of a long cache, or a sliding window, does not leave most programs idle while one works.
 
@@ -118,22 +121,27 @@ class _Cfg:
     scale: float
     soft_cap: float | None
     window: int | None
-    hi_static: int | None     # static end of the valid keys (None: runtime)
+    hi_static: int | None     # static end of the valid keys, unclamped (None: runtime)
     hi_offset: int            # runtime end = scalar + hi_offset (pos + 1, or kv_len + 0)
     compute: np.dtype
     precision: Any
     empty_nan: bool = False   # a row with no valid key is NaN (jax's softmax of all -inf), else 0
+    empty_fill: tuple | None = None  # ... or the softmax of jax's masked scores (:func:`masked_scores`)
 
 
 def softmax_block(qt: jax.Array, kb: jax.Array, vb: jax.Array, valid: jax.Array, carry: tuple, *,
-                  scale: float, soft_cap: float | None, compute: Any, precision: Any) -> tuple:
+                  scale: float, soft_cap: float | None, compute: Any, precision: Any,
+                  transform: Any = None) -> tuple:
     """Stage 2 of both attention kernels: fold one K/V block into the running (max, sum, acc)
-    of the online softmax, in f32; lanes not ``valid`` score ``-inf``."""
+    of the online softmax, in f32; lanes not ``valid`` score ``-inf``; ``transform`` (the
+    empty-row pass, :func:`masked_scores`) rewrites the scores of the valid lanes first."""
     m_prev, l_prev, acc_prev = carry
     sc = jnp.dot(qt, kb.T, preferred_element_type=jnp.float32, precision=precision)
     sc = sc * scale
     if soft_cap is not None:
         sc = soft_cap * jnp.tanh(sc / soft_cap)
+    if transform is not None:
+        sc = transform(sc)
     sc = jnp.where(valid, sc, -jnp.inf)
     m_next = jnp.maximum(m_prev, sc.max(axis=1))
     corr = jnp.exp(m_prev - m_next)
@@ -141,6 +149,39 @@ def softmax_block(qt: jax.Array, kb: jax.Array, vb: jax.Array, valid: jax.Array,
     l_next = l_prev * corr + p.sum(axis=1)
     pv = jnp.dot(p.astype(compute), vb, preferred_element_type=jnp.float32, precision=precision)
     return m_next, l_next, acc_prev * corr[:, None] + pv
+
+
+def empty_rows_mode(empty_rows: Any) -> tuple[bool, tuple | None]:
+    """``(empty_nan, empty_fill)`` for the kernels' ``empty_rows`` argument: what a query row with
+    no valid key outputs (a position < 0, say), to equal what jax computes for the program's mask:
+
+    * ``"zero"``: 0 (only for programs where no such row can happen);
+    * ``"nan"``: NaN — the softmax of a row of ``-inf`` (every mask fills ``-inf``);
+    * ``("fill", v)``: the masked lanes hold ``v`` (``jnp.where(m, s, finfo.min)``): the softmax of
+      equal values, the mean of V over all T keys;
+    * ``("bias", b, f)``: the masked lanes hold ``(s / f + b) * f`` (an additive bias ``b`` applied
+      before a scaling by ``f``: ``(s + where(m, 0, -1e9)) / sqrt(d)``), computed as jax does.
+    """
+    if empty_rows in ("zero", "nan"):
+        return empty_rows == "nan", None
+    if isinstance(empty_rows, tuple) and ((len(empty_rows) == 2 and empty_rows[0] == "fill") or
+                                          (len(empty_rows) == 3 and empty_rows[0] == "bias")):
+        return False, (empty_rows[0], *map(float, empty_rows[1:]))
+    raise ValueError(f"empty_rows must be 'zero', 'nan', ('fill', v) or ('bias', b, f); got {empty_rows!r}")
+
+
+def masked_scores(fill: tuple) -> Any:
+    """The score transform of a row with no valid key: every lane holds jax's masked value,
+    shifted by a constant (the softmax is shift-invariant, and the kernels' running max starts at
+    -1e30, above ``finfo.min``): equal values become 0; a bias lane ``fl(s / f + b) * f`` less
+    ``b * f``, a subtraction Sterbenz's lemma makes exact, so the rounding of ``s + b`` that jax's
+    row depends on is kept."""
+    if fill[0] == "fill":
+        return jnp.zeros_like
+    _, b, f = fill
+    # the shift is written as a function of ``sc`` (``sc * 0``, not folded for floats) so that no
+    # simplifier rewrites ``(x + c) - c`` to ``x`` (XLA's does, in interpret mode)
+    return lambda sc: (sc / f + b) * f - ((sc * 0.0) / f + b) * f
 
 
 def normalise(acc: jax.Array, l: jax.Array, empty_nan: bool) -> jax.Array:
@@ -178,6 +219,7 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         registers that a second pipeline stage would take (255 registers and spills at 2 stages,
         88 and none at 1, sm_90, block_k 64).
     backend: "interpret" (CPU) or "triton".
+    empty_rows: what a row with no valid key outputs (:func:`empty_rows_mode`).
 
     Returns like :func:`vtc_jax.kernels.matmul.matmul`: the array for a fresh/one-buffer output,
     else the tuple of ``out``'s physical buffers.
@@ -201,9 +243,8 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
     cfg = _config(q.shape, T, Dv, compute, block_k=block_k, num_stages=num_stages,
                   num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
                   hi_static=hi_static, hi_offset=hi_offset)
-    if empty_rows not in ("zero", "nan"):
-        raise ValueError(f"empty_rows must be 'zero' or 'nan', got {empty_rows!r}")
-    cfg = dataclasses.replace(cfg, empty_nan=empty_rows == "nan")
+    empty_nan, empty_fill = empty_rows_mode(empty_rows)
+    cfg = dataclasses.replace(cfg, empty_nan=empty_nan, empty_fill=empty_fill)
     return _launch(cfg, q, k, v, out, backend=backend, num_warps=num_warps, num_stages=num_stages)
 
 
@@ -228,14 +269,16 @@ def _check(q: VTensor, k: VTensor, v: VTensor, *, block_k: int, pos: Any, kv_len
 
 def _valid_end(pos: Any, kv_len: Any, T: int) -> tuple[int | None, int, Any]:
     """Where the valid keys end: ``(hi_static, hi_offset, scalar)`` — a static end (``scalar``
-    None), or ``scalar + hi_offset`` for a runtime ``pos`` (offset 1) or ``kv_len`` (offset 0)."""
+    None), or ``scalar + hi_offset`` for a runtime ``pos`` (offset 1) or ``kv_len`` (offset 0).
+    The end is *not* clamped to T here: a sliding window starts ``window`` keys before the
+    unclamped end, as jax's ``t > pos - window`` does for ``pos >= T``."""
     if pos is not None:
         if _is_static_int(pos):
-            return min(int(pos) + 1, T), 0, None
+            return int(pos) + 1, 0, None
         return None, 1, pos
     if kv_len is not None:
         if _is_static_int(kv_len):
-            return min(int(kv_len), T), 0, None
+            return int(kv_len), 0, None
         return None, 0, kv_len
     return T, 0, None
 
@@ -291,15 +334,15 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     q_ref, k_ref, v_ref = ins[:3]
     b, h, s = program_id(0, c.B), program_id(1, c.H), program_id(2, c.S)
 
-    # The valid keys [lo, hi): scalars (traced or static).
+    # The valid keys [lo, hi): scalars (traced or static); a window counts back from the
+    # unclamped end (jax's ``t > pos - window`` for any pos).
     if c.hi_static is None:
-        n = q_ref.syms[_LEN_SYM]
-        hi: Any = jnp.minimum(n + c.hi_offset, c.T)
+        end: Any = q_ref.syms[_LEN_SYM] + c.hi_offset
+        hi: Any = jnp.minimum(end, c.T)
+        lo: Any = jnp.maximum(end - c.window, 0) if c.window is not None else 0
     else:
-        hi = c.hi_static
-    lo: Any = 0
-    if c.window is not None:
-        lo = jnp.maximum(hi - c.window, 0) if c.hi_static is None else max(hi - c.window, 0)
+        hi = min(c.hi_static, c.T)
+        lo = max(c.hi_static - c.window, 0) if c.window is not None else 0
 
     # This program's run of KV blocks: the blocks meeting [lo, hi) dealt out evenly over S.
     first = lo // c.bk
@@ -315,7 +358,7 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     qt = q_ref.load((b, h, 0, 0), (1, 1, c.Gp, c.Dp)).reshape(c.Gp, c.Dp).astype(c.compute)
     lanes = lax.broadcasted_iota(jnp.int32, (1, c.bk), 1)
 
-    def step(j: Any, carry: Any) -> Any:
+    def step(j: Any, carry: Any, empty_pass: bool = False) -> Any:
         m_prev, l_prev, acc_prev = carry
         t0 = j * c.bk
         # Stage 1: one K and one V block, shared by all G query heads of the group.
@@ -323,6 +366,10 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
         vb = v_ref.load((b, h, t0, 0), (1, 1, c.bk, c.Dvp)).reshape(c.bk, c.Dvp).astype(c.compute)
         # Stage 2: scores and the online softmax, in f32.
         t = lanes + t0
+        if empty_pass:      # every key of the cache, at jax's masked value
+            return softmax_block(qt, kb, vb, t < c.T, (m_prev, l_prev, acc_prev), scale=c.scale,
+                                 soft_cap=c.soft_cap, compute=c.compute, precision=c.precision,
+                                 transform=masked_scores(c.empty_fill))
         valid = t < hi
         if c.window is not None:
             valid = valid & (t >= lo)
@@ -332,6 +379,15 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     init = (jnp.full((c.Gp,), _NEG, jnp.float32), jnp.zeros((c.Gp,), jnp.float32),
             jnp.zeros((c.Gp, c.Dvp), jnp.float32))
     m, l, acc = lax.fori_loop(j0, j1, step, init)
+    if c.empty_fill is not None:
+        # No valid key (hi <= lo: pos < 0, say) under a finite mask: jax's softmax of the masked
+        # scores over all T keys, the T blocks dealt out over the S programs like the valid ones.
+        # The main loop ran no step then, so its result is still ``init``; otherwise this runs none.
+        nblk = -(-c.T // c.bk)
+        per_u = -(-nblk // c.S)
+        u0 = 0 if c.S == 1 else s * per_u
+        u1 = jnp.where(hi <= lo, jnp.minimum(u0 + per_u, nblk), u0)
+        m, l, acc = lax.fori_loop(u0, u1, functools.partial(step, empty_pass=True), (m, l, acc))
 
     # Stage 3.
     if c.S == 1:

@@ -27,7 +27,8 @@ Masking: causal with a query offset (``q_offset``: query ``i`` sits at position 
 keys ``t <= q_offset + i`` are valid; ``q_offset`` static or a runtime int32 scalar, e.g. the
 cache position of a chunked prefill), or a key-length bound ``kv_len`` (non-causal, static or
 runtime), optionally a sliding ``window`` (keys ``t > hi - 1 - window``). A row with no valid key
-outputs 0 (jax gives NaN for a ``-inf`` mask, a uniform average for a finite one).
+outputs what ``empty_rows`` says (:func:`.attention.empty_rows_mode`: 0, NaN, or jax's softmax of
+the masked scores by a second pass over all keys, run only by a block that has such a row).
 
 Power-of-two tiles: ``bq``, ``bk`` >= 16 (``tt.dot``), ``Dp = max(16, next_pow2(D))``; vio masks
 the ragged edges (rows ``>= M`` read 0 and are not stored, keys ``>= T`` are masked by ``hi``).
@@ -37,6 +38,7 @@ keep scores/accumulators in f32 and round the probabilities to V's dtype for the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +48,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .attention import normalise, softmax_block
+from .attention import empty_rows_mode, masked_scores, normalise, softmax_block
 from .vio import Plan, VTensor, next_pow2
 
 __all__ = ["prefill_attention"]
@@ -81,6 +83,7 @@ class _Cfg:
     compute: np.dtype
     precision: Any
     empty_nan: bool = False   # a row with no valid key is NaN (an all -inf softmax row), else 0
+    empty_fill: tuple | None = None  # ... or jax's softmax of the masked scores (attention.masked_scores)
 
 
 def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset: Any = 0,
@@ -167,7 +170,7 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
                scale=float(1.0 / math.sqrt(D) if sm_scale is None else sm_scale),
                soft_cap=None if soft_cap is None else float(soft_cap), compute=compute,
                precision=lax.Precision.HIGHEST if compute == np.float32 else None,
-               empty_nan={"zero": False, "nan": True}[empty_rows])
+               empty_nan=empty_rows_mode(empty_rows)[0], empty_fill=empty_rows_mode(empty_rows)[1])
     plan = Plan.build([q, k, v], [out])
     nq = -(-M // bq)
     (res,) = plan.call(lambda ins, outs: _body(cfg, ins, outs), grid=(Z, nq), backend=backend,
@@ -201,12 +204,16 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     qt = q_ref.load((z, r0, 0), (1, c.bq, c.Dp)).reshape(c.bq, c.Dp).astype(c.compute)
     lanes = lax.broadcasted_iota(jnp.int32, (1, c.bk), 1)
 
-    def step(j: Any, carry: Any) -> Any:
+    def step(j: Any, carry: Any, empty_pass: bool = False) -> Any:
         m_prev, l_prev, acc_prev = carry
         t0 = j * c.bk
         kb = k_ref.load((z, t0, 0), (1, c.bk, c.Dp)).reshape(c.bk, c.Dp).astype(c.compute)
         vb = v_ref.load((z, t0, 0), (1, c.bk, c.Dvp)).reshape(c.bk, c.Dvp).astype(c.compute)
         t = lanes + t0
+        if empty_pass:      # every key of the cache, at jax's masked value
+            return softmax_block(qt, kb, vb, t < c.T, (m_prev, l_prev, acc_prev), scale=c.scale,
+                                 soft_cap=c.soft_cap, compute=c.compute, precision=c.precision,
+                                 transform=masked_scores(c.empty_fill))
         valid = t < hi
         if lo is not None:
             valid = valid & (t >= lo)
@@ -216,5 +223,14 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     init = (jnp.full((c.bq,), _NEG, jnp.float32), jnp.zeros((c.bq,), jnp.float32),
             jnp.zeros((c.bq, c.Dvp), jnp.float32))
     _, l, acc = lax.fori_loop(j0, j1, step, init)
+    if c.empty_fill is not None:
+        # rows with no valid key under a finite mask: jax's softmax of the masked scores over all
+        # T keys (a second pass, only when this block has such a row; no reduce_or in Triton)
+        empty = (hi <= lo if lo is not None else hi <= 0)[:, 0] & live[:, 0]
+        nblk = -(-c.T // c.bk)
+        _, l_e, acc_e = lax.fori_loop(0, jnp.where(jnp.max(empty.astype(jnp.int32)) > 0, nblk, 0),
+                                      functools.partial(step, empty_pass=True), init)
+        l = jnp.where(empty, l_e, l)
+        acc = jnp.where(empty[:, None], acc_e, acc)
     o = normalise(acc, l, c.empty_nan).astype(o_ref.binding.dtype)
     o_ref.store((z, r0, 0), (1, c.bq, c.Dvp), o.reshape(1, c.bq, c.Dvp))

@@ -11,12 +11,14 @@ the step it did not recognise. Accepted between q·k and p·v:
 * soft-cap ``tanh(s / c) * c`` (in any arrangement of the two scalings around the ``tanh``);
 * masks: ``select_n`` (``jnp.where(mask, s, neg)`` or ``jnp.where(~mask, neg, s)``) and additive
   biases ``s + b`` where ``b`` only takes the values 0 and a large negative. ``neg`` may be
-  ``-inf``, ``finfo.min`` or any value ``<= NEG_BOUND`` (-1e4): the kernel treats such lanes as
+  ``-inf``, ``finfo.min`` or any value ``<= NEG_BOUND`` (-1e4): the kernels treat such lanes as
   -inf, which equals jax's numbers whenever a row has one valid key (``exp(neg + s - max)``
   underflows to exactly 0 in f32 for scores of magnitude < ~5e3). A row with *no* valid key (a
-  runtime position outside ``[0, T)``) is NaN in jax for a ``-inf`` select mask, and so it is
-  from the kernels (``empty_rows="nan"``); for a finite ``neg`` or an additive bias jax gives the
-  average of all values and the kernels 0 — the one semantic difference left. Scaling after a mask must keep the masked value <= NEG_BOUND.
+  runtime position < 0, say) gets what jax computes (:func:`_empty_rows`): NaN for ``-inf``
+  selects, and a second pass over all T keys at jax's masked values for one finite fill or one
+  additive bias value (the mean of V, or the softmax of ``(s + b) * f`` rounded as jax rounds it);
+  other combinations are declined when such a row can happen. Scaling after a mask must keep the
+  masked value <= NEG_BOUND.
 * softmax: ``jax.nn.softmax`` or by hand (``exp(x - max) / sum``, ``stop_gradient`` on the max,
   ``e * (1 / sum)``), f32 up/down casts, reshapes/transposes that keep the axes, in any order of
   the dimensions (the reductions must be over the key axis).
@@ -29,8 +31,9 @@ and the result is fitted to the family the kernels implement::
     valid(i, t)  <=>  lo(i) <= t < hi(i),   hi(i) = min(T, a·i + c [+ pos]),   lo = max(0, hi - W)
 
 (``a`` = 1: causal by query position ``i``; ``W``: sliding window, measured from the unclamped
-end as jax does). The runtime scalar is probed over [0, T) — the kernels assume a position or
-length inside the cache. Masks that vary along the batch or head axes (per-batch positions,
+end as jax does). The runtime scalar is probed over [0, T) and outside it (negative, past the
+end): the kernels compute the same bounds for any position (|x| < 2^30), so a mask that leaves
+the family outside the cache (``t <= clip(pos, 0, T - 1)``) is declined, not extrapolated. Masks that vary along the batch or head axes (per-batch positions,
 padding masks) or depend on a non-scalar runtime tensor are declined with that reason: neither
 kernel takes per-batch positions. An additive bias with other values (ALiBi) is declined too.
 
@@ -87,7 +90,9 @@ class _AttnMatch:
     hi_scalar: int | None       # runtime scalar tensor x (None: static)
     window: int | None
     decode: bool
-    empty_nan: bool = False     # every mask fills -inf: a row with no valid key is NaN, as in jax
+    empty_rows: str = "zero"    # a row with no valid key: "nan" (every mask fills -inf, as jax),
+                                # "uniform" (one finite fill value: jax averages V), "zero" (never
+                                # happens: no probe found such a row)
 
     @property
     def kernel(self) -> str:
@@ -243,6 +248,7 @@ class _Mask:
     keep: bool | None           # select: pred value that keeps the score; None: additive bias
     axes: tuple[Any, ...]       # axes of the scores where it is applied
     fill: float | None = None   # select: the (largest) value of the masked lanes
+    fill_lo: float | None = None  # select: the smallest (== fill for one constant value)
     factor: float = 1.0         # scaling applied to the scores after this mask
 
 
@@ -359,11 +365,12 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
                 continue
             if p == "select_n" and len(op.inputs) == 3 and i0 in (1, 2):
                 fill = op.inputs[3 - i0]
-                v = _fold_extreme(graph, fill)
+                rng = _fold_range(graph, fill)
+                v = None if rng is None else rng[1]
                 if v is None or v > NEG_BOUND:
                     fail(op, f"selects the scores against {'a runtime value' if v is None else v}, "
                              f"not a mask value <= {NEG_BOUND:g} (-inf, finfo.min, -1e9, ...)")
-                st["masks"].append(_Mask(op.inputs[0], i0 == 2, r.axes, fill=v))
+                st["masks"].append(_Mask(op.inputs[0], i0 == 2, r.axes, fill=v, fill_lo=rng[0]))
                 new_stage(out, r.axes)
                 continue
             if p == "add" and len(others) == 1:
@@ -429,13 +436,14 @@ _NAMES = {"s": "scores", "max": "softmax max", "shift": "scores - max", "exp": "
           "sum": "softmax sum", "rsum": "softmax 1/sum", "p": "probabilities"}
 
 
-def _fold_extreme(graph: Graph, t: int) -> float | None:
-    """The largest value of a constant tensor (None when it depends on runtime values)."""
+def _fold_range(graph: Graph, t: int) -> tuple[float, float] | None:
+    """(smallest, largest) value of a constant tensor (None when it depends on runtime values)."""
     ev = _Eval(graph)
     try:
         if ev.leaves(t):
             return None
-        return float(np.max(np.asarray(ev(t), np.float64)))
+        a = np.asarray(ev(t), np.float64)
+        return float(np.min(a)), float(np.max(a))
     except (_NoFold, ValueError, TypeError):
         return None
 
@@ -497,8 +505,10 @@ def _dims(graph: Graph, a: dict[str, Any]) -> dict[str, Any]:
                 vc=vc, vf=vf, q_free_d1=q_free_d1, key=key, out_lab=out_lab)
 
 
-def _mask_arrays(graph: Graph, masks: list[_Mask], env: dict[int, Any], rank: int) -> np.ndarray:
-    """The valid lanes of the combined mask over the first dot's output axes (compact)."""
+def _mask_arrays(graph: Graph, masks: list[_Mask], env: dict[int, Any], rank: int,
+                 bias_values: set[float] | None = None) -> np.ndarray:
+    """The valid lanes of the combined mask over the first dot's output axes (compact); the
+    masked values of additive biases go to ``bias_values``."""
     ev = _Eval(graph, env)
     valid = np.ones((1,) * rank, bool)
     for m in masks:
@@ -510,6 +520,8 @@ def _mask_arrays(graph: Graph, masks: list[_Mask], env: dict[int, Any], rank: in
                 raise Decline(f"additive bias t{m.tensor} takes values other than 0 and <= {NEG_BOUND:g} "
                               f"(e.g. {float(b[bad].reshape(-1)[0]):g}): a general bias is not supported")
             keep = b == 0
+            if bias_values is not None:
+                bias_values.update(np.unique(b[~keep]).astype(np.float64).tolist())
         else:
             keep = val.astype(bool) if m.keep else ~val.astype(bool)
         for i, a in enumerate(m.axes):
@@ -527,12 +539,15 @@ def _mask_arrays(graph: Graph, masks: list[_Mask], env: dict[int, Any], rank: in
     return valid
 
 
-def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tuple[int, ...]):
-    """(seq axis, causal, c, scalar, window) with valid(i, t) = lo <= t < min(T, a·i + c [+ x])."""
+def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tuple[int, ...],
+              bias_values: set[float] | None = None):
+    """(seq axis, causal, c, scalar, window, empty) with valid(i, t) = lo <= t < min(T, a·i + c [+ x]);
+    ``empty``: some probed value of the runtime scalar (or the static mask) leaves a row with no
+    valid key."""
     rank = len(shape)
     T = shape[dims["key"]]
     if not masks:
-        return None, False, T, None, None
+        return None, False, T, None, None, False
     ev = _Eval(graph)
     leaves: set[int] = set()
     try:
@@ -550,16 +565,20 @@ def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tup
                           "positions or a padding mask): the kernels take one bound for all rows")
         if not np.issubdtype(np.dtype(info.dtype), np.integer):
             raise Decline(f"the mask depends on a runtime {np.dtype(info.dtype).name} scalar")
-    # probe positions inside the cache, [0, T): the kernels assume the runtime scalar lies there
+    # probe positions inside the cache, [0, T), and outside it (a negative position, one past
+    # the end, ...): the kernels compute the family's bounds for any value of the scalar
+    # (|x| < 2^30), so a mask that leaves the family outside [0, T) (``t <= clip(pos, 0, T-1)``) is
+    # declined rather than extrapolated
     if x is None:
         xs: list[Any] = [None]
     else:
         n = 48 if T * max((shape[a] for a in dims["q_free_d1"]), default=1) <= (1 << 18) else 12
-        xs = sorted({*np.linspace(0, T - 1, min(n, T)).astype(int).tolist(), 0, 1, 2, T // 2, T - 1})
+        xs = sorted({*np.linspace(0, T - 1, min(n, T)).astype(int).tolist(), 0, 1, 2, T // 2, T - 1,
+                     -2 * T - 3, -T - 1, -T, -3, -2, -1, T, T + 1, T + 2, 2 * T + 5})
     arrays = {}
     try:
         for xv in xs:
-            arrays[xv] = _mask_arrays(graph, masks, {} if x is None else {x: xv}, rank)
+            arrays[xv] = _mask_arrays(graph, masks, {} if x is None else {x: xv}, rank, bias_values)
     except _NoFold as e:
         raise Decline(f"mask t{e} cannot be evaluated")
     # independent of the batch axes and of all query axes but one
@@ -611,8 +630,33 @@ def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tup
             break
     if found is None:
         raise Decline("the mask is not a causal / key-length / sliding-window bound on key positions "
-                      "(valid keys hi(i) - W <= t < hi(i) with hi = [i +] c [+ pos])")
-    return found
+                      "(valid keys hi(i) - W <= t < hi(i) with hi = [i +] c [+ pos]) for every position, "
+                      "in [0, T) and outside it")
+    empty = any(not row.any() for m in mats.values() for row in m)
+    return (*found, empty)
+
+
+def _empty_rows(masks: list[_Mask], bias_values: set[float], empty: bool) -> Any:
+    """What the kernels output for a row with no valid key, to equal jax (the kernels'
+    ``empty_rows``, :func:`vtc_jax.kernels.attention.empty_rows_mode`): NaN where every mask fills
+    ``-inf``; jax's softmax of the masked scores where every masked lane holds one value (selects
+    filling one constant: the mean of V) or one additive bias value (``(s + b) * f``). Otherwise
+    jax's row depends on which mask each lane went through: declined if such a row can happen
+    for some value of the runtime scalar (``empty``)."""
+    if not masks or not empty:
+        return "zero"     # no such row for any probed value: the kernels emit no empty-row pass
+    selects = [m for m in masks if m.keep is not None]
+    additive = [m for m in masks if m.keep is None]
+    if selects and not additive and all(m.fill is not None and np.isneginf(m.fill) for m in selects):
+        return "nan"
+    fills = {m.fill * m.factor for m in selects if m.fill is not None}
+    if selects and not additive and len(fills) == 1 and np.isfinite(next(iter(fills))) and \
+            all(m.fill == m.fill_lo for m in selects):
+        return ("fill", next(iter(fills)))
+    if len(additive) == 1 and not selects and len(bias_values) == 1:
+        return ("bias", next(iter(bias_values)), additive[0].factor)
+    raise Decline("a row can have no valid key (e.g. at a position < 0) and its masked lanes do not "
+                  "all hold one value: jax's softmax of such a row is not what the kernels compute")
 
 
 def _family(S: int, T: int, causal: bool, base: int, w: int | None) -> np.ndarray:
@@ -631,7 +675,9 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     dims = _dims(graph, a)
     d1 = a["d1"]
     shape = graph.tensors[d1.outputs[0]].shape
-    seq_axis, causal, hi_c, hi_x, window = _fit_mask(graph, st["masks"], dims, shape)
+    bias_values: set[float] = set()
+    seq_axis, causal, hi_c, hi_x, window, empty = _fit_mask(graph, st["masks"], dims, shape, bias_values)
+    empty_rows = _empty_rows(st["masks"], bias_values, empty)
     inner, outer = st["inner"], st["outer"]
     if st["tanh"]:
         scale, cap = inner * outer, outer
@@ -661,17 +707,12 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     T, D, Dv = ks[dims["kf"][0]], ks[dims["kc"][0]], vs[dims["vf"][0]]
     if window is not None and window < 1:
         raise Decline(f"sliding window of {window} keys")
-    # the decode kernel starts a window at the *clamped* end min(hi, T): when the end can pass T
-    # (hi = pos + c with c > 1, or a static end past T) the prefill kernel keeps jax's numbers
-    clamps = window is not None and (hi_c > 1 if hi_x is not None else hi_c > T)
-    decode = not causal and rows <= DECODE_MAX_ROWS and not clamps
+    decode = not causal and rows <= DECODE_MAX_ROWS
     if seq_axis is None:
         S = rows
     return _AttnMatch(q, k, v, c.outputs[0], q_perm, k_perm, v_perm, out_perm, batch, rows, S, T, D, Dv,
                       float(scale), None if cap is None else float(cap), causal, int(hi_c), hi_x,
-                      None if window is None else int(window), decode,
-                      bool(st["masks"]) and all(mk.keep is not None and mk.fill is not None and np.isneginf(mk.fill)
-                                                for mk in st["masks"]))
+                      None if window is None else int(window), decode, empty_rows)
 
 
 # --------------------------------------------------------------------------------------------
@@ -730,26 +771,26 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
                     kw["pos"] = jnp.asarray(run.value(m.hi_scalar), jnp.int32).reshape(())
                 else:
                     kw["kv_len"] = base
-            elif m.hi_const < T:
-                kw["kv_len"] = max(int(m.hi_const), 0)
+            elif m.hi_const < T or m.window is not None:   # a window counts from the unclamped end
+                kw["kv_len"] = int(m.hi_const)
             if m.window is not None:
                 kw["window"] = m.window
             res = decode_attention(re(q, (B, hk, g * R, D)), per_group(k), per_group(v),
                                    sm_scale=m.scale, soft_cap=m.soft_cap, out=re(out, (B, hk, g * R, Dv)),
-                                   backend=backend, empty_rows="nan" if m.empty_nan else "zero", **kw)
+                                   backend=backend, empty_rows=m.empty_rows, **kw)
         else:
             from ..kernels.prefill_attention import prefill_attention
             kw = {}
             if m.causal:
                 kw.update(causal=True, q_offset=base - 1)
-            elif m.hi_scalar is not None or m.hi_const < T:
-                kw["kv_len"] = base if m.hi_scalar is not None else max(int(m.hi_const), 0)
+            elif m.hi_scalar is not None or m.hi_const < T or m.window is not None:
+                kw["kv_len"] = base if m.hi_scalar is not None else int(m.hi_const)
             if m.window is not None:
                 kw["window"] = m.window
             res = prefill_attention(re(q, (B * hk, g * R, D)), re(per_group(k), (B * hk, T, D)),
                                     re(per_group(v), (B * hk, T, Dv)), seq_len=m.seq, sm_scale=m.scale,
                                     soft_cap=m.soft_cap, out=re(out, (B * hk, g * R, Dv)),
-                                    backend=backend, empty_rows="nan" if m.empty_nan else "zero", **kw)
+                                    backend=backend, empty_rows=m.empty_rows, **kw)
         run.written(m.out, out0, buffers_of(res))
 
     return step
