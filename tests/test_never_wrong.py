@@ -225,3 +225,33 @@ def test_attention_equals_jit_at_any_position(case):
             mod = cross_lower(vtc_jax.optimize(fn, backend="triton"), np.int32(0), q, k, v)
         names = [kern.name for kern in mod.triton_kernels]
         assert any("attention" in n for n in names), names
+
+
+def _rope_cache_step(x, w, wq, cache, pos, ang):
+    """Gemma-style: the new K row is split -> rotated by per-batch angles -> concatenated and
+    written into the cache at a runtime ``pos``; attention then reads the cache."""
+    k = x @ w                                               # (B, D)
+    k1, k2 = jnp.split(k, 2, axis=-1)
+    c, s = jnp.cos(ang)[:, None], jnp.sin(ang)[:, None]
+    row = jnp.concatenate([k1 * c - k2 * s, k2 * c + k1 * s], axis=-1)
+    cache = lax.dynamic_update_slice(cache, row[:, None, :], (0, pos, 0))
+    sc = jnp.einsum("bd,btd->bt", x @ wq, cache) / jnp.sqrt(jnp.float32(cache.shape[-1]))
+    sc = jnp.where(jnp.arange(cache.shape[1]) <= pos, sc, -jnp.inf)
+    return jnp.einsum("bt,btd->bd", jax.nn.softmax(sc, axis=-1), cache), cache
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_donated_cache_written_from_a_split_rotate_concat(donate):
+    """Failure class 4: with the cache donated, the strategy turned the concat into write-side
+    edges and the first piece was never written into the donated cache (the slot kept its old
+    values and attention read them). Optimised with and without donation vs jax.jit with it."""
+    bsz, dim, t = 2, 16, 8
+    x, w, wq, cache = _rand((bsz, dim), (dim, dim), (dim, dim), (bsz, t, dim), seed=3)
+    ang = jnp.array([0.3, -1.1], jnp.float32)
+    pos = jnp.int32(5)
+    ref = jax.jit(_rope_cache_step, donate_argnums=(3,) if donate else ())(x, w, wq, jnp.array(cache), pos, ang)
+    opt = vtc_jax.optimize(_rope_cache_step, backend="interpret", donate_argnums=(3,) if donate else ())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        out = opt(x, w, wq, jnp.array(cache), pos, ang)
+    check_close(out, ref)
