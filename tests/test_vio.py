@@ -206,3 +206,94 @@ def test_load_fill_on_masked_lanes(view, fill):
     res = check_kernel(call, lambda x: expect, (x,), rtol=0, atol=0)
     out = np.asarray(res.output)
     np.testing.assert_array_equal(np.signbit(out), np.signbit(expect))
+
+
+# --------------------------------------------------------------------------------------------
+# Buffers of 2^31 elements or more: no wrapping 32-bit offsets
+# --------------------------------------------------------------------------------------------
+
+from vtc_jax.kernels import vio as _vio  # noqa: E402
+from vtc_jax.testing import cross_lower, triton_ir_text  # noqa: E402
+
+
+@pytest.mark.parametrize("name,layout", [
+    ("rev+strided (gather)", Layout.physical(0, (20, 36)).rev((1,)).slice((0, 0), (20, 36), (2, 3))),
+    ("reshape of transpose (div/mod)", Layout.physical(0, (20, 36)).transpose((1, 0)).reshape((20, 36))),
+])
+def test_wide_buffer_path_reads_and_writes(monkeypatch, name, layout):
+    """Path 3 (per-dim index arrays, the buffer unflattened), forced on a small buffer: the same
+    values as the flat gather/scatter, reading and writing (masked-off scatter lanes dropped)."""
+    monkeypatch.setattr(_vio, "_WIDE_ELEMENTS", 0)
+    check_read_case(layout, (A,), (8, 16))
+    inv = np.zeros((20, 36), np.float32)
+    vals = np.asarray(RNG.standard_normal(layout.shape), np.float32)
+
+    def call(vals, buf, *, backend):
+        out = VTensor(layout, jnp.float32, (buf,))
+        return _copy(VTensor.physical(vals), out, (8, 16), backend)[0]
+
+    expect = inv.copy()
+    # every logical element goes to its physical home; untouched elements keep the buffer's zeros
+    idx = layout.evaluate({0: np.arange(720, dtype=np.int64).reshape(20, 36)})
+    expect.reshape(-1)[np.asarray(idx).reshape(-1)] = vals.reshape(-1)
+    check_kernel(call, lambda v, b: expect, (jnp.asarray(vals), jnp.asarray(inv)), rtol=0, atol=0)
+
+
+def _addptrs(ir_text, arg):
+    """The ``tt.addptr`` lines that offset kernel argument ``arg`` (e.g. ``%arg0``)."""
+    import re
+    lines = ir_text.splitlines()
+    splats = {m.group(1) for ln in lines
+              if (m := re.match(r"\s*(%\w+) = tt.splat " + arg + r" ", ln))}
+    return [ln for ln in lines if (m := re.match(r"\s*%\w+ = tt.addptr (%\w+),", ln))
+            and m.group(1) in splats]
+
+
+def _ir(fn, *sds):
+    return [triton_ir_text(k.ir) for k in cross_lower(fn, *sds).triton_kernels]
+
+
+def test_cache_of_2_pow_32_elements_lowers_with_i64_offsets():
+    """A bf16 KV cache of 2^32 elements (8 GiB, abstract: nothing allocated) written at runtime
+    ``pos`` through a strided box and read through a gather (reshape of a transpose): the lowered
+    Triton IR computes pointer offsets in i64 and no offset tensor in i32."""
+    big = (128, 32768, 8, 128)                       # 2^32 elements
+    cache = jax.ShapeDtypeStruct(big, jnp.bfloat16)
+    row = jax.ShapeDtypeStruct((128, 1024), jnp.bfloat16)
+    info = [SymInfo("pos", 0, big[1] - 1)]
+
+    def write(x, kc, pos, *, backend="triton"):
+        lay = Layout.physical(0, big).dynamic_slice([0, sym("pos"), 0, 0], (128, 1, 8, 128), info) \
+            .reshape((128, 1024))
+        return _copy(VTensor.physical(x), VTensor(lay, jnp.bfloat16, (kc,), (("pos", pos),)),
+                     (16, 64), backend)
+
+    [w] = _ir(write, row, cache, jax.ShapeDtypeStruct((), jnp.int32))
+    # operands: x, the cache (aliased input), pos; output: the cache
+    assert _addptrs(w, "%arg3") and all("xi64>" in ln for ln in _addptrs(w, "%arg3")), w
+    assert _addptrs(w, "%arg0") and all("xi32>" in ln for ln in _addptrs(w, "%arg0"))  # x: i32
+
+    def read(kc, *, backend="triton"):
+        lay = Layout.physical(0, big).transpose((0, 2, 1, 3)).reshape((128 * 8, 32768 * 128))
+        out = VTensor.fresh((16, 64), jnp.bfloat16)
+        plan = Plan.build([VTensor(lay, jnp.bfloat16, (kc,))], [out])
+
+        def body(ins, outs):
+            outs[0].store((0, 0), (16, 64), ins[0].load((pl.program_id(0) * 16, 0), (16, 64)))
+
+        return plan.call(body, grid=(1,), backend=backend)[0]
+
+    [r] = _ir(read, cache)
+    loads = _addptrs(r, "%arg0")
+    assert loads and all("xi64>" in ln for ln in loads), r
+    assert "arith.divsi" in r or "arith.divui" in r        # it is the gather path (div/mod)
+    # the batch stride 8 * 32768 * 128 = 2^25 multiplies in i64 (the flat i32 gather did it in
+    # i32 before the cast: b * 2^25 wraps from b = 64 on)
+    assert "33554432 : i64" in r and "33554432 : i32" not in r
+
+
+def test_one_byte_buffer_that_pallas_would_address_in_i32_is_refused():
+    """int8 with 2^31 elements is 2^31 bytes: the Pallas lowering keeps i32 offsets, which wrap."""
+    with pytest.raises(NotImplementedError, match="32-bit offsets"):
+        Plan.build([VTensor.physical(jax.ShapeDtypeStruct((2, 2 ** 30), jnp.int8))],
+                   [VTensor.fresh((2, 16), jnp.int8)])

@@ -41,6 +41,13 @@ How a piece is accessed (cheapest first)
    are computed from the map (``//`` and ``%`` only where simplification could not remove them) —
    a masked gather/scatter. Masked-off scatter lanes point past the end of the buffer, because the
    interpreter writes the old value back on masked lanes and would clobber element 0.
+3. *General, buffer of 2^31 elements or more*: flat int32 offsets would overflow, and int64 values
+   do not exist in a kernel traced without x64. The buffer keeps its shape and the block is
+   gathered/scattered with one int32 index array per buffer dim (each below its dim's size); the
+   Pallas Triton lowering multiplies them by the strides in i64 whenever the buffer has more than
+   2^32 bytes (it does the same for path 1's ``pl.ds`` starts). Where it would still use i32 — a
+   1-byte dtype with 2^31 ... 2^32 elements — or a dim has 2^31 elements, ``Plan.build`` raises
+   (the template's cluster then falls back to XLA) rather than emit wrapping offsets.
 """
 from __future__ import annotations
 
@@ -306,8 +313,10 @@ class Plan:
 
         def flat_flags(v: VTensor) -> tuple[bool, ...]:
             flags = [False] * len(v.buffers)
+            for b in v.buffers:
+                _check_index_width(tuple(b.shape), np.dtype(b.dtype))
             for p in v.layout.pieces:
-                if _unit_strided(p) is None:
+                if _unit_strided(p) is None and math.prod(v.buffers[p.target].shape) < _WIDE_ELEMENTS:
                     flags[p.target] = True
             return tuple(flags)
 
@@ -508,6 +517,11 @@ class VRef:
                     mask: Any) -> jax.Array:
         ref = self.refs[p.target]
         sb = None if self.binding.flat[p.target] else _unit_strided(p)
+        if sb is None and not self.binding.flat[p.target]:   # a wide buffer: per-dim indices
+            idx = _dim_indices(p, env, self.binding.shapes[p.target], block)
+            if mask is not None:
+                idx = tuple(jnp.where(mask, i, 0) for i in idx)
+            return _masked_load(ref.at[idx], mask)
         if sb is None:
             offs = _flat_offsets(p, env, self.binding.shapes[p.target], block)
             if mask is not None:
@@ -542,6 +556,13 @@ class VRef:
         ref = self.refs[p.target]
         val = value.astype(self.binding.dtypes[p.target])
         sb = None if self.binding.flat[p.target] else _unit_strided(p)
+        if sb is None and not self.binding.flat[p.target]:   # a wide buffer: per-dim indices
+            shape = self.binding.shapes[p.target]
+            idx = _dim_indices(p, env, shape, block)
+            if mask is not None:   # masked lanes point past the end along dim 0
+                idx = (jnp.where(mask, idx[0], shape[0]),) + idx[1:]
+            plgpu.store(ref.at[idx], val, mask=mask)
+            return
         if sb is None:
             shape = self.binding.shapes[p.target]
             offs = _flat_offsets(p, env, shape, block)
@@ -573,6 +594,33 @@ def _masked_load(ref: Any, mask: Any) -> jax.Array:
     if mask is None:
         return plgpu.load(ref)
     return plgpu.load(ref, mask=mask, other=np.zeros((), ref.dtype).item())
+
+
+_WIDE_ELEMENTS = 2 ** 31   # buffers this large are never flattened (int32 flat offsets overflow)
+_I32 = 2 ** 31
+
+
+def _check_index_width(shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """Raise where a kernel's index arithmetic would wrap: a dim of 2^31 elements or more (vio's
+    per-dim indices are int32), or a buffer the Pallas lowering still addresses with i32 offsets
+    although it has 2^31 elements or more (it switches to i64 above 2^32 *bytes*: 1-byte dtypes
+    with 2^31 ... 2^32 elements)."""
+    n = math.prod(shape)
+    if any(d >= _I32 for d in shape):
+        raise NotImplementedError(f"buffer {shape}: a dim of 2^31 elements or more cannot be "
+                                  "indexed by a Pallas Triton kernel (int32 indices)")
+    if n >= _I32 and n * dtype.itemsize <= 2 ** 32:
+        raise NotImplementedError(
+            f"buffer {shape} {dtype} has {n} >= 2^31 elements but only {n * dtype.itemsize} bytes: "
+            "the Pallas Triton lowering would address it with wrapping 32-bit offsets")
+
+
+def _dim_indices(p: Piece, env: dict[Atom, Any], shape: Sequence[int], block: Sequence[int]
+                 ) -> tuple[jax.Array, ...]:
+    """One int32 index array per buffer dim (each < that dim's size), broadcast to the block."""
+    bounds = p.map.bounds
+    return tuple(jnp.broadcast_to(jnp.asarray(e.evaluate(env, jnp, bounds), jnp.int32), tuple(block))
+                 for e in p.map.exprs)
 
 
 def _flat_offsets(p: Piece, env: dict[Atom, Any], shape: Sequence[int], block: Sequence[int]) -> jax.Array:
