@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from .tiling import (MIN_DOT_BLOCK, GemmConfig, Group, check_pow2, choose_blocks, dot_config, fori,
+from .tiling import (MIN_DOT_BLOCK, GemmConfig, Group, InBounds, check_pow2, choose_blocks, dot_config, fori,
                      gemm_config, normalize_split, program_id, split_block)
 from .vio import Plan, VTensor, epilogue_input, output, pack_results
 
@@ -212,20 +212,26 @@ def _plan(a: VTensor, b: VTensor, dimension_numbers: Any, out: VTensor | None,
 # --------------------------------------------------------------------------------------------
 
 def _tile_origins(c: _Config, pb: Any, pm: Any, pn: Any) -> dict[str, tuple[Any, ...]]:
+    """Per-group origins of an output tile; program ids are in range, so dims whose block divides
+    the size are marked :class:`tiling.InBounds` (vio emits no bounds mask there)."""
     g = c.groups
-    return {"B": g["B"].origins(pb), "M": g["M"].origins(pm), "N": g["N"].origins(pn)}
+    return {"B": g["B"].origins(pb, mark=True), "M": g["M"].origins(pm, mark=True),
+            "N": g["N"].origins(pn, mark=True)}
 
 
 def _accumulate(c: _Config, a_ref: Any, b_ref: Any, origins: dict[str, tuple[Any, ...]],
                 k_first: Any, k_steps: int) -> jax.Array:
     """Stages 1-2: the (bm, bn) f32 sum over K tiles ``k_first .. k_first + k_steps - 1``.
 
-    K tiles past the end (the last split of an uneven split-K) read zeros through vio's masks."""
+    K tiles past the end (the last split of an uneven split-K) read zeros through vio's masks;
+    when every tile index is below ``ntiles`` the K origins are marked in bounds (no K mask)."""
     g = c.groups
+    exact = not isinstance(k_first, int) and c.split * c.k_per_split == g["K"].ntiles or \
+        isinstance(k_first, int) and k_first + k_steps <= g["K"].ntiles
 
     def step(i: Any, acc: jax.Array) -> jax.Array:
         kk = i if isinstance(k_first, int) and k_first == 0 else k_first + i
-        org = dict(origins, K=g["K"].origins(kk))
+        org = dict(origins, K=g["K"].origins(kk, mark=exact))
         a_org, a_blk = c.op_a.origin_block(g, org)
         b_org, b_blk = c.op_b.origin_block(g, org)
         x = c.op_a.to_2d(a_ref.load(a_org, a_blk, fill=0.0), "M", "K", g)
@@ -267,7 +273,7 @@ def _splitk_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
     origins = _tile_origins(c, pb, program_id(1, nm), program_id(2, nn))
     acc = _accumulate(c, a_ref, b_ref, origins, s * c.k_per_split, c.k_per_split)
     o_org, o_blk = c.op_o.origin_block(c.groups, origins)
-    ws_ref.store((s, *o_org), (1, *o_blk), acc.reshape((1, *o_blk)))
+    ws_ref.store((InBounds(s), *o_org), (1, *o_blk), acc.reshape((1, *o_blk)))
 
 
 def _reduce_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:

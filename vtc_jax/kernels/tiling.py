@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 __all__ = ["MIN_DOT_BLOCK", "DECODE_MAX_M", "H100_SMS", "GemmConfig", "gemm_config", "next_pow2", "cdiv", "check_pow2", "choose_block", "choose_blocks",
-           "split_block", "Group", "program_id", "grid_origin", "fori", "dot_config", "f32_math",
+           "split_block", "Group", "InBounds", "program_id", "grid_origin", "fori", "dot_config", "f32_math",
            "F32_MATH_PRIMITIVES"]
 
 MIN_DOT_BLOCK = 16  # tt.dot needs M, N, K >= 16 (and K >= 16 for 16-bit types in the front end)
@@ -105,6 +105,17 @@ def split_block(sizes: Sequence[int], cap: int, minimum: int = MIN_DOT_BLOCK) ->
 
 
 @dataclass(frozen=True)
+class InBounds:
+    """A block origin the template proves in range: ``origin + block <= size`` along its dim.
+
+    vio emits a bounds mask for every traced origin it cannot bound; a tile index ``t < tiles``
+    times a block that divides the size needs none. Fewer masks mean unpredicated, vectorised
+    loads (``cp.async`` without a zero-fill predicate) and fewer ``setp``/``selp`` in the PTX.
+    Only vio unwraps it (``value``); templates never do arithmetic on it."""
+    value: Any
+
+
+@dataclass(frozen=True)
 class Group:
     """A group of logical dims tiled together (a dot's B, M, N or K): sizes, blocks, tiles per dim."""
     sizes: tuple[int, ...]
@@ -122,8 +133,11 @@ class Group:
     def block(self) -> int:
         return math.prod(self.blocks)
 
-    def origins(self, t: Any) -> tuple[Any, ...]:
-        """Per-dim origins of tile ``t`` (traced int32 or Python int), innermost dim fastest."""
+    def origins(self, t: Any, mark: bool = False) -> tuple[Any, ...]:
+        """Per-dim origins of tile ``t`` (traced int32 or Python int), innermost dim fastest.
+
+        ``mark``: the caller guarantees ``0 <= t < ntiles``; traced origins along dims whose block
+        divides the size come back as :class:`InBounds` (for vio only: no bounds mask)."""
         out: list[Any] = [0] * len(self.sizes)
         stride = 1
         for i in reversed(range(len(self.sizes))):
@@ -135,6 +149,8 @@ class Group:
                 if stride * n < self.ntiles:
                     q = _rem(q, n)
                 out[i] = q * b
+                if mark and self.sizes[i] % b == 0 and not isinstance(t, int):
+                    out[i] = InBounds(out[i])
             stride *= n
         return tuple(out)
 

@@ -12,7 +12,9 @@ Contract for someone adding a template
   ``body(ins, outs)`` gets one :class:`VRef` per input and output. Read program ids inside.
 * Blocks are tuples of powers of two; ``origin`` entries may be traced int32 and must be
   non-negative (padding is a ``Layout.pad``, not a negative origin). Lanes outside the logical
-  shape read ``fill`` and are never written: templates do not mask ragged edges themselves.
+  shape read ``fill`` and are never written: templates do not mask ragged edges themselves. A
+  traced origin costs a bounds mask along its dim unless the template wraps it in
+  :class:`tiling.InBounds` (it proves ``origin + block <= size``; ``Group.origins(t, mark=True)``).
 * A load may cover several pieces (a QKV block straddling Q and the K cache): every piece is
   loaded under its own mask and merged. A store only touches the pieces whose static box meets
   the block (``pl.when``), each under its own mask.
@@ -63,7 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..indexmap import Atom, Dim, Expr, Layout, Piece, Sym
-from .tiling import next_pow2
+from .tiling import InBounds, next_pow2
 
 __all__ = ["VTensor", "VRef", "Plan", "compiler_params", "next_pow2", "broadcast_input",
            "epilogue_input", "out_dtypes", "output", "outputs", "pack_results"]
@@ -442,10 +444,16 @@ class VRef:
     def shape(self) -> tuple[int, ...]:
         return self.binding.layout.shape
 
-    def _env(self, origin: Sequence[Any], block: Sequence[int]) -> tuple[dict[Atom, Any], Any]:
+    def _env(self, origin: Sequence[Any], block: Sequence[int], proven: Sequence[bool] = ()
+             ) -> tuple[dict[Atom, Any], Any]:
+        """Index values of the block's lanes per logical dim, and the logical bounds mask: only
+        along dims where ``origin + block <= size`` is not known (a static origin that fits, or a
+        :class:`tiling.InBounds` origin, needs none)."""
+        proven = tuple(proven) or (False,) * len(origin)
         idx = [jnp.asarray(o, jnp.int32) + _iota(block, k) for k, o in enumerate(origin)]
-        inb = _all([(i < n) if n < b or not isinstance(o, int) or o + b > n else None
-                    for i, n, b, o in zip(idx, self.shape, block, origin)])
+        inb = _all([None if ok else
+                    (i < n) if n < b or not isinstance(o, int) or o + b > n else None
+                    for i, n, b, o, ok in zip(idx, self.shape, block, origin, proven)])
         env: dict[Atom, Any] = {Dim(k): i for k, i in enumerate(idx)}
         env.update({Sym(k): v.astype(jnp.int32) for k, v in self.syms.items()})
         return env, inb
@@ -475,7 +483,8 @@ class VRef:
     def load(self, origin: Sequence[Any], block: Sequence[int], fill: float = 0.0) -> jax.Array:
         """Stage 1: a ``block`` of the logical tensor at ``origin``; ``fill`` outside its shape."""
         block = tuple(int(b) for b in block)
-        env, inb = self._env(origin, block)
+        origin, proven = _unwrap(origin)
+        env, inb = self._env(origin, block, proven)
         dtype = self.binding.dtype
         layout = self.binding.layout
         if len(layout.pieces) == 1 and not layout.fills and _is_plus_zero(fill) and \
@@ -535,7 +544,8 @@ class VRef:
     def store(self, origin: Sequence[Any], block: Sequence[int], value: jax.Array) -> None:
         """Stage 3: write ``value`` (shape ``block``) at ``origin``; lanes outside the shape are dropped."""
         block = tuple(int(b) for b in block)
-        env, inb = self._env(origin, block)
+        origin, proven = _unwrap(origin)
+        env, inb = self._env(origin, block, proven)
         for p in self.binding.layout.pieces:
             box = p.box()
             hit = _box_hit(box, origin, block)
@@ -575,6 +585,12 @@ class VRef:
             val = jnp.where(mask, val, jnp.zeros((), val.dtype))
         tmask = None if mask is None else _to_target_order(mask, sb, block, fold_first=True)
         plgpu.store(ref.at[idx], _to_target_order(val, sb, block, fold_first=True), mask=tmask)
+
+
+def _unwrap(origin: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[bool, ...]]:
+    """(plain origins, which were :class:`tiling.InBounds`)."""
+    return (tuple(o.value if isinstance(o, InBounds) else o for o in origin),
+            tuple(isinstance(o, InBounds) for o in origin))
 
 
 def _is_plus_zero(x: Any) -> bool:
