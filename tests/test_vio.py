@@ -1,6 +1,8 @@
 """Virtual tensor I/O through a copy kernel: every access path (strided box, gather/scatter,
 several pieces, masks, runtime symbols, in-place outputs) equals the layout's numpy semantics,
 in interpret mode and cross-lowered to Triton IR."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -297,3 +299,49 @@ def test_one_byte_buffer_that_pallas_would_address_in_i32_is_refused():
     with pytest.raises(NotImplementedError, match="32-bit offsets"):
         Plan.build([VTensor.physical(jax.ShapeDtypeStruct((2, 2 ** 30), jnp.int8))],
                    [VTensor.fresh((2, 16), jnp.int8)])
+
+
+# --------------------------------------------------------------------------------------------
+# Contiguous merges read/written as windows, not gathers (blocks within one merged row)
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block", [(2, 16), (4, 32), (2, 64)], ids=["inside", "one-row", "two-rows"])
+def test_merged_dims_concat_write_as_window(block):
+    """The decode QKV output (B, H*D + 2*D) onto Q (B, 1, H, D) and K/V caches at ``pos``: a block
+    of at most D columns, at an origin that is a multiple of it (tiling.InBounds), is a ``pl.ds``
+    window of the 4-D buffers — no per-lane ``//``/``%`` in the Triton IR (only scalar ones). A
+    block spanning two rows (64 > D = 32) takes path 3 (per-dim indices) and is still exact."""
+    from vtc_jax.kernels.tiling import InBounds
+
+    nb, t, h, d = 4, 6, 2, 32           # (h + 2) * d = 128 columns: every block fits exactly
+    x = jnp.asarray(RNG.standard_normal((nb, (h + 2) * d)), jnp.float32)
+    kc = jnp.asarray(RNG.standard_normal((nb, t, 1, d)), jnp.float32)
+    vc = jnp.asarray(RNG.standard_normal((nb, t, 1, d)), jnp.float32)
+    info = [SymInfo("pos", 0, t - 1)]
+    q = Layout.physical(0, (nb, 1, h, d)).reshape((nb, h * d))
+    kv = [Layout.physical(i, (nb, t, 1, d)).offset(1, sym("pos"), 1, info).reshape((nb, d)) for i in (1, 2)]
+    layout = Layout.concatenate([q, *kv], 1)
+
+    def call(x, kc, vc, pos, *, backend):
+        out = VTensor(layout, jnp.float32, (jax.ShapeDtypeStruct((nb, 1, h, d), jnp.float32), kc, vc),
+                      (("pos", pos),))
+        plan = Plan.build([VTensor.physical(x)], [out])
+
+        def body(ins, outs):
+            org = (pl.program_id(0) * block[0], InBounds(pl.program_id(1) * block[1]))
+            outs[0].store(org, block, ins[0].load(org, block))
+
+        return plan.call(body, grid=(nb // block[0], (h + 2) * d // block[1]), backend=backend)[0]
+
+    def ref(x, kc, vc, pos):
+        kk, vv = np.asarray(kc).copy(), np.asarray(vc).copy()
+        kk[:, 2, 0] = np.asarray(x[:, h * d:(h + 1) * d])
+        vv[:, 2, 0] = np.asarray(x[:, (h + 1) * d:])
+        return np.asarray(x[:, :h * d]).reshape(nb, 1, h, d), kk, vv
+
+    res = check_kernel(call, ref, (x, kc, vc, jnp.int32(2)), rtol=0, atol=0)
+    [k] = res.triton_kernels
+    text = triton_ir_text(k.ir)
+    lane_divs = [ln for ln in text.splitlines()
+                 if re.search(r"arith\.(div|rem)[su]i", ln) and "tensor<" in ln]
+    assert (lane_divs == []) == (block[1] <= d), lane_divs
