@@ -519,7 +519,11 @@ def _kernel_resources(ptx_files: Sequence[Path], launches: Sequence[Launch]
 # ---------------------------------------------------------------- per Triton kernel (kernel tests)
 
 def _compile_exported(exported: Any) -> CompiledProgram:
-    return compile_program(exported.call, *exported.in_avals)
+    """``exported.call`` wants the exported function's own argument pytree (a params dict, say),
+    not the flat ``in_avals``."""
+    import jax
+    args, kwargs = jax.tree.unflatten(exported.in_tree, exported.in_avals)
+    return compile_program(exported.call, *args, **kwargs)
 
 
 def compile_lowered(lowered_module: Any, *, num_warps: int | None = None,
