@@ -385,7 +385,7 @@ def test_gemm_config_llama3_8b_decode_fills_two_waves(m, n, splits):
     assert (c.block_m, c.block_n, c.block_k, c.num_stages) == (16, 64, 128, 4)
     assert c.split_k == splits and c.ctas >= 2 * H100_SMS and c.waves >= 2
     assert c.tiles_in_flight >= 2 and c.k_tiles_per_split >= c.num_stages
-    assert c.smem_bytes <= 232448
+    assert c.smem_bytes <= 232448 and c.smem_bytes == 3 * 128 * (16 + 64) * 2
     assert c.grid == (splits, 1, n // 64)
     assert c.reduce_grid == (None if splits == 1 else (1, 1, n // 64))
     assert c.bytes_per_cta == c.k_tiles_per_split * 128 * (16 + 64) * 2
@@ -402,6 +402,10 @@ def test_gemm_config_prefill_unchanged_and_explicit_split():
     assert gemm_config(1, 64, 640, split_k=6).k_tiles == 5           # bk 128: 5 tiles
     assert gemm_config(1, 64, 640, split_k=4).split_k == 3           # kps 2 -> 3 non-empty splits
     assert gemm_config(1, 4096, 4096, a_itemsize=4, b_itemsize=4).block_k == 64   # f32: 16 KB tile
+    # 64 f32 rows with a narrow N: the automatic bk is halved until 3 staged buffers fit 128 KB
+    c = gemm_config(64, 16, 4096, a_itemsize=4, b_itemsize=4)
+    assert c.smem_bytes <= 128 * 1024 and c.block_k == 128, c
+    assert gemm_config(64, 16, 4096, a_itemsize=4, b_itemsize=4, block_k=256).block_k == 256
 
 
 def _names(res):

@@ -222,6 +222,7 @@ H100_SMS = 132             # streaming multiprocessors of an H100 SXM
 _DECODE_WAVES = 2          # split-K until the grid fills this many waves of SMs ...
 _DECODE_B_TILE = 16384     # ... streaming weight tiles of about this many bytes (bk x bn)
 _DECODE_STAGES = 4         # pipeline depth of the decode path (3 tiles in flight per CTA)
+_DECODE_SMEM = 128 * 1024  # cap on the staged A + B tiles of the decode path (sm_90: 227 KiB)
 
 
 @dataclass(frozen=True)
@@ -242,8 +243,10 @@ class GemmConfig:
     * ``bytes_per_cta``: operand bytes one main-kernel program streams (padded tiles: an M = 1
       decode row still loads a 16-row A block, masked lanes are not fetched but are counted here
       as A is tiny next to B).
-    * ``smem_bytes``: the pipelined operand buffers, ``num_stages * (A tile + B tile)`` (Triton's
-      own figure can differ by a few KB; ptxas-measured values are in benchmarks/kernels.md).
+    * ``smem_bytes``: the pipelined operand buffers, ``(num_stages - 1) * (A tile + B tile)``:
+      Triton's pipeliner allocates ``num_stages - 1`` buffers (measured: 61,440 B for
+      16x4096x6144 bf16 = 3 x 20,480). An upper bound: a folded M = 1 A tile is smaller
+      (53,248 B measured); benchmarks/kernels.md has the ptxas figures.
     * ``workspace_bytes``: f32 partial sums written by the main kernel and read by the reduce
       kernel (0 without split-K): the price of filling the GPU, ``2 * split_k * batch * m * n * 4``.
     """
@@ -308,7 +311,7 @@ class GemmConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return max(1, self.num_stages) * self.tile_bytes
+        return max(1, self.num_stages - 1) * self.tile_bytes
 
     @property
     def workspace_bytes(self) -> int:
@@ -333,7 +336,8 @@ def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, 
     """
     decode = m <= DECODE_MAX_M
     bm, bn, _ = choose_blocks(m, n, k, block_m=block_m, block_n=block_n, block_k=256)
-    if block_k is None:
+    auto_k = block_k is None
+    if auto_k:
         block_k = 32
         if decode:
             block_k = min(256, max(32, _DECODE_B_TILE // (bn * b_itemsize)))
@@ -341,6 +345,11 @@ def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, 
     bk = min(block_k, max(MIN_DOT_BLOCK, next_pow2(k)))
     if num_stages is None:
         num_stages = _DECODE_STAGES if decode else 2
+    # A wide K tile is for a narrow N: with M up to 64 rows and f32 the staged A tiles dominate;
+    # halve the automatic bk until the pipeline fits the budget (EfficientViT's f32 attention
+    # matmuls asked for 288 KB at bk 256).
+    while auto_k and bk > 32 and max(1, num_stages - 1) * bk * (bm * a_itemsize + bn * b_itemsize) > _DECODE_SMEM:
+        bk //= 2
     k_tiles = cdiv(k, bk)
     base = batch * cdiv(m, bm) * cdiv(n, bn)
     if split_k is None:
