@@ -61,3 +61,12 @@ def test_compile_program_in_place_update_counts_the_update_only():
     assert x.in_place_bytes == 64 * 1024 * 4       # the cache: updated in place, not counted
     assert x.write_bytes == 1024 * 4               # the row written
     assert p.memory["alias_size_in_bytes"] == 64 * 1024 * 4
+
+
+def test_compile_lowered_takes_a_module_with_pytree_arguments():
+    """A cross-lowered function of a dict (a workload's params) compiles: the exported call is
+    invoked with its own argument pytree, not the flat avals (benchmarks/kernels.py workloads)."""
+    x = jax.ShapeDtypeStruct((256,), jnp.float32)
+    mod = cross_lower(lambda p, y: add_one(p["w"], backend="triton") + y, {"w": x}, x)
+    [r] = compile_lowered(mod)
+    assert r.cubin_ok, r.error

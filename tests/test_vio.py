@@ -1,6 +1,8 @@
 """Virtual tensor I/O through a copy kernel: every access path (strided box, gather/scatter,
 several pieces, masks, runtime symbols, in-place outputs) equals the layout's numpy semantics,
 in interpret mode and cross-lowered to Triton IR."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -206,3 +208,140 @@ def test_load_fill_on_masked_lanes(view, fill):
     res = check_kernel(call, lambda x: expect, (x,), rtol=0, atol=0)
     out = np.asarray(res.output)
     np.testing.assert_array_equal(np.signbit(out), np.signbit(expect))
+
+
+# --------------------------------------------------------------------------------------------
+# Buffers of 2^31 elements or more: no wrapping 32-bit offsets
+# --------------------------------------------------------------------------------------------
+
+from vtc_jax.kernels import vio as _vio  # noqa: E402
+from vtc_jax.testing import cross_lower, triton_ir_text  # noqa: E402
+
+
+@pytest.mark.parametrize("name,layout", [
+    ("rev+strided (gather)", Layout.physical(0, (20, 36)).rev((1,)).slice((0, 0), (20, 36), (2, 3))),
+    ("reshape of transpose (div/mod)", Layout.physical(0, (20, 36)).transpose((1, 0)).reshape((20, 36))),
+])
+def test_wide_buffer_path_reads_and_writes(monkeypatch, name, layout):
+    """Path 3 (per-dim index arrays, the buffer unflattened), forced on a small buffer: the same
+    values as the flat gather/scatter, reading and writing (masked-off scatter lanes dropped)."""
+    monkeypatch.setattr(_vio, "_WIDE_ELEMENTS", 0)
+    check_read_case(layout, (A,), (8, 16))
+    inv = np.zeros((20, 36), np.float32)
+    vals = np.asarray(RNG.standard_normal(layout.shape), np.float32)
+
+    def call(vals, buf, *, backend):
+        out = VTensor(layout, jnp.float32, (buf,))
+        return _copy(VTensor.physical(vals), out, (8, 16), backend)[0]
+
+    expect = inv.copy()
+    # every logical element goes to its physical home; untouched elements keep the buffer's zeros
+    idx = layout.evaluate({0: np.arange(720, dtype=np.int64).reshape(20, 36)})
+    expect.reshape(-1)[np.asarray(idx).reshape(-1)] = vals.reshape(-1)
+    check_kernel(call, lambda v, b: expect, (jnp.asarray(vals), jnp.asarray(inv)), rtol=0, atol=0)
+
+
+def _addptrs(ir_text, arg):
+    """The ``tt.addptr`` lines that offset kernel argument ``arg`` (e.g. ``%arg0``)."""
+    import re
+    lines = ir_text.splitlines()
+    splats = {m.group(1) for ln in lines
+              if (m := re.match(r"\s*(%\w+) = tt.splat " + arg + r" ", ln))}
+    return [ln for ln in lines if (m := re.match(r"\s*%\w+ = tt.addptr (%\w+),", ln))
+            and m.group(1) in splats]
+
+
+def _ir(fn, *sds):
+    return [triton_ir_text(k.ir) for k in cross_lower(fn, *sds).triton_kernels]
+
+
+def test_cache_of_2_pow_32_elements_lowers_with_i64_offsets():
+    """A bf16 KV cache of 2^32 elements (8 GiB, abstract: nothing allocated) written at runtime
+    ``pos`` through a strided box and read through a gather (reshape of a transpose): the lowered
+    Triton IR computes pointer offsets in i64 and no offset tensor in i32."""
+    big = (128, 32768, 8, 128)                       # 2^32 elements
+    cache = jax.ShapeDtypeStruct(big, jnp.bfloat16)
+    row = jax.ShapeDtypeStruct((128, 1024), jnp.bfloat16)
+    info = [SymInfo("pos", 0, big[1] - 1)]
+
+    def write(x, kc, pos, *, backend="triton"):
+        lay = Layout.physical(0, big).dynamic_slice([0, sym("pos"), 0, 0], (128, 1, 8, 128), info) \
+            .reshape((128, 1024))
+        return _copy(VTensor.physical(x), VTensor(lay, jnp.bfloat16, (kc,), (("pos", pos),)),
+                     (16, 64), backend)
+
+    [w] = _ir(write, row, cache, jax.ShapeDtypeStruct((), jnp.int32))
+    # operands: x, the cache (aliased input), pos; output: the cache
+    assert _addptrs(w, "%arg3") and all("xi64>" in ln for ln in _addptrs(w, "%arg3")), w
+    assert _addptrs(w, "%arg0") and all("xi32>" in ln for ln in _addptrs(w, "%arg0"))  # x: i32
+
+    def read(kc, *, backend="triton"):
+        lay = Layout.physical(0, big).transpose((0, 2, 1, 3)).reshape((128 * 8, 32768 * 128))
+        out = VTensor.fresh((16, 64), jnp.bfloat16)
+        plan = Plan.build([VTensor(lay, jnp.bfloat16, (kc,))], [out])
+
+        def body(ins, outs):
+            outs[0].store((0, 0), (16, 64), ins[0].load((pl.program_id(0) * 16, 0), (16, 64)))
+
+        return plan.call(body, grid=(1,), backend=backend)[0]
+
+    [r] = _ir(read, cache)
+    loads = _addptrs(r, "%arg0")
+    assert loads and all("xi64>" in ln for ln in loads), r
+    assert "arith.divsi" in r or "arith.divui" in r        # it is the gather path (div/mod)
+    # the batch stride 8 * 32768 * 128 = 2^25 multiplies in i64 (the flat i32 gather did it in
+    # i32 before the cast: b * 2^25 wraps from b = 64 on)
+    assert "33554432 : i64" in r and "33554432 : i32" not in r
+
+
+def test_one_byte_buffer_that_pallas_would_address_in_i32_is_refused():
+    """int8 with 2^31 elements is 2^31 bytes: the Pallas lowering keeps i32 offsets, which wrap."""
+    with pytest.raises(NotImplementedError, match="32-bit offsets"):
+        Plan.build([VTensor.physical(jax.ShapeDtypeStruct((2, 2 ** 30), jnp.int8))],
+                   [VTensor.fresh((2, 16), jnp.int8)])
+
+
+# --------------------------------------------------------------------------------------------
+# Contiguous merges read/written as windows, not gathers (blocks within one merged row)
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block", [(2, 16), (4, 32), (2, 64)], ids=["inside", "one-row", "two-rows"])
+def test_merged_dims_concat_write_as_window(block):
+    """The decode QKV output (B, H*D + 2*D) onto Q (B, 1, H, D) and K/V caches at ``pos``: a block
+    of at most D columns, at an origin that is a multiple of it (tiling.InBounds), is a ``pl.ds``
+    window of the 4-D buffers — no per-lane ``//``/``%`` in the Triton IR (only scalar ones). A
+    block spanning two rows (64 > D = 32) takes path 3 (per-dim indices) and is still exact."""
+    from vtc_jax.kernels.tiling import InBounds
+
+    nb, t, h, d = 4, 6, 2, 32           # (h + 2) * d = 128 columns: every block fits exactly
+    x = jnp.asarray(RNG.standard_normal((nb, (h + 2) * d)), jnp.float32)
+    kc = jnp.asarray(RNG.standard_normal((nb, t, 1, d)), jnp.float32)
+    vc = jnp.asarray(RNG.standard_normal((nb, t, 1, d)), jnp.float32)
+    info = [SymInfo("pos", 0, t - 1)]
+    q = Layout.physical(0, (nb, 1, h, d)).reshape((nb, h * d))
+    kv = [Layout.physical(i, (nb, t, 1, d)).offset(1, sym("pos"), 1, info).reshape((nb, d)) for i in (1, 2)]
+    layout = Layout.concatenate([q, *kv], 1)
+
+    def call(x, kc, vc, pos, *, backend):
+        out = VTensor(layout, jnp.float32, (jax.ShapeDtypeStruct((nb, 1, h, d), jnp.float32), kc, vc),
+                      (("pos", pos),))
+        plan = Plan.build([VTensor.physical(x)], [out])
+
+        def body(ins, outs):
+            org = (pl.program_id(0) * block[0], InBounds(pl.program_id(1) * block[1]))
+            outs[0].store(org, block, ins[0].load(org, block))
+
+        return plan.call(body, grid=(nb // block[0], (h + 2) * d // block[1]), backend=backend)[0]
+
+    def ref(x, kc, vc, pos):
+        kk, vv = np.asarray(kc).copy(), np.asarray(vc).copy()
+        kk[:, 2, 0] = np.asarray(x[:, h * d:(h + 1) * d])
+        vv[:, 2, 0] = np.asarray(x[:, (h + 1) * d:])
+        return np.asarray(x[:, :h * d]).reshape(nb, 1, h, d), kk, vv
+
+    res = check_kernel(call, ref, (x, kc, vc, jnp.int32(2)), rtol=0, atol=0)
+    [k] = res.triton_kernels
+    text = triton_ir_text(k.ir)
+    lane_divs = [ln for ln in text.splitlines()
+                 if re.search(r"arith\.(div|rem)[su]i", ln) and "tensor<" in ln]
+    assert (lane_divs == []) == (block[1] <= d), lane_divs

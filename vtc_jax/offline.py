@@ -86,6 +86,9 @@ class KernelResources:
     num_warps: int | None = None
     num_stages: int | None = None
     gpu_name: str | None = None  # ptxas target, e.g. "sm_90a"
+    # The PTX file this entry was assembled from (XLA may put several entries in one file): what
+    # the kernel tests grep for pipelining (``cp.async.wait_group N``) and index widths.
+    ptx: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def spills(self) -> bool:
@@ -492,31 +495,35 @@ def _kernel_resources(ptx_files: Sequence[Path], launches: Sequence[Launch]
     if not ptx_files:
         return [], ("XLA handed no PTX to ptxas (was the PTX compiled in-process? this jaxlib may "
                     "ignore xla_gpu_enable_libnvptxcompiler)")
-    entries: dict[str, tuple[str, dict[str, Any]]] = {}
+    entries: dict[str, tuple[str, dict[str, Any], str]] = {}
     errors = []
     for f in ptx_files:
         target, found, err = ptxas_entries(f)
         if err:
             errors.append(err)
         for name, fields in found.items():
-            entries[name] = (target, fields)
+            entries[name] = (target, fields, f.read_text(errors="replace"))
     by_name = {x.name: x for x in launches}
     out = []
-    for name, (target, f) in entries.items():
+    for name, (target, f, ptx) in entries.items():
         launch = by_name.get(name)
         dyn = launch.shared_memory if launch else 0
         out.append(KernelResources(
             name=name, registers=f["registers"], spill_store_bytes=f["spill_store_bytes"],
             spill_load_bytes=f["spill_load_bytes"], smem_bytes=dyn + f["static_smem"],
             ptx_ok=True, cubin_ok=True, num_warps=launch.num_warps if launch else None,
-            num_stages=launch.num_stages if launch else None, gpu_name=target))
+            num_stages=launch.num_stages if launch else None, gpu_name=target, ptx=ptx))
     return out, ("; ".join(errors) or None)
 
 
 # ---------------------------------------------------------------- per Triton kernel (kernel tests)
 
 def _compile_exported(exported: Any) -> CompiledProgram:
-    return compile_program(exported.call, *exported.in_avals)
+    """``exported.call`` wants the exported function's own argument pytree (a params dict, say),
+    not the flat ``in_avals``."""
+    import jax
+    args, kwargs = jax.tree.unflatten(exported.in_tree, exported.in_avals)
+    return compile_program(exported.call, *args, **kwargs)
 
 
 def compile_lowered(lowered_module: Any, *, num_warps: int | None = None,

@@ -256,3 +256,15 @@ def check_kernel(kernel_call: Callable, ref_fn: Callable, args: tuple, *, rtol: 
             f"{label}: the CUDA lowering has no {TRITON_CALL_TARGET} custom call — did the "
             "pallas_call get compiler_params=plgpu.CompilerParams(...)?")
     return KernelCheck(out, lowered)
+
+
+def triton_ir_text(ir: bytes) -> str:
+    """The Triton MLIR of a custom call (``TritonKernel.ir``, bytecode) as text, for tests that
+    count ops (selects, compares) or check index widths (``xi64``). Uses jaxlib's bundled Triton
+    dialect (private API, present on jax 0.10.2 ... 0.12)."""
+    from jax._src.lib import triton
+    from jax._src.lib.mlir import ir as mlir_ir
+    ctx = mlir_ir.Context()
+    triton.dialect.register_dialect(ctx)
+    with ctx:
+        return str(mlir_ir.Module.parse(bytes(ir)))

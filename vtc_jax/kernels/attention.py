@@ -46,8 +46,12 @@ runs, not TF32). 16-bit inputs: scores and accumulators are f32, the probabiliti
 the V dtype for the second dot (standard flash attention). f32 is a correctness configuration: the
 IEEE-f32 (FMA) dots spill at D = 128 in every block/warp setting tried; bf16 is the fast path.
 
-Launch configuration: default 8 warps, ``block_k`` 64, 2 stages (sm_90 readings in the test file's
-offline test and in the report: 4 warps spill for B = 1 decode). ``block_k`` is halved while the
+Launch configuration: default 8 warps, ``block_k`` 64, 3 stages for 16-bit inputs (sm_90 readings
+in the test file's offline test and in the report). Why 3: Triton's pipeliner keeps
+``num_stages - 1`` iterations of K/V loads ahead; at 2 stages the PTX waits ``cp.async.wait_group
+0`` in the loop (the next K/V block is only requested once the current one has landed), at 3 it
+waits ``wait_group 2`` (one K/V block pair in flight while the current one is consumed), at 64
+registers and 72 KB of shared memory (B = 16 and 1, G = 4, D = 128, bf16; 4 stages: 104 KB). ``block_k`` is halved while the
 staged K/V blocks would exceed ``SMEM_BUDGET``. A grid axis of size 1 uses the Python int 0 as its
 program id, so vio sees a static in-bounds origin there.
 """
@@ -215,9 +219,10 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
     num_warps, num_stages: Triton launch configuration of the main kernel. The default (8 warps,
         block_k 64) compiles for sm_90 without spills for bf16 Llama-3 (G=4, D=128) and MHA
         (D=128) decode; 4 warps spill there (tests/test_kernel_attention.py, offline test).
-        ``num_stages`` defaults to 2 for 16-bit inputs and 1 for f32, whose IEEE dots need the
-        registers that a second pipeline stage would take (255 registers and spills at 2 stages,
-        88 and none at 1, sm_90, block_k 64).
+        ``num_stages`` defaults to 3 for 16-bit inputs (K/V loads pipelined one block ahead, see
+        the module docstring) and 1 for f32, whose IEEE dots need the registers that a second
+        pipeline stage would take (255 registers and spills at 2 stages, 88 and none at 1, sm_90,
+        block_k 64).
     backend: "interpret" (CPU) or "triton".
     empty_rows: what a row with no valid key outputs (:func:`empty_rows_mode`).
 
@@ -239,7 +244,7 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         q = q.with_symbol(_LEN_SYM, jnp.asarray(scalar, jnp.int32))
     compute = np.dtype(jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype))
     if num_stages is None:
-        num_stages = 1 if compute.itemsize >= 4 else 2
+        num_stages = 1 if compute.itemsize >= 4 else 3
     cfg = _config(q.shape, T, Dv, compute, block_k=block_k, num_stages=num_stages,
                   num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
                   hi_static=hi_static, hi_offset=hi_offset)

@@ -28,6 +28,19 @@ Batch dims have block 1 and live on grid axis 0: ``grid = (B, tiles(M), tiles(N)
 A dot with no lhs (rhs) free dims (matrix-vector) or no contracting dims (outer product) gets a
 size-1 dim added through the layout (``expand_dims``, no data movement), so that every in-kernel
 dot is at least 16x16x16 (``tt.dot``'s minimum) with masked lanes.
+
+Decode shape (M <= 64, :func:`tiling.gemm_config`): the kernel is weight-bandwidth bound, so it
+takes ~16 KB weight tiles (``bk = 128`` for bf16), 4 pipeline stages and split-K. With
+``split_k = S > 1`` there are two kernels, deterministic (no atomics)::
+
+    vtc_matmul_splitk  grid (B*S, tiles(M), tiles(N)): program (b*S + s, m, n) sums its K range
+                       [s*kps, (s+1)*kps) tiles into acc and stores it, f32, at ws[s, tile]
+    vtc_matmul_reduce  grid (B, tiles(M), tiles(N)): acc = ws[0] + ws[1] + ... (fixed order),
+                       then the epilogue and the (virtual) output store, exactly once per tile
+
+The workspace ``ws`` has the output's logical shape with a leading split dim (only valid lanes
+are written or read), so an output that lands in Q and the K/V caches at ``pos`` is written by
+the reduce kernel only, after the whole sum.
 """
 from __future__ import annotations
 
@@ -41,7 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from .tiling import MIN_DOT_BLOCK, Group, check_pow2, choose_blocks, dot_config, fori, split_block
+from .tiling import (MIN_DOT_BLOCK, GemmConfig, Group, InBounds, check_pow2, choose_blocks, dot_config, fori,
+                     gemm_config, normalize_split, program_id, split_block)
 from .vio import Plan, VTensor, epilogue_input, output, pack_results
 
 __all__ = ["matmul", "MIN_DOT_BLOCK", "choose_blocks"]
@@ -95,15 +109,32 @@ class _Config:
     precision: Any
     store_dtype: np.dtype
     epilogue: Callable[..., jax.Array] | None
+    launch: GemmConfig                # blocks, stages, split_k (what the cost model reads too)
+
+    @property
+    def split(self) -> int:
+        return normalize_split(self.groups["K"].ntiles, self.launch.split_k)
+
+    @property
+    def k_per_split(self) -> int:
+        return -(-self.groups["K"].ntiles // self.split)
+
+    @property
+    def out_grid(self) -> tuple[int, int, int]:
+        """One program per output tile (the single kernel, or the split-K reduce kernel)."""
+        return self.groups["B"].ntiles, self.groups["M"].ntiles, self.groups["N"].ntiles
 
     @property
     def grid(self) -> tuple[int, int, int]:
-        return self.groups["B"].ntiles, self.groups["M"].ntiles, self.groups["N"].ntiles
+        """The main kernel's grid: split-K programs share grid axis 0 with the batch tiles."""
+        nb, nm, nn = self.out_grid
+        return nb * self.split, nm, nn
 
 
 def _plan(a: VTensor, b: VTensor, dimension_numbers: Any, out: VTensor | None,
           epilogue: Callable[..., jax.Array] | None, epilogue_args: Sequence[Any],
-          preferred_element_type: Any, precision: Any, block_m: int, block_n: int, block_k: int
+          preferred_element_type: Any, precision: Any, block_m: int, block_n: int,
+          block_k: int | None, num_warps: int, num_stages: int | None, split_k: int | None
           ) -> tuple[VTensor, VTensor, list[VTensor], VTensor, _Config]:
     """Check the operands, normalise the dimension numbers into groups and view every operand so
     that each group has at least one dim (size-1 dims through the layout, no data movement).
@@ -152,8 +183,12 @@ def _plan(a: VTensor, b: VTensor, dimension_numbers: Any, out: VTensor | None,
     m_sizes = tuple(a.shape[d] for d in lf)
     n_sizes = tuple(b.shape[d] for d in rf)
     k_sizes = tuple(a.shape[d] for d in lc)
-    bm, bn, bk = choose_blocks(math.prod(m_sizes), math.prod(n_sizes), math.prod(k_sizes),
-                               block_m=block_m, block_n=block_n, block_k=block_k)
+    launch = gemm_config(math.prod(m_sizes), math.prod(n_sizes), math.prod(k_sizes),
+                         batch=math.prod(a.shape[d] for d in lb), a_itemsize=a.dtype.itemsize,
+                         b_itemsize=b.dtype.itemsize, block_m=block_m, block_n=block_n,
+                         block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                         split_k=split_k)
+    bm, bn, bk = launch.block_m, launch.block_n, launch.block_k
     groups = {
         "B": Group(tuple(a.shape[d] for d in lb), (1,) * nb),
         "M": Group(m_sizes, split_block(m_sizes, bm)),
@@ -168,7 +203,7 @@ def _plan(a: VTensor, b: VTensor, dimension_numbers: Any, out: VTensor | None,
         _Operand.of(len(b.shape), {"B": rb, "N": rf, "K": rc}),
         _Operand.of(len(out.shape), {"B": range(nb), "M": range(nb, nb + nm),
                                      "N": range(nb + nm, len(out.shape))}),
-        np.dtype(compute_dtype), acc_dtype, precision, out.dtype, epilogue)
+        np.dtype(compute_dtype), acc_dtype, precision, out.dtype, epilogue, launch)
     return a, b, extras, out, cfg
 
 
@@ -176,16 +211,27 @@ def _plan(a: VTensor, b: VTensor, dimension_numbers: Any, out: VTensor | None,
 # The kernel
 # --------------------------------------------------------------------------------------------
 
-def _matmul_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
-    """Program (b, m, n): the (bm, bn) output tile, K looped inside (Listing 1's three stages)."""
-    a_ref, b_ref, e_refs = ins[0], ins[1], ins[2:]
-    (o_ref,) = outs
+def _tile_origins(c: _Config, pb: Any, pm: Any, pn: Any) -> dict[str, tuple[Any, ...]]:
+    """Per-group origins of an output tile; program ids are in range, so dims whose block divides
+    the size are marked :class:`tiling.InBounds` (vio emits no bounds mask there)."""
     g = c.groups
-    pb, pm, pn = (pl.program_id(i) for i in range(3))
-    origins = {"B": g["B"].origins(pb), "M": g["M"].origins(pm), "N": g["N"].origins(pn)}
+    return {"B": g["B"].origins(pb, mark=True), "M": g["M"].origins(pm, mark=True),
+            "N": g["N"].origins(pn, mark=True)}
 
-    def step(kk: Any, acc: jax.Array) -> jax.Array:
-        org = dict(origins, K=g["K"].origins(kk))
+
+def _accumulate(c: _Config, a_ref: Any, b_ref: Any, origins: dict[str, tuple[Any, ...]],
+                k_first: Any, k_steps: int) -> jax.Array:
+    """Stages 1-2: the (bm, bn) f32 sum over K tiles ``k_first .. k_first + k_steps - 1``.
+
+    K tiles past the end (the last split of an uneven split-K) read zeros through vio's masks;
+    when every tile index is below ``ntiles`` the K origins are marked in bounds (no K mask)."""
+    g = c.groups
+    exact = not isinstance(k_first, int) and c.split * c.k_per_split == g["K"].ntiles or \
+        isinstance(k_first, int) and k_first + k_steps <= g["K"].ntiles
+
+    def step(i: Any, acc: jax.Array) -> jax.Array:
+        kk = i if isinstance(k_first, int) and k_first == 0 else k_first + i
+        org = dict(origins, K=g["K"].origins(kk, mark=exact))
         a_org, a_blk = c.op_a.origin_block(g, org)
         b_org, b_blk = c.op_b.origin_block(g, org)
         x = c.op_a.to_2d(a_ref.load(a_org, a_blk, fill=0.0), "M", "K", g)
@@ -193,14 +239,56 @@ def _matmul_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
         x, y = x.astype(c.compute_dtype), y.astype(c.compute_dtype)
         return acc + jnp.dot(x, y, preferred_element_type=c.acc_dtype, precision=c.precision)
 
-    bm, bn = g["M"].block, g["N"].block
-    acc = fori(g["K"].ntiles, step, jnp.zeros((bm, bn), c.acc_dtype))
+    return fori(k_steps, step, jnp.zeros((g["M"].block, g["N"].block), c.acc_dtype))
 
+
+def _finish(c: _Config, acc: jax.Array, e_refs: Sequence[Any], o_ref: Any,
+            origins: dict[str, tuple[Any, ...]]) -> None:
+    """Stage 3: epilogue in registers, then the store through the output's layout."""
+    g = c.groups
+    bm, bn = g["M"].block, g["N"].block
     o_org, o_blk = c.op_o.origin_block(g, origins)
     if c.epilogue is not None:
         extra = [e.load(o_org, o_blk, fill=0.0).reshape(bm, bn) for e in e_refs]
         acc = c.epilogue(acc, *extra)
     o_ref.store(o_org, o_blk, acc.astype(c.store_dtype).reshape(o_blk))
+
+
+def _matmul_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
+    """Program (b, m, n): the (bm, bn) output tile, K looped inside (Listing 1's three stages)."""
+    a_ref, b_ref, e_refs = ins[0], ins[1], ins[2:]
+    (o_ref,) = outs
+    nb, nm, nn = c.out_grid
+    origins = _tile_origins(c, *(program_id(i, n) for i, n in enumerate((nb, nm, nn))))
+    _finish(c, _accumulate(c, a_ref, b_ref, origins, 0, c.groups["K"].ntiles), e_refs, o_ref, origins)
+
+
+def _splitk_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
+    """Program (b * S + s, m, n): split ``s``'s partial sum of the tile, to the f32 workspace."""
+    a_ref, b_ref = ins
+    (ws_ref,) = outs
+    nb, nm, nn = c.out_grid
+    p0 = pl.program_id(0)
+    pb, s = (0, p0) if nb == 1 else (jax.lax.div(p0, jnp.int32(c.split)), jax.lax.rem(p0, jnp.int32(c.split)))
+    origins = _tile_origins(c, pb, program_id(1, nm), program_id(2, nn))
+    acc = _accumulate(c, a_ref, b_ref, origins, s * c.k_per_split, c.k_per_split)
+    o_org, o_blk = c.op_o.origin_block(c.groups, origins)
+    ws_ref.store((InBounds(s), *o_org), (1, *o_blk), acc.reshape((1, *o_blk)))
+
+
+def _reduce_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
+    """Program (b, m, n): the split partials summed in split order (deterministic), then stage 3."""
+    ws_ref, e_refs = ins[0], ins[1:]
+    (o_ref,) = outs
+    g = c.groups
+    nb, nm, nn = c.out_grid
+    origins = _tile_origins(c, *(program_id(i, n) for i, n in enumerate((nb, nm, nn))))
+    o_org, o_blk = c.op_o.origin_block(g, origins)
+    acc = None
+    for s in range(c.split):
+        part = ws_ref.load((s, *o_org), (1, *o_blk), fill=0.0).reshape(g["M"].block, g["N"].block)
+        acc = part if acc is None else acc + part
+    _finish(c, acc, e_refs, o_ref, origins)
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,9 +298,11 @@ def _matmul_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
 def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None,
            epilogue: Callable[..., jax.Array] | None = None, epilogue_args: Sequence[Any] = (),
            preferred_element_type: Any = None, precision: Any = None,
-           block_m: int = 64, block_n: int = 64, block_k: int = 32,
-           num_warps: int = 4, num_stages: int = 2, backend: str = "interpret") -> Any:
-    """``lax.dot_general(a, b, dimension_numbers)`` (+ ``epilogue``) as one Pallas Triton kernel.
+           block_m: int = 64, block_n: int = 64, block_k: int | None = None,
+           num_warps: int = 4, num_stages: int | None = None, split_k: int | None = None,
+           backend: str = "interpret") -> Any:
+    """``lax.dot_general(a, b, dimension_numbers)`` (+ ``epilogue``) as Pallas Triton kernels:
+    one kernel, or a split-K kernel plus a reduce kernel (decode shapes, see the module docstring).
 
     a, b: :class:`vio.VTensor` or arrays (any layout: transposes, slices, concats, broadcasts are
         read through the layout's index map). Floating dtypes (f32, bf16, f16); mixed dtypes are
@@ -226,25 +316,39 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
         tiles of ``epilogue_args`` (VTensors of the output's logical shape, or arrays broadcast to
         it by numpy rules), in their own dtypes. Must be elementwise over the tile: its rows/cols
         are the flattened M/N groups, and lanes outside the logical shape (acc 0, extras 0) are
-        computed but never stored.
+        computed but never stored. With split-K it runs once, on the full sum.
     preferred_element_type: result dtype when ``out`` is None (default: the promoted input dtype,
         as ``lax.dot_general``); accumulation is f32 regardless for 16/32-bit floats.
     precision: in-kernel dot precision. None means ``HIGHEST`` for f32 operands (IEEE f32 FMA on
         the GPU, as exact as interpret mode; only the summation order differs); pass the original dot_general's
         precision (``DEFAULT``: TF32 tensor cores on Ampere+) to match XLA's own GPU numerics.
     block_m/n/k: caps on the block of each group (powers of two >= 16); the effective block is
-        ``max(16, next_pow2(group size))`` capped here (see :func:`choose_blocks`).
+        ``max(16, next_pow2(group size))`` capped here (see :func:`choose_blocks`). ``block_k``,
+        ``num_stages`` and ``split_k`` None: :func:`tiling.gemm_config`'s choice (32 / 2 / 1 for
+        M > 64; ~16 KB weight tiles, 4 stages and enough splits for two waves of SMs otherwise).
     backend: "interpret" (CPU) or "triton".
 
     Returns what ``Plan.unflatten`` gives for ``out``: the array for a fresh physical output,
     else the tuple of ``out``'s physical buffers (updated).
     """
-    for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+    for name, v in (("block_m", block_m), ("block_n", block_n)):
         check_pow2(name, v)
+    if block_k is not None:
+        check_pow2("block_k", block_k)
     a, b, extras, out, cfg = _plan(VTensor.of(a), VTensor.of(b), dimension_numbers, out, epilogue,
                                    epilogue_args, preferred_element_type, precision,
-                                   block_m, block_n, block_k)
-    plan = Plan.build([a, b, *extras], [out])
-    bufs = plan.call(functools.partial(_matmul_kernel, cfg), grid=cfg.grid, backend=backend,
-                     num_warps=num_warps, num_stages=num_stages, name="vtc_matmul")
+                                   block_m, block_n, block_k, num_warps, num_stages, split_k)
+    stages = cfg.launch.num_stages
+    if cfg.split == 1:
+        plan = Plan.build([a, b, *extras], [out])
+        bufs = plan.call(functools.partial(_matmul_kernel, cfg), grid=cfg.grid, backend=backend,
+                         num_warps=num_warps, num_stages=stages, name="vtc_matmul")
+        return pack_results(bufs)[0]
+    ws = VTensor.fresh((cfg.split, *out.shape), cfg.acc_dtype)
+    ((partials,),) = Plan.build([a, b], [ws]).call(
+        functools.partial(_splitk_kernel, cfg), grid=cfg.grid, backend=backend,
+        num_warps=num_warps, num_stages=stages, name="vtc_matmul_splitk")
+    plan = Plan.build([VTensor.physical(partials), *extras], [out])
+    bufs = plan.call(functools.partial(_reduce_kernel, cfg), grid=cfg.out_grid, backend=backend,
+                     num_warps=4, num_stages=1, name="vtc_matmul_reduce")
     return pack_results(bufs)[0]

@@ -11,7 +11,10 @@ static configuration, a launch building the grid, and a thin public wrapper.
 * Grids and loops: :func:`cdiv`, :func:`program_id` (the Python int 0 on a size-1 grid axis, so
   vio sees a static origin), :func:`grid_origin` (a 1-D grid over blocks), :func:`fori` (a loop
   that is just the body when it runs once).
-* Dots: :func:`dot_config` (precision and accumulator dtype of the in-kernel ``tt.dot``).
+* Dots: :func:`dot_config` (precision and accumulator dtype of the in-kernel ``tt.dot``);
+  :func:`gemm_config` / :class:`GemmConfig`: the launch shape of the matmul template (blocks,
+  pipeline depth, split-K) and what it implies — grid, waves, tiles in flight, bytes per CTA. A
+  pure function of sizes and dtypes, so the cost model can read the same numbers the kernel uses.
 * 16-bit math: :func:`f32_math` and :data:`F32_MATH_PRIMITIVES` (per-op f32 for the primitives
   Triton cannot run on bf16/f16).
 """
@@ -28,8 +31,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-__all__ = ["MIN_DOT_BLOCK", "next_pow2", "cdiv", "check_pow2", "choose_block", "choose_blocks",
-           "split_block", "Group", "program_id", "grid_origin", "fori", "dot_config", "f32_math",
+__all__ = ["MIN_DOT_BLOCK", "DECODE_MAX_M", "H100_SMS", "GemmConfig", "gemm_config", "next_pow2", "cdiv", "check_pow2", "choose_block", "choose_blocks",
+           "split_block", "Group", "InBounds", "program_id", "grid_origin", "fori", "dot_config", "f32_math",
            "F32_MATH_PRIMITIVES"]
 
 MIN_DOT_BLOCK = 16  # tt.dot needs M, N, K >= 16 (and K >= 16 for 16-bit types in the front end)
@@ -102,6 +105,17 @@ def split_block(sizes: Sequence[int], cap: int, minimum: int = MIN_DOT_BLOCK) ->
 
 
 @dataclass(frozen=True)
+class InBounds:
+    """A block origin the template proves in range: ``origin + block <= size`` along its dim.
+
+    vio emits a bounds mask for every traced origin it cannot bound; a tile index ``t < tiles``
+    times a block that divides the size needs none. Fewer masks mean unpredicated, vectorised
+    loads (``cp.async`` without a zero-fill predicate) and fewer ``setp``/``selp`` in the PTX.
+    Only vio unwraps it (``value``); templates never do arithmetic on it."""
+    value: Any
+
+
+@dataclass(frozen=True)
 class Group:
     """A group of logical dims tiled together (a dot's B, M, N or K): sizes, blocks, tiles per dim."""
     sizes: tuple[int, ...]
@@ -119,8 +133,11 @@ class Group:
     def block(self) -> int:
         return math.prod(self.blocks)
 
-    def origins(self, t: Any) -> tuple[Any, ...]:
-        """Per-dim origins of tile ``t`` (traced int32 or Python int), innermost dim fastest."""
+    def origins(self, t: Any, mark: bool = False) -> tuple[Any, ...]:
+        """Per-dim origins of tile ``t`` (traced int32 or Python int), innermost dim fastest.
+
+        ``mark``: the caller guarantees ``0 <= t < ntiles``; traced origins along dims whose block
+        divides the size come back as :class:`InBounds` (for vio only: no bounds mask)."""
         out: list[Any] = [0] * len(self.sizes)
         stride = 1
         for i in reversed(range(len(self.sizes))):
@@ -132,6 +149,8 @@ class Group:
                 if stride * n < self.ntiles:
                     q = _rem(q, n)
                 out[i] = q * b
+                if mark and self.sizes[i] % b == 0 and not isinstance(t, int):
+                    out[i] = InBounds(out[i])
             stride *= n
         return tuple(out)
 
@@ -192,6 +211,162 @@ def dot_config(compute_dtype: Any, precision: Any = None) -> tuple[Any, np.dtype
     if precision is None and compute_dtype == np.float32:
         precision = lax.Precision.HIGHEST
     return precision, np.dtype(jnp.float32) if compute_dtype.itemsize <= 4 else compute_dtype
+
+
+# --------------------------------------------------------------------------------------------
+# The matmul template's launch shape (read by the kernel and by the cost model)
+# --------------------------------------------------------------------------------------------
+
+DECODE_MAX_M = 64          # M (flattened lhs free size) up to this is "decode-shaped"
+H100_SMS = 132             # streaming multiprocessors of an H100 SXM
+_DECODE_WAVES = 2          # split-K until the grid fills this many waves of SMs ...
+_DECODE_B_TILE = 16384     # ... streaming weight tiles of about this many bytes (bk x bn)
+_DECODE_STAGES = 4         # pipeline depth of the decode path (3 tiles in flight per CTA)
+_DECODE_SMEM = 128 * 1024  # cap on the staged A + B tiles of the decode path (sm_90: 227 KiB)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One matmul launch: blocks, pipeline depth and split-K, and what they imply on the GPU.
+
+    Sizes are the flattened groups (``batch`` = product of batch dims, ``m``/``n``/``k`` = lhs free,
+    rhs free, contracting). The derived figures are a model, not a measurement (no GPU here):
+
+    * ``grid``: programs of the main kernel, ``(batch * split_k, m_tiles, n_tiles)``; with
+      ``split_k > 1`` each program sums ``k_tiles_per_split`` K tiles into an f32 workspace and a
+      second kernel (``reduce_grid``, one program per output tile) adds the partials in a fixed
+      order, applies the epilogue once and does the (virtual) stores.
+    * ``waves``: ``ctas / sms`` (one CTA per SM assumed; a wave under 1 leaves SMs idle).
+    * ``tiles_in_flight``: K tiles whose loads are outstanding while one is consumed — Triton's
+      software pipeliner keeps ``num_stages - 1`` iterations ahead (``cp.async.wait_group`` then
+      waits for the oldest only); never more than the loop has iterations.
+    * ``bytes_per_cta``: operand bytes one main-kernel program streams (padded tiles: an M = 1
+      decode row still loads a 16-row A block, masked lanes are not fetched but are counted here
+      as A is tiny next to B).
+    * ``smem_bytes``: the pipelined operand buffers, ``(num_stages - 1) * (A tile + B tile)``:
+      Triton's pipeliner allocates ``num_stages - 1`` buffers (measured: 61,440 B for
+      16x4096x6144 bf16 = 3 x 20,480). An upper bound: a folded M = 1 A tile is smaller
+      (53,248 B measured); benchmarks/kernels.md has the ptxas figures.
+    * ``workspace_bytes``: f32 partial sums written by the main kernel and read by the reduce
+      kernel (0 without split-K): the price of filling the GPU, ``2 * split_k * batch * m * n * 4``.
+    """
+    batch: int
+    m: int
+    n: int
+    k: int
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    a_itemsize: int = 2
+    b_itemsize: int = 2
+    sms: int = H100_SMS
+
+    @property
+    def m_tiles(self) -> int:
+        return cdiv(self.m, self.block_m)
+
+    @property
+    def n_tiles(self) -> int:
+        return cdiv(self.n, self.block_n)
+
+    @property
+    def k_tiles(self) -> int:
+        return cdiv(self.k, self.block_k)
+
+    @property
+    def k_tiles_per_split(self) -> int:
+        return cdiv(self.k_tiles, self.split_k)
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return self.batch * self.split_k, self.m_tiles, self.n_tiles
+
+    @property
+    def reduce_grid(self) -> tuple[int, int, int] | None:
+        return (self.batch, self.m_tiles, self.n_tiles) if self.split_k > 1 else None
+
+    @property
+    def ctas(self) -> int:
+        return math.prod(self.grid)
+
+    @property
+    def waves(self) -> float:
+        return self.ctas / self.sms
+
+    @property
+    def tiles_in_flight(self) -> int:
+        return max(1, min(self.num_stages - 1, self.k_tiles_per_split))
+
+    @property
+    def tile_bytes(self) -> int:
+        """Bytes of one K step's A and B tiles."""
+        return self.block_k * (self.block_m * self.a_itemsize + self.block_n * self.b_itemsize)
+
+    @property
+    def bytes_per_cta(self) -> int:
+        return self.k_tiles_per_split * self.tile_bytes
+
+    @property
+    def smem_bytes(self) -> int:
+        return max(1, self.num_stages - 1) * self.tile_bytes
+
+    @property
+    def workspace_bytes(self) -> int:
+        return 0 if self.split_k == 1 else 2 * self.split_k * self.batch * self.m * self.n * 4
+
+
+def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, b_itemsize: int = 2,
+                block_m: int = 64, block_n: int = 64, block_k: int | None = None,
+                num_warps: int = 4, num_stages: int | None = None, split_k: int | None = None,
+                sms: int = H100_SMS) -> GemmConfig:
+    """The launch the matmul template uses for these sizes (``None`` = the template's choice).
+
+    Why two regimes: a prefill-sized GEMM (``m > DECODE_MAX_M``) has enough output tiles to fill
+    the GPU and is compute-heavy, so it keeps ``bk = 32`` and 2 stages. A decode GEMM (``m`` up to
+    64 rows) reads each weight once and does almost no math: it is bound by how many weight bytes
+    are in flight. With one 64-wide N tile per program, Llama-3-8B's QKV (N = 6144) gives 96
+    programs and w_o 64 — under one wave of 132 SMs, each waiting on one 4 KB tile at a time. So
+    the decode path (i) widens ``bk`` so a weight tile is ~16 KB, (ii) pipelines 4 stages (3 tiles
+    in flight per CTA), and (iii) splits K in powers of two until the grid fills
+    ``2 * sms`` programs, as long as each split keeps at least ``num_stages`` K tiles (a shorter
+    loop cannot fill the pipeline). Gate/up (N = 28672: 448 programs) needs no split.
+    """
+    decode = m <= DECODE_MAX_M
+    bm, bn, _ = choose_blocks(m, n, k, block_m=block_m, block_n=block_n, block_k=256)
+    auto_k = block_k is None
+    if auto_k:
+        block_k = 32
+        if decode:
+            block_k = min(256, max(32, _DECODE_B_TILE // (bn * b_itemsize)))
+    check_pow2("block_k", block_k)
+    bk = min(block_k, max(MIN_DOT_BLOCK, next_pow2(k)))
+    if num_stages is None:
+        num_stages = _DECODE_STAGES if decode else 2
+    # A wide K tile is for a narrow N: with M up to 64 rows and f32 the staged A tiles dominate;
+    # halve the automatic bk until the pipeline fits the budget (EfficientViT's f32 attention
+    # matmuls asked for 288 KB at bk 256).
+    while auto_k and bk > 32 and max(1, num_stages - 1) * bk * (bm * a_itemsize + bn * b_itemsize) > _DECODE_SMEM:
+        bk //= 2
+    k_tiles = cdiv(k, bk)
+    base = batch * cdiv(m, bm) * cdiv(n, bn)
+    if split_k is None:
+        split_k = 1
+        if decode:
+            while base * split_k < _DECODE_WAVES * sms and k_tiles // (2 * split_k) >= num_stages:
+                split_k *= 2
+    split_k = normalize_split(k_tiles, split_k)
+    return GemmConfig(batch, m, n, k, bm, bn, bk, split_k, num_warps, num_stages, a_itemsize,
+                      b_itemsize, sms)
+
+
+def normalize_split(k_tiles: int, split_k: int) -> int:
+    """The split actually launched: no empty splits (``cdiv(k_tiles, cdiv(k_tiles, split_k))``)."""
+    if split_k < 1:
+        raise ValueError(f"split_k={split_k} must be >= 1")
+    return cdiv(k_tiles, cdiv(k_tiles, min(split_k, k_tiles)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ Contract for someone adding a template
   ``body(ins, outs)`` gets one :class:`VRef` per input and output. Read program ids inside.
 * Blocks are tuples of powers of two; ``origin`` entries may be traced int32 and must be
   non-negative (padding is a ``Layout.pad``, not a negative origin). Lanes outside the logical
-  shape read ``fill`` and are never written: templates do not mask ragged edges themselves.
+  shape read ``fill`` and are never written: templates do not mask ragged edges themselves. A
+  traced origin costs a bounds mask along its dim unless the template wraps it in
+  :class:`tiling.InBounds` (it proves ``origin + block <= size``; ``Group.origins(t, mark=True)``).
 * A load may cover several pieces (a QKV block straddling Q and the K cache): every piece is
   loaded under its own mask and merged. A store only touches the pieces whose static box meets
   the block (``pl.when``), each under its own mask.
@@ -37,10 +39,23 @@ How a piece is accessed (cheapest first)
    ``ref.at[pl.ds(start, n), ...]``, then transposed/broadcast in registers. For a physical,
    contiguous operand this is exactly what a ``BlockSpec`` lowers to in Triton (pointer plus
    ``arange`` offsets, masked), so templates need no second code path for the plain case.
+   A map that is a strided box only for the block at hand takes this path too
+   (:func:`_block_strided`): a contiguous merge ``(B, 1, H, D) -> (B, H*D)`` (also a concat piece
+   of it, e.g. Q | K-cache | V-cache) read or written in blocks of at most ``D`` columns at
+   aligned origins is a window with scalar ``//``/``%`` on the origin, not a per-lane gather.
 2. *General*: the buffer is passed flattened (a free bitcast in XLA) and the block's flat offsets
    are computed from the map (``//`` and ``%`` only where simplification could not remove them) —
    a masked gather/scatter. Masked-off scatter lanes point past the end of the buffer, because the
    interpreter writes the old value back on masked lanes and would clobber element 0.
+3. *General, on an unflattened buffer*: buffers of 2^31 elements or more (flat int32 offsets
+   would overflow, and int64 values do not exist in a kernel traced without x64), and buffers of
+   merge-shaped pieces whose block at hand does not make a window (path 1 serves the others). The
+   buffer keeps its shape and the block is
+   gathered/scattered with one int32 index array per buffer dim (each below its dim's size); the
+   Pallas Triton lowering multiplies them by the strides in i64 whenever the buffer has more than
+   2^32 bytes (it does the same for path 1's ``pl.ds`` starts). Where it would still use i32 — a
+   1-byte dtype with 2^31 ... 2^32 elements — or a dim has 2^31 elements, ``Plan.build`` raises
+   (the template's cluster then falls back to XLA) rather than emit wrapping offsets.
 """
 from __future__ import annotations
 
@@ -55,8 +70,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..indexmap import Atom, Dim, Expr, Layout, Piece, Sym
-from .tiling import next_pow2
+from ..indexmap import Atom, Dim, Expr, FloorDiv, Layout, Mod, Piece, Sym
+from .tiling import InBounds, next_pow2
 
 __all__ = ["VTensor", "VRef", "Plan", "compiler_params", "next_pow2", "broadcast_input",
            "epilogue_input", "out_dtypes", "output", "outputs", "pack_results"]
@@ -306,8 +321,11 @@ class Plan:
 
         def flat_flags(v: VTensor) -> tuple[bool, ...]:
             flags = [False] * len(v.buffers)
+            for b in v.buffers:
+                _check_index_width(tuple(b.shape), np.dtype(b.dtype))
             for p in v.layout.pieces:
-                if _unit_strided(p) is None:
+                if _unit_strided(p) is None and not _maybe_block_strided(p) and \
+                        math.prod(v.buffers[p.target].shape) < _WIDE_ELEMENTS:
                     flags[p.target] = True
             return tuple(flags)
 
@@ -433,10 +451,16 @@ class VRef:
     def shape(self) -> tuple[int, ...]:
         return self.binding.layout.shape
 
-    def _env(self, origin: Sequence[Any], block: Sequence[int]) -> tuple[dict[Atom, Any], Any]:
+    def _env(self, origin: Sequence[Any], block: Sequence[int], proven: Sequence[bool] = ()
+             ) -> tuple[dict[Atom, Any], Any]:
+        """Index values of the block's lanes per logical dim, and the logical bounds mask: only
+        along dims where ``origin + block <= size`` is not known (a static origin that fits, or a
+        :class:`tiling.InBounds` origin, needs none)."""
+        proven = tuple(proven) or (False,) * len(origin)
         idx = [jnp.asarray(o, jnp.int32) + _iota(block, k) for k, o in enumerate(origin)]
-        inb = _all([(i < n) if n < b or not isinstance(o, int) or o + b > n else None
-                    for i, n, b, o in zip(idx, self.shape, block, origin)])
+        inb = _all([None if ok else
+                    (i < n) if n < b or not isinstance(o, int) or o + b > n else None
+                    for i, n, b, o, ok in zip(idx, self.shape, block, origin, proven)])
         env: dict[Atom, Any] = {Dim(k): i for k, i in enumerate(idx)}
         env.update({Sym(k): v.astype(jnp.int32) for k, v in self.syms.items()})
         return env, inb
@@ -452,7 +476,10 @@ class VRef:
         return m if m is None or tuple(m.shape) == tuple(block) else jnp.broadcast_to(m, tuple(block))
 
     def _strided_index(self, p: Piece, sb: Any, origin: Sequence[Any], block: Sequence[int],
-                       env: dict[Atom, Any]) -> tuple[Any, ...]:
+                       env: dict[Atom, Any], starts: Any = None) -> tuple[Any, ...]:
+        if starts is not None:   # a block-strided box: the first lane's index per target dim
+            return tuple(pl.ds(jnp.asarray(st, jnp.int32), block[j] if j is not None else 1)
+                         for (j, _, _), st in zip(sb, starts))
         bounds = p.map.bounds
         out = []
         for k, (j, _, off) in enumerate(sb):
@@ -466,26 +493,43 @@ class VRef:
     def load(self, origin: Sequence[Any], block: Sequence[int], fill: float = 0.0) -> jax.Array:
         """Stage 1: a ``block`` of the logical tensor at ``origin``; ``fill`` outside its shape."""
         block = tuple(int(b) for b in block)
-        env, inb = self._env(origin, block)
+        origin, proven = _unwrap(origin)
+        aligned = _aligned(origin, block, proven)
+        env, inb = self._env(origin, block, proven)
         dtype = self.binding.dtype
         layout = self.binding.layout
+        access = [self._access(p, origin, block, aligned) for p in layout.pieces]
         if len(layout.pieces) == 1 and not layout.fills and _is_plus_zero(fill) and \
-                self._zeroes_masked_lanes(layout.pieces[0], block):
+                self._zeroes_masked_lanes(layout.pieces[0], block, access[0]):
             # The masked load itself reads +0 on exactly the masked lanes: nothing to merge.
             p = layout.pieces[0]
-            return self._load_piece(p, origin, block, env, self._piece_mask(p, env, inb, block)).astype(dtype)
+            return self._load_piece(p, origin, block, env, self._piece_mask(p, env, inb, block),
+                                    access[0]).astype(dtype)
         result = jnp.full(block, fill, dtype)
         for r in reversed(layout.fills):   # borders of pads: the first region containing a lane wins
             rmask = _all([inb, *(_cond_mask(c, env, None) for c in r.where)])
             result = jnp.full(block, r.value, dtype) if rmask is None else \
                 jnp.where(rmask, jnp.asarray(r.value, dtype), result)
-        for p in layout.pieces:
+        for p, acc in zip(layout.pieces, access):
             mask = self._piece_mask(p, env, inb, block)
-            val = self._load_piece(p, origin, block, env, mask).astype(dtype)
+            val = self._load_piece(p, origin, block, env, mask, acc).astype(dtype)
             result = val if mask is None else jnp.where(mask, val, result)
         return result
 
-    def _zeroes_masked_lanes(self, p: Piece, block: tuple[int, ...]) -> bool:
+    def _access(self, p: Piece, origin: Sequence[Any], block: tuple[int, ...], aligned: Sequence[bool]
+                ) -> tuple[str, Any]:
+        """How piece ``p`` is read/written for this block: ``("flat", None)`` (path 2),
+        ``("box", (sb, starts))`` (path 1: the piece's own strided box, or one that holds for this
+        block only, see :func:`_block_strided`), or ``("dims", None)`` (path 3)."""
+        if self.binding.flat[p.target]:
+            return "flat", None
+        sb = _unit_strided(p)
+        if sb is not None:
+            return "box", (sb, None)
+        bs = _block_strided(p, origin, block, aligned, self.syms)
+        return ("box", bs) if bs is not None else ("dims", None)
+
+    def _zeroes_masked_lanes(self, p: Piece, block: tuple[int, ...], access: tuple[str, Any]) -> bool:
         """Whether ``_load_piece``'s masked load alone gives what the merge with a zero fill would.
 
         It reads 0 on every lane outside its mask: always for a gather; for a strided box unless a
@@ -495,9 +539,10 @@ class VRef:
         dot, whose summation order then changes and interpret mode would no longer be bit-identical
         (on Triton the select is a few cheap ops next to a register transpose).
         """
-        sb = None if self.binding.flat[p.target] else _unit_strided(p)
-        if sb is None:
+        kind, box = access
+        if kind != "box":
             return True
+        sb = box[0]
         mapped = [j for j, _, _ in sb if j is not None]
         if any(b > 1 for k, b in enumerate(block) if k not in mapped):
             return False
@@ -505,15 +550,21 @@ class VRef:
         return big == sorted(big)
 
     def _load_piece(self, p: Piece, origin: Sequence[Any], block: tuple[int, ...], env: dict[Atom, Any],
-                    mask: Any) -> jax.Array:
+                    mask: Any, access: tuple[str, Any]) -> jax.Array:
         ref = self.refs[p.target]
-        sb = None if self.binding.flat[p.target] else _unit_strided(p)
+        kind, box = access
+        sb = box[0] if kind == "box" else None
+        if kind == "dims":   # unflattened buffer: per-dim indices
+            idx = _dim_indices(p, env, self.binding.shapes[p.target], block)
+            if mask is not None:
+                idx = tuple(jnp.where(mask, i, 0) for i in idx)
+            return _masked_load(ref.at[idx], mask)
         if sb is None:
             offs = _flat_offsets(p, env, self.binding.shapes[p.target], block)
             if mask is not None:
                 offs = jnp.where(mask, offs, 0)
             return _masked_load(ref.at[offs], mask)
-        idx = self._strided_index(p, sb, origin, block, env)
+        idx = self._strided_index(p, sb, origin, block, env, box[1])
         tmask = None if mask is None else _to_target_order(mask, sb, block)
         val = _masked_load(ref.at[idx], tmask)
         return _from_target_order(val, sb, block)
@@ -521,7 +572,9 @@ class VRef:
     def store(self, origin: Sequence[Any], block: Sequence[int], value: jax.Array) -> None:
         """Stage 3: write ``value`` (shape ``block``) at ``origin``; lanes outside the shape are dropped."""
         block = tuple(int(b) for b in block)
-        env, inb = self._env(origin, block)
+        origin, proven = _unwrap(origin)
+        aligned = _aligned(origin, block, proven)
+        env, inb = self._env(origin, block, proven)
         for p in self.binding.layout.pieces:
             box = p.box()
             hit = _box_hit(box, origin, block)
@@ -530,7 +583,8 @@ class VRef:
 
             def write(p: Piece = p) -> None:
                 mask = self._piece_mask(p, env, inb, block)
-                self._store_piece(p, origin, block, env, mask, value)
+                self._store_piece(p, origin, block, env, mask, value,
+                                  self._access(p, origin, block, aligned))
 
             if hit is None:
                 write()
@@ -538,10 +592,18 @@ class VRef:
                 pl.when(hit)(write)
 
     def _store_piece(self, p: Piece, origin: Sequence[Any], block: tuple[int, ...], env: dict[Atom, Any],
-                     mask: Any, value: jax.Array) -> None:
+                     mask: Any, value: jax.Array, access: tuple[str, Any]) -> None:
         ref = self.refs[p.target]
         val = value.astype(self.binding.dtypes[p.target])
-        sb = None if self.binding.flat[p.target] else _unit_strided(p)
+        kind, box = access
+        sb = box[0] if kind == "box" else None
+        if kind == "dims":   # unflattened buffer: per-dim indices
+            shape = self.binding.shapes[p.target]
+            idx = _dim_indices(p, env, shape, block)
+            if mask is not None:   # masked lanes point past the end along dim 0
+                idx = (jnp.where(mask, idx[0], shape[0]),) + idx[1:]
+            plgpu.store(ref.at[idx], val, mask=mask)
+            return
         if sb is None:
             shape = self.binding.shapes[p.target]
             offs = _flat_offsets(p, env, shape, block)
@@ -549,11 +611,147 @@ class VRef:
                 offs = jnp.where(mask, offs, math.prod(shape))  # masked lanes point past the end
             plgpu.store(ref.at[offs], val, mask=mask)
             return
-        idx = self._strided_index(p, sb, origin, block, env)
+        idx = self._strided_index(p, sb, origin, block, env, box[1])
         if mask is not None:  # lanes folded together below: only the valid one may contribute
             val = jnp.where(mask, val, jnp.zeros((), val.dtype))
         tmask = None if mask is None else _to_target_order(mask, sb, block, fold_first=True)
         plgpu.store(ref.at[idx], _to_target_order(val, sb, block, fold_first=True), mask=tmask)
+
+
+def _aligned(origin: Sequence[Any], block: Sequence[int], proven: Sequence[bool]) -> tuple[bool, ...]:
+    """Per dim: the origin is known to be a multiple of the block (static, or InBounds)."""
+    return tuple(ok or isinstance(o, int) and o % b == 0 for o, b, ok in zip(origin, block, proven))
+
+
+def _only_dim(e: Expr) -> int | None:
+    """``i`` when ``e`` is exactly ``d_i``."""
+    if e.const == 0 and len(e.terms) == 1 and isinstance(e.terms[0][0], Dim) and e.terms[0][1] == 1:
+        return e.terms[0][0].i
+    return None
+
+
+def _dim_plus(e: Expr, c: int) -> int | None:
+    """``i`` when ``e`` is ``d_i + m*c`` (then ``e floordiv c = d_i floordiv c + m`` and
+    ``e mod c = d_i mod c``: a piece of a concatenation at an offset that is a multiple of c)."""
+    terms = e.terms
+    if len(terms) == 1 and isinstance(terms[0][0], Dim) and terms[0][1] == 1 and e.const % c == 0:
+        return terms[0][0].i
+    return None
+
+
+def _maybe_block_strided(p: Piece) -> bool:
+    """Whether ``p`` may be a strided box for some blocks (:func:`_block_strided`): its only
+    non-affine parts are ``d_i floordiv D`` / ``d_i mod D`` (a contiguous merge of dims, e.g.
+    ``(B, 1, H, D) -> (B, H*D)``). Its buffer is then not flattened; blocks that do not qualify
+    take path 3 (per-dim indices) on the unflattened buffer."""
+    if p.map.conds:
+        return False
+    found = False
+    for e in p.map.exprs:
+        for a, _ in e.terms:
+            if isinstance(a, (FloorDiv, Mod)):
+                if _dim_plus(a.expr, a.c) is None:
+                    return False
+                found = True
+    return found
+
+
+def _sdiv(x: Any, c: int) -> Any:
+    return x // c if isinstance(x, int) else jax.lax.div(x, jnp.int32(c))
+
+
+def _srem(x: Any, c: int) -> Any:
+    return x % c if isinstance(x, int) else jax.lax.rem(x, jnp.int32(c))
+
+
+def _block_strided(p: Piece, origin: Sequence[Any], block: Sequence[int], aligned: Sequence[bool],
+                   syms: dict[str, Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+    """A strided box that holds for this block only: ``(sb, starts)`` or None.
+
+    Within a block, a dim of block 1 is a scalar (its origin), and ``d_i floordiv D`` /
+    ``d_i mod D`` (also ``(d_i + m*D) floordiv/mod D``, a concatenated piece) with
+    ``D % block_i == 0`` and an origin that is a multiple of ``block_i`` are a scalar and
+    ``o_i mod D + lane``: a contiguous merge ``(H, D) -> H*D`` read or written in
+    blocks of at most ``D`` is a ``pl.ds`` window, not a gather with per-lane ``//`` and ``%``.
+    Every target index must then be ``start + lane`` of at most one block dim (stride +1, each
+    block dim used once). ``starts`` are the first lane's indices. The piece's own conditions
+    (which part of a concatenation) must not split a block, so a block is wholly in the piece —
+    its first lane maps to valid, non-negative indices — or wholly masked, where the start is
+    clamped to 0 (interpret mode clamps ``pl.ds`` starts; the GPU touches no masked lane).
+    """
+    if p.map.conds:
+        return None
+    for c in p.where:
+        if all(block[d] == 1 for d in _dims_of(c.expr)):
+            continue
+        i = _only_dim(c.expr)
+        if i is None or not aligned[i] or c.lo % block[i] or c.hi % block[i]:
+            return None
+
+    def scalar(e: Expr) -> Any:   # an expression of block-1 dims and symbols, at the origin
+        v: Any = e.const
+        for a, k in e.terms:
+            if isinstance(a, Dim):
+                x = origin[a.i]
+            elif isinstance(a, Sym):
+                x = syms[a.name].astype(jnp.int32)
+            else:
+                inner = scalar(a.expr)
+                x = _sdiv(inner, a.c) if isinstance(a, FloorDiv) else _srem(inner, a.c)
+            v = v + k * x
+        return v
+
+    sb, starts, used = [], [], set()
+    for e in p.map.exprs:
+        lane, start = None, e.const
+        for a, k in e.terms:
+            if isinstance(a, Dim):
+                i = a.i
+                if block[i] > 1:
+                    if k != 1 or lane is not None:
+                        return None
+                    lane = i
+                start = start + k * origin[i]
+            elif isinstance(a, Sym):
+                start = start + k * syms[a.name].astype(jnp.int32)
+            else:
+                inner_dims = _dims_of(a.expr)
+                if all(block[d] == 1 for d in inner_dims):
+                    start = start + k * scalar(Expr(((a, 1),), 0))
+                    continue
+                i = _dim_plus(a.expr, a.c)
+                if i is None or not aligned[i] or a.c % block[i]:
+                    return None
+                if isinstance(a, FloorDiv):
+                    start = start + k * (_sdiv(origin[i], a.c) + a.expr.const // a.c)
+                else:
+                    if k != 1 or lane is not None:
+                        return None
+                    lane = i
+                    start = start + _srem(origin[i], a.c)
+        if lane is not None:
+            if lane in used:
+                return None
+            used.add(lane)
+        sb.append((lane, 1, None))
+        starts.append(max(start, 0) if isinstance(start, int) else jnp.maximum(start, 0))
+    return tuple(sb), tuple(starts)
+
+
+def _dims_of(e: Expr) -> set[int]:
+    out: set[int] = set()
+    for a, _ in e.terms:
+        if isinstance(a, Dim):
+            out.add(a.i)
+        elif isinstance(a, (FloorDiv, Mod)):
+            out |= _dims_of(a.expr)
+    return out
+
+
+def _unwrap(origin: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[bool, ...]]:
+    """(plain origins, which were :class:`tiling.InBounds`)."""
+    return (tuple(o.value if isinstance(o, InBounds) else o for o in origin),
+            tuple(isinstance(o, InBounds) for o in origin))
 
 
 def _is_plus_zero(x: Any) -> bool:
@@ -573,6 +771,33 @@ def _masked_load(ref: Any, mask: Any) -> jax.Array:
     if mask is None:
         return plgpu.load(ref)
     return plgpu.load(ref, mask=mask, other=np.zeros((), ref.dtype).item())
+
+
+_WIDE_ELEMENTS = 2 ** 31   # buffers this large are never flattened (int32 flat offsets overflow)
+_I32 = 2 ** 31
+
+
+def _check_index_width(shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """Raise where a kernel's index arithmetic would wrap: a dim of 2^31 elements or more (vio's
+    per-dim indices are int32), or a buffer the Pallas lowering still addresses with i32 offsets
+    although it has 2^31 elements or more (it switches to i64 above 2^32 *bytes*: 1-byte dtypes
+    with 2^31 ... 2^32 elements)."""
+    n = math.prod(shape)
+    if any(d >= _I32 for d in shape):
+        raise NotImplementedError(f"buffer {shape}: a dim of 2^31 elements or more cannot be "
+                                  "indexed by a Pallas Triton kernel (int32 indices)")
+    if n >= _I32 and n * dtype.itemsize <= 2 ** 32:
+        raise NotImplementedError(
+            f"buffer {shape} {dtype} has {n} >= 2^31 elements but only {n * dtype.itemsize} bytes: "
+            "the Pallas Triton lowering would address it with wrapping 32-bit offsets")
+
+
+def _dim_indices(p: Piece, env: dict[Atom, Any], shape: Sequence[int], block: Sequence[int]
+                 ) -> tuple[jax.Array, ...]:
+    """One int32 index array per buffer dim (each < that dim's size), broadcast to the block."""
+    bounds = p.map.bounds
+    return tuple(jnp.broadcast_to(jnp.asarray(e.evaluate(env, jnp, bounds), jnp.int32), tuple(block))
+                 for e in p.map.exprs)
 
 
 def _flat_offsets(p: Piece, env: dict[Atom, Any], shape: Sequence[int], block: Sequence[int]) -> jax.Array:
