@@ -116,3 +116,18 @@ def test_repro6_dus_of_a_dus_overwritten_by_its_reverse_optimises():
     out, msgs = _optimize(fn, *args)
     np.testing.assert_allclose(out, jax.jit(fn)(*args), rtol=1e-5)
     assert not [m for m in msgs if "failed" in m], msgs
+
+
+def test_repro7_statically_decided_piece_condition_builds():
+    """#7 (pad_slice_pad, slow run: 5 of 2,106 programs): a pad -> strided slice -> pad chain whose
+    piece condition folds to a Python bool; the lane mask code called ``.shape`` on it and the
+    pointwise kernel failed to build (a fallback with "'bool' object has no attribute 'shape'")."""
+    def fn(pos, a0, a1):
+        v1 = lax.pad(jnp.tanh(a0), jnp.array(0.0, a0.dtype), ((0, 2, 0),))
+        v3 = lax.pad(v1[2:3:2], jnp.array(0.0, a0.dtype), ((0, 0, 1),))
+        return jnp.tanh(v3)
+
+    args = (np.int32(2), np.array([0.5, -1.0], np.float32), np.array([1.0], np.float32))
+    out, msgs = _optimize(fn, *args)
+    np.testing.assert_allclose(out, jax.jit(fn)(*args), rtol=1e-6)
+    assert not [m for m in msgs if "failed to build" in m], msgs

@@ -432,10 +432,15 @@ def _iota(block: Sequence[int], k: int) -> jax.Array:
 
 
 def _all(masks: Sequence[Any]) -> Any:
+    """The conjunction of lane masks; None (all lanes) and static truths drop out. A condition a
+    constant-folding evaluator decided statically arrives as a Python/numpy bool: a static False
+    stays ``False`` (callers broadcast it to the block)."""
     out = None
     for m in masks:
-        if m is None or m is True:
+        if m is None or (isinstance(m, (bool, np.bool_)) and m):
             continue
+        if isinstance(m, (bool, np.bool_)):
+            return False
         out = m if out is None else out & m
     return out
 
@@ -473,7 +478,7 @@ class VRef:
         for c in p.where + p.map.conds:
             masks.append(_cond_mask(c, env, bounds))
         m = _all(masks)
-        return m if m is None or tuple(m.shape) == tuple(block) else jnp.broadcast_to(m, tuple(block))
+        return m if m is None or tuple(jnp.shape(m)) == tuple(block) else jnp.broadcast_to(m, tuple(block))
 
     def _strided_index(self, p: Piece, sb: Any, origin: Sequence[Any], block: Sequence[int],
                        env: dict[Atom, Any], starts: Any = None) -> tuple[Any, ...]:
