@@ -123,9 +123,33 @@ def optimize_body(op: Op, opts: BuildOptions) -> Callable[..., Sequence[Any]] | 
 # Stacked caches: a per-layer cache scanned over as xs -> ys becomes a carry updated in place
 # --------------------------------------------------------------------------------------------
 
-def _cache_pairs(p: dict[str, Any]) -> list[tuple[int, int, int]]:
-    """``(xs invar position, ys outvar position, eqn index)`` of every ``ys = dynamic_update_slice(
-    xs, update, starts)`` in a scan body whose ``xs`` slice is read by nothing else.
+def _cond_branch_update(eqn: Any, o: int) -> int | None:
+    """The operand position ``k`` (of the branches) such that output ``o`` of ``cond`` is, in every
+    branch, ``dynamic_update_slice(operand k, ...)`` and nothing else in that branch reads operand
+    ``k`` (None: not that pattern). A layer kind chosen by ``lax.cond`` (Gemma-2's local/global
+    alternation) updates the layer's cache slice inside the branch."""
+    ks = set()
+    for br in eqn.params["branches"]:
+        bj = br.jaxpr
+        ov = bj.outvars[o]
+        e = next((x for x in bj.eqns if any(v is ov for v in x.outvars)), None)
+        if e is None or e.primitive.name != "dynamic_update_slice":
+            return None
+        src = e.invars[0]
+        if not any(src is v for v in bj.invars) or any(src is v for v in bj.outvars):
+            return None
+        if sum(any(v is src for v in x.invars) for x in bj.eqns) != 1 or \
+                sum(v is ov for v in bj.outvars) != 1:
+            return None
+        ks.add(next(i for i, v in enumerate(bj.invars) if v is src))
+    return ks.pop() if len(ks) == 1 else None
+
+
+def _cache_pairs(p: dict[str, Any]) -> list[tuple[int, int, int, tuple[int, int] | None]]:
+    """``(xs invar position, ys outvar position, eqn index, via)`` of every ``ys =
+    dynamic_update_slice(xs, update, starts)`` in a scan body whose ``xs`` slice is read by nothing
+    else (``via`` None), or of a ``cond`` whose every branch does that to one of its operands
+    (``via = (branch operand k, cond output o)``).
 
     Scanned as ``xs``/``ys``, each layer's cache is sliced out of the stacked buffer and stacked
     back into a new one: the whole cache is copied every step. As a carry updated at
@@ -139,16 +163,28 @@ def _cache_pairs(p: dict[str, Any]) -> list[tuple[int, int, int]]:
     out = []
     for m, ov in enumerate(jaxpr.outvars[ncar:]):
         hit = producer.get(ov)
-        if hit is None or hit[1].primitive.name != "dynamic_update_slice":
+        if hit is None:
             continue
         idx, eqn = hit
-        operand = eqn.invars[0]
+        via = None
+        if eqn.primitive.name == "dynamic_update_slice":
+            operand = eqn.invars[0]
+        elif eqn.primitive.name == "cond":
+            o = next(i for i, v in enumerate(eqn.outvars) if v is ov)
+            k = _cond_branch_update(eqn, o)
+            if k is None:
+                continue
+            operand, via = eqn.invars[1 + k], (k, o)
+            if sum(v is operand for v in eqn.invars) != 1:
+                continue
+        else:
+            continue
         if operand not in xs_vars or operand in jaxpr.outvars:
             continue
         users = [e for e in jaxpr.eqns if any(v is operand for v in e.invars)]
         if len(users) != 1 or list(jaxpr.outvars).count(ov) != 1:
             continue
-        out.append((nc + ncar + xs_vars.index(operand), ncar + m, idx))
+        out.append((nc + ncar + xs_vars.index(operand), ncar + m, idx, via))
     return out
 
 
@@ -163,9 +199,13 @@ def _stacked_cache_scan(op: Op, opts: BuildOptions) -> Callable[..., Sequence[An
     jaxpr = closed.jaxpr
     (nc, ncar), length = scan_counts(p), p["length"]
     pairs = _cache_pairs(p)
-    pair_in = {k for k, _, _ in pairs}
-    pair_out = {j: n for n, (_, j, _) in enumerate(pairs)}
-    pair_eqn = {idx: n for n, (_, _, idx) in enumerate(pairs)}
+    pair_in = {k for k, _, _, _ in pairs}
+    pair_out = {j: n for n, (_, j, _, _) in enumerate(pairs)}
+    pair_eqn = {idx: n for n, (_, _, idx, via) in enumerate(pairs) if via is None}
+    cond_eqn: dict[int, list[tuple[int, int, int]]] = {}     # eqn index -> [(pair n, k, o)]
+    for n, (_, _, idx, via) in enumerate(pairs):
+        if via is not None:
+            cond_eqn.setdefault(idx, []).append((n, *via))
     n_in = len(jaxpr.invars)
     other_xs = [i for i in range(nc + ncar, n_in) if i not in pair_in]
     other_ys = [j for j in range(ncar, len(jaxpr.outvars)) if j not in pair_out]
@@ -184,7 +224,24 @@ def _stacked_cache_scan(op: Op, opts: BuildOptions) -> Callable[..., Sequence[An
         # weights through that map instead of XLA slicing them out first
         env.update(zip((jaxpr.invars[i] for i in other_xs),
                        (lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) for x in xs)))
+        whole = dict(zip((jaxpr.invars[i] for i in other_xs), xs))   # stacked xs, by body var
         for i, eqn in enumerate(jaxpr.eqns):
+            if i in cond_eqn:   # the branches update the stacked caches themselves
+                plist = cond_eqn[i]
+                skip = {1 + k for _, k, _ in plist}
+                vals = [None if j in skip else _read(env, v) for j, v in enumerate(eqn.invars)]
+                # a layer's weights go into the branches whole and are read there at [layer]
+                # (through a map by a kernel), not sliced out before the cond
+                per_layer = {j - 1 for j, v in enumerate(eqn.invars) if j and not isinstance(v, Literal)
+                             and v in whole}
+                for j in per_layer:
+                    vals[1 + j] = whole[eqn.invars[1 + j]]
+                outs = _stacked_cond(eqn, plist, vals, [stacked[n] for n, _, _ in plist], layer, per_layer)
+                for local, (n, _, o) in enumerate(plist):
+                    stacked[n] = outs[o]
+                    outs[o] = lax.dynamic_index_in_dim(stacked[n], layer, 0, keepdims=False)
+                env.update(zip(eqn.outvars, outs))
+                continue
             vals = [None if i in pair_eqn and k == 0 else _read(env, v) for k, v in enumerate(eqn.invars)]
             if i in pair_eqn:   # the layer's slice is never materialised: update the stack
                 n = pair_eqn[i]
@@ -199,7 +256,7 @@ def _stacked_cache_scan(op: Op, opts: BuildOptions) -> Callable[..., Sequence[An
 
     def impl(*vals: Any) -> list[Any]:
         consts, init = vals[:nc], vals[nc:nc + ncar]
-        stacked0 = [vals[k] for k, _, _ in pairs]
+        stacked0 = [vals[k] for k, _, _, _ in pairs]
         xs = [vals[i] for i in other_xs]
         avals = [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in (*consts, *init, *stacked0)]
         avals.append(jax.ShapeDtypeStruct((), "int32"))
@@ -222,3 +279,50 @@ def _stacked_cache_scan(op: Op, opts: BuildOptions) -> Callable[..., Sequence[An
         return out
 
     return impl
+
+
+def _stacked_cond(eqn: Any, plist: list[tuple[int, int, int]], vals: list[Any], stacked: list[Any],
+                  layer: Any, per_layer: set[int] = frozenset()) -> list[Any]:
+    """Re-bind a ``cond`` whose branches update layer caches (:func:`_cond_branch_update`) so
+    that each branch writes its new rows into the stacked caches at ``[layer, starts]`` and
+    returns the stacked caches in place of the layer's updated slice (``plist``: (pair, branch
+    operand k, output o)); the layer's slice is read through ``[layer]`` where a branch reads it,
+    and so are the operands in ``per_layer`` (stacked weights passed whole)."""
+    from jax import lax
+    ks = {k: local for local, (_, k, _) in enumerate(plist)}
+    outs_o = {o: local for local, (_, _, o) in enumerate(plist)}
+
+    def branch(br: Any) -> Callable[..., list[Any]]:
+        bj = br.jaxpr
+        dus = {}
+        for j, e in enumerate(bj.eqns):
+            if e.primitive.name == "dynamic_update_slice":
+                k = next((i for i, v in enumerate(bj.invars) if v is e.invars[0]), None)
+                if k in ks:
+                    dus[j] = ks[k]
+
+        def f(stk: tuple, lay: Any, *ops: Any) -> list[Any]:
+            stk_l = list(stk)
+            env: dict[Any, Any] = dict(zip(bj.constvars, br.consts))
+            env.update(zip(bj.invars, (lax.dynamic_index_in_dim(x, lay, 0, keepdims=False) if i in per_layer
+                                       else x for i, x in enumerate(ops))))
+            for j, e in enumerate(bj.eqns):
+                if j in dus:
+                    local = dus[j]
+                    update = _read(env, e.invars[1])
+                    starts = [jnp.asarray(_read(env, v), jnp.int32) for v in e.invars[2:]]
+                    stk_l[local] = lax.dynamic_update_slice(stk_l[local], update[None], (lay, *starts))
+                    env[e.outvars[0]] = lax.dynamic_index_in_dim(stk_l[local], lay, 0, keepdims=False)
+                    continue
+                out = e.primitive.bind(*(_read(env, v) for v in e.invars), **e.params)
+                env.update(zip(e.outvars, out if e.primitive.multiple_results else (out,)))
+            res = [_read(env, v) for v in bj.outvars]
+            for o, local in outs_o.items():
+                res[o] = stk_l[local]
+            return res
+
+        return f
+
+    index, ops = vals[0], vals[1:]
+    fns = [branch(br) for br in eqn.params["branches"]]
+    return list(lax.switch(index, fns, tuple(stacked), layer, *ops))
