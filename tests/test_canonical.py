@@ -6,6 +6,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -103,3 +104,22 @@ def test_other_scatters_untouched():
         opt = vtc_jax.optimize(fn, backend="interpret")
         for pos in (1, T - 1, T + 2, -1):
             _close(opt(x, jnp.int32(pos)), jax.jit(fn)(x, jnp.int32(pos)))
+
+
+@pytest.mark.parametrize("kind", ["input", "computed"])
+def test_whole_update_is_the_update(kind):
+    """A dynamic_update_slice as large as its operand (a prefill filling the cache) is its update,
+    whatever the starts (they clamp to 0); the update may be a graph input itself."""
+    def fn(cache, u, pos):
+        new = u if kind == "input" else jnp.tanh(u) * 2.0
+        cache = lax.dynamic_update_slice(cache, new, (0, pos, 0))
+        return cache, jnp.sum(cache)
+
+    cache = jnp.zeros((2, T, 4), jnp.float32)
+    u = jnp.asarray(np.random.default_rng(1).standard_normal((2, T, 4)), jnp.float32)
+    g = graph.trace(fn, cache, u, jnp.int32(0))
+    assert "dynamic_update_slice" not in [op.primitive for op in g.ops]
+    for donate in ((), (0,)):
+        opt = vtc_jax.optimize(fn, backend="interpret", donate_argnums=donate)
+        for pos in (0, 3, -2, T + 1):
+            _close(opt(jnp.zeros_like(cache), u, jnp.int32(pos)), jax.jit(fn)(cache, u, jnp.int32(pos)))

@@ -21,6 +21,10 @@ Mode ``CLIP`` is ``dynamic_update_slice`` itself (both clamp the window into bou
 guard; ``PROMISE_IN_BOUNDS`` leaves out-of-bounds behaviour undefined, so the guarded form is one
 valid implementation of it.
 
+A ``dynamic_update_slice`` whose update is the whole operand (a prefill writing a prompt as long as
+the cache) is its update: the starts clamp to 0. Spliced in as the update itself, the producer of
+the update writes the new cache directly instead of XLA copying it into the old buffer.
+
 Only a plain ``scatter`` (a set: ``update_jaxpr`` None, no combiner) with a single index vector
 (indices of shape ``(k,)``), no batching dims and the update covering the window in order is
 rewritten; everything else is traced unchanged. The rewrite is a function of the equation alone
@@ -38,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["window_scatter", "rewrite"]
+__all__ = ["window_scatter", "whole_update", "rewrite"]
 
 
 def window_scatter(eqn: jcore.JaxprEqn) -> tuple[tuple[int, ...], tuple[int, ...], bool] | None:
@@ -94,8 +98,22 @@ def _as_update(x: Any, idx: Any, upd: Any, *, window: tuple[int, ...], indexed: 
     return lax.dynamic_update_slice(x, new, start)
 
 
+def whole_update(eqn: jcore.JaxprEqn) -> bool:
+    """A ``dynamic_update_slice`` whose update is as large as its operand: every start clamps to
+    0, so the result *is* the update (XLA's algebraic simplifier folds it the same way)."""
+    if eqn.primitive.name != "dynamic_update_slice" or len(eqn.invars) < 2:
+        return False
+    x, u = eqn.invars[0].aval, eqn.invars[1].aval
+    return (hasattr(x, "shape") and hasattr(u, "shape") and tuple(x.shape) == tuple(u.shape)
+            and x.dtype == u.dtype)
+
+
 def rewrite(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, list[Any]] | None:
     """``(jaxpr, consts)`` computing ``eqn``'s output with primitives VTC handles, or None."""
+    if whole_update(eqn):
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        closed = jax.make_jaxpr(lambda x, u, *starts: u)(*avals)
+        return closed.jaxpr, list(closed.consts)
     form = window_scatter(eqn)
     if form is None:
         return None
