@@ -39,7 +39,10 @@ def models() -> dict:
         "llama_pure (where -inf)": (llama_pure.make_step("where_ninf"), llama_pure.example_args, (2,)),
         "llama_pure (finfo.min)": (llama_pure.make_step("where_finfo"), llama_pure.example_args, (2,)),
         "llama_pure (additive -1e30)": (llama_pure.make_step("additive_1e30"), llama_pure.example_args, (2,)),
+        "llama_pure (real RoPE, where -inf)": (llama_pure.make_step("where_ninf", rope="real"),
+                                                llama_pure.example_args, (2,)),
         "gemma_flax": (gemma_flax.step, gemma_flax.example_args, (2, 3)),
+        "gemma_flax (lax.cond window)": (gemma_flax.step_cond, gemma_flax.example_args, (2, 3)),
         "prefill": (prefill.step, prefill.example_args, (2, 3)),
         "prefill (dot_product_attention)": (prefill.step_sdpa, prefill.example_args, (2, 3)),
     }
