@@ -123,3 +123,37 @@ def test_whole_update_is_the_update(kind):
         opt = vtc_jax.optimize(fn, backend="interpret", donate_argnums=donate)
         for pos in (0, 3, -2, T + 1):
             _close(opt(jnp.zeros_like(cache), u, jnp.int32(pos)), jax.jit(fn)(cache, u, jnp.int32(pos)))
+
+
+@pytest.mark.parametrize("pos", [np.int16(5), np.int16(-20), np.uint32(7), np.uint32(2**32 - 1), np.uint8(200)])
+def test_index_dtypes(pos):
+    """Narrow and unsigned index dtypes: widened, never wrapped into range."""
+    fn = lambda c, v, p: c.at[:, p].set(v)   # noqa: E731
+    c = jnp.arange(2 * T * 3, dtype=jnp.float32).reshape(2, T, 3)
+    v = -jnp.ones((2, 3), jnp.float32)
+    g = graph.trace(fn, c, v, pos)
+    assert "scatter" not in [op.primitive for op in g.ops]
+    np.testing.assert_array_equal(np.asarray(g.evaluate(c, v, pos)[0]), np.asarray(jax.jit(fn)(c, v, pos)))
+
+
+def test_int64_index_not_wrapped():
+    """A 64-bit index beyond int32 is out of range, not wrapped into it (x64 mode, lax.scatter
+    called directly: jnp indexing would narrow the index itself before the scatter)."""
+    dn = lax.ScatterDimensionNumbers(update_window_dims=(0, 1), inserted_window_dims=(1,),
+                                     scatter_dims_to_operand_dims=(1,))
+    fn = lambda c, v, p: lax.scatter(c, p[None], v, dn, mode=lax.GatherScatterMode.FILL_OR_DROP)  # noqa: E731
+    with jax.enable_x64(True):
+        c = jnp.arange(2 * T * 3, dtype=jnp.float32).reshape(2, T, 3)
+        v = -jnp.ones((2, 3), jnp.float32)
+        for pos in (np.int64(3), np.int64(2**32 + 3), np.int64(-2**32 + 3)):
+            g = graph.trace(fn, c, v, jnp.asarray(pos))
+            assert "scatter" not in [op.primitive for op in g.ops]
+            ref = jax.jit(fn)(c, v, jnp.asarray(pos))
+            np.testing.assert_array_equal(np.asarray(g.evaluate(c, v, jnp.asarray(pos))[0]), np.asarray(ref))
+
+
+def test_key_arrays_left_alone():
+    keys = jax.random.split(jax.random.key(0), 4)
+    eqns = [e for e in jax.make_jaxpr(lambda k, i: k.at[i].set(k[0]))(keys, 1).jaxpr.eqns
+            if e.primitive.name == "scatter"]
+    assert eqns and all(canonical.window_scatter(e) is None for e in eqns)

@@ -67,7 +67,8 @@ def window_scatter(eqn: jcore.JaxprEqn) -> tuple[tuple[int, ...], tuple[int, ...
             or not np.issubdtype(np.dtype(idx.dtype), np.integer)
             or tuple(dn.update_window_dims) != tuple(range(len(upd.shape)))
             or len(upd.shape) + len(inserted) != rank or len(set(indexed)) != len(indexed)
-            or not set(inserted) <= set(indexed) or upd.dtype != x.dtype):
+            or not set(inserted) <= set(indexed) or upd.dtype != x.dtype
+            or not isinstance(x.dtype, np.dtype)):   # extended dtypes (PRNG keys): left alone
         return None
     rest = iter(upd.shape)
     window = tuple(1 if d in inserted else int(next(rest)) for d in range(rank))
@@ -86,9 +87,12 @@ def window_scatter(eqn: jcore.JaxprEqn) -> tuple[tuple[int, ...], tuple[int, ...
 def _as_update(x: Any, idx: Any, upd: Any, *, window: tuple[int, ...], indexed: tuple[int, ...],
                guarded: bool) -> Any:
     """The scatter's value as a (guarded) dynamic_update_slice; see the module docstring."""
-    idx = idx.astype(jnp.int32)
+    it = np.dtype(idx.dtype)
+    if it.itemsize < 4:   # widen (never narrow: a 64-bit index cast to int32 could wrap in range)
+        idx, it = idx.astype(jnp.int32), np.dtype(np.int32)
     raw = {d: idx[k] for k, d in enumerate(indexed)}
-    start = [lax.clamp(np.int32(0), raw[d], np.int32(n - w)) if d in raw else np.int32(0)
+    # clamp in the index's own dtype, then int32 (the clamped start always fits)
+    start = [lax.clamp(it.type(0), raw[d], it.type(n - w)).astype(jnp.int32) if d in raw else np.int32(0)
              for d, (n, w) in enumerate(zip(x.shape, window))]
     new = upd.reshape(window)
     if guarded:
