@@ -149,3 +149,19 @@ def test_explain_paper(name):
     assert len(report.movement) > 0
     assert len(report.eliminated) >= ELIMINATED[name], (len(report.eliminated), len(report.movement))
     print(f"{name}: {len(report.eliminated)}/{len(report.movement)} eliminated")
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("pos", [-1, 16, 40])
+def test_llama_cache_out_of_range(pos, donate):
+    """llama_pure's V cache is written by ``.at[:, pos].set`` (a scatter that drops an out-of-range
+    row) and its K cache by ``dynamic_update_slice`` (which clamps it): at a position outside the
+    cache (small context 16) both must still equal jax.jit, with and without donation."""
+    step = llama_pure.make_step("where_ninf")
+    params, x, cache, _ = llama_pure.example_args("small")
+    p = jnp.int32(pos)
+    ref = jax.jit(step)(params, x, _copy(cache), p)
+    opt = vtc_jax.optimize(step, backend="interpret", donate_argnums=(2,) if donate else ())
+    check_close(opt(params, x, _copy(cache), p), ref)
+    if pos >= 16:   # the dropped V row: the V cache comes back unchanged
+        np.testing.assert_array_equal(np.asarray(ref[1].v), np.asarray(cache.v))
