@@ -157,3 +157,20 @@ def test_key_arrays_left_alone():
     eqns = [e for e in jax.make_jaxpr(lambda k, i: k.at[i].set(k[0]))(keys, 1).jaxpr.eqns
             if e.primitive.name == "scatter"]
     assert eqns and all(canonical.window_scatter(e) is None for e in eqns)
+
+
+def test_transpose_of_transpose_is_one_transpose():
+    """Consecutive transposes fold into one (the identity vanishes); an inner transpose another op
+    reads stays; values equal jax.jit."""
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 3, 4, 5)), jnp.float32)
+    cases = [
+        (lambda a: jnp.tanh(a.transpose(3, 0, 2, 1).transpose(1, 2, 3, 0)), 1),
+        (lambda a: jnp.tanh(a.transpose(1, 0, 2, 3).transpose(1, 0, 2, 3)), 0),      # identity
+        (lambda a: jnp.tanh(a.transpose(0, 2, 1, 3).transpose(0, 1, 3, 2).transpose(3, 2, 1, 0)), 1),
+        (lambda a: (lambda t: (jnp.tanh(t.transpose(0, 1, 3, 2)), t * 2))(a.transpose(0, 2, 1, 3)), 2),
+    ]
+    for fn, n in cases:
+        g = graph.trace(fn, x)
+        assert [op.primitive for op in g.ops].count("transpose") == n
+        _close(g.evaluate(x), jax.jit(fn)(x))
+        _close(vtc_jax.optimize(fn, backend="interpret")(x), jax.jit(fn)(x))

@@ -126,3 +126,24 @@ def rewrite(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, list[Any]] | None:
     closed = jax.make_jaxpr(lambda x, i, u: _as_update(x, i, u, window=window, indexed=indexed,
                                                        guarded=guarded))(*avals)
     return closed.jaxpr, list(closed.consts)
+
+
+def fold_transposes(eqn: jcore.JaxprEqn, inner: jcore.JaxprEqn | None) -> tuple[jcore.Jaxpr, list[Any]] | None:
+    """``transpose(transpose(x, p1), p2)`` as the one ``transpose(x, p1∘p2)`` (a jaxpr taking ``x``,
+    the identity when the composition is), or None when ``eqn`` is not a transpose of a transpose.
+
+    Why: ``jax.nn.dot_product_attention`` (GQA) transposes its output twice; as two ops the greedy
+    can take the first one's read edge and leave the second to XLA, while one transpose is a
+    single edge the attention kernel writes through. XLA's algebraic simplifier folds the same
+    pair. The inner transpose stays if anything else reads it (dead-code elimination drops it
+    otherwise)."""
+    if eqn.primitive.name != "transpose" or inner is None or inner.primitive.name != "transpose":
+        return None
+    p1, p2 = tuple(inner.params["permutation"]), tuple(eqn.params["permutation"])
+    perm = tuple(int(p1[j]) for j in p2)
+    x = inner.invars[0].aval
+    if perm == tuple(range(len(perm))):
+        closed = jax.make_jaxpr(lambda a: a)(jax.ShapeDtypeStruct(x.shape, x.dtype))
+    else:
+        closed = jax.make_jaxpr(lambda a: lax.transpose(a, perm))(jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return closed.jaxpr, list(closed.consts)
