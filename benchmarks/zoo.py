@@ -44,7 +44,42 @@ def models() -> dict:
         "gemma_flax": (gemma_flax.step, gemma_flax.example_args, (2, 3)),
         "gemma_flax (lax.cond window)": (gemma_flax.step_cond, gemma_flax.example_args, (2, 3)),
         "prefill": (prefill.step, prefill.example_args, (2, 3)),
-        "prefill (dot_product_attention)": (
+        "prefill (dot_product_attention)": (prefill.step_sdpa, prefill.example_args, (2, 3)),
+    }
+    out.update({f"vision {n}": (s, a, ()) for n, (s, a) in vision.MODELS.items()})
+    return out
+
+
+# What is left in each model and why (checked by hand against explain() and the lowered module;
+# keep in step with the code: a row whose figures change needs its note re-checked).
+_LLAMA = ("K: the RoPE runs in XLA (complex64 has no Triton type) and a one-op convert kernel writes "
+          "the rotated row into the cache; V: `.at[:, pos].set` is traced as a guarded update "
+          "(canonical.py: an out-of-range pos writes back the old window, as `.at[].set` drops it) "
+          "and a pointwise select kernel writes the row in place — not the V projection's kernel, "
+          "because cluster.py grows a matmul epilogue only through elementwise ops, and a reshape "
+          "and slice sit between the projection and the select")
+NOTES = {
+    "llama_pure (where -inf)": _LLAMA,
+    "llama_pure (finfo.min)": _LLAMA,
+    "llama_pure (additive -1e30)": _LLAMA,
+    "llama_pure (real RoPE, where -inf)": (
+        "the control: RoPE is a kernel; K still reaches the cache through a one-op convert kernel "
+        "(the stack + reshape after the rotation split the clusters) and V through the guarded "
+        "select kernel, as above"),
+    "gemma_flax": (
+        "V is `kv[1]` of the fused K/V einsum, a static slice of the dot's output: a slice offers "
+        "only a read edge (its input's other half would have no home), so no kernel produces V "
+        "alone and XLA writes the row into the cache in place (update size, as jit). Checked: "
+        "merging the two slices into a split and taking the K/V transpose's write edge instead "
+        "of its read edge removes it — a cost-model choice (strategy), not made here"),
+    "gemma_flax (lax.cond window)": (
+        "the window's `lax.cond` sits between the QK matmul and the softmax, so no attention "
+        "template: the attention runs as its parts (QK and PV matmul kernels reading the cache, the "
+        "cond's body optimised on its own, a softmax reduction kernel) with the scores "
+        "(B, KV, G, T) in memory; the V cache write as gemma_flax"),
+    "prefill": "none (the cache is as long as the prompt: its update is the update, written by the "
+               "K/V projection kernels)",
+    "prefill (dot_product_attention)": (
         "none: jax's GQA einsum emits the attention output as (B, KV, D, G, S) and transposes it "
         "twice; the two are traced as one transpose (canonical.py), which the attention kernel "
         "writes its output through (a Type II write edge: the cost model's pick)"),
