@@ -136,7 +136,10 @@ def render(rows: list[list[str]]) -> str:
              "state carrying an `nnx.Rngs` key); Llama-3-8B / "
              "Gemma-2-9B sizes, batch 16, context 4096, bf16; caches donated. Counts from the analysis and the "
              "CUDA-lowered StableHLO (`movement_into_consumers`, distinct (op, result type) pairs: a movement op whose result reaches a kernel, a "
-             "dot or a function result; activation size = at least 4,096 elements). Every model equals "
+             "dot or a function result; activation size = at least 4,096 elements). Movement ops are counted in "
+             "the traced graph, after `vtc_jax/canonical.py`'s forms (a one-window scatter is a guarded "
+             "dynamic_update_slice, a whole-operand update is its update, two transposes are one). The last "
+             "column is checked by hand against `explain()` and the lowered module. Every model equals "
              "`jax.jit` at small size in four modes (plain, donated, vmap, nested jit): `tests/test_zoo.py`.", "",
              "| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
