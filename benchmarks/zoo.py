@@ -39,12 +39,57 @@ def models() -> dict:
         "llama_pure (where -inf)": (llama_pure.make_step("where_ninf"), llama_pure.example_args, (2,)),
         "llama_pure (finfo.min)": (llama_pure.make_step("where_finfo"), llama_pure.example_args, (2,)),
         "llama_pure (additive -1e30)": (llama_pure.make_step("additive_1e30"), llama_pure.example_args, (2,)),
+        "llama_pure (real RoPE, where -inf)": (llama_pure.make_step("where_ninf", rope="real"),
+                                                llama_pure.example_args, (2,)),
         "gemma_flax": (gemma_flax.step, gemma_flax.example_args, (2, 3)),
+        "gemma_flax (lax.cond window)": (gemma_flax.step_cond, gemma_flax.example_args, (2, 3)),
         "prefill": (prefill.step, prefill.example_args, (2, 3)),
         "prefill (dot_product_attention)": (prefill.step_sdpa, prefill.example_args, (2, 3)),
     }
     out.update({f"vision {n}": (s, a, ()) for n, (s, a) in vision.MODELS.items()})
     return out
+
+
+# What is left in each model and why (checked by hand against explain() and the lowered module;
+# keep in step with the code: a row whose figures change needs its note re-checked).
+_LLAMA = ("K: the RoPE runs in XLA (complex64 has no Triton type) and a one-op convert kernel writes "
+          "the rotated row into the cache; V: `.at[:, pos].set` is traced as a guarded update "
+          "(canonical.py: an out-of-range pos writes back the old window, as `.at[].set` drops it) "
+          "and a pointwise select kernel writes the row in place — not the V projection's kernel, "
+          "because cluster.py grows a matmul epilogue only through elementwise ops, and a reshape "
+          "and slice sit between the projection and the select")
+NOTES = {
+    "llama_pure (where -inf)": _LLAMA,
+    "llama_pure (finfo.min)": _LLAMA,
+    "llama_pure (additive -1e30)": _LLAMA,
+    "llama_pure (real RoPE, where -inf)": (
+        "the control: RoPE is a kernel; K still reaches the cache through a one-op convert kernel "
+        "(the stack + reshape after the rotation split the clusters) and V through the guarded "
+        "select kernel, as above"),
+    "gemma_flax": (
+        "V is `kv[1]` of the fused K/V einsum, a static slice of the dot's output: a slice offers "
+        "only a read edge (its input's other half would have no home), so no kernel produces V "
+        "alone and XLA writes the row into the cache in place (update size, as jit). Checked: "
+        "merging the two slices into a split and taking the K/V transpose's write edge instead "
+        "of its read edge removes it — a cost-model choice (strategy), not made here"),
+    "gemma_flax (lax.cond window)": (
+        "the window's `lax.cond` sits between the QK matmul and the softmax, so no attention "
+        "template: the attention runs as its parts (QK and PV matmul kernels reading the cache, the "
+        "cond's body optimised on its own, a softmax reduction kernel) with the scores "
+        "(B, KV, G, T) in memory; the V cache write as gemma_flax"),
+    "prefill": "none (the cache is as long as the prompt: its update is the update, written by the "
+               "K/V projection kernels)",
+    "prefill (dot_product_attention)": (
+        "none: jax's GQA einsum emits the attention output as (B, KV, D, G, S) and transposes it "
+        "twice; the two are traced as one transpose (canonical.py), which the attention kernel "
+        "writes its output through (a Type II write edge: the cost model's pick)"),
+    "vision shufflenet": (
+        "the unit's result is a function output and half of it is the input's untouched half: "
+        "moving that half into the interleaved output is a compulsory copy (no kernel computes "
+        "it); VTC leaves it, with the branch's half that its last kernel wrote, to this one XLA "
+        "transpose — the one jit has"),
+    "vision shufflenet_state": "as shufflenet",
+}
 
 
 def _big(ty: str) -> bool:
@@ -76,19 +121,25 @@ def row(name: str, step, example_args, donate) -> list[str]:
         if a or b:
             left.append(f"{op} {a} → {b}")
     return [name, f"{len(report.movement)} / {len(report.eliminated)}", ", ".join(attn) or "-",
-            "; ".join(left) or "none", "; ".join(xla) or "none"]
+            "; ".join(left) or "none", "; ".join(xla) or "none", NOTES.get(name, "none")]
 
 
 def render(rows: list[list[str]]) -> str:
     head = ["zoo model", "movement ops in jaxpr / eliminated", "attention served by",
-            "activation-size movement into consumers, jit → VTC (CUDA module)", "clusters left to XLA (reason)"]
+            "activation-size movement into consumers, jit → VTC (CUDA module)", "clusters left to XLA (reason)",
+            "what is left and why"]
     lines = [BEGIN, "## The model zoo at paper size (tests/zoo)", "",
              "`JAX_PLATFORMS=cpu python benchmarks/zoo.py`. Models written the way JAX users write them "
-             "(pure JAX with complex RoPE and `jnp.repeat` GQA, flax.linen Gemma-2, prefill with a `tril` mask "
-             "and `jax.nn.dot_product_attention`, flax.nnx / equinox vision blocks under `vmap`); Llama-3-8B / "
+             "(pure JAX with complex RoPE — and a real-RoPE control — and `jnp.repeat` GQA, flax.linen Gemma-2 "
+             "— also with its sliding window under `lax.cond`, prefill with a `tril` mask "
+             "and `jax.nn.dot_product_attention`, flax.nnx / equinox vision blocks under `vmap`, an nnx "
+             "state carrying an `nnx.Rngs` key); Llama-3-8B / "
              "Gemma-2-9B sizes, batch 16, context 4096, bf16; caches donated. Counts from the analysis and the "
              "CUDA-lowered StableHLO (`movement_into_consumers`, distinct (op, result type) pairs: a movement op whose result reaches a kernel, a "
-             "dot or a function result; activation size = at least 4,096 elements). Every model equals "
+             "dot or a function result; activation size = at least 4,096 elements). Movement ops are counted in "
+             "the traced graph, after `vtc_jax/canonical.py`'s forms (a one-window scatter is a guarded "
+             "dynamic_update_slice, a whole-operand update is its update, two transposes are one). The last "
+             "column is checked by hand against `explain()` and the lowered module. Every model equals "
              "`jax.jit` at small size in four modes (plain, donated, vmap, nested jit): `tests/test_zoo.py`.", "",
              "| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]

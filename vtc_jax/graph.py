@@ -3,7 +3,10 @@
 Why a graph of our own instead of the jaxpr: later stages need dense tensor ids, producer/consumer
 lookups and one flat op list. Call-like primitives (`jit`, `custom_jvp_call`, `remat2`, ...) only
 wrap ordinary ops, so they are inlined; primitives with their own semantics (control flow, ...) stay
-single ops with `opaque_reason` set. Tracing goes through `jax.make_jaxpr`, which only needs shapes
+single ops with `opaque_reason` set. A few equations are spliced in as an equivalent canonical form
+(`canonical.rewrite`: a one-window scatter becomes a guarded dynamic_update_slice;
+`canonical.fold_transposes`: a transpose of a transpose is one transpose). Tracing goes
+through `jax.make_jaxpr`, which only needs shapes
 and dtypes, so `jax.ShapeDtypeStruct` arguments describe paper-size models without allocating.
 """
 from __future__ import annotations
@@ -17,6 +20,8 @@ import jax
 import jax.extend.core as jcore
 import numpy as np
 from jax.tree_util import PyTreeDef
+
+from . import canonical
 
 # Call-like primitives whose body is spliced into the graph, and the param holding that body.
 # custom_jvp/custom_vjp calls keep only the primal computation (what the forward pass executes).
@@ -147,6 +152,7 @@ class _Builder:
     def __init__(self) -> None:
         self.tensors: list[tuple[tuple[int, ...], np.dtype, object | None]] = []
         self.ops: list[_RawOp] = []
+        self.producers: dict[int, _RawOp] = {}   # tensor -> the op writing it (canonical folds)
 
     def tensor(self, aval: Any, const: object | None = None) -> int:
         dtype = as_dtype(getattr(aval, "dtype", None))
@@ -167,12 +173,18 @@ class _Builder:
         env.update(zip(jaxpr.invars, args))
         for eqn in jaxpr.eqns:
             ins = [self.read(env, a) for a in eqn.invars]
-            body = _inlined_body(eqn)
+            body = _inlined_body(eqn) or canonical.rewrite(eqn)
+            inner = self.producers.get(ins[0]) if body is None and ins else None
+            folded = canonical.fold_transposes(eqn, inner.eqn if inner else None)
+            if folded is not None:
+                body, ins = folded, [inner.inputs[0]]
             if body is not None:
                 outs = self.inline(body[0], body[1], ins)
             else:
                 outs = [self.tensor(v.aval) for v in eqn.outvars]
-                self.ops.append(_RawOp(eqn, tuple(ins), tuple(outs)))
+                raw = _RawOp(eqn, tuple(ins), tuple(outs))
+                self.ops.append(raw)
+                self.producers.update((t, raw) for t in outs)
             env.update(zip(eqn.outvars, outs))
         return [self.read(env, a) for a in jaxpr.outvars]
 

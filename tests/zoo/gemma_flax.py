@@ -10,6 +10,8 @@ output merge ``reshape`` + ``DenseGeneral`` over two axes; tanh-GELU gate from a
 ``[2, d, f]`` weight split by indexing; pre/post RMS norms around attention and MLP.
 
 The sliding window is ``T // 2`` of the cache length ``T``, so that it masks at both sizes.
+``step_cond`` applies it under ``lax.cond(pos >= window, ...)`` instead (control flow: the cond's
+body is optimised on its own, the scores stay physical at its boundary).
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ class GemmaBlock(nn.Module):
     num_kv_heads: int
     head_dim: int
     ffn: int
+    window_style: str = "where"   # "where" | "cond"
 
     @nn.compact
     def __call__(self, x, k_cache, v_cache, pos):
@@ -80,8 +83,14 @@ class GemmaBlock(nn.Module):
         logits = jnp.tanh(logits / SOFT_CAP) * SOFT_CAP
         window = t // 2
         idx = jnp.arange(t)
-        allowed = (idx <= pos) & (idx > pos - window)
-        logits = jnp.where(allowed[None, None, None, :], logits, K_MASK)
+        if self.window_style == "where":
+            allowed = (idx <= pos) & (idx > pos - window)
+            logits = jnp.where(allowed[None, None, None, :], logits, K_MASK)
+        else:   # "cond": the window is applied only once pos has passed it, under lax.cond
+            logits = jnp.where((idx <= pos)[None, None, None, :], logits, K_MASK)
+            logits = lax.cond(pos >= window,
+                              lambda s: jnp.where((idx > pos - window)[None, None, None, :], s, K_MASK),
+                              lambda s: s, logits)
         probs = jax.nn.softmax(logits, axis=-1).astype(DTYPE)
         enc = jnp.einsum("bkgt,btkh->bkgh", probs, v_cache).reshape(b, self.num_heads, hd)
         attn = nn.DenseGeneral(d, axis=(-2, -1), use_bias=False, dtype=DTYPE, param_dtype=DTYPE,
@@ -99,16 +108,21 @@ class GemmaBlock(nn.Module):
         return x, k_cache, v_cache
 
 
-def _block_of(params, k_cache) -> GemmaBlock:
+def _block_of(params, k_cache, window_style: str = "where") -> GemmaBlock:
     _, n_heads, hd = params["q_proj"]["kernel"].shape
     n_kv = k_cache.shape[2]
     ffn = params["gating_einsum"].shape[-1]
-    return GemmaBlock(n_heads, n_kv, hd, ffn)
+    return GemmaBlock(n_heads, n_kv, hd, ffn, window_style)
 
 
 def step(params, x, k_cache, v_cache, pos):
     """One Gemma-2 layer for one new token per sequence: ``(x, k_cache, v_cache)``."""
     return _block_of(params, k_cache).apply({"params": params}, x, k_cache, v_cache, pos)
+
+
+def step_cond(params, x, k_cache, v_cache, pos):
+    """The same layer with the sliding window applied under ``lax.cond`` (once ``pos`` passed it)."""
+    return _block_of(params, k_cache, "cond").apply({"params": params}, x, k_cache, v_cache, pos)
 
 
 def example_args(size: str = "small", seed: int = 0):

@@ -8,8 +8,9 @@ value einsums, output transpose + ``reshape`` merge, ``with_sharding_constraint`
 (identity on one device), and a position mask by ``jnp.where`` (-inf / finfo.min) or an additive
 -1e30 bias. Scores are scaled by ``/ jnp.sqrt(head_dim)``.
 
-``make_step(mask)`` builds a ``step(params, x, cache, pos) -> (out, cache)`` for one mask variant;
-``step`` is the ``"where_ninf"`` one.
+``make_step(mask, rope)`` builds a ``step(params, x, cache, pos) -> (out, cache)`` for one mask
+variant; ``step`` is the ``"where_ninf"`` one. ``rope="real"`` rotates the pairs with real cos/sin
+instead of complex numbers (the control: the complex clusters have no Triton type and run in XLA).
 """
 from __future__ import annotations
 
@@ -70,9 +71,26 @@ def apply_rope(x, pos):
     return out.astype(x.dtype)
 
 
-def make_step(mask: str = "where_ninf"):
+def apply_rope_real(x, pos):
+    """The same rotation of adjacent pairs (2i, 2i+1) with real cos/sin: the control for the
+    complex path (same movement ops around it, no complex dtype)."""
+    d = x.shape[-1]
+    freqs = 1.0 / (ROPE_THETA ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles = pos.astype(jnp.float32) * freqs                     # (D/2,)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    xp = x.astype(jnp.float32).reshape(*x.shape[:-1], d // 2, 2)
+    a, b = xp[..., 0], xp[..., 1]
+    out = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(x.shape)
+    return out.astype(x.dtype)
+
+
+ROPES = {"complex": apply_rope, "real": apply_rope_real}
+
+
+def make_step(mask: str = "where_ninf", rope: str = "complex"):
     if mask not in MASKS:
         raise ValueError(f"mask must be one of {MASKS}, got {mask!r}")
+    rope_fn = ROPES[rope]
 
     def step(params, x, cache: KVCache, pos):
         b, d_model = x.shape
@@ -82,7 +100,7 @@ def make_step(mask: str = "where_ninf"):
         q = (h @ params["wq"]).reshape(b, 1, n_heads, hd)
         k = (h @ params["wk"]).reshape(b, 1, n_kv, hd)
         v = (h @ params["wv"]).reshape(b, 1, n_kv, hd)
-        q, k = apply_rope(q, pos), apply_rope(k, pos)
+        q, k = rope_fn(q, pos), rope_fn(k, pos)
         q = constrain(q)
         new_k = lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, pos, 0, 0))
         new_v = cache.v.at[:, pos].set(v[:, 0].astype(cache.v.dtype))
@@ -109,7 +127,7 @@ def make_step(mask: str = "where_ninf"):
         ffn = (jax.nn.silu(h @ params["w1"]) * (h @ params["w3"])) @ params["w2"]
         return x + ffn, cache
 
-    step.__name__ = f"llama_pure_{mask}"
+    step.__name__ = f"llama_pure_{mask}" + ("" if rope == "complex" else f"_{rope}rope")
     return step
 
 

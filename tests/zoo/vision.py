@@ -6,6 +6,9 @@ modules are pytrees of arrays), each with a PRNG key made inside ``step`` for an
   of the channels, 1x1 conv → depthwise 3x3 conv (``feature_group_count``) → 1x1 conv on one half,
   ``jnp.concatenate`` with the other, channel shuffle by ``reshape`` (H, W, 2, C/2) → ``transpose``
   → ``reshape``; ``nnx.Dropout(deterministic=True)`` with ``nnx.Rngs(jax.random.PRNGKey(0))``.
+* ``shufflenet_state`` — the same unit (plus eval-mode ``nnx.BatchNorm``s, whole batch at once) as
+  ``nnx.split`` hands it over: ``step(state, x)`` merges it inside, and ``state`` carries the
+  Dropout's ``nnx.Rngs`` stream (a typed PRNG key and a counter) next to the params.
 * ``c3k2`` — a YOLOv11 C3k2-like block in ``equinox`` (CHW per sample): 1x1 conv to 2c,
   ``jnp.split`` in two, a chain of two Bottlenecks (3x3 conv, 3x3 conv, residual) on the last
   piece, each output appended, ``jnp.concatenate`` of all pieces, 1x1 conv; SiLU; an
@@ -66,6 +69,64 @@ def args_shufflenet(size: str = "small", seed: int = 0):
         return model, jax.ShapeDtypeStruct((b, hw, hw, c), dt)
     model = ShuffleUnit(c, dtype=dt, rngs=nnx.Rngs(seed))
     return model, jax.random.normal(jax.random.PRNGKey(seed + 1), (b, hw, hw, c), dt)
+
+
+class ShuffleUnitKeyed(nnx.Module):
+    """The unit as ``nnx.split`` hands it to a jitted step: eval-mode BatchNorms after each conv and
+    a Dropout holding its own ``nnx.Rngs`` stream, so the *state* argument carries a typed PRNG key
+    and a counter next to the params and statistics (extended-dtype graph inputs)."""
+
+    def __init__(self, channels: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        c = channels // 2
+        kw = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.pw1 = nnx.Conv(c, c, (1, 1), use_bias=False, **kw)
+        self.bn1 = nnx.BatchNorm(c, use_running_average=True, **kw)
+        self.dw = nnx.Conv(c, c, (3, 3), padding="SAME", feature_group_count=c, use_bias=False, **kw)
+        self.bn2 = nnx.BatchNorm(c, use_running_average=True, **kw)
+        self.pw2 = nnx.Conv(c, c, (1, 1), use_bias=False, **kw)
+        self.bn3 = nnx.BatchNorm(c, use_running_average=True, **kw)
+        self.drop = nnx.Dropout(0.1, deterministic=True, rngs=rngs)
+
+    def __call__(self, x):                              # x: (B, H, W, C), the whole batch
+        x1, x2 = jnp.split(x, 2, axis=-1)
+        y = nnx.relu(self.bn1(self.pw1(x2)))
+        y = self.bn2(self.dw(y))
+        y = nnx.relu(self.bn3(self.pw2(y)))
+        out = jnp.concatenate([x1, y], axis=-1)
+        b, h, w, ch = out.shape
+        out = jnp.swapaxes(out.reshape(b, h, w, 2, ch // 2), 3, 4).reshape(b, h, w, ch)
+        return self.drop(out)
+
+
+_KEYED_GRAPHDEFS: dict = {}   # (channels, dtype) -> nnx GraphDef (static structure, not an argument)
+
+
+def step_shufflenet_state(state, x):
+    """``nnx.merge`` of the split state inside the step (how nnx models enter ``jax.jit``)."""
+    key = (x.shape[-1], jnp.dtype(x.dtype))
+    if key not in _KEYED_GRAPHDEFS:
+        args_shufflenet_state("small" if x.shape[-1] != 116 else "paper")
+    return nnx.merge(_KEYED_GRAPHDEFS[key], state)(x)
+
+
+def args_shufflenet_state(size: str = "small", seed: int = 0):
+    c, hw, b, dt = {"small": (8, 6, 2, jnp.float32), "paper": (116, 28, PAPER_BATCH, jnp.bfloat16)}[size]
+
+    def make():
+        m = ShuffleUnitKeyed(c, dtype=dt, rngs=nnx.Rngs(seed))
+        if size == "small":   # non-trivial eval-mode statistics
+            k = jax.random.split(jax.random.PRNGKey(seed + 2), 4)
+            for i, bn in enumerate((m.bn1, m.bn2, m.bn3)):
+                bn.mean[...] = (0.1 * jax.random.normal(k[i], bn.mean[...].shape)).astype(dt)
+                bn.var[...] = (1.0 + jax.random.uniform(k[3], bn.var[...].shape)).astype(dt)
+        return m
+
+    graphdef, state = nnx.split(make() if size == "small" else nnx.eval_shape(make))
+    _KEYED_GRAPHDEFS[(c, jnp.dtype(dt))] = graphdef
+    if size == "paper":
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state), \
+            jax.ShapeDtypeStruct((b, hw, hw, c), dt)
+    return state, jax.random.normal(jax.random.PRNGKey(seed + 1), (b, hw, hw, c), dt)
 
 
 # ---- YOLOv11 C3k2-like block (equinox) ------------------------------------------------------
@@ -182,6 +243,7 @@ def args_linattn(size: str = "small", seed: int = 0):
 
 MODELS = {
     "shufflenet": (step_shufflenet, args_shufflenet),
+    "shufflenet_state": (step_shufflenet_state, args_shufflenet_state),
     "c3k2": (step_c3k2, args_c3k2),
     "linattn": (step_linattn, args_linattn),
 }

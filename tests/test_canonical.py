@@ -1,0 +1,176 @@
+"""canonical.rewrite: a one-window scatter (``cache.at[:, pos].set(row)``) traced as a guarded
+dynamic_update_slice — equal to ``jax.jit`` for every position, out-of-range ones included
+(``.at[].set`` drops them, ``dynamic_update_slice`` would clamp), and no scatter left in the
+CUDA-lowered module."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+import pytest
+
+import vtc_jax
+from vtc_jax import canonical, graph
+from vtc_jax.testing import cross_lower
+
+T = 8
+# every position a step can be called with: in range, one past each end, far out, negative
+POSITIONS = (0, 3, T - 1, T, T + 5, -1, -T, -T - 1, 2**31 - 1, -2**31)
+
+
+def _decode(cache, h, w, pos):
+    v = (h @ w).reshape(h.shape[0], cache.shape[2], cache.shape[3])
+    cache = cache.at[:, pos].set(jnp.tanh(v))
+    return jnp.sum(cache, axis=1), cache
+
+
+def _args(seed=0):
+    rng = np.random.default_rng(seed)
+    cache = jnp.asarray(rng.standard_normal((2, T, 2, 8)), jnp.float32)
+    h = jnp.asarray(rng.standard_normal((2, 16)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((16, 16)) * 0.25, jnp.float32)
+    return cache, h, w
+
+
+def _close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+
+
+def test_scatter_traced_as_update():
+    g = graph.trace(_decode, *_args(), jnp.int32(3))
+    prims = [op.primitive for op in g.ops]
+    assert "scatter" not in prims and "dynamic_update_slice" in prims
+    # the graph still computes exactly what the function does, out of range too
+    for pos in POSITIONS:
+        _close(g.evaluate(*jax.tree.leaves((_args(), jnp.int32(pos)))), jax.jit(_decode)(*_args(), jnp.int32(pos)))
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_scatter_cache_matches_jit(donate):
+    opt = vtc_jax.optimize(_decode, backend="interpret", donate_argnums=(0,) if donate else ())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", vtc_jax.VTCFallbackWarning)
+        for pos in POSITIONS:
+            ref = jax.jit(_decode)(*_args(), jnp.int32(pos))
+            out = opt(*_args(), jnp.int32(pos))   # fresh buffers: donation may consume them
+            _close(out, ref)
+            if pos in (T, -T - 1):                # dropped: the cache comes back unchanged
+                np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(_args()[0]))
+
+
+def test_scatter_cache_no_scatter_in_cuda_module():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mod = cross_lower(vtc_jax.optimize(_decode, backend="triton", donate_argnums=(0,)), *_args(), jnp.int32(3))
+        ref = cross_lower(jax.jit(_decode, donate_argnums=(0,)), *_args(), jnp.int32(3))
+    assert ref.count("stablehlo.scatter") == 1
+    assert mod.count("stablehlo.scatter") == 0
+
+
+@pytest.mark.parametrize("form", ["two_indices", "row", "clip", "promise", "vector_update"])
+def test_scatter_forms_match_jit(form):
+    """Other one-window forms: several indexed dims, a whole row, mode clip/promise_in_bounds."""
+    x = jnp.arange(2 * T * 3 * 4, dtype=jnp.float32).reshape(2, T, 3, 4)
+    if form == "two_indices":
+        fn, u = (lambda x, u, p: x.at[:, p, 1].set(u * 2)), jnp.ones((2, 4))
+    elif form == "row":
+        fn, u = (lambda x, u, p: x.at[p].set(u - 1)), jnp.ones((T, 3, 4))
+    elif form == "clip":
+        fn, u = (lambda x, u, p: x.at[:, p].set(u + 1, mode="clip")), jnp.ones((2, 3, 4))
+    elif form == "promise":
+        fn, u = (lambda x, u, p: x.at[:, p].set(u + 1, mode="promise_in_bounds")), jnp.ones((2, 3, 4))
+    else:   # a window narrower than the operand in a non-indexed dim is not this form
+        fn, u = (lambda x, u, p: x.at[:, p, :, 1:3].set(u + 1)), jnp.ones((2, 3, 2))
+    positions = (0, 5, T - 1) if form == "promise" else POSITIONS   # promise: out of range undefined
+    opt = vtc_jax.optimize(fn, backend="interpret")
+    for pos in positions:
+        p = jnp.int32(pos)
+        if form == "row" and abs(pos) > 2 * T:
+            continue   # x.at[p] with p past int32 wrapping: same rule, covered above
+        _close(opt(x, u, p), jax.jit(fn)(x, u, p))
+
+
+def test_other_scatters_untouched():
+    """Scatters that are not one window (several indices, a combiner) stay scatters, still correct."""
+    x = jnp.arange(T * 4, dtype=jnp.float32).reshape(T, 4)
+    fns = [lambda x, i: x.at[jnp.stack([i, i + 1])].set(1.0),      # two index vectors
+           lambda x, i: x.at[i].add(1.0),                            # scatter-add
+           lambda x, i: x.at[i].mul(3.0)]                            # scatter-mul
+    for fn in fns:
+        eqn = [e for e in jax.make_jaxpr(fn)(x, jnp.int32(1)).jaxpr.eqns if "scatter" in e.primitive.name][0]
+        assert canonical.window_scatter(eqn) is None
+        opt = vtc_jax.optimize(fn, backend="interpret")
+        for pos in (1, T - 1, T + 2, -1):
+            _close(opt(x, jnp.int32(pos)), jax.jit(fn)(x, jnp.int32(pos)))
+
+
+@pytest.mark.parametrize("kind", ["input", "computed"])
+def test_whole_update_is_the_update(kind):
+    """A dynamic_update_slice as large as its operand (a prefill filling the cache) is its update,
+    whatever the starts (they clamp to 0); the update may be a graph input itself."""
+    def fn(cache, u, pos):
+        new = u if kind == "input" else jnp.tanh(u) * 2.0
+        cache = lax.dynamic_update_slice(cache, new, (0, pos, 0))
+        return cache, jnp.sum(cache)
+
+    cache = jnp.zeros((2, T, 4), jnp.float32)
+    u = jnp.asarray(np.random.default_rng(1).standard_normal((2, T, 4)), jnp.float32)
+    g = graph.trace(fn, cache, u, jnp.int32(0))
+    assert "dynamic_update_slice" not in [op.primitive for op in g.ops]
+    for donate in ((), (0,)):
+        opt = vtc_jax.optimize(fn, backend="interpret", donate_argnums=donate)
+        for pos in (0, 3, -2, T + 1):
+            _close(opt(jnp.zeros_like(cache), u, jnp.int32(pos)), jax.jit(fn)(cache, u, jnp.int32(pos)))
+
+
+@pytest.mark.parametrize("pos", [np.int16(5), np.int16(-20), np.uint32(7), np.uint32(2**32 - 1), np.uint8(200)])
+def test_index_dtypes(pos):
+    """Narrow and unsigned index dtypes: widened, never wrapped into range."""
+    fn = lambda c, v, p: c.at[:, p].set(v)   # noqa: E731
+    c = jnp.arange(2 * T * 3, dtype=jnp.float32).reshape(2, T, 3)
+    v = -jnp.ones((2, 3), jnp.float32)
+    g = graph.trace(fn, c, v, pos)
+    assert "scatter" not in [op.primitive for op in g.ops]
+    np.testing.assert_array_equal(np.asarray(g.evaluate(c, v, pos)[0]), np.asarray(jax.jit(fn)(c, v, pos)))
+
+
+def test_int64_index_not_wrapped():
+    """A 64-bit index beyond int32 is out of range, not wrapped into it (x64 mode, lax.scatter
+    called directly: jnp indexing would narrow the index itself before the scatter)."""
+    dn = lax.ScatterDimensionNumbers(update_window_dims=(0, 1), inserted_window_dims=(1,),
+                                     scatter_dims_to_operand_dims=(1,))
+    fn = lambda c, v, p: lax.scatter(c, p[None], v, dn, mode=lax.GatherScatterMode.FILL_OR_DROP)  # noqa: E731
+    with jax.enable_x64(True):
+        c = jnp.arange(2 * T * 3, dtype=jnp.float32).reshape(2, T, 3)
+        v = -jnp.ones((2, 3), jnp.float32)
+        for pos in (np.int64(3), np.int64(2**32 + 3), np.int64(-2**32 + 3)):
+            g = graph.trace(fn, c, v, jnp.asarray(pos))
+            assert "scatter" not in [op.primitive for op in g.ops]
+            ref = jax.jit(fn)(c, v, jnp.asarray(pos))
+            np.testing.assert_array_equal(np.asarray(g.evaluate(c, v, jnp.asarray(pos))[0]), np.asarray(ref))
+
+
+def test_key_arrays_left_alone():
+    keys = jax.random.split(jax.random.key(0), 4)
+    eqns = [e for e in jax.make_jaxpr(lambda k, i: k.at[i].set(k[0]))(keys, 1).jaxpr.eqns
+            if e.primitive.name == "scatter"]
+    assert eqns and all(canonical.window_scatter(e) is None for e in eqns)
+
+
+def test_transpose_of_transpose_is_one_transpose():
+    """Consecutive transposes fold into one (the identity vanishes); an inner transpose another op
+    reads stays; values equal jax.jit."""
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 3, 4, 5)), jnp.float32)
+    cases = [
+        (lambda a: jnp.tanh(a.transpose(3, 0, 2, 1).transpose(1, 2, 3, 0)), 1),
+        (lambda a: jnp.tanh(a.transpose(1, 0, 2, 3).transpose(1, 0, 2, 3)), 0),      # identity
+        (lambda a: jnp.tanh(a.transpose(0, 2, 1, 3).transpose(0, 1, 3, 2).transpose(3, 2, 1, 0)), 1),
+        (lambda a: (lambda t: (jnp.tanh(t.transpose(0, 1, 3, 2)), t * 2))(a.transpose(0, 2, 1, 3)), 2),
+    ]
+    for fn, n in cases:
+        g = graph.trace(fn, x)
+        assert [op.primitive for op in g.ops].count("transpose") == n
+        _close(g.evaluate(x), jax.jit(fn)(x))
+        _close(vtc_jax.optimize(fn, backend="interpret")(x), jax.jit(fn)(x))
