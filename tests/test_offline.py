@@ -61,3 +61,23 @@ def test_compile_program_in_place_update_counts_the_update_only():
     assert x.in_place_bytes == 64 * 1024 * 4       # the cache: updated in place, not counted
     assert x.write_bytes == 1024 * 4               # the row written
     assert p.memory["alias_size_in_bytes"] == 64 * 1024 * 4
+
+
+def test_launch_reading_one_result_of_a_multi_output_call_is_charged_that_result():
+    """XLA prints ``get-tuple-element(%call), index=k`` as the operand ``%call#k``: a fusion reading
+    the small result of a Pallas call that also returns a whole KV cache must be charged the small
+    result, not the tuple (the compiled tables overstated VTC's bytes by the cache size)."""
+    from vtc_jax.offline import _launches
+    hlo = """ENTRY %main (p0: f32[1024], p1: f32[64,1024]) -> (f32[16], f32[64,1024]) {
+  %p0 = f32[1024]{0} parameter(0)
+  %p1 = f32[64,1024]{1,0} parameter(1)
+  %call = (f32[16]{0}, f32[64,1024]{1,0}) custom-call(%p0, %p1), custom_call_target="__gpu$xla.gpu.triton"
+  %bitcast.1 = f32[64,1024]{1,0} bitcast(%call#1)
+  %loop_fusion = f32[16]{0} fusion(%call#0), kind=kLoop, calls=%fused
+  ROOT %tuple = (f32[16]{0}, f32[64,1024]{1,0}) tuple(%loop_fusion, %bitcast.1)
+}
+"""
+    thunks = ("001: kCustomKernel [source | sink] loop_fusion grid: [1, 1, 1] threads: [128, 1, 1]"
+              "  shared_memory: 0 bytes\n")
+    [x] = _launches(hlo, thunks)
+    assert x.name == "loop_fusion" and x.read_bytes == 16 * 4 and x.write_bytes == 16 * 4

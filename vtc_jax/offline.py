@@ -232,7 +232,9 @@ def _parse_instr(line: str) -> _Instr | None:
     if not op:
         return None
     k = _balanced(rest, op.end() - 1)
-    operands = tuple(re.findall(r"%([\w.\-]+)", rest[op.end():k - 1]))
+    # "%pallas_call.14#1" is XLA's short form of get-tuple-element(%pallas_call.14), index=1: kept
+    # whole so that a launch reading one result of a multi-output call is charged that result only
+    operands = tuple(re.findall(r"%([\w.\-]+(?:#\d+)?)", rest[op.end():k - 1]))
     return _Instr(m.group(1), shape, op.group(1), operands, rest[k:], rest[op.end():k - 1])
 
 
@@ -325,12 +327,16 @@ def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
     by_name = {i.name: i for i in entry}
 
     def value(name: str, index: int | None = None) -> tuple[str, int | None]:
+        name, hash_, k = name.partition("#")
+        index = int(k) if hash_ else index
         ins = by_name.get(name)
         while ins is not None and ins.opcode in ("bitcast", "get-tuple-element", "copy-done"):
             if ins.opcode == "get-tuple-element":
                 m = re.search(r"index=(\d+)", ins.attrs)
                 index = int(m.group(1)) if m else 0
-            ins = by_name.get(ins.operands[0])
+            nxt, hash_, k = ins.operands[0].partition("#")
+            index = int(k) if hash_ else index
+            ins = by_name.get(nxt)
             name = ins.name if ins else name
         return name, index
 
