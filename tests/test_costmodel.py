@@ -358,3 +358,67 @@ def test_llama_decode_layer_end_to_end(donate):
         assert all(g.tensors[x].size == 4096 * 8 * 128 for x in s.layout(o.outputs[0]).targets)
     assert m["bytes_optimized"] < 0.7 * m["bytes_baseline"]
     assert m["peak_optimized"] < m["peak_baseline"]
+
+
+# ---- xla_fuses: pointwise work XLA fuses better than one Pallas kernel per cluster -------------
+
+def _xla_fuses(fn, *args):
+    from vtc_jax.costmodel import xla_fuses
+    from vtc_jax.templates import match_all
+    g = trace(fn, *args)
+    cl = cluster(g)
+    return g, cl, xla_fuses(g, cl, match_all(g, cl, None))
+
+
+def _rope(x, cos, sin):
+    d = x.shape[-1]
+    xf = x.astype(jnp.float32)
+    rot = jnp.concatenate([-xf[..., d // 2:], xf[..., : d // 2]], axis=-1)
+    return (xf * cos + rot * sin).astype(x.dtype)
+
+
+def test_xla_fuses_a_pointwise_island_joined_by_movement():
+    """RoPE clusters into convert·mul, neg and mul·add joined by two slices and a concat: three
+    Pallas kernels where XLA's compile emits one concatenate fusion. All three go to XLA, and the
+    optimised program still equals jax.jit."""
+    import vtc_jax
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 1, 4, 16)), jnp.bfloat16)
+    cos, sin = jnp.cos(jnp.arange(16.0)), jnp.sin(jnp.arange(16.0))
+    g, cl, fused = _xla_fuses(_rope, x, cos, sin)
+    pw = {c.id for c in cl if c.kind == "pointwise"}
+    assert len(pw) == 3 and set(fused) == pw, (pw, fused)
+    assert all("loop fusion" in why for why in fused.values())
+    f = vtc_jax.optimize(_rope, backend="interpret")
+    np.testing.assert_array_equal(np.asarray(f(x, cos, sin), np.float32),
+                                  np.asarray(jax.jit(_rope)(x, cos, sin), np.float32))
+    a, lowered = f.last
+    assert a.xla_fused == frozenset(pw) and not lowered.kernels
+
+
+def test_xla_fuses_a_lone_cast_but_not_a_lone_pointwise_kernel():
+    """A cluster made only of a cast (a norm weight bf16→f32) is folded by XLA into its consumer's
+    fusion; a lone pointwise cluster with real arithmetic (an island of one) keeps its kernel:
+    one launch either way, and it can still read through a map."""
+    def fn(x, w, y):
+        wf = w.astype(jnp.float32)                       # lone cast
+        h = jnp.sum(x * wf, axis=-1)                      # reduction consumer
+        z = jnp.exp(jnp.transpose(y)) * 2.0               # lone pointwise behind a transpose
+        return h, z
+    x, w, y = jnp.ones((4, 8)), jnp.ones((8,), jnp.bfloat16), jnp.ones((8, 4))
+    g, cl, fused = _xla_fuses(fn, x, w, y)
+    casts = [c.id for c in cl if c.kind == "pointwise"
+             and all(g.ops[o].primitive == "convert_element_type" for o in c.ops)]
+    exp = [c.id for c in cl if c.kind == "pointwise" and any(g.ops[o].primitive == "exp" for o in c.ops)]
+    assert casts and all("only casts" in fused[k] for k in casts), (casts, fused)
+    assert exp and not set(exp) & set(fused), (exp, fused)
+
+
+def test_xla_fusion_off_keeps_the_kernels():
+    """``CostModel(xla_fusion=False)`` plans as before (every matched cluster may become a kernel)."""
+    from vtc_jax.api import analyze
+    x = jnp.ones((2, 1, 4, 16), jnp.bfloat16)
+    cos, sin = jnp.cos(jnp.arange(16.0)), jnp.sin(jnp.arange(16.0))
+    on = analyze(_rope, (x, cos, sin), {})
+    off = analyze(_rope, (x, cos, sin), {}, cost_model=CostModel(xla_fusion=False))
+    assert on.xla_fused and not off.xla_fused
+    assert all(type(off.matches[k]).__name__ == "Match" for k in on.xla_fused)

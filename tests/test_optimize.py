@@ -42,7 +42,14 @@ def test_llama_layer_equals_jit(dtype, tol, batch):
     assert _max_rel(out, ref) <= tol
     _, lowered = f.last
     kinds = {k.split()[0] for k in lowered.kernels}
-    assert {"matmul", "attention", "pointwise"} <= kinds, lowered.kernels
+    assert {"matmul", "attention"} <= kinds, lowered.kernels
+    # RoPE (three pointwise clusters joined by slices and a concat) is XLA's: one loop fusion there,
+    # three Pallas kernels here (costmodel.xla_fuses); no RoPE op is in a Pallas kernel
+    a, _ = f.last
+    rope = {c.id for c in a.clusters if c.kind == "pointwise"
+            and any(a.graph.ops[o].primitive == "neg" for o in c.ops)}
+    assert rope and rope <= a.xla_fused, (rope, a.xla_fused)
+    assert not any(k.startswith("pointwise cluster #%d " % c) for c in rope for k in lowered.kernels)
     assert not lowered.fallbacks
     assert len(lowered.skipped) >= 10  # movement ops nobody executes
 
@@ -59,9 +66,16 @@ def test_paper_size_lowering_leaves_no_movement(batch):
             text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     base = cross_lower(jax.jit(L.step, donate_argnums=(2, 3)), *args)
     assert base.movement_into_consumers(), "the baseline should have movement feeding dots/results"
-    assert opt.movement_into_consumers() == []
-    for op in ("transpose", "concatenate", "dynamic_update_slice", "slice", "dynamic_slice", "pad",
-               "reverse", "gather", "scatter"):
+    # the one movement left reaching a kernel or a result: the RoPE'd K row written into its cache
+    # in place, by XLA's dynamic_update_slice fused with RoPE (one launch, as a Pallas kernel was);
+    # RoPE's own slices/concats are XLA's loop fusion (costmodel.xla_fuses). V goes straight from
+    # the QKV matmul into its cache; every transpose and the GQA repeat are gone.
+    cache = "tensor<%dx4096x8x128xbf16>" % batch
+    assert sorted(opt.movement_into_consumers()) == [
+        ("stablehlo.dynamic_update_slice", "function result", cache),
+        ("stablehlo.dynamic_update_slice", "triton kernel", cache)]
+    assert opt.count("stablehlo.dynamic_update_slice") == 1
+    for op in ("transpose", "dynamic_slice", "pad", "reverse", "gather", "scatter"):
         assert opt.count(f"stablehlo.{op}") == 0, op
     assert len(opt.triton_kernels) >= 3
     assert "tf.aliasing_output = 1" in text and "tf.aliasing_output = 2" in text  # K and V caches

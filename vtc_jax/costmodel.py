@@ -65,8 +65,8 @@ import numpy as np
 
 from .indexmap import Dim, FloorDiv, Layout, Mod
 from .movement import Edge
-from .primitives import data_inputs, inplace_operand, is_view
-from .templates import TEMPLATES
+from .primitives import Kind, data_inputs, inplace_operand, is_view
+from .templates import TEMPLATES, Match
 from .vtog import VTOG, box_volume, piece_group
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ if TYPE_CHECKING:
     from .graph import Graph, Op
     from .strategy import Strategy
 
-__all__ = ["GPU", "GPUS", "CostModel", "modeled_bytes", "access_penalty", "piece_penalty", "LIBRARY_KINDS"]
+__all__ = ["GPU", "GPUS", "CostModel", "modeled_bytes", "xla_fuses", "access_penalty", "piece_penalty", "LIBRARY_KINDS"]
 
 INF = float("inf")
 LIBRARY_KINDS = frozenset(str(k) for k, t in TEMPLATES.items() if t.library)   # XLA: cuBLAS / cuDNN
@@ -420,6 +420,7 @@ class CostModel:
     gpu: GPU = GPUS["h100-sxm"]
     objective: str = "latency"
     library_efficiency: float = 0.85
+    xla_fusion: bool = True   # leave to XLA the pointwise clusters it fuses better (xla_fuses)
     _bound: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -640,3 +641,86 @@ def modeled_bytes(*args: Any, **kwargs: Any) -> dict[str, int]:
     """Moved to :func:`vtc_jax.accounting.modeled_bytes` (whole-program accounting)."""
     from .accounting import modeled_bytes as impl
     return impl(*args, **kwargs)
+
+
+# Primitives a pointwise cluster may consist of and still be "only a cast": XLA fuses such a cluster
+# into whatever fusion produces or consumes its tensors, so a kernel of its own is a pure loss.
+_CAST_ONLY = frozenset({"convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
+                        "expand_dims", "copy", "copy_p"})
+
+
+def xla_fuses(graph: "Graph", clusters: Sequence["Cluster"], matches: Mapping[int, Any]) -> dict[int, str]:
+    """Pointwise clusters better left to XLA than made Pallas kernels: ``{cluster id: why}``.
+
+    Why: every Pallas kernel is an opaque custom call that XLA fuses nothing into, while XLA itself
+    fuses element-wise ops *together with* the slices, concats, broadcasts, reshapes and transposes
+    between them (a loop fusion reads its operands through the movement ops' index maps — what VTC
+    does for compute kernels). So for element-wise work the virtual tensors VTC would introduce buy
+    nothing XLA does not already get, and the lowering's one-kernel-per-cluster costs launches
+    (found in XLA's H100 compile, BENCHMARKS.md: RoPE became six Pallas kernels where XLA emits one
+    concatenate fusion, and a lone bf16→f32 cast of a norm weight became a kernel XLA folds into
+    the norm's reduction fusion). Two rules, both structural (no size threshold, so small test
+    programs and paper-size ones are planned alike):
+
+    * **pointwise islands** — matched pointwise clusters connected to each other only through
+      movement clusters (RoPE: convert/mul, neg and mul/add joined by slices and a concat): VTC
+      would launch one kernel per cluster, XLA one loop fusion for the island. All of them go to
+      XLA. A lone pointwise cluster (an island of one) keeps its kernel: one launch either way, and
+      its virtual reads can still save a copy XLA would make.
+    * **lone casts** — a pointwise cluster made only of casts/broadcasts/reshapes: XLA fuses it
+      into its producer's or consumer's fusion (zero launches); a kernel costs one.
+
+    Clusters the templates already rejected are not listed (they go to XLA anyway).
+    """
+    cl_of_tensor: dict[int, "Cluster"] = {}
+    for c in clusters:
+        for t in c.outputs:
+            cl_of_tensor[t] = c
+    ops = {op.id: op for op in graph.ops}
+    kernels = {c.id: c for c in clusters
+               if c.kind == Kind.POINTWISE and isinstance(matches.get(c.id), Match)}
+    parent = {k: k for k in kernels}
+
+    def find(k: int) -> int:
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    def upstream_kernels(t: int, seen: set[int]) -> set[int]:
+        """Pointwise kernels reachable from tensor ``t`` upwards through movement clusters only."""
+        c = cl_of_tensor.get(t)
+        if c is None or c.id in seen:
+            return set()
+        seen.add(c.id)
+        if c.id in kernels:
+            return {c.id}
+        if c.kind != Kind.MOVEMENT:
+            return set()
+        found: set[int] = set()
+        for o in c.ops:
+            for x in data_inputs(ops[o]):
+                found |= upstream_kernels(x, seen)
+        return found
+
+    for k, c in kernels.items():
+        for t in c.inputs:
+            p = cl_of_tensor.get(t)
+            if p is None or p.kind != Kind.MOVEMENT:
+                continue   # a direct pointwise→pointwise edge would have been one cluster
+            for q in upstream_kernels(t, set()):
+                parent[find(q)] = find(k)
+    islands: dict[int, list[int]] = {}
+    for k in kernels:
+        islands.setdefault(find(k), []).append(k)
+    out: dict[int, str] = {}
+    for members in islands.values():
+        if len(members) > 1:
+            for k in members:
+                out[k] = (f"XLA fuses it with {len(members) - 1} more pointwise cluster(s) "
+                          f"({', '.join(f'#{m}' for m in sorted(members) if m != k)}) and the movement "
+                          "between them into one loop fusion; Pallas would launch one kernel each")
+    for k, c in kernels.items():
+        if k not in out and all(ops[o].primitive in _CAST_ONLY for o in c.ops):
+            out[k] = "only casts/broadcasts: XLA fuses it into a neighbouring fusion (no launch of its own)"
+    return out
