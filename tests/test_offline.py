@@ -81,3 +81,17 @@ def test_launch_reading_one_result_of_a_multi_output_call_is_charged_that_result
               "  shared_memory: 0 bytes\n")
     [x] = _launches(hlo, thunks)
     assert x.name == "loop_fusion" and x.read_bytes == 16 * 4 and x.write_bytes == 16 * 4
+
+
+def test_cudnn_convolution_thunks_are_charged_their_operands():
+    """A kConvolution thunk prints no instruction name; it is the next cuDNN custom call in the
+    scheduled ENTRY. Unmatched, every jit conv counted 0 bytes (shufflenet's jit looked cheaper
+    than VTC's Pallas convs that were counted)."""
+    x = jax.ShapeDtypeStruct((2, 8, 16, 16), jnp.float32)
+    w = jax.ShapeDtypeStruct((8, 8, 3, 3), jnp.float32)
+    conv = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME")
+    p = compile_program(conv, x, w, kernels=False)
+    convs = [l for l in p.launches if l.kind == "kConvolution"]
+    assert convs, p.thunks
+    assert sum(c.read_bytes for c in convs) >= 8 * 8 * 9 * 4          # at least the filter
+    assert sum(c.write_bytes for c in convs) >= 2 * 8 * 16 * 16 * 4   # the output
