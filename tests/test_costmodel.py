@@ -130,7 +130,7 @@ def test_access_penalty():
 
 
 def test_library_loss_charged_once_per_cluster():
-    n = 64
+    n = 128   # M > 64: the compute regime (decode shapes: test_decode_gemm_loss_is_bandwidth_based)
 
     def fn(a, b):
         x, y = jnp.sin(a), jnp.cos(b)
@@ -327,7 +327,7 @@ def test_greedy_total_is_the_modelled_saving():
 @pytest.mark.parametrize("donate", [False, True])
 def test_llama_decode_layer_end_to_end(donate):
     """Paper-size Llama-3-8B decode layer (shapes only): every movement op but the cache updates
-    is eliminated (all of them once the caches are donated), the GQA repeat is read through the
+    and the QKV split (its decode GEMM stays XLA's) is eliminated (all of them once the caches are donated), the GQA repeat is read through the
     index map (no Expand buffer), and the greedy's total equals the modelled saving."""
     import sys
     from pathlib import Path
@@ -346,8 +346,12 @@ def test_llama_decode_layer_end_to_end(donate):
     left = [g.ops[c.ops[0]].primitive for k, c in enumerate(cl)
             if c.kind == "movement" and _cluster_cost(ctx, k, lay, by_op, lambda k: 0.0).launches]
     # the caches are returned updated in place (in-place edges), so no update op is left; without
-    # donation the copy XLA makes of each input cache is charged in bytes instead
-    assert left == []
+    # donation the copy XLA makes of each input cache is charged in bytes instead. The QKV split
+    # stays: writing its pieces from the GEMM would make the M = 1 projection a Pallas kernel,
+    # slower than XLA's GEMM (decode_gemm_loss), and XLA fuses the split into its consumers
+    assert left == ["split"]
+    split = next(o for o in g.ops if o.primitive == "split" and g.tensors[o.inputs[0]].shape[-1] == 6144)
+    assert not s.is_virtual(split.inputs[0])
     if not donate:
         donated = modeled_bytes(g, cl, s, donated=g.inputs[-3:-1])
         assert m["bytes_optimized"] > donated["bytes_optimized"]
@@ -422,3 +426,43 @@ def test_xla_fusion_off_keeps_the_kernels():
     off = analyze(_rope, (x, cos, sin), {}, cost_model=CostModel(xla_fusion=False))
     assert on.xla_fused and not off.xla_fused
     assert all(type(off.matches[k]).__name__ == "Match" for k in on.xla_fused)
+
+
+# ---- decode GEMMs: the library loss is bandwidth-based ---------------------------------------
+
+def test_decode_gemm_loss_is_bandwidth_based():
+    """Llama-3-8B's QKV projection at M = 16 (bf16 4096×6144, 48 MiB of weights): the flop-based
+    loss is ~0.1 µs; the template's launch keeps too few bytes in flight to stream at HBM
+    bandwidth, so the loss is microseconds — more than the launches and copies the movement
+    around it costs — and the greedy keeps XLA's GEMM. A prefill-sized GEMM has no such loss."""
+    from vtc_jax.costmodel import decode_gemm_loss, template_gemm_inflight
+    m, n, k = 16, 6144, 4096
+    flop_loss = 0.15 * 2 * m * n * k / H100.peak_flops_bf16
+    assert flop_loss < 0.2e-6
+    weights = k * n * 2 / BW                                   # ~15 µs at HBM bandwidth
+    ctas, per_cta = template_gemm_inflight(1, m, n, k, 2, 2, H100.sms)
+    nbytes = m * k * 2 + k * n * 2
+    inflight = min(ctas, H100.sms) * per_cta
+    loss = decode_gemm_loss(H100, 1, m, n, k, 2, 2)
+    assert loss == pytest.approx(max(0.0, max(nbytes / BW, nbytes * H100.hbm_latency / inflight)
+                                     - max(nbytes / BW, H100.hbm_latency)))
+    if inflight < BW * H100.hbm_latency:          # the template cannot fill HBM: a real loss
+        assert loss > 10 * LAUNCH and loss > 0.1 * weights
+    assert decode_gemm_loss(H100, 1, 4096, n, k, 2, 2) == 0.0   # M = 4096: flop regime
+    assert decode_gemm_loss(H100, 1, 8, 64, 32, 4, 4) == 0.0     # one K tile, all in flight: one latency
+
+
+def test_decode_gemm_keeps_xlas_gemm_when_the_template_streams_slower():
+    """A decode QKV projection feeding a split and a reshape: with the bandwidth loss the greedy
+    leaves the GEMM to XLA (nothing around it virtual) unless the template streams as fast."""
+    from vtc_jax.costmodel import decode_gemm_loss
+    def fn(h, w):
+        qkv = h @ w
+        q, k = jnp.split(qkv, 2, axis=-1)
+        return q.reshape(16, 8, 128), k.reshape(16, 8, 128) * 2.0
+    h, w = jax.ShapeDtypeStruct((16, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)
+    g, cl, v = setup(fn, h, w)
+    s = greedy(v, CostModel().bind(v, g, cl))
+    mm = next(c for c in cl if c.kind == "matmul")
+    touched = any(s.is_virtual(t) for t in (*mm.inputs, *mm.outputs))   # lower's kernel criterion
+    assert (decode_gemm_loss(H100, 1, 16, 2048, 4096, 2, 2) > 0) == (not touched)

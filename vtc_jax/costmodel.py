@@ -33,7 +33,10 @@ tensors whose layout changes), so one evaluation costs a few map compositions, n
   is what makes Type II edges (paper §4.3) cost something and Type I free.
 * **Library loss.** A matmul / conv cluster that touches a virtual tensor becomes a Pallas kernel
   instead of a cuBLAS / cuDNN call: ``(1 - library_efficiency) · flops / peak_flops(dtype)``,
-  charged once per cluster (on the first edge that makes it touch a virtual tensor).
+  charged once per cluster (on the first edge that makes it touch a virtual tensor). A decode
+  GEMM (``m ≤ 64``) is bandwidth-bound, so its loss is the larger of that and
+  :func:`decode_gemm_loss` (the template's bandwidth from its loads in flight vs XLA's at HBM
+  bandwidth): the greedy keeps XLA's GEMM unless the template's launch streams as fast.
 * **Memory objective.** ``w(e)`` is the bytes of ``e.src`` covered by ``e.box`` (its buffer is no
   longer needed).
 
@@ -97,6 +100,8 @@ class GPU:
     memory_bytes: int = 0
     sector_bytes: int = 32
     line_bytes: int = 128
+    sms: int = 132                 # streaming multiprocessors (H100 SXM; only decode GEMMs use it)
+    hbm_latency: float = 0.8e-6    # s, a load's round trip under load: Little's law for bandwidth
 
     def peak_flops(self, dtype: Any) -> float:
         return self.peak_flops_f32 if np.dtype(dtype).itemsize >= 4 else self.peak_flops_bf16
@@ -175,6 +180,63 @@ def access_penalty(layout: Layout | None, itemsize: int, sector: int = 32,
 # Static per-graph facts
 # --------------------------------------------------------------------------------------------
 
+DECODE_MAX_M = 64   # a GEMM with at most this many rows streams its weights: bandwidth-bound
+
+
+def _gemm_shape(graph: "Graph", c: "Cluster") -> tuple[int, int, int, int, int, int] | None:
+    """``(batch, m, n, k, lhs itemsize, rhs itemsize)`` of a matmul cluster's dot (None if none)."""
+    op = next((graph.ops[o] for o in c.ops if graph.ops[o].primitive == "dot_general"), None)
+    if op is None:
+        return None
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    lhs, rhs = graph.tensors[op.inputs[0]], graph.tensors[op.inputs[1]]
+    batch = math.prod(lhs.shape[d] for d in lb)
+    k = math.prod(lhs.shape[d] for d in lc)
+    m = math.prod(s for d, s in enumerate(lhs.shape) if d not in lc and d not in lb)
+    n = math.prod(s for d, s in enumerate(rhs.shape) if d not in rc and d not in rb)
+    return batch, m, n, k, lhs.dtype.itemsize, rhs.dtype.itemsize
+
+
+def template_gemm_inflight(batch: int, m: int, n: int, k: int, a_itemsize: int, b_itemsize: int,
+                           sms: int) -> tuple[int, int]:
+    """``(CTAs, operand bytes each CTA keeps in flight)`` of the matmul template's launch.
+
+    Read from ``kernels/tiling.py`` when it describes the launch (``gemm_config``: split-K, deeper
+    pipelines for decode shapes); otherwise the template's plain tiling: ``choose_blocks`` (64×64
+    output tiles, bk 32), one program per output tile, 2 pipeline stages (one K tile in flight).
+    """
+    from .kernels import tiling
+    cfg_fn = getattr(tiling, "gemm_config", None)
+    if cfg_fn is not None:
+        cfg = cfg_fn(m, n, k, batch=batch, a_itemsize=a_itemsize, b_itemsize=b_itemsize, sms=sms)
+        return cfg.ctas, cfg.tiles_in_flight * cfg.tile_bytes
+    bm, bn, bk = tiling.choose_blocks(m, n, k)
+    ctas = batch * tiling.cdiv(m, bm) * tiling.cdiv(n, bn)
+    return ctas, bk * (bm * a_itemsize + bn * b_itemsize)
+
+
+def decode_gemm_loss(gpu: GPU, batch: int, m: int, n: int, k: int, a_itemsize: int, b_itemsize: int) -> float:
+    """Seconds the matmul template loses against XLA's GEMM on a decode-shaped GEMM (``m ≤ 64``).
+
+    Why not flops: such a GEMM does almost no math — it streams its weights once, so its time is
+    ``bytes / achieved bandwidth``, and the flop-based loss (``(1 - eff) · flops / peak``) calls an
+    M = 16 projection's loss 0.1 µs where the kernel is tens of µs slower. XLA's GEMM for these
+    shapes (split-K Triton gemm fusions / cuBLAS GEMV) is taken to run at HBM bandwidth. The
+    template reaches only what its loads in flight allow (Little's law): ``min(CTAs, SMs) ·
+    bytes in flight per CTA / HBM latency``. Llama-3-8B's QKV projection at M = 16 without split-K:
+    96 CTAs × 8 KB in flight ≈ 0.8 MB, a third of the ~2.7 MB that 3.35 TB/s × 0.8 µs needs.
+    """
+    if m > DECODE_MAX_M:
+        return 0.0
+    nbytes = batch * (m * k * a_itemsize + k * n * b_itemsize)
+    ctas, per_cta = template_gemm_inflight(batch, m, n, k, a_itemsize, b_itemsize, gpu.sms)
+    stream = nbytes / gpu.hbm_bandwidth
+    xla = max(stream, gpu.hbm_latency)                 # everything in flight a GPU can keep
+    inflight = min(nbytes, min(ctas, gpu.sms) * per_cta)
+    template = max(stream, nbytes * gpu.hbm_latency / max(inflight, 1))
+    return max(0.0, template - xla)
+
+
 def _flops(op: "Op", graph: "Graph") -> int:
     out = graph.tensors[op.outputs[0]]
     if op.primitive == "dot_general":
@@ -236,6 +298,8 @@ class _Ctx:
                       for k, c in enumerate(self.clusters) if c.kind in LIBRARY_KINDS}
         self.flop_dtype = {k: graph.tensors[graph.ops[c.ops[0]].outputs[0]].dtype
                            for k, c in enumerate(self.clusters) if c.kind in LIBRARY_KINDS}
+        self.gemm = {k: g for k, c in enumerate(self.clusters) if c.kind == "matmul"
+                     for g in [_gemm_shape(graph, c)] if g is not None}
         self.edge_bytes: list[int] = []
         self.by_op: dict[int, list[int]] = {}
         if vtog is not None:
@@ -470,7 +534,12 @@ class CostModel:
 
     def _lib_loss(self, ctx: _Ctx) -> Callable[[int], float]:
         loss = 1.0 - self.library_efficiency
-        return lambda k: loss * ctx.flops.get(k, 0) / self.gpu.peak_flops(ctx.flop_dtype.get(k, np.float32))
+
+        def lib(k: int) -> float:
+            compute = loss * ctx.flops.get(k, 0) / self.gpu.peak_flops(ctx.flop_dtype.get(k, np.float32))
+            g = ctx.gemm.get(k)
+            return compute if g is None else max(compute, decode_gemm_loss(self.gpu, *g))
+        return lib
 
 
 class BoundCostModel:
@@ -480,6 +549,21 @@ class BoundCostModel:
         self.model, self.ctx, self.vtog = model, ctx, ctx.vtog
         self.state = _State(ctx)
         self.lib = model._lib_loss(ctx)
+
+    def time(self, strategy: "Strategy") -> float:
+        """Modelled seconds of the whole program under ``strategy`` (latency objective; bytes
+        under the memory objective are not a time, so there it is 0 and every strategy ties).
+
+        Why: ``strategy.plan``'s completion passes add edges the greedy never priced (a producer
+        writing every output of a split, a view next to a kernel); one of them can turn a library
+        GEMM into a Pallas kernel (a decode projection written straight into the KV cache), which
+        the greedy itself would have refused. ``plan`` keeps such an addition only if this does
+        not go up."""
+        if self.model.objective != "latency":
+            return 0.0
+        lay, by_op = _strategy_oracles(strategy)
+        return sum(self.model.seconds(_cluster_cost(self.ctx, k, lay, by_op, self.lib))
+                   for k in range(len(self.ctx.clusters)))
 
     def __call__(self, edge: Edge | int, chosen: frozenset[int]) -> float:
         i = edge if isinstance(edge, int) else self.vtog.index(edge)

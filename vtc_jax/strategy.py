@@ -621,10 +621,22 @@ def plan(vtog: VTOG, graph: "Graph", clusters: Sequence["Cluster"], savings: Sav
     Pass order and why: ``complete_inplace`` (an update written by its producer needs its output
     to be the operand's buffer), ``complete_views`` (free views next to kernels vanish),
     ``physical_inplace`` (only a physical operand may be updated in place), ``producer_writes``
-    for movement ops whose outputs nobody would produce, and views once more.
+    for movement ops whose outputs nobody would produce, and views once more. When ``savings``
+    is a bound cost model (``.time``), a pass's additions are kept only if the modelled program
+    is not slower: the passes add edges the greedy never priced.
     """
-    s = complete_inplace(greedy(vtog, savings))
-    s = physical_inplace(complete_views(s, graph, _kept_edge_ops(graph, vtog, s)))
+    time = getattr(savings, "time", None)   # the bound cost model's whole-program time, if any
+
+    def priced(before: Strategy, after: Strategy) -> Strategy:
+        """``after`` unless the cost model says it is slower (a pass must not undo a refusal of
+        the greedy's, e.g. turn a decode GEMM into a Pallas kernel: costmodel.decode_gemm_loss)."""
+        if after is before or time is None:
+            return after
+        return after if time(after) <= time(before) * (1 + 1e-12) + 1e-15 else before
+
+    g = greedy(vtog, savings)
+    s = priced(g, complete_inplace(g))
+    s = physical_inplace(priced(s, complete_views(s, graph, _kept_edge_ops(graph, vtog, s))))
     gone = eliminated_ops(graph, s)
     for c in clusters:
         if c.kind != "movement":
@@ -634,8 +646,8 @@ def plan(vtog: VTOG, graph: "Graph", clusters: Sequence["Cluster"], savings: Sav
             if oid in gone or any(e.inplace and e.op == oid for e in s.points_to(op.outputs[0])):
                 continue
             if any(e.direction == Direction.WRITE for o in op.outputs for e in s.points_to(o)):
-                s = producer_writes(s, oid)
-    s = complete_views(s, graph, _kept_edge_ops(graph, vtog, s))
+                s = priced(s, producer_writes(s, oid))
+    s = priced(s, complete_views(s, graph, _kept_edge_ops(graph, vtog, s)))
     return resolve(s, graph, clusters)
 
 
