@@ -449,6 +449,7 @@ def test_decode_gemm_loss_is_bandwidth_based():
     if inflight < BW * H100.hbm_latency:          # the template cannot fill HBM: a real loss
         assert loss > 10 * LAUNCH and loss > 0.1 * weights
     assert decode_gemm_loss(H100, 1, 4096, n, k, 2, 2) == 0.0   # M = 4096: flop regime
+    assert decode_gemm_loss(H100, 512, 17, 16, 4096, 4, 4) == 0.0  # batched per-head products
     assert decode_gemm_loss(H100, 1, 8, 64, 32, 4, 4) == 0.0     # one K tile, all in flight: one latency
 
 

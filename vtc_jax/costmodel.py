@@ -221,12 +221,16 @@ def decode_gemm_loss(gpu: GPU, batch: int, m: int, n: int, k: int, a_itemsize: i
     Why not flops: such a GEMM does almost no math — it streams its weights once, so its time is
     ``bytes / achieved bandwidth``, and the flop-based loss (``(1 - eff) · flops / peak``) calls an
     M = 16 projection's loss 0.1 µs where the kernel is tens of µs slower. XLA's GEMM for these
-    shapes (split-K Triton gemm fusions / cuBLAS GEMV) is taken to run at HBM bandwidth. The
-    template reaches only what its loads in flight allow (Little's law): ``min(CTAs, SMs) ·
-    bytes in flight per CTA / HBM latency``. Llama-3-8B's QKV projection at M = 16 without split-K:
-    96 CTAs × 8 KB in flight ≈ 0.8 MB, a third of the ~2.7 MB that 3.35 TB/s × 0.8 µs needs.
+    shapes (split-K Triton gemm fusions / cuBLAS GEMV) is taken to run at HBM bandwidth, and no
+    faster than one HBM latency. The template reaches only what its loads in flight allow
+    (Little's law): ``min(CTAs, SMs) · bytes in flight per CTA / HBM latency``. Llama-3-8B's QKV
+    projection at M = 16 without split-K: 96 CTAs × 8 KB in flight ≈ 0.8 MB, a third of the
+    ~2.7 MB that 3.35 TB/s × 0.8 µs needs. A GEMM small enough to be in flight at once takes one
+    latency either way (no loss). Batched GEMMs (per-head products: EfficientViT's linear
+    attention) are not weight-streaming projections and give the template one program per batch
+    element: no loss beyond the flop term.
     """
-    if m > DECODE_MAX_M:
+    if m > DECODE_MAX_M or batch > 1:
         return 0.0
     nbytes = batch * (m * k * a_itemsize + k * n * b_itemsize)
     ctas, per_cta = template_gemm_inflight(batch, m, n, k, a_itemsize, b_itemsize, gpu.sms)

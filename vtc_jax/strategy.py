@@ -622,21 +622,22 @@ def plan(vtog: VTOG, graph: "Graph", clusters: Sequence["Cluster"], savings: Sav
     to be the operand's buffer), ``complete_views`` (free views next to kernels vanish),
     ``physical_inplace`` (only a physical operand may be updated in place), ``producer_writes``
     for movement ops whose outputs nobody would produce, and views once more. When ``savings``
-    is a bound cost model (``.time``), a pass's additions are kept only if the modelled program
-    is not slower: the passes add edges the greedy never priced.
+    is a bound cost model (``.time``), ``producer_writes``'s additions are kept only if the
+    modelled program is not slower: it makes a producer write every output of a split, which can
+    turn a library GEMM the greedy left alone into a Pallas kernel (views and in-place edges are
+    free by construction and stay unpriced).
     """
     time = getattr(savings, "time", None)   # the bound cost model's whole-program time, if any
 
     def priced(before: Strategy, after: Strategy) -> Strategy:
-        """``after`` unless the cost model says it is slower (a pass must not undo a refusal of
+        """``after`` unless the cost model says it is slower (the pass must not undo a refusal of
         the greedy's, e.g. turn a decode GEMM into a Pallas kernel: costmodel.decode_gemm_loss)."""
         if after is before or time is None:
             return after
         return after if time(after) <= time(before) * (1 + 1e-12) + 1e-15 else before
 
-    g = greedy(vtog, savings)
-    s = priced(g, complete_inplace(g))
-    s = physical_inplace(priced(s, complete_views(s, graph, _kept_edge_ops(graph, vtog, s))))
+    s = complete_inplace(greedy(vtog, savings))
+    s = physical_inplace(complete_views(s, graph, _kept_edge_ops(graph, vtog, s)))
     gone = eliminated_ops(graph, s)
     for c in clusters:
         if c.kind != "movement":
@@ -647,7 +648,7 @@ def plan(vtog: VTOG, graph: "Graph", clusters: Sequence["Cluster"], savings: Sav
                 continue
             if any(e.direction == Direction.WRITE for o in op.outputs for e in s.points_to(o)):
                 s = priced(s, producer_writes(s, oid))
-    s = priced(s, complete_views(s, graph, _kept_edge_ops(graph, vtog, s)))
+    s = complete_views(s, graph, _kept_edge_ops(graph, vtog, s))
     return resolve(s, graph, clusters)
 
 
