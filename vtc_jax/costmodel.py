@@ -563,11 +563,29 @@ class BoundCostModel:
         GEMM into a Pallas kernel (a decode projection written straight into the KV cache), which
         the greedy itself would have refused. ``plan`` keeps such an addition only if this does
         not go up."""
+        return self.time_of(strategy, range(len(self.ctx.clusters)))
+
+    def time_of(self, strategy: "Strategy", clusters: Iterable[int]) -> float:
+        """:meth:`time` over some clusters only (positions): comparing two strategies on the
+        clusters next to the edges they differ in is the same comparison, at a fraction of the cost."""
         if self.model.objective != "latency":
             return 0.0
         lay, by_op = _strategy_oracles(strategy)
-        return sum(self.model.seconds(_cluster_cost(self.ctx, k, lay, by_op, self.lib))
-                   for k in range(len(self.ctx.clusters)))
+        return sum(self.model.seconds(_cluster_cost(self.ctx, k, lay, by_op, self.lib)) for k in clusters)
+
+    def near(self, edges: Iterable[int]) -> list[int]:
+        """Cluster positions whose cost an edge set can change: its movement ops' clusters and the
+        producers and consumers of its tensors."""
+        ks: set[int] = set()
+        for i in edges:
+            e = self.vtog.edges[i]
+            if e.op in self.ctx.pos:
+                ks.add(self.ctx.pos[e.op])
+            for t in (e.src, e.dst):
+                if t in self.ctx.producer:
+                    ks.add(self.ctx.producer[t])
+                ks.update(self.ctx.users.get(t, ()))
+        return sorted(ks)
 
     def __call__(self, edge: Edge | int, chosen: frozenset[int]) -> float:
         i = edge if isinstance(edge, int) else self.vtog.index(edge)

@@ -634,7 +634,12 @@ def plan(vtog: VTOG, graph: "Graph", clusters: Sequence["Cluster"], savings: Sav
         the greedy's, e.g. turn a decode GEMM into a Pallas kernel: costmodel.decode_gemm_loss)."""
         if after is before or time is None:
             return after
-        return after if time(after) <= time(before) * (1 + 1e-12) + 1e-15 else before
+        near = getattr(savings, "near", None)
+        if near is None:
+            return after if time(after) <= time(before) * (1 + 1e-12) + 1e-15 else before
+        ks = near(set(after.chosen) ^ set(before.chosen))
+        t0, t1 = savings.time_of(before, ks), savings.time_of(after, ks)
+        return after if t1 <= t0 * (1 + 1e-12) + 1e-15 else before
 
     s = complete_inplace(greedy(vtog, savings))
     s = physical_inplace(complete_views(s, graph, _kept_edge_ops(graph, vtog, s)))
