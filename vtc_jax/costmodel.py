@@ -573,6 +573,12 @@ class BoundCostModel:
         lay, by_op = _strategy_oracles(strategy)
         return sum(self.model.seconds(_cluster_cost(self.ctx, k, lay, by_op, self.lib)) for k in clusters)
 
+    def prefers_library(self, k: int) -> bool:
+        """Cluster position ``k`` is a GEMM whose Pallas kernel is modelled slower than XLA's
+        (:func:`decode_gemm_loss`); ``strategy.plan``'s view pass leaves its operands physical."""
+        g = self.ctx.gemm.get(k)
+        return self.model.objective == "latency" and g is not None and decode_gemm_loss(self.model.gpu, *g) > 0
+
     def near(self, edges: Iterable[int]) -> list[int]:
         """Cluster positions whose cost an edge set can change: its movement ops' clusters and the
         producers and consumers of its tensors."""
@@ -775,6 +781,8 @@ def xla_fuses(graph: "Graph", clusters: Sequence["Cluster"], matches: Mapping[in
       its virtual reads can still save a copy XLA would make.
     * **lone casts** — a pointwise cluster made only of casts/broadcasts/reshapes: XLA fuses it
       into its producer's or consumer's fusion (zero launches); a kernel costs one.
+    * **parameter transforms** — a pointwise cluster reading only vectors passed in (and
+      constants): Gemma's ``1 + w`` norm scale; XLA recomputes it inside the norm's fusion.
 
     Clusters the templates already rejected are not listed (they go to XLA anyway).
     """
@@ -826,7 +834,14 @@ def xla_fuses(graph: "Graph", clusters: Sequence["Cluster"], matches: Mapping[in
                 out[k] = (f"XLA fuses it with {len(members) - 1} more pointwise cluster(s) "
                           f"({', '.join(f'#{m}' for m in sorted(members) if m != k)}) and the movement "
                           "between them into one loop fusion; Pallas would launch one kernel each")
+    inputs = set(graph.inputs)
     for k, c in kernels.items():
-        if k not in out and all(ops[o].primitive in _CAST_ONLY for o in c.ops):
+        if k in out:
+            continue
+        if all(ops[o].primitive in _CAST_ONLY for o in c.ops):
             out[k] = "only casts/broadcasts: XLA fuses it into a neighbouring fusion (no launch of its own)"
+        elif all((t in inputs and len(graph.tensors[t].shape) <= 1) or graph.tensors[t].const is not None
+                 for t in c.inputs):
+            out[k] = ("a per-channel parameter transform (1 + w, a cast of a weight vector): XLA folds it "
+                      "into the fusion that reads it (no launch of its own)")
     return out

@@ -484,7 +484,8 @@ def complete_inplace(strategy: Strategy) -> Strategy:
     return _add_edges(strategy, candidates, companion)
 
 
-def complete_views(strategy: Strategy, graph: "Graph", kept_ops: Sequence[int]) -> Strategy:
+def complete_views(strategy: Strategy, graph: "Graph", kept_ops: Sequence[int],
+                   keep_physical: frozenset[int] = frozenset()) -> Strategy:
     """Also take the Type I edges of view ops (:func:`primitives.is_view`: reshape, squeeze,
     expand_dims, size-preserving broadcast, same-dtype convert, copy) that the greedy left, when
     they still validate.
@@ -493,13 +494,16 @@ def complete_views(strategy: Strategy, graph: "Graph", kept_ops: Sequence[int]) 
     (strictly positive picks) leaves it; but once its neighbours are kernels reading or writing
     through maps, the op is one more tensor that needs its own buffer. Taking the edge costs
     nothing at run time (the map composes into the neighbour's) and removes the op. Read edges
-    (the view's output becomes virtual of its input) are tried first.
+    (the view's output becomes virtual of its input) are tried first. ``keep_physical`` tensors
+    are never made virtual here: the operands of decode GEMMs and reductions the greedy left to
+    XLA (a free reshape read through a map would make the ``w_o`` projection a Pallas kernel
+    nobody priced; a norm's weight broadcast, a Pallas norm beside XLA's weight cast).
     """
     v = strategy.vtog
     kept = set(kept_ops)
     candidates = sorted((i for i, e in enumerate(v.edges)
                          if e.op in kept and is_view(graph.ops[e.op], graph) and e.klass == EdgeClass.I
-                         and v.volume(e.src) == v.volume(e.dst)),
+                         and v.volume(e.src) == v.volume(e.dst) and e.src not in keep_physical),
                         key=lambda i: (v.edges[i].direction != Direction.READ, i))
     return _add_edges(strategy, candidates)
 
@@ -642,7 +646,8 @@ def plan(vtog: VTOG, graph: "Graph", clusters: Sequence["Cluster"], savings: Sav
         return after if t1 <= t0 * (1 + 1e-12) + 1e-15 else before
 
     s = complete_inplace(greedy(vtog, savings))
-    s = physical_inplace(complete_views(s, graph, _kept_edge_ops(graph, vtog, s)))
+    keep = _kept_library(s, clusters, getattr(savings, "prefers_library", None))
+    s = physical_inplace(complete_views(s, graph, _kept_edge_ops(graph, vtog, s), keep(s)))
     gone = eliminated_ops(graph, s)
     for c in clusters:
         if c.kind != "movement":
@@ -653,8 +658,26 @@ def plan(vtog: VTOG, graph: "Graph", clusters: Sequence["Cluster"], savings: Sav
                 continue
             if any(e.direction == Direction.WRITE for o in op.outputs for e in s.points_to(o)):
                 s = priced(s, producer_writes(s, oid))
-    s = complete_views(s, graph, _kept_edge_ops(graph, vtog, s))
+    s = complete_views(s, graph, _kept_edge_ops(graph, vtog, s), keep(s))
     return resolve(s, graph, clusters)
+
+
+def _kept_library(s: Strategy, clusters: Sequence["Cluster"],
+                  prefers: Callable[[int], bool] | None) -> Callable[[Strategy], frozenset[int]]:
+    """``strategy -> tensors to keep physical``: the operands of the GEMMs the cost model prefers
+    as library calls (``prefers(cluster position)``) and of reductions, that touch no virtual
+    tensor yet (the greedy left them to XLA; a free view must not make them kernels)."""
+    if prefers is None:
+        return lambda s: frozenset()
+    # reductions too: a norm whose only virtual operand would be its weight's free broadcast is
+    # one XLA input fusion with the weight's cast; as a Pallas kernel it is two launches
+    lib = [c for k, c in enumerate(clusters)
+           if (str(c.kind) == "matmul" and prefers(k)) or str(c.kind) == "reduction"]
+
+    def keep(s: Strategy) -> frozenset[int]:
+        return frozenset(t for c in lib for t in (*c.inputs, *c.outputs)
+                         if not any(s.is_virtual(x) for x in (*c.inputs, *c.outputs)))
+    return keep
 
 
 def _kept_edge_ops(graph: "Graph", vtog: VTOG, s: Strategy) -> list[int]:
