@@ -202,17 +202,31 @@ def render(rows: list[dict[str, Any]], info: str) -> str:
         "What the compiled programs show about why (`benchmarks/compiled.json` has every launch):",
         "",
         "* **Launches.** Every Pallas kernel is a Triton custom call, and XLA fuses nothing into or "
-        "across a custom call; VTC's lowering emits one kernel per cluster (the decode layers' "
-        "norm/RoPE `pointwise` kernels), where XLA folds the same work into fewer fusions.",
-        "* **Bytes.** The figure is buffer-level: a launch is charged every buffer it is given. "
-        "VTC's kernels take whole buffers (whole-array refs, read at a runtime offset such as "
-        "`pos`) where XLA's fusions take the slice they need, so a VTC kernel given a KV cache to "
-        "read or write one row is charged the whole cache — the decode layers' `pointwise` kernels "
-        "above. That overstates VTC by up to the cache size per such kernel; the compile cannot say "
-        "by how much less a kernel really touches, so the figure stands as it is.",
-        "* **Buffers.** XLA's temporaries fall under VTC in every workload but ShuffleNet, where "
-        "the lowering leaves a scatter (XLA's `input_scatter_fusion`) and its temporary: the "
-        "channel shuffle VTC keeps (see benchmarks/accounting.md).",
+        "across a custom call. So VTC leaves to XLA what XLA fuses better (`costmodel.xla_fuses`: "
+        "pointwise clusters joined only by movement — RoPE —, lone casts, per-channel parameter "
+        "transforms) and keeps XLA's GEMM for decode projections (`costmodel.decode_gemm_loss`: the "
+        "Pallas GEMM without split-K streams the weights slower); its kernels are then the decode "
+        "attention (2 launches where XLA runs 7–8 fusions) and the convs. VTC launches no more than "
+        "XLA in every case.",
+        "* **Bytes.** The figure is buffer-level: a launch is charged every buffer it is given. A "
+        "Pallas kernel takes whole buffers (whole-array refs) where an XLA fusion often takes the "
+        "slice it needs, so a VTC kernel reading a slice is charged the whole buffer. Where VTC "
+        "still touches more, EfficientViT: its q/k/v are slices of the concatenated conv outputs, "
+        "read in place by the ReLU `pointwise` kernels and the `vtc_matmul` (each charged both conv "
+        "outputs, 3× what it reads); and XLA adds a layout transpose (`wrapped_transpose_2`, one conv "
+        "output read and written) because the cuDNN conv writes NHWC while a Pallas kernel takes a "
+        "row-major (NCHW) buffer — XLA's own fusions read NHWC directly. That transpose alone is "
+        "about the whole difference (24 of 22 MiB at batch 1, 384 of 216 MiB at batch 16); the cost "
+        "model does not know cuDNN's layout yet, so the greedy cannot weigh it.",
+        "* **Buffers.** XLA's temporaries fall under VTC's everywhere but ShuffleNet, where the last "
+        "channel shuffle writes the program output and stays XLA's (`loop_transpose_fusion` reading "
+        "the input half and both branch outputs): VTC keeps those three buffers alive until the end, "
+        "XLA shuffles as it goes (see benchmarks/accounting.md).",
+        "* **Measurement fixes in this version** (`vtc_jax/offline.py`): an operand `%call#k` (XLA's "
+        "short get-tuple-element) is charged result k, not the whole tuple (fusions reading q/k from "
+        "a Pallas matmul were charged the V cache it also returns), and cuDNN `kConvolution` thunks, "
+        "which print no instruction name, are matched to their custom calls (jit's convs were "
+        "charged 0 bytes). Both change jit's figures too.",
         "",
         "## Per-kernel resources (VTC's Triton kernels, sm_90, `ptxas -v` on the PTX XLA emits)",
         "",
