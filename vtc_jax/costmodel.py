@@ -489,6 +489,7 @@ class CostModel:
     objective: str = "latency"
     library_efficiency: float = 0.85
     xla_fusion: bool = True   # leave to XLA the pointwise clusters it fuses better (xla_fuses)
+    decode_loss: bool = True  # charge decode GEMMs decode_gemm_loss (off: the template streams as fast)
     _bound: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -542,7 +543,7 @@ class CostModel:
         def lib(k: int) -> float:
             compute = loss * ctx.flops.get(k, 0) / self.gpu.peak_flops(ctx.flop_dtype.get(k, np.float32))
             g = ctx.gemm.get(k)
-            return compute if g is None else max(compute, decode_gemm_loss(self.gpu, *g))
+            return compute if g is None or not self.decode_loss else max(compute, decode_gemm_loss(self.gpu, *g))
         return lib
 
 
@@ -577,7 +578,8 @@ class BoundCostModel:
         """Cluster position ``k`` is a GEMM whose Pallas kernel is modelled slower than XLA's
         (:func:`decode_gemm_loss`); ``strategy.plan``'s view pass leaves its operands physical."""
         g = self.ctx.gemm.get(k)
-        return self.model.objective == "latency" and g is not None and decode_gemm_loss(self.model.gpu, *g) > 0
+        return (self.model.objective == "latency" and self.model.decode_loss and g is not None
+                and decode_gemm_loss(self.model.gpu, *g) > 0)
 
     def near(self, edges: Iterable[int]) -> list[int]:
         """Cluster positions whose cost an edge set can change: its movement ops' clusters and the
