@@ -581,3 +581,20 @@ def test_decode_layer_keeps_xlas_gemms_and_norms_at_paper_size():
     touched = lambda c: any(s.is_virtual(t) for t in (*c.inputs, *c.outputs))
     kinds = {c.kind for c in a.clusters if touched(c)}
     assert "attention" in kinds and not kinds & {"matmul", "reduction"}, kinds
+
+
+def test_decode_loss_off_lets_the_template_write_the_qkv_split():
+    """``CostModel(decode_loss=False)`` (a template modelled to stream as fast as XLA's GEMM) gives
+    the paper's plan back: the QKV projection writes its split pieces (V into the cache) itself."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    llama = pytest.importorskip("llama3_decode")
+    from vtc_jax.api import analyze
+    args = llama.example_args("paper", batch=16)
+    on = analyze(llama.step, args, {}, donate_argnums=(2, 3))
+    off = analyze(llama.step, args, {}, donate_argnums=(2, 3), cost_model=CostModel(decode_loss=False))
+    def kernels(a):
+        return {c.id for c in a.clusters if c.kind == "matmul"
+                and any(a.strategy.is_virtual(t) for t in (*c.inputs, *c.outputs))}
+    assert not kernels(on) and kernels(off)
