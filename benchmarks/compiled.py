@@ -215,9 +215,9 @@ def render(rows: list[dict[str, Any]], info: str) -> str:
         "read in place by the ReLU `pointwise` kernels and the `vtc_matmul` (each charged both conv "
         "outputs, 3× what it reads); and XLA adds a layout transpose (`wrapped_transpose_2`, one conv "
         "output read and written) because the cuDNN conv writes NHWC while a Pallas kernel takes a "
-        "row-major (NCHW) buffer — XLA's own fusions read NHWC directly. That transpose alone is "
-        "about the whole difference (24 of 22 MiB at batch 1, 384 of 216 MiB at batch 16); the cost "
-        "model does not know cuDNN's layout yet, so the greedy cannot weigh it.",
+        "row-major (NCHW) buffer — XLA's own fusions read NHWC directly. That transpose alone accounts "
+        "for the difference (24 MiB of traffic against a 22 MiB gap at batch 1, 384 against 216 at "
+        "batch 16); the cost model does not know cuDNN's layout yet, so the greedy cannot weigh it.",
         "* **Buffers.** XLA's temporaries fall under VTC's everywhere but ShuffleNet, where the last "
         "channel shuffle writes the program output and stays XLA's (`loop_transpose_fusion` reading "
         "the input half and both branch outputs): VTC keeps those three buffers alive until the end, "
@@ -287,6 +287,18 @@ def machine_info(started: float) -> str:
             f"jaxlib {jaxlib.__version__}, vtc_jax git {git}; target: H100 SXM (sm_90), deviceless.")
 
 
+ZOO_BEGIN, ZOO_END = "<!-- zoo:begin -->", "<!-- zoo:end -->"
+
+
+def _write(path: Path, text: str) -> None:
+    """Write the compiled tables, keeping the zoo block ``benchmarks/zoo.py`` maintains."""
+    old = path.read_text() if path.exists() else ""
+    if ZOO_BEGIN in old and ZOO_END in old and ZOO_BEGIN not in text:
+        block = old[old.index(ZOO_BEGIN):old.index(ZOO_END) + len(ZOO_END)]
+        text = text.rstrip("\n") + "\n\n\n" + block + "\n"
+    path.write_text(text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
@@ -297,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = p.parse_args(argv)
     if ns.from_json:
         data = json.loads(Path(ns.json).read_text())
-        Path(ns.out).write_text(render(data["rows"], data["info"]))
+        _write(Path(ns.out), render(data["rows"], data["info"]))
         return 0
     started = time.time()
     rows = []
@@ -317,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{_mib(r['jit']['memory']['total'])} -> {_mib(r['vtc']['memory']['total'])} MiB"),
                   flush=True)
     info = machine_info(started)
-    Path(ns.out).write_text(render(rows, info))
+    _write(Path(ns.out), render(rows, info))
     Path(ns.json).write_text(json.dumps({"info": info, "rows": rows}, indent=1))
     return 0 if all("error" not in r for r in rows) else 1
 
