@@ -671,12 +671,21 @@ def _kept_library(s: Strategy, clusters: Sequence["Cluster"],
         return lambda s: frozenset()
     # reductions too: a norm whose only virtual operand would be its weight's free broadcast is
     # one XLA input fusion with the weight's cast; as a Pallas kernel it is two launches
-    lib = [c for k, c in enumerate(clusters)
-           if (str(c.kind) == "matmul" and prefers(k)) or str(c.kind) == "reduction"]
+    lib = [c for k, c in enumerate(clusters) if str(c.kind) == "matmul" and prefers(k)]
+    norms = [c for c in clusters if str(c.kind) == "reduction"]
+    made_by = {t: c for c in clusters for t in c.outputs}
+
+    def weight_broadcast(t: int) -> bool:   # (1, d) view of a weight vector: a norm's scale
+        c = made_by.get(t)
+        return c is not None and str(c.kind) == "movement" and len(c.inputs) == 1 and len(c.outputs) == 1 \
+            and c.inputs[0] in made_by and str(made_by[c.inputs[0]].kind) != "movement"
 
     def keep(s: Strategy) -> frozenset[int]:
-        return frozenset(t for c in lib for t in (*c.inputs, *c.outputs)
-                         if not any(s.is_virtual(x) for x in (*c.inputs, *c.outputs)))
+        out = {t for c in lib for t in (*c.inputs, *c.outputs)
+               if not any(s.is_virtual(x) for x in (*c.inputs, *c.outputs))}
+        out |= {t for c in norms if not any(s.is_virtual(x) for x in (*c.inputs, *c.outputs))
+                for t in c.inputs if weight_broadcast(t)}
+        return frozenset(out)
     return keep
 
 
