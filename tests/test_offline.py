@@ -70,3 +70,37 @@ def test_compile_lowered_takes_a_module_with_pytree_arguments():
     mod = cross_lower(lambda p, y: add_one(p["w"], backend="triton") + y, {"w": x}, x)
     [r] = compile_lowered(mod)
     assert r.cubin_ok, r.error
+
+
+def test_launch_reading_one_result_of_a_multi_output_call_is_charged_that_result():
+    """XLA prints ``get-tuple-element(%call), index=k`` as the operand ``%call#k``: a fusion reading
+    the small result of a Pallas call that also returns a whole KV cache must be charged the small
+    result, not the tuple (the compiled tables overstated VTC's bytes by the cache size)."""
+    from vtc_jax.offline import _launches
+    hlo = """ENTRY %main (p0: f32[1024], p1: f32[64,1024]) -> (f32[16], f32[64,1024]) {
+  %p0 = f32[1024]{0} parameter(0)
+  %p1 = f32[64,1024]{1,0} parameter(1)
+  %call = (f32[16]{0}, f32[64,1024]{1,0}) custom-call(%p0, %p1), custom_call_target="__gpu$xla.gpu.triton"
+  %bitcast.1 = f32[64,1024]{1,0} bitcast(%call#1)
+  %loop_fusion = f32[16]{0} fusion(%call#0), kind=kLoop, calls=%fused
+  ROOT %tuple = (f32[16]{0}, f32[64,1024]{1,0}) tuple(%loop_fusion, %bitcast.1)
+}
+"""
+    thunks = ("001: kCustomKernel [source | sink] loop_fusion grid: [1, 1, 1] threads: [128, 1, 1]"
+              "  shared_memory: 0 bytes\n")
+    [x] = _launches(hlo, thunks)
+    assert x.name == "loop_fusion" and x.read_bytes == 16 * 4 and x.write_bytes == 16 * 4
+
+
+def test_cudnn_convolution_thunks_are_charged_their_operands():
+    """A kConvolution thunk prints no instruction name; it is the next cuDNN custom call in the
+    scheduled ENTRY. Unmatched, every jit conv counted 0 bytes (shufflenet's jit looked cheaper
+    than VTC's Pallas convs that were counted)."""
+    x = jax.ShapeDtypeStruct((2, 8, 16, 16), jnp.float32)
+    w = jax.ShapeDtypeStruct((8, 8, 3, 3), jnp.float32)
+    conv = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME")
+    p = compile_program(conv, x, w, kernels=False)
+    convs = [l for l in p.launches if l.kind == "kConvolution"]
+    assert convs, p.thunks
+    assert sum(c.read_bytes for c in convs) >= 8 * 8 * 9 * 4          # at least the filter
+    assert sum(c.write_bytes for c in convs) >= 2 * 8 * 16 * 16 * 4   # the output

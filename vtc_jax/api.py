@@ -32,6 +32,7 @@ class Analysis:
     seconds: float
     donated: frozenset[int] = frozenset()
     declined: tuple[tuple[int, str], ...] = ()   # (first dot op, why) of attention regions no template took
+    xla_fused: frozenset[int] = frozenset()      # clusters left to XLA by choice (costmodel.xla_fuses), not a fallback
 
 
 def _cost_model(cost_model: Any, objective: str, gpu: str | None) -> Any:
@@ -68,15 +69,21 @@ def analyze(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
     if declined:   # an attention region no template takes is clustered as its parts instead
         clusters = cluster(graph, not_attention=frozenset(o for o, _ in declined))
         matches = match_all(graph, clusters, rejected)
-    vtog = build_vtog(graph, clusters, matches=matches)
     model = _cost_model(cost_model, objective, gpu)
+    fused: dict[int, str] = {}
+    if getattr(model, "xla_fusion", False):   # pointwise work XLA fuses better stays XLA's
+        kinds = {c.id: c.kind for c in clusters}
+        fused = costmodel.xla_fuses(graph, clusters, matches)
+        matches = {**matches, **{k: Reject(k, kinds[k], why) for k, why in fused.items()}}
+    vtog = build_vtog(graph, clusters, matches=matches)
     donated = donated_inputs(graph, args, kwargs, donate_argnums)
     if hasattr(model, "bind"):
         savings = model.bind(vtog, graph, clusters, donated=donated)
     else:  # a user cost model with only savings(edge, chosen, vtog, graph)
         savings = lambda e, chosen: model.savings(e, chosen, vtog, graph)
     strategy = plan(vtog, graph, clusters, savings)
-    return Analysis(graph, clusters, matches, vtog, strategy, time.perf_counter() - t0, donated, declined)
+    return Analysis(graph, clusters, matches, vtog, strategy, time.perf_counter() - t0, donated, declined,
+                    frozenset(fused))
 
 
 def donated_inputs(graph: Graph, args: Sequence[Any], kwargs: dict[str, Any],
@@ -176,6 +183,8 @@ def fallback_messages(a: Analysis, always: frozenset[int] = frozenset(),
     by_reason: dict[tuple[str, str], list[Cluster]] = {}
     for c in a.clusters:   # a rejection matters where data movement next to the cluster still runs
         verdict = a.matches.get(c.id)
+        if c.id in a.xla_fused:   # XLA's by choice: not a fallback
+            continue
         if isinstance(verdict, Reject) and (c.id in always or set((*c.inputs, *c.outputs)) & kept_tensors):
             by_reason.setdefault((c.kind, verdict.reason), []).append(c)
     for (kind, reason), cs in by_reason.items():

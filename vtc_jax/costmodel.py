@@ -33,7 +33,10 @@ tensors whose layout changes), so one evaluation costs a few map compositions, n
   is what makes Type II edges (paper §4.3) cost something and Type I free.
 * **Library loss.** A matmul / conv cluster that touches a virtual tensor becomes a Pallas kernel
   instead of a cuBLAS / cuDNN call: ``(1 - library_efficiency) · flops / peak_flops(dtype)``,
-  charged once per cluster (on the first edge that makes it touch a virtual tensor).
+  charged once per cluster (on the first edge that makes it touch a virtual tensor). A decode
+  GEMM (``m ≤ 64``) is bandwidth-bound, so its loss is the larger of that and
+  :func:`decode_gemm_loss` (the template's bandwidth from its loads in flight vs XLA's at HBM
+  bandwidth): the greedy keeps XLA's GEMM unless the template's launch streams as fast.
 * **Memory objective.** ``w(e)`` is the bytes of ``e.src`` covered by ``e.box`` (its buffer is no
   longer needed).
 
@@ -65,8 +68,8 @@ import numpy as np
 
 from .indexmap import Dim, FloorDiv, Layout, Mod
 from .movement import Edge
-from .primitives import data_inputs, inplace_operand, is_view
-from .templates import TEMPLATES
+from .primitives import Kind, data_inputs, inplace_operand, is_view
+from .templates import TEMPLATES, Match
 from .vtog import VTOG, box_volume, piece_group
 
 if TYPE_CHECKING:
@@ -74,7 +77,7 @@ if TYPE_CHECKING:
     from .graph import Graph, Op
     from .strategy import Strategy
 
-__all__ = ["GPU", "GPUS", "CostModel", "modeled_bytes", "access_penalty", "piece_penalty", "LIBRARY_KINDS"]
+__all__ = ["GPU", "GPUS", "CostModel", "modeled_bytes", "xla_fuses", "access_penalty", "piece_penalty", "LIBRARY_KINDS"]
 
 INF = float("inf")
 LIBRARY_KINDS = frozenset(str(k) for k, t in TEMPLATES.items() if t.library)   # XLA: cuBLAS / cuDNN
@@ -97,6 +100,8 @@ class GPU:
     memory_bytes: int = 0
     sector_bytes: int = 32
     line_bytes: int = 128
+    sms: int = 132                 # streaming multiprocessors (H100 SXM; only decode GEMMs use it)
+    hbm_latency: float = 0.8e-6    # s, a load's round trip under load: Little's law for bandwidth
 
     def peak_flops(self, dtype: Any) -> float:
         return self.peak_flops_f32 if np.dtype(dtype).itemsize >= 4 else self.peak_flops_bf16
@@ -175,6 +180,67 @@ def access_penalty(layout: Layout | None, itemsize: int, sector: int = 32,
 # Static per-graph facts
 # --------------------------------------------------------------------------------------------
 
+DECODE_MAX_M = 64   # a GEMM with at most this many rows streams its weights: bandwidth-bound
+
+
+def _gemm_shape(graph: "Graph", c: "Cluster") -> tuple[int, int, int, int, int, int] | None:
+    """``(batch, m, n, k, lhs itemsize, rhs itemsize)`` of a matmul cluster's dot (None if none)."""
+    op = next((graph.ops[o] for o in c.ops if graph.ops[o].primitive == "dot_general"), None)
+    if op is None:
+        return None
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    lhs, rhs = graph.tensors[op.inputs[0]], graph.tensors[op.inputs[1]]
+    batch = math.prod(lhs.shape[d] for d in lb)
+    k = math.prod(lhs.shape[d] for d in lc)
+    m = math.prod(s for d, s in enumerate(lhs.shape) if d not in lc and d not in lb)
+    n = math.prod(s for d, s in enumerate(rhs.shape) if d not in rc and d not in rb)
+    return batch, m, n, k, lhs.dtype.itemsize, rhs.dtype.itemsize
+
+
+def template_gemm_inflight(batch: int, m: int, n: int, k: int, a_itemsize: int, b_itemsize: int,
+                           sms: int) -> tuple[int, int]:
+    """``(CTAs, operand bytes each CTA keeps in flight)`` of the matmul template's launch.
+
+    Read from ``kernels/tiling.py`` when it describes the launch (``gemm_config``: split-K, deeper
+    pipelines for decode shapes); otherwise the template's plain tiling: ``choose_blocks`` (64×64
+    output tiles, bk 32), one program per output tile, 2 pipeline stages (one K tile in flight).
+    """
+    from .kernels import tiling
+    cfg_fn = getattr(tiling, "gemm_config", None)
+    if cfg_fn is not None:
+        cfg = cfg_fn(m, n, k, batch=batch, a_itemsize=a_itemsize, b_itemsize=b_itemsize, sms=sms)
+        return cfg.ctas, cfg.tiles_in_flight * cfg.tile_bytes
+    bm, bn, bk = tiling.choose_blocks(m, n, k)
+    ctas = batch * tiling.cdiv(m, bm) * tiling.cdiv(n, bn)
+    return ctas, bk * (bm * a_itemsize + bn * b_itemsize)
+
+
+def decode_gemm_loss(gpu: GPU, batch: int, m: int, n: int, k: int, a_itemsize: int, b_itemsize: int) -> float:
+    """Seconds the matmul template loses against XLA's GEMM on a decode-shaped GEMM (``m ≤ 64``).
+
+    Why not flops: such a GEMM does almost no math — it streams its weights once, so its time is
+    ``bytes / achieved bandwidth``, and the flop-based loss (``(1 - eff) · flops / peak``) calls an
+    M = 16 projection's loss 0.1 µs where the kernel is tens of µs slower. XLA's GEMM for these
+    shapes (split-K Triton gemm fusions / cuBLAS GEMV) is taken to run at HBM bandwidth, and no
+    faster than one HBM latency. The template reaches only what its loads in flight allow
+    (Little's law): ``min(CTAs, SMs) · bytes in flight per CTA / HBM latency``. Llama-3-8B's QKV
+    projection at M = 16 without split-K: 96 CTAs × 8 KB in flight ≈ 0.8 MB, a third of the
+    ~2.7 MB that 3.35 TB/s × 0.8 µs needs. A GEMM small enough to be in flight at once takes one
+    latency either way (no loss). Batched GEMMs (per-head products: EfficientViT's linear
+    attention) are not weight-streaming projections and give the template one program per batch
+    element: no loss beyond the flop term.
+    """
+    if m > DECODE_MAX_M or batch > 1:
+        return 0.0
+    nbytes = batch * (m * k * a_itemsize + k * n * b_itemsize)
+    ctas, per_cta = template_gemm_inflight(batch, m, n, k, a_itemsize, b_itemsize, gpu.sms)
+    stream = nbytes / gpu.hbm_bandwidth
+    xla = max(stream, gpu.hbm_latency)                 # everything in flight a GPU can keep
+    inflight = min(nbytes, min(ctas, gpu.sms) * per_cta)
+    template = max(stream, nbytes * gpu.hbm_latency / max(inflight, 1))
+    return max(0.0, template - xla)
+
+
 def _flops(op: "Op", graph: "Graph") -> int:
     out = graph.tensors[op.outputs[0]]
     if op.primitive == "dot_general":
@@ -236,6 +302,8 @@ class _Ctx:
                       for k, c in enumerate(self.clusters) if c.kind in LIBRARY_KINDS}
         self.flop_dtype = {k: graph.tensors[graph.ops[c.ops[0]].outputs[0]].dtype
                            for k, c in enumerate(self.clusters) if c.kind in LIBRARY_KINDS}
+        self.gemm = {k: g for k, c in enumerate(self.clusters) if c.kind == "matmul"
+                     for g in [_gemm_shape(graph, c)] if g is not None}
         self.edge_bytes: list[int] = []
         self.by_op: dict[int, list[int]] = {}
         if vtog is not None:
@@ -420,6 +488,8 @@ class CostModel:
     gpu: GPU = GPUS["h100-sxm"]
     objective: str = "latency"
     library_efficiency: float = 0.85
+    xla_fusion: bool = True   # leave to XLA the pointwise clusters it fuses better (xla_fuses)
+    decode_loss: bool = True  # charge decode GEMMs decode_gemm_loss (off: the template streams as fast)
     _bound: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -469,7 +539,12 @@ class CostModel:
 
     def _lib_loss(self, ctx: _Ctx) -> Callable[[int], float]:
         loss = 1.0 - self.library_efficiency
-        return lambda k: loss * ctx.flops.get(k, 0) / self.gpu.peak_flops(ctx.flop_dtype.get(k, np.float32))
+
+        def lib(k: int) -> float:
+            compute = loss * ctx.flops.get(k, 0) / self.gpu.peak_flops(ctx.flop_dtype.get(k, np.float32))
+            g = ctx.gemm.get(k)
+            return compute if g is None or not self.decode_loss else max(compute, decode_gemm_loss(self.gpu, *g))
+        return lib
 
 
 class BoundCostModel:
@@ -479,6 +554,46 @@ class BoundCostModel:
         self.model, self.ctx, self.vtog = model, ctx, ctx.vtog
         self.state = _State(ctx)
         self.lib = model._lib_loss(ctx)
+
+    def time(self, strategy: "Strategy") -> float:
+        """Modelled seconds of the whole program under ``strategy`` (latency objective; bytes
+        under the memory objective are not a time, so there it is 0 and every strategy ties).
+
+        Why: ``strategy.plan``'s completion passes add edges the greedy never priced (a producer
+        writing every output of a split, a view next to a kernel); one of them can turn a library
+        GEMM into a Pallas kernel (a decode projection written straight into the KV cache), which
+        the greedy itself would have refused. ``plan`` keeps such an addition only if this does
+        not go up."""
+        return self.time_of(strategy, range(len(self.ctx.clusters)))
+
+    def time_of(self, strategy: "Strategy", clusters: Iterable[int]) -> float:
+        """:meth:`time` over some clusters only (positions): comparing two strategies on the
+        clusters next to the edges they differ in is the same comparison, at a fraction of the cost."""
+        if self.model.objective != "latency":
+            return 0.0
+        lay, by_op = _strategy_oracles(strategy)
+        return sum(self.model.seconds(_cluster_cost(self.ctx, k, lay, by_op, self.lib)) for k in clusters)
+
+    def prefers_library(self, k: int) -> bool:
+        """Cluster position ``k`` is a GEMM whose Pallas kernel is modelled slower than XLA's
+        (:func:`decode_gemm_loss`); ``strategy.plan``'s view pass leaves its operands physical."""
+        g = self.ctx.gemm.get(k)
+        return (self.model.objective == "latency" and self.model.decode_loss and g is not None
+                and decode_gemm_loss(self.model.gpu, *g) > 0)
+
+    def near(self, edges: Iterable[int]) -> list[int]:
+        """Cluster positions whose cost an edge set can change: its movement ops' clusters and the
+        producers and consumers of its tensors."""
+        ks: set[int] = set()
+        for i in edges:
+            e = self.vtog.edges[i]
+            if e.op in self.ctx.pos:
+                ks.add(self.ctx.pos[e.op])
+            for t in (e.src, e.dst):
+                if t in self.ctx.producer:
+                    ks.add(self.ctx.producer[t])
+                ks.update(self.ctx.users.get(t, ()))
+        return sorted(ks)
 
     def __call__(self, edge: Edge | int, chosen: frozenset[int]) -> float:
         i = edge if isinstance(edge, int) else self.vtog.index(edge)
@@ -640,3 +755,95 @@ def modeled_bytes(*args: Any, **kwargs: Any) -> dict[str, int]:
     """Moved to :func:`vtc_jax.accounting.modeled_bytes` (whole-program accounting)."""
     from .accounting import modeled_bytes as impl
     return impl(*args, **kwargs)
+
+
+# Primitives a pointwise cluster may consist of and still be "only a cast": XLA fuses such a cluster
+# into whatever fusion produces or consumes its tensors, so a kernel of its own is a pure loss.
+_CAST_ONLY = frozenset({"convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
+                        "expand_dims", "copy", "copy_p"})
+
+
+def xla_fuses(graph: "Graph", clusters: Sequence["Cluster"], matches: Mapping[int, Any]) -> dict[int, str]:
+    """Pointwise clusters better left to XLA than made Pallas kernels: ``{cluster id: why}``.
+
+    Why: every Pallas kernel is an opaque custom call that XLA fuses nothing into, while XLA itself
+    fuses element-wise ops *together with* the slices, concats, broadcasts, reshapes and transposes
+    between them (a loop fusion reads its operands through the movement ops' index maps — what VTC
+    does for compute kernels). So for element-wise work the virtual tensors VTC would introduce buy
+    nothing XLA does not already get, and the lowering's one-kernel-per-cluster costs launches
+    (found in XLA's H100 compile, BENCHMARKS.md: RoPE became six Pallas kernels where XLA emits one
+    concatenate fusion, and a lone bf16→f32 cast of a norm weight became a kernel XLA folds into
+    the norm's reduction fusion). Two rules, both structural (no size threshold, so small test
+    programs and paper-size ones are planned alike):
+
+    * **pointwise islands** — matched pointwise clusters connected to each other only through
+      movement clusters (RoPE: convert/mul, neg and mul/add joined by slices and a concat): VTC
+      would launch one kernel per cluster, XLA one loop fusion for the island. All of them go to
+      XLA. A lone pointwise cluster (an island of one) keeps its kernel: one launch either way, and
+      its virtual reads can still save a copy XLA would make.
+    * **lone casts** — a pointwise cluster made only of casts/broadcasts/reshapes: XLA fuses it
+      into its producer's or consumer's fusion (zero launches); a kernel costs one.
+    * **parameter transforms** — a pointwise cluster reading only vectors passed in (and
+      constants): Gemma's ``1 + w`` norm scale; XLA recomputes it inside the norm's fusion.
+
+    Clusters the templates already rejected are not listed (they go to XLA anyway).
+    """
+    cl_of_tensor: dict[int, "Cluster"] = {}
+    for c in clusters:
+        for t in c.outputs:
+            cl_of_tensor[t] = c
+    ops = {op.id: op for op in graph.ops}
+    kernels = {c.id: c for c in clusters
+               if c.kind == Kind.POINTWISE and isinstance(matches.get(c.id), Match)}
+    parent = {k: k for k in kernels}
+
+    def find(k: int) -> int:
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    def upstream_kernels(t: int, seen: set[int]) -> set[int]:
+        """Pointwise kernels reachable from tensor ``t`` upwards through movement clusters only."""
+        c = cl_of_tensor.get(t)
+        if c is None or c.id in seen:
+            return set()
+        seen.add(c.id)
+        if c.id in kernels:
+            return {c.id}
+        if c.kind != Kind.MOVEMENT:
+            return set()
+        found: set[int] = set()
+        for o in c.ops:
+            for x in data_inputs(ops[o]):
+                found |= upstream_kernels(x, seen)
+        return found
+
+    for k, c in kernels.items():
+        for t in c.inputs:
+            p = cl_of_tensor.get(t)
+            if p is None or p.kind != Kind.MOVEMENT:
+                continue   # a direct pointwise→pointwise edge would have been one cluster
+            for q in upstream_kernels(t, set()):
+                parent[find(q)] = find(k)
+    islands: dict[int, list[int]] = {}
+    for k in kernels:
+        islands.setdefault(find(k), []).append(k)
+    out: dict[int, str] = {}
+    for members in islands.values():
+        if len(members) > 1:
+            for k in members:
+                out[k] = (f"XLA fuses it with {len(members) - 1} more pointwise cluster(s) "
+                          f"({', '.join(f'#{m}' for m in sorted(members) if m != k)}) and the movement "
+                          "between them into one loop fusion; Pallas would launch one kernel each")
+    inputs = set(graph.inputs)
+    for k, c in kernels.items():
+        if k in out:
+            continue
+        if all(ops[o].primitive in _CAST_ONLY for o in c.ops):
+            out[k] = "only casts/broadcasts: XLA fuses it into a neighbouring fusion (no launch of its own)"
+        elif all((t in inputs and len(graph.tensors[t].shape) <= 1) or graph.tensors[t].const is not None
+                 for t in c.inputs):
+            out[k] = ("a per-channel parameter transform (1 + w, a cast of a weight vector): XLA folds it "
+                      "into the fusion that reads it (no launch of its own)")
+    return out

@@ -484,7 +484,8 @@ def complete_inplace(strategy: Strategy) -> Strategy:
     return _add_edges(strategy, candidates, companion)
 
 
-def complete_views(strategy: Strategy, graph: "Graph", kept_ops: Sequence[int]) -> Strategy:
+def complete_views(strategy: Strategy, graph: "Graph", kept_ops: Sequence[int],
+                   keep_physical: frozenset[int] = frozenset()) -> Strategy:
     """Also take the Type I edges of view ops (:func:`primitives.is_view`: reshape, squeeze,
     expand_dims, size-preserving broadcast, same-dtype convert, copy) that the greedy left, when
     they still validate.
@@ -493,13 +494,16 @@ def complete_views(strategy: Strategy, graph: "Graph", kept_ops: Sequence[int]) 
     (strictly positive picks) leaves it; but once its neighbours are kernels reading or writing
     through maps, the op is one more tensor that needs its own buffer. Taking the edge costs
     nothing at run time (the map composes into the neighbour's) and removes the op. Read edges
-    (the view's output becomes virtual of its input) are tried first.
+    (the view's output becomes virtual of its input) are tried first. ``keep_physical`` tensors
+    are never made virtual here: the operands of decode GEMMs and reductions the greedy left to
+    XLA (a free reshape read through a map would make the ``w_o`` projection a Pallas kernel
+    nobody priced; a norm's weight broadcast, a Pallas norm beside XLA's weight cast).
     """
     v = strategy.vtog
     kept = set(kept_ops)
     candidates = sorted((i for i, e in enumerate(v.edges)
                          if e.op in kept and is_view(graph.ops[e.op], graph) and e.klass == EdgeClass.I
-                         and v.volume(e.src) == v.volume(e.dst)),
+                         and v.volume(e.src) == v.volume(e.dst) and e.src not in keep_physical),
                         key=lambda i: (v.edges[i].direction != Direction.READ, i))
     return _add_edges(strategy, candidates)
 
@@ -621,10 +625,29 @@ def plan(vtog: VTOG, graph: "Graph", clusters: Sequence["Cluster"], savings: Sav
     Pass order and why: ``complete_inplace`` (an update written by its producer needs its output
     to be the operand's buffer), ``complete_views`` (free views next to kernels vanish),
     ``physical_inplace`` (only a physical operand may be updated in place), ``producer_writes``
-    for movement ops whose outputs nobody would produce, and views once more.
+    for movement ops whose outputs nobody would produce, and views once more. When ``savings``
+    is a bound cost model (``.time``), ``producer_writes``'s additions are kept only if the
+    modelled program is not slower: it makes a producer write every output of a split, which can
+    turn a library GEMM the greedy left alone into a Pallas kernel (views and in-place edges are
+    free by construction and stay unpriced).
     """
+    time = getattr(savings, "time", None)   # the bound cost model's whole-program time, if any
+
+    def priced(before: Strategy, after: Strategy) -> Strategy:
+        """``after`` unless the cost model says it is slower (the pass must not undo a refusal of
+        the greedy's, e.g. turn a decode GEMM into a Pallas kernel: costmodel.decode_gemm_loss)."""
+        if after is before or time is None:
+            return after
+        near = getattr(savings, "near", None)
+        if near is None:
+            return after if time(after) <= time(before) * (1 + 1e-12) + 1e-15 else before
+        ks = near(set(after.chosen) ^ set(before.chosen))
+        t0, t1 = savings.time_of(before, ks), savings.time_of(after, ks)
+        return after if t1 <= t0 * (1 + 1e-12) + 1e-15 else before
+
     s = complete_inplace(greedy(vtog, savings))
-    s = physical_inplace(complete_views(s, graph, _kept_edge_ops(graph, vtog, s)))
+    keep = _kept_library(s, clusters, getattr(savings, "prefers_library", None))
+    s = physical_inplace(complete_views(s, graph, _kept_edge_ops(graph, vtog, s), keep(s)))
     gone = eliminated_ops(graph, s)
     for c in clusters:
         if c.kind != "movement":
@@ -634,9 +657,36 @@ def plan(vtog: VTOG, graph: "Graph", clusters: Sequence["Cluster"], savings: Sav
             if oid in gone or any(e.inplace and e.op == oid for e in s.points_to(op.outputs[0])):
                 continue
             if any(e.direction == Direction.WRITE for o in op.outputs for e in s.points_to(o)):
-                s = producer_writes(s, oid)
-    s = complete_views(s, graph, _kept_edge_ops(graph, vtog, s))
+                s = priced(s, producer_writes(s, oid))
+    s = complete_views(s, graph, _kept_edge_ops(graph, vtog, s), keep(s))
     return resolve(s, graph, clusters)
+
+
+def _kept_library(s: Strategy, clusters: Sequence["Cluster"],
+                  prefers: Callable[[int], bool] | None) -> Callable[[Strategy], frozenset[int]]:
+    """``strategy -> tensors to keep physical``: the operands of the GEMMs the cost model prefers
+    as library calls (``prefers(cluster position)``) and of reductions, that touch no virtual
+    tensor yet (the greedy left them to XLA; a free view must not make them kernels)."""
+    if prefers is None:
+        return lambda s: frozenset()
+    # reductions too: a norm whose only virtual operand would be its weight's free broadcast is
+    # one XLA input fusion with the weight's cast; as a Pallas kernel it is two launches
+    lib = [c for k, c in enumerate(clusters) if str(c.kind) == "matmul" and prefers(k)]
+    norms = [c for c in clusters if str(c.kind) == "reduction"]
+    made_by = {t: c for c in clusters for t in c.outputs}
+
+    def weight_broadcast(t: int) -> bool:   # (1, d) view of a weight vector: a norm's scale
+        c = made_by.get(t)
+        return c is not None and str(c.kind) == "movement" and len(c.inputs) == 1 and len(c.outputs) == 1 \
+            and c.inputs[0] in made_by and str(made_by[c.inputs[0]].kind) != "movement"
+
+    def keep(s: Strategy) -> frozenset[int]:
+        out = {t for c in lib for t in (*c.inputs, *c.outputs)
+               if not any(s.is_virtual(x) for x in (*c.inputs, *c.outputs))}
+        out |= {t for c in norms if not any(s.is_virtual(x) for x in (*c.inputs, *c.outputs))
+                for t in c.inputs if weight_broadcast(t)}
+        return frozenset(out)
+    return keep
 
 
 def _kept_edge_ops(graph: "Graph", vtog: VTOG, s: Strategy) -> list[int]:
