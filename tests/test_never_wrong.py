@@ -189,6 +189,8 @@ _ANY_POS_CASES = {
     "decode additive finfo.min": (_decode_attn(_FMIN, True), False),
     "decode window -inf": (_decode_attn(-jnp.inf, window=3), False),
     "decode window finfo.min": (_decode_attn(_FMIN, window=3), False),
+    # Gemma-2 at paper size: window == cache length, so the window only bites at pos >= T
+    "decode window = T": (_decode_attn(-jnp.inf, window=_T), False),
     "prefill finfo.min": (_prefill_attn(_FMIN), False),
     "prefill additive -1e30": (_prefill_attn(-1e30, True), False),
     # jax's row at pos < 0 depends on the rounding of s - 1e9: the kernels round the same way

@@ -611,17 +611,17 @@ def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tup
     for causal in ((True, False) if seq_axis is not None else (False,)):
         for use_x in ((True, False) if x is not None else (False,)):
             c = w = None
-            for xv, m in mats.items():
-                for i in range(m.shape[0]):
-                    row = m[i]
-                    if not row.any():
-                        continue
-                    lo, hi = int(np.argmax(row)), T - int(np.argmax(row[::-1]))
-                    if c is None and hi < T:
-                        c = hi - (i if causal else 0) - (xv if use_x else 0)
-                    if w is None and lo > 0 and hi < T:
-                        w = hi - lo
+            rows = [(xv, i, int(np.argmax(m[i])), T - int(np.argmax(m[i][::-1])))
+                    for xv, m in mats.items() for i in range(m.shape[0]) if m[i].any()]
+            for xv, i, lo, hi in rows:          # the end from a row that ends inside the keys
+                if hi < T:
+                    c = hi - (i if causal else 0) - (xv if use_x else 0)
+                    break
             c = T if c is None else c
+            for xv, i, lo, hi in rows:          # the window from a row that starts past key 0,
+                if lo > 0:                      # against the unclamped end (a probe past T)
+                    w = c + (i if causal else 0) + (xv if use_x else 0) - lo
+                    break
             if all(np.array_equal(_family(m.shape[0], T, causal, c + (xv if use_x else 0), w), m)
                    for xv, m in mats.items()):
                 found = (seq_axis, causal, c, x if use_x else None, w)
