@@ -204,10 +204,11 @@ def render(rows: list[dict[str, Any]], info: str) -> str:
         "* **Launches.** Every Pallas kernel is a Triton custom call, and XLA fuses nothing into or "
         "across a custom call. So VTC leaves to XLA what XLA fuses better (`costmodel.xla_fuses`: "
         "pointwise clusters joined only by movement — RoPE —, lone casts, per-channel parameter "
-        "transforms) and keeps XLA's GEMM for decode projections (`costmodel.decode_gemm_loss`: the "
-        "Pallas GEMM without split-K streams the weights slower); its kernels are then the decode "
-        "attention (2 launches where XLA runs 7–8 fusions) and the convs. VTC launches no more than "
-        "XLA in every case.",
+        "transforms). Decode projections are priced by the weight bytes each template keeps in "
+        "flight (`costmodel.decode_gemm_loss`, reading `kernels.tiling.gemm_config`): with split-K "
+        "the QKV and output projections run as `vtc_matmul_splitk` + `vtc_matmul_reduce` (two "
+        "launches, as XLA's own split-K GEMMs), gate/up stays XLA's; the decode attention is 2 "
+        "launches where XLA runs 7–8 fusions. VTC launches no more than XLA in every case.",
         "* **Bytes.** The figure is buffer-level: a launch is charged every buffer it is given. A "
         "Pallas kernel takes whole buffers (whole-array refs) where an XLA fusion often takes the "
         "slice it needs, so a VTC kernel reading a slice is charged the whole buffer. Where VTC "

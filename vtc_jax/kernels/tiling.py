@@ -332,7 +332,8 @@ def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, 
     the decode path (i) widens ``bk`` so a weight tile is ~16 KB, (ii) pipelines 4 stages (3 tiles
     in flight per CTA), and (iii) splits K in powers of two until the grid fills
     ``2 * sms`` programs, as long as each split keeps at least ``num_stages`` K tiles (a shorter
-    loop cannot fill the pipeline). Gate/up (N = 28672: 448 programs) needs no split.
+    loop cannot fill the pipeline). Gate/up (N = 28672: 448 programs) needs no split. Batched
+    GEMMs (``batch > 1``) never split.
     """
     decode = m <= DECODE_MAX_M
     bm, bn, _ = choose_blocks(m, n, k, block_m=block_m, block_n=block_n, block_k=256)
@@ -354,7 +355,10 @@ def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, 
     base = batch * cdiv(m, bm) * cdiv(n, bn)
     if split_k is None:
         split_k = 1
-        if decode:
+        # only unbatched (weight-streaming) projections split: a batched product (per-head
+        # attention matmuls) is not a weight stream, and a split costs a second launch (the
+        # reduce) that the cost model does not price for it
+        if decode and batch == 1:
             while base * split_k < _DECODE_WAVES * sms and k_tiles // (2 * split_k) >= num_stages:
                 split_k *= 2
     split_k = normalize_split(k_tiles, split_k)
