@@ -67,16 +67,17 @@ def test_paper_size_lowering_leaves_no_movement(batch):
             text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     base = cross_lower(jax.jit(L.step, donate_argnums=(2, 3)), *args)
     assert base.movement_into_consumers(), "the baseline should have movement feeding dots/results"
-    # What is left reaching a kernel, a dot or a result is XLA's cheap work: the K and V rows
-    # written into their caches in place (dynamic_update_slice fused with RoPE / the split; the
-    # decode GEMMs stay XLA's, costmodel.decode_gemm_loss) and the attention output's transpose of a
-    # size-1 axis (a bitcast). Nothing cache-sized moves: the GQA repeat (broadcast) and the K/V
+    # What is left reaching a kernel, a dot or a result is XLA's cheap work: the K row written into
+    # its cache in place (dynamic_update_slice fused with RoPE, which XLA fuses better than a
+    # Pallas kernel: costmodel.xla_fuses), the V row too where the QKV GEMM stays XLA's
+    # (costmodel.decode_gemm_loss; the split-K template writes it itself), and the attention
+    # output's transpose of a size-1 axis (a bitcast). Nothing cache-sized moves: the GQA repeat (broadcast) and the K/V
     # transposes the baseline feeds its attention dots are gone — the attention kernel reads the
     # caches through the index maps.
     cache = "tensor<%dx4096x8x128xbf16>" % batch
     moved = opt.movement_into_consumers()
     assert {m[0] for m in moved if m[2] == cache} == {"stablehlo.dynamic_update_slice"}, moved
-    assert opt.count("stablehlo.dynamic_update_slice") == 2
+    assert 1 <= opt.count("stablehlo.dynamic_update_slice") <= 2
     assert all(m[0] != "stablehlo.broadcast_in_dim" for m in moved), moved
     assert all(m[2] in (cache, "tensor<%dx1x32x128xbf16>" % batch) for m in moved), moved
     big = lambda ms: [m for m in ms if m[0] in ("stablehlo.broadcast_in_dim", "stablehlo.transpose")
