@@ -52,20 +52,21 @@ def models() -> dict:
 
 # What is left in each model and why (checked by hand against explain() and the lowered module;
 # keep in step with the code: a row whose figures change needs its note re-checked).
-_LLAMA = ("K: the RoPE runs in XLA (complex64 has no Triton type) and a one-op convert kernel writes "
-          "the rotated row into the cache; V: `.at[:, pos].set` is traced as a guarded update "
-          "(canonical.py: an out-of-range pos writes back the old window, as `.at[].set` drops it) "
-          "and a pointwise select kernel writes the row in place — not the V projection's kernel, "
-          "because cluster.py grows a matmul epilogue only through elementwise ops, and a reshape "
-          "and slice sit between the projection and the select")
+_LLAMA = ("K: the RoPE runs in XLA (complex64 has no Triton type) and XLA writes the rotated row "
+          "into the cache in place (the dynamic_update_slice counted: update size, as jit; the cast "
+          "before it is left to XLA's fusion, costmodel.xla_fuses); V: `.at[:, pos].set` is traced as "
+          "a guarded update (canonical.py: an out-of-range pos writes back the old window, as "
+          "`.at[].set` drops it) and a pointwise select kernel writes the row in place — not the V "
+          "projection's kernel, because cluster.py grows a matmul epilogue only through elementwise "
+          "ops, and a reshape and slice sit between the projection and the select")
 NOTES = {
     "llama_pure (where -inf)": _LLAMA,
     "llama_pure (finfo.min)": _LLAMA,
     "llama_pure (additive -1e30)": _LLAMA,
     "llama_pure (real RoPE, where -inf)": (
-        "the control: RoPE is a kernel; K still reaches the cache through a one-op convert kernel "
-        "(the stack + reshape after the rotation split the clusters) and V through the guarded "
-        "select kernel, as above"),
+        "the control: the real RoPE's pointwise clusters are left to XLA's one loop fusion "
+        "(costmodel.xla_fuses: Pallas would launch one kernel per cluster), which also writes the K "
+        "row into the cache in place; V through the guarded select kernel, as above"),
     "gemma_flax": (
         "V is `kv[1]` of the fused K/V einsum, a static slice of the dot's output: a slice offers "
         "only a read edge (its input's other half would have no home), so no kernel produces V "
@@ -89,6 +90,10 @@ NOTES = {
         "it); VTC leaves it, with the branch's half that its last kernel wrote, to this one XLA "
         "transpose — the one jit has"),
     "vision shufflenet_state": "as shufflenet",
+    "vision linattn": (
+        "the transpose feeds a pointwise island the cost model leaves to XLA (costmodel.xla_fuses: "
+        "XLA fuses the transpose into that loop fusion); with CostModel(xla_fusion=False) it is "
+        "read through a map (tests/test_zoo.py)"),
 }
 
 
