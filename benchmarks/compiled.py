@@ -52,7 +52,7 @@ def _program_row(p: Any) -> dict[str, Any]:
         "in_place": p.in_place_bytes,
         "memory": p.memory,
         "per_launch": [[x.name, x.kind, x.triton, x.read_bytes, x.write_bytes, x.in_place_bytes,
-                        x.shared_memory] for x in launches],
+                        x.shared_memory, list(x.grid)] for x in launches],
         "kernels": [[k.name, k.registers, k.spill_store_bytes, k.spill_load_bytes, k.smem_bytes,
                      k.num_warps, k.num_stages] for k in p.kernels],
         "kernel_error": p.kernel_error,
@@ -291,13 +291,18 @@ def machine_info(started: float) -> str:
 ZOO_BEGIN, ZOO_END = "<!-- zoo:begin -->", "<!-- zoo:end -->"
 
 
-def _write(path: Path, text: str) -> None:
-    """Write the compiled tables, keeping the zoo block ``benchmarks/zoo.py`` maintains."""
+def _write(path: Path, text: str, rows: list[dict[str, Any]]) -> None:
+    """Write the compiled tables and their roofline (``benchmarks/roofline.py``), keeping the zoo
+    block ``benchmarks/zoo.py`` maintains."""
     old = path.read_text() if path.exists() else ""
     if ZOO_BEGIN in old and ZOO_END in old and ZOO_BEGIN not in text:
         block = old[old.index(ZOO_BEGIN):old.index(ZOO_END) + len(ZOO_END)]
         text = text.rstrip("\n") + "\n\n\n" + block + "\n"
     path.write_text(text)
+    import roofline
+    ok = [r for r in rows if "error" not in r]
+    if ok:
+        roofline.write(roofline.render({"rows": ok}), path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -310,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = p.parse_args(argv)
     if ns.from_json:
         data = json.loads(Path(ns.json).read_text())
-        _write(Path(ns.out), render(data["rows"], data["info"]))
+        _write(Path(ns.out), render(data["rows"], data["info"]), data["rows"])
         return 0
     started = time.time()
     rows = []
@@ -330,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{_mib(r['jit']['memory']['total'])} -> {_mib(r['vtc']['memory']['total'])} MiB"),
                   flush=True)
     info = machine_info(started)
-    _write(Path(ns.out), render(rows, info))
+    _write(Path(ns.out), render(rows, info), rows)
     Path(ns.json).write_text(json.dumps({"info": info, "rows": rows}, indent=1))
     return 0 if all("error" not in r for r in rows) else 1
 

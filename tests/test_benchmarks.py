@@ -1,5 +1,6 @@
 """benchmarks/: the per-case accounting function on Llama-3 batch 1, and gpu.py on a machine without a GPU."""
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -109,3 +110,24 @@ def test_benchmarks_md_comes_from_the_compile():
     text = (ROOT / "BENCHMARKS.md").read_text()
     assert "benchmarks/compiled.py" in text and "deviceless" in text
     assert "(modelled)" not in text.split("## The analytical model")[0]
+
+
+def test_roofline_model_and_table():
+    """benchmarks/roofline.py: a launch under one HBM round trip is latency-bound, an XLA launch
+    streams at HBM bandwidth, a Pallas kernel with too few CTAs is bound by what it keeps in flight
+    (Little's law); the table has a row per compiled workload and batch."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import roofline
+    from vtc_jax.costmodel import GPUS
+    gpu = GPUS["h100-sxm"]
+    tiny = roofline.launch_model(["f", "kCustomKernel", False, 64, 64, 0, 0, [1]])
+    assert tiny["bound"] == "latency" and tiny["modelled_us"] == pytest.approx(gpu.hbm_latency * 1e6)
+    big = roofline.launch_model(["g", "kCustomKernel", False, 2**30, 0, 0, 0, [1024]])
+    assert big["bound"] == "bandwidth" and big["modelled_us"] == pytest.approx(2**30 / gpu.hbm_bandwidth * 1e6)
+    few = roofline.launch_model(["k", "kCustomKernel", True, 2**30, 0, 0, 16384, [4, 1, 1]])
+    assert few["bound"] == "in flight"
+    assert few["modelled_us"] == pytest.approx(2**30 / (4 * 16384 / gpu.hbm_latency) * 1e6)
+    data = json.loads((ROOT / "benchmarks" / "compiled.json").read_text())
+    table = roofline.render(data)
+    for r in data["rows"]:
+        assert f"| {r['workload']} | {r['batch']} |" in table
