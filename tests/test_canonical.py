@@ -81,9 +81,11 @@ def test_scatter_forms_match_jit(form):
         fn, u = (lambda x, u, p: x.at[:, p].set(u + 1, mode="clip")), jnp.ones((2, 3, 4))
     elif form == "promise":
         fn, u = (lambda x, u, p: x.at[:, p].set(u + 1, mode="promise_in_bounds")), jnp.ones((2, 3, 4))
-    else:   # a window narrower than the operand in a non-indexed dim is not this form
+    else:   # a static slice 1:3 of the last dim: an indexed dim too (a start of 1, a window of 2)
         fn, u = (lambda x, u, p: x.at[:, p, :, 1:3].set(u + 1)), jnp.ones((2, 3, 2))
     positions = (0, 5, T - 1) if form == "promise" else POSITIONS   # promise: out of range undefined
+    eqn = [e for e in jax.make_jaxpr(fn)(x, u, jnp.int32(0)).jaxpr.eqns if e.primitive.name == "scatter"][0]
+    assert canonical.window_scatter(eqn) is not None, form     # every form is one window
     opt = vtc_jax.optimize(fn, backend="interpret")
     for pos in positions:
         p = jnp.int32(pos)

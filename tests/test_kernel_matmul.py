@@ -244,37 +244,45 @@ def test_dynamic_update_slice_write_at_pos():
     assert "output_operand_alias<output_tuple_indices = [], operand_index = 2" in res.text
 
 
-@pytest.mark.parametrize("s,bn", [(1, 16), (3, 16), (1, 64)],
-                         ids=["decode", "prefill", "decode-straddle"])
-def test_qkv_one_output_three_buffers(s, bn):
-    """x (B, S, D) @ W (D, 64) -> one (B, S, 64) output onto Q (B, S, 2, 16) fresh, and the K and
-    V caches (B, T, 1, 16) at runtime ``pos`` (decode S = 1, prefill chunk S = 3). With bn = 16 = head_dim
-    each tile lies in one piece; with bn = 64 one tile spans Q, K and V."""
-    bsz, d, t, hq, hkv, dh = 2, 32, 8, 2, 1, 16
-    qw, kw = hq * dh, hkv * dh
+def _qkv_problem(s, d, **kw):
+    """x (B, S, D) @ W (D, 64) -> one (B, S, 64) output onto Q (B, S, 2, 16) fresh and the K and V
+    caches (B, T, 1, 16) at runtime ``pos``: ``(call, ref, args)`` for check_kernel; ``kw`` goes
+    to ``matmul`` (block_n, split_k)."""
+    bsz, t, hq, hkv, dh = 2, 8, 2, 1, 16
+    qw, kw_ = hq * dh, hkv * dh
     dn = (((2,), (0,)), ((), ()))
     syms = [SymInfo("pos", 0, t - s)]
 
     def call(x, w, kc, vc, pos, *, backend):
         q = Layout.physical(0, (bsz, s, hq, dh)).reshape((bsz, s, qw))
-        kv = [Layout.physical(i, (bsz, t, hkv, dh)).offset(1, sym("pos"), s, syms).reshape((bsz, s, kw))
+        kv = [Layout.physical(i, (bsz, t, hkv, dh)).offset(1, sym("pos"), s, syms).reshape((bsz, s, kw_))
               for i in (1, 2)]
         out = VTensor(Layout.concatenate([q, *kv], 2), x.dtype,
                       (jax.ShapeDtypeStruct((bsz, s, hq, dh), x.dtype), kc, vc), (("pos", pos),))
-        return matmul(x, w, dimension_numbers=dn, out=out, block_n=bn, backend=backend)
+        return matmul(x, w, dimension_numbers=dn, out=out, backend=backend, **kw)
 
     def ref(x, w, kc, vc, pos):
         y = ref_dot(x, w, dn)
         q = y[..., :qw].reshape(bsz, s, hq, dh)
-        k = y[..., qw:qw + kw].reshape(bsz, s, hkv, dh)
-        v = y[..., qw + kw:].reshape(bsz, s, hkv, dh)
+        k = y[..., qw:qw + kw_].reshape(bsz, s, hkv, dh)
+        v = y[..., qw + kw_:].reshape(bsz, s, hkv, dh)
         z = jnp.int32(0)
         return (q, lax.dynamic_update_slice(kc, k, (z, pos, z, z)),
                 lax.dynamic_update_slice(vc, v, (z, pos, z, z)))
 
-    args = (rand((bsz, s, d)), rand((d, qw + 2 * kw), seed=1), rand((bsz, t, hkv, dh), seed=2),
+    args = (rand((bsz, s, d)), rand((d, qw + 2 * kw_), seed=1), rand((bsz, t, hkv, dh), seed=2),
             rand((bsz, t, hkv, dh), seed=3), jnp.int32(t - s - 1))
-    check_kernel(call, ref, args, **F32)
+    return call, ref, args
+
+
+@pytest.mark.parametrize("s,bn", [(1, 16), (3, 16), (1, 64)],
+                         ids=["decode", "prefill", "decode-straddle"])
+def test_qkv_one_output_three_buffers(s, bn):
+    """The QKV projection's one output written onto Q fresh and the K and V caches at runtime
+    ``pos`` (decode S = 1, prefill chunk S = 3). With bn = 16 = head_dim each tile lies in one
+    piece; with bn = 64 one tile spans Q, K and V."""
+    res = check_kernel(*_qkv_problem(s, 32, block_n=bn), **F32)
+    assert res.triton_kernels, res
 
 
 # --------------------------------------------------------------------------------------------
@@ -452,31 +460,7 @@ def test_split_k_epilogue_applied_once_after_the_sum():
 def test_split_k_qkv_virtual_writes_at_pos(s):
     """The decode QKV projection with split-K: the reduce kernel alone writes Q and the K/V caches
     at runtime ``pos`` (in place: the caches are aliased to the reduce kernel's outputs)."""
-    bsz, d, t, hq, hkv, dh = 2, 512, 8, 2, 1, 16
-    qw, kw = hq * dh, hkv * dh
-    dn = (((2,), (0,)), ((), ()))
-    syms = [SymInfo("pos", 0, t - s)]
-
-    def call(x, w, kc, vc, pos, *, backend):
-        q = Layout.physical(0, (bsz, s, hq, dh)).reshape((bsz, s, qw))
-        kv = [Layout.physical(i, (bsz, t, hkv, dh)).offset(1, sym("pos"), s, syms).reshape((bsz, s, kw))
-              for i in (1, 2)]
-        out = VTensor(Layout.concatenate([q, *kv], 2), x.dtype,
-                      (jax.ShapeDtypeStruct((bsz, s, hq, dh), x.dtype), kc, vc), (("pos", pos),))
-        return matmul(x, w, dimension_numbers=dn, out=out, block_n=16, split_k=4, backend=backend)
-
-    def ref(x, w, kc, vc, pos):
-        y = ref_dot(x, w, dn)
-        q = y[..., :qw].reshape(bsz, s, hq, dh)
-        k = y[..., qw:qw + kw].reshape(bsz, s, hkv, dh)
-        v = y[..., qw + kw:].reshape(bsz, s, hkv, dh)
-        z = jnp.int32(0)
-        return (q, lax.dynamic_update_slice(kc, k, (z, pos, z, z)),
-                lax.dynamic_update_slice(vc, v, (z, pos, z, z)))
-
-    args = (rand((bsz, s, d)), rand((d, qw + 2 * kw), seed=1), rand((bsz, t, hkv, dh), seed=2),
-            rand((bsz, t, hkv, dh), seed=3), jnp.int32(t - s - 1))
-    res = check_kernel(call, ref, args, **F32)
+    res = check_kernel(*_qkv_problem(s, 512, block_n=16, split_k=4), **F32)
     assert _names(res) == ["vtc_matmul_splitk", "vtc_matmul_reduce"]
     # only the reduce kernel aliases buffers: the two caches (its operands 1 and 2)
     assert res.text.count("output_operand_alias<") == 2, res.text.count("output_operand_alias<")
