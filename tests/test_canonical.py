@@ -176,3 +176,99 @@ def test_transpose_of_transpose_is_one_transpose():
         assert [op.primitive for op in g.ops].count("transpose") == n
         _close(g.evaluate(x), jax.jit(fn)(x))
         _close(vtc_jax.optimize(fn, backend="interpret")(x), jax.jit(fn)(x))
+
+
+# ---- a cond whose branches are elementwise: both computed, one selected ---------------------
+
+def _windowed_scores(q, k, v, pos, window):
+    """Decode attention with a sliding window applied under lax.cond (Gemma's style)."""
+    t = k.shape[1]
+    idx = jnp.arange(t)
+    s = jnp.einsum("bkgh,btkh->bkgt", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
+    s = jnp.where((idx <= pos)[None, None, None, :], s, -jnp.inf)
+    s = lax.cond(pos >= window, lambda s: jnp.where((idx > pos - window)[None, None, None, :], s, -jnp.inf),
+                 lambda s: s, s)
+    return jnp.einsum("bkgt,btkh->bkgh", jax.nn.softmax(s, axis=-1), v)
+
+
+def test_elementwise_cond_traced_as_select_and_fits_the_attention_window():
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((2, 2, 2, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, T, 2, 8)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((2, T, 2, 8)), jnp.float32)
+    g = graph.trace(_windowed_scores, q, k, v, jnp.int32(5), 3)
+    assert not [op for op in g.ops if op.primitive == "cond"]
+    rep = vtc_jax.explain(_windowed_scores, static_argnums=4)(q, k, v, jnp.int32(5), 3)
+    assert [w for _, kind, w in rep.templates if kind == "attention"] == ["kernel"], rep.templates
+    ref = jax.jit(_windowed_scores, static_argnums=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        f = vtc_jax.optimize(_windowed_scores, static_argnums=4)
+        for pos in (0, 1, 2, 3, 5, T - 1):   # both sides of the cond's predicate
+            _close(f(q, k, v, jnp.int32(pos), 3), ref(q, k, v, jnp.int32(pos), 3))
+
+
+def test_switch_with_three_elementwise_branches_matches_jit():
+    def fn(x, i):
+        return lax.switch(i, [jnp.sin, jnp.cos, lambda v: v * 2.0], x) + 1.0
+    x = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    assert not [op for op in graph.trace(fn, x, jnp.int32(1)).ops if op.primitive == "cond"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        f = vtc_jax.optimize(fn)
+        for i in (-3, 0, 1, 2, 7):   # switch clamps its index
+            _close(f(x, jnp.int32(i)), jax.jit(fn)(x, jnp.int32(i)))
+
+
+def test_cond_with_work_or_an_update_stays_a_cond():
+    def heavy(x, w, p):
+        return lax.cond(p, lambda a: a @ w, lambda a: a, x)
+
+    def update(c, r, p):
+        return lax.cond(p > 0, lambda c: lax.dynamic_update_slice(c, r, (p, 0)), lambda c: c, c)
+    x, w = jnp.ones((4, 4)), jnp.eye(4)
+    for fn, args in ((heavy, (x, w, True)), (update, (x, jnp.ones((1, 4)), jnp.int32(2)))):
+        assert [op for op in graph.trace(fn, *args).ops if op.primitive == "cond"], fn.__name__
+
+
+# ---- complex arithmetic as pairs of real tensors ----------------------------------------------
+
+def _complex_rope(x, pos):
+    """Llama's complex RoPE: adjacent pairs as complex numbers times exp(i·θ)."""
+    d = x.shape[-1]
+    theta = pos.astype(jnp.float32) / (10000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    rot = jnp.exp(1j * theta).astype(jnp.complex64)
+    xp = x.reshape(*x.shape[:-1], d // 2, 2)
+    z = lax.complex(xp[..., 0], xp[..., 1]) * rot
+    return jnp.stack([z.real, z.imag], axis=-1).reshape(x.shape)
+
+
+def test_complex_rope_traced_without_complex_and_equal():
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 1, 4, 16)), jnp.float32)
+    g = graph.trace(_complex_rope, x, jnp.int32(7))
+    cplx = [op.primitive for op in g.ops
+            if any(np.issubdtype(np.dtype(g.tensors[t].dtype), np.complexfloating) for t in (*op.inputs, *op.outputs))]
+    # only the constant 1j is taken apart (its real/imag parts); no complex arithmetic is left
+    assert set(cplx) <= {"real", "imag"}, cplx
+    for pos in (0, 7, 300):
+        np.testing.assert_allclose(np.asarray(g.evaluate(x, jnp.int32(pos))[0]),
+                                   np.asarray(jax.jit(_complex_rope)(x, jnp.int32(pos))), rtol=1e-5, atol=1e-5)
+    rep = vtc_jax.explain(_complex_rope)(x, jnp.int32(7))
+    assert all(why == "kernel" or "iota" in why for _, kind, why in rep.templates if kind == "pointwise"), rep.templates
+
+
+def test_complex_ops_without_a_pair_rule_keep_complex_values():
+    def fn(a, b):
+        z = lax.complex(a, b)
+        w = z / (z + 2.0) + jnp.conj(z) * jnp.exp(z)     # division: no pair rule, runs whole
+        return jnp.abs(w), w                               # a complex output stays complex
+    a = jnp.linspace(-1.0, 1.0, 8)
+    b = jnp.linspace(0.5, 2.0, 8)
+    g = graph.trace(fn, a, b)
+    assert "div" in {op.primitive for op in g.ops}
+    out, ref = g.evaluate(a, b), jax.jit(fn)(a, b)
+    for o, r in zip(out, ref):
+        np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=1e-5, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        _close(vtc_jax.optimize(fn)(a, b), jax.jit(fn)(a, b))

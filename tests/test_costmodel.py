@@ -385,8 +385,10 @@ def _rope(x, cos, sin):
 
 def test_xla_fuses_a_pointwise_island_joined_by_movement():
     """RoPE clusters into convert·mul, neg and mul·add joined by two slices and a concat: three
-    Pallas kernels where XLA's compile emits one concatenate fusion. All three go to XLA, and the
-    optimised program still equals jax.jit."""
+    Pallas kernels where XLA's compile emits one concatenate fusion. ``xla_fuses`` names the three
+    as one island; the analysis then re-clusters it as ONE pointwise cluster (movement inside,
+    ``cluster.fuse_islands``) instead of leaving it to XLA, and the optimised program still equals
+    jax.jit: one kernel (reading cos/sin through their broadcasts), where XLA runs one fusion."""
     import vtc_jax
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 1, 4, 16)), jnp.bfloat16)
     cos, sin = jnp.cos(jnp.arange(16.0)), jnp.sin(jnp.arange(16.0))
@@ -398,7 +400,9 @@ def test_xla_fuses_a_pointwise_island_joined_by_movement():
     np.testing.assert_array_equal(np.asarray(f(x, cos, sin), np.float32),
                                   np.asarray(jax.jit(_rope)(x, cos, sin), np.float32))
     a, lowered = f.last
-    assert a.xla_fused == frozenset(pw) and not lowered.kernels
+    merged = [c for c in a.clusters if c.kind == "pointwise"]
+    assert len(merged) == 1 and {g.ops[o].primitive for o in merged[0].ops} >= {"concatenate", "slice", "neg"}
+    assert a.xla_fused == frozenset() and len(lowered.kernels) == 1, lowered.kernels
 
 
 def test_xla_fuses_a_lone_cast_but_not_a_lone_pointwise_kernel():
@@ -424,10 +428,16 @@ def test_xla_fusion_off_keeps_the_kernels():
     from vtc_jax.api import analyze
     x = jnp.ones((2, 1, 4, 16), jnp.bfloat16)
     cos, sin = jnp.cos(jnp.arange(16.0)), jnp.sin(jnp.arange(16.0))
-    on = analyze(_rope, (x, cos, sin), {})
-    off = analyze(_rope, (x, cos, sin), {}, cost_model=CostModel(xla_fusion=False))
+    fn = lambda w, x: (x.astype(jnp.float32) @ w.astype(jnp.float32), )   # a lone cast of w
+    w = jnp.ones((16, 8), jnp.bfloat16)
+    on = analyze(fn, (w, x.reshape(8, 16)), {})
+    off = analyze(fn, (w, x.reshape(8, 16)), {}, cost_model=CostModel(xla_fusion=False))
     assert on.xla_fused and not off.xla_fused
     assert all(type(off.matches[k]).__name__ == "Match" for k in on.xla_fused)
+    # and the RoPE island is re-clustered as one cluster only with the XLA-fusion model on
+    pw = lambda a: sorted(len(c.ops) for c in a.clusters if c.kind == "pointwise")
+    on, off = (analyze(_rope, (x, cos, sin), {}, cost_model=m) for m in (None, CostModel(xla_fusion=False)))
+    assert len(pw(on)) == 1 and len(pw(off)) == 3, (pw(on), pw(off))
 
 
 # ---- decode GEMMs: the library loss is bandwidth-based ---------------------------------------

@@ -159,11 +159,13 @@ def test_kernel_build_failure_falls_back_per_cluster(monkeypatch):
 
 
 def test_complex_rope_between_projections_stays_xla_for_that_part():
-    """Failure class 1: complex multiply between two projections — no template takes complex
-    numbers (decided in analysis), the rest still optimises; same numbers as jax.jit."""
+    """Failure class 1: complex arithmetic between two projections. A complex multiply is traced
+    as real pairs (canonical.split_complex); a complex division is not, and no template takes
+    complex numbers (decided in analysis): that part runs in XLA, the rest still optimises; same
+    numbers as jax.jit."""
     def f(x, w1, w2, ang):
         h = (x @ w1).reshape(4, 8, 2)
-        c = lax.complex(h[..., 0], h[..., 1]) * jnp.exp(1j * ang)
+        c = lax.complex(h[..., 0], h[..., 1]) / (2.0 + jnp.exp(1j * ang))
         r = jnp.stack([c.real, c.imag], axis=-1).reshape(4, 16)
         return r @ w2
 

@@ -235,7 +235,8 @@ def test_inplace_edge_kept_when_legal():
 def test_opaque_cluster_pins_tensors():
     def fn(x):
         y = (x * 3.0).T
-        z = jax.lax.cond(y.sum() > 0, lambda a: a + 1.0, lambda a: a - 1.0, y)
+        # a reduction in a branch: not speculated into a select (canonical.speculable_cond)
+        z = jax.lax.cond(y.sum() > 0, lambda a: a + a.sum(), lambda a: a - 1.0, y)
         return z.T * 2.0
 
     g, cl, v = _trace(fn, jnp.ones((4, 8)))

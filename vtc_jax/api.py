@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 
 from . import costmodel
-from .cluster import Cluster, cluster
+from .cluster import Cluster, cluster, fuse_islands
 from .graph import Graph, trace
 from .report import Report, build_report
 from .strategy import Strategy, plan
@@ -72,8 +72,14 @@ def analyze(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
     model = _cost_model(cost_model, objective, gpu)
     fused: dict[int, str] = {}
     if getattr(model, "xla_fusion", False):   # pointwise work XLA fuses better stays XLA's
+        islands = costmodel.pointwise_islands(graph, clusters, matches)
+        left: dict[int, str] = {}
+        if islands:   # ... unless it becomes one kernel: re-cluster each island as one
+            regrouped, left = fuse_islands(graph, clusters, islands)
+            if regrouped is not clusters:
+                clusters, matches = regrouped, match_all(graph, regrouped, rejected)
         kinds = {c.id: c.kind for c in clusters}
-        fused = costmodel.xla_fuses(graph, clusters, matches)
+        fused = costmodel.xla_fuses(graph, clusters, matches, left)
         matches = {**matches, **{k: Reject(k, kinds[k], why) for k, why in fused.items()}}
     vtog = build_vtog(graph, clusters, matches=matches)
     donated = donated_inputs(graph, args, kwargs, donate_argnums)

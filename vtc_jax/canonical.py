@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["window_scatter", "whole_update", "rewrite"]
+__all__ = ["window_scatter", "whole_update", "speculable_cond", "rewrite", "fold_transposes", "split_complex"]
 
 
 def window_scatter(eqn: jcore.JaxprEqn) -> tuple[tuple[int, ...], tuple[int, ...], bool] | None:
@@ -112,8 +112,61 @@ def whole_update(eqn: jcore.JaxprEqn) -> bool:
             and x.dtype == u.dtype)
 
 
+# what a cond branch may hold to be computed unconditionally: no effects, no work beyond the
+# elementwise kind (a reduction or a dot computed for nothing would cost), no in-place update (a
+# cache written in one branch only must stay a cond: program.py updates it in place)
+_SPECULABLE_ROLES = ("elementwise", "generator")
+_SPECULABLE_MOVES = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
+                               "convert_element_type", "copy", "slice", "concatenate", "pad", "rev"})
+
+
+def speculable_cond(eqn: jcore.JaxprEqn) -> bool:
+    """A ``cond`` (or ``switch``) whose branches only compute elementwise values from its operands
+    — Gemma's sliding window applied as ``lax.cond(pos >= window, mask, identity, scores)``. Both
+    branches then run and ``select_n`` picks one by the (clamped) index: the same values, and the
+    mask is one more elementwise step that the attention template fits (a cond in the middle of
+    the scores is otherwise opaque and splits the attention into its parts). XLA does the same
+    when it converts a small conditional into a select."""
+    from .primitives import TABLE
+    if eqn.primitive.name != "cond" or eqn.effects:
+        return False
+    if any(not hasattr(v.aval, "shape") or not isinstance(v.aval.dtype, np.dtype) for v in eqn.outvars):
+        return False
+
+    def ok(jaxpr: Any) -> bool:
+        for e in jaxpr.eqns:
+            if e.effects:
+                return False
+            inner = e.params.get("jaxpr", e.params.get("call_jaxpr"))   # jit / closed_call bodies
+            if inner is not None:
+                if not ok(getattr(inner, "jaxpr", inner)):
+                    return False
+                continue
+            info = TABLE.get(e.primitive.name)
+            if info is None or (str(info.role) not in _SPECULABLE_ROLES
+                                and e.primitive.name not in _SPECULABLE_MOVES):
+                return False
+        return True
+
+    return all(ok(br.jaxpr) for br in eqn.params["branches"])
+
+
+def _as_select(index: Any, *operands: Any, branches: tuple[Any, ...]) -> list[Any]:
+    """Every branch computed, the result chosen per output by the index (clamped as cond does)."""
+    outs = [jcore.jaxpr_as_fun(b)(*operands) for b in branches]
+    n = len(branches)
+    which = lax.clamp(np.int32(0), index.astype(jnp.int32), np.int32(n - 1))
+    if n == 2:
+        which = which != 0   # select_n takes a bool for two cases
+    return [lax.select_n(which, *[o[i] for o in outs]) for i in range(len(outs[0]))]
+
+
 def rewrite(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, list[Any]] | None:
     """``(jaxpr, consts)`` computing ``eqn``'s output with primitives VTC handles, or None."""
+    if speculable_cond(eqn):
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        closed = jax.make_jaxpr(functools.partial(_as_select, branches=tuple(eqn.params["branches"])))(*avals)
+        return closed.jaxpr, list(closed.consts)
     if whole_update(eqn):
         avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
         closed = jax.make_jaxpr(lambda x, u, *starts: u)(*avals)
@@ -147,3 +200,146 @@ def fold_transposes(eqn: jcore.JaxprEqn, inner: jcore.JaxprEqn | None) -> tuple[
     else:
         closed = jax.make_jaxpr(lambda a: lax.transpose(a, perm))(jax.ShapeDtypeStruct(x.shape, x.dtype))
     return closed.jaxpr, list(closed.consts)
+
+
+# ---- complex arithmetic as pairs of real tensors -------------------------------------------------
+
+_COMPONENT = {np.dtype(np.complex64): np.dtype(np.float32), np.dtype(np.complex128): np.dtype(np.float64)}
+# movement and selection: the same op on both components
+_PAIRWISE = frozenset({"broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "slice", "rev",
+                       "dynamic_slice", "copy", "copy_p", "reduce_precision"})
+
+
+class _Pair:
+    """A complex value held as its real and imaginary parts (two real tensors)."""
+    __slots__ = ("re", "im")
+
+    def __init__(self, re: Any, im: Any) -> None:
+        self.re, self.im = re, im
+
+
+def _is_complex(dtype: Any) -> bool:
+    try:
+        return np.dtype(dtype) in _COMPONENT
+    except TypeError:
+        return False
+
+
+def _has_complex(jaxpr: Any) -> bool:
+    for e in jaxpr.eqns:
+        if any(_is_complex(getattr(v.aval, "dtype", None)) for v in (*e.invars, *e.outvars)):
+            return True
+        inner = e.params.get("jaxpr", e.params.get("call_jaxpr"))
+        if inner is not None and _has_complex(getattr(inner, "jaxpr", inner)):
+            return True
+    return False
+
+
+def _pair(x: Any) -> _Pair:
+    if isinstance(x, _Pair):
+        return x
+    if _is_complex(jnp.result_type(x)):
+        return _Pair(lax.real(jnp.asarray(x)), lax.imag(jnp.asarray(x)))
+    return _Pair(x, jnp.zeros_like(x))
+
+
+def _whole(x: Any) -> Any:
+    return lax.complex(x.re, x.im) if isinstance(x, _Pair) else x
+
+
+def _complex_rule(eqn: Any, ins: list[Any]) -> list[Any] | None:
+    """The eqn on complex values as pairs, or None (then it runs on whole complex values)."""
+    name = eqn.primitive.name
+    out_dt = eqn.outvars[0].aval.dtype if eqn.outvars else None
+    if name == "complex":
+        return [_Pair(*ins)]
+    if name in ("real", "imag"):
+        z = _pair(ins[0])
+        return [z.re if name == "real" else z.im]
+    if name in _PAIRWISE:
+        z, rest = _pair(ins[0]), ins[1:]
+        return [_Pair(eqn.primitive.bind(z.re, *rest, **eqn.params), eqn.primitive.bind(z.im, *rest, **eqn.params))]
+    if name == "select_n":
+        cases = [_pair(c) for c in ins[1:]]
+        return [_Pair(lax.select_n(ins[0], *[c.re for c in cases]), lax.select_n(ins[0], *[c.im for c in cases]))]
+    if name == "concatenate":
+        zs = [_pair(z) for z in ins]
+        d = eqn.params["dimension"]
+        return [_Pair(lax.concatenate([z.re for z in zs], d), lax.concatenate([z.im for z in zs], d))]
+    if name == "convert_element_type":
+        new = np.dtype(eqn.params["new_dtype"])
+        if not _is_complex(new):
+            return None            # complex -> real: jax's own semantics (drops the imaginary part)
+        z, comp = _pair(ins[0]), _COMPONENT[new]
+        return [_Pair(lax.convert_element_type(z.re, comp), lax.convert_element_type(z.im, comp))]
+    if not _is_complex(out_dt):
+        return None
+    if name == "neg":
+        z = _pair(ins[0])
+        return [_Pair(-z.re, -z.im)]
+    if name == "conj":
+        z = _pair(ins[0])
+        return [_Pair(z.re, -z.im)]
+    if name in ("add", "sub"):
+        a, b = _pair(ins[0]), _pair(ins[1])
+        f = lax.add if name == "add" else lax.sub
+        return [_Pair(f(a.re, b.re), f(a.im, b.im))]
+    if name == "mul":
+        a, b = _pair(ins[0]), _pair(ins[1])
+        return [_Pair(a.re * b.re - a.im * b.im, a.re * b.im + a.im * b.re)]
+    if name == "exp":
+        z = _pair(ins[0])
+        e = lax.exp(z.re)
+        return [_Pair(e * lax.cos(z.im), e * lax.sin(z.im))]
+    return None
+
+
+def _eval_pairs(jaxpr: Any, consts: Any, args: Any) -> list[Any]:
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, args):
+        env[v] = a
+    for e in jaxpr.eqns:
+        ins = [read(v) for v in e.invars]
+        inner = e.params.get("jaxpr", e.params.get("call_jaxpr")) if e.primitive.name in (
+            "pjit", "jit", "closed_call", "core_call") else None
+        outs = None
+        if inner is not None and _has_complex(getattr(inner, "jaxpr", inner)):
+            outs = _eval_pairs(getattr(inner, "jaxpr", inner), getattr(inner, "consts", ()), ins)
+        elif any(isinstance(x, _Pair) for x in ins) or any(_is_complex(v.aval.dtype) for v in e.outvars
+                                                           if hasattr(v.aval, "dtype")):
+            outs = _complex_rule(e, ins)
+        if outs is None:
+            res = e.primitive.bind(*[_whole(x) for x in ins], **e.params)
+            outs = list(res) if e.primitive.multiple_results else [res]
+        for v, o in zip(e.outvars, outs):
+            env[v] = o
+    return [read(v) for v in jaxpr.outvars]
+
+
+def split_complex(closed: Any) -> Any | None:
+    """``closed`` with its complex arithmetic done on pairs of real tensors (None: nothing complex).
+
+    Why: complex numbers have no Triton type, so a complex RoPE (``lax.complex(x[..., 0], x[..., 1])
+    * exp(1j·θ)`` then ``.real``/``.imag``: how minimal Llama ports write it) would keep every
+    cluster it touches in XLA, with the movement around it. As pairs, the same rotation is real
+    multiplies and adds joined by slices and a stack — a pointwise island VTC fuses into one
+    kernel (``cluster.fuse_islands``) that also writes the rotated K row into its cache. Complex
+    ``add``/``sub``/``neg``/``conj``/``mul``/``exp``, casts, movement and selects are split (the
+    textbook formulas XLA expands them to); anything else — a complex dot, division, reduction,
+    a complex input or output — gets its whole complex value back (``lax.complex``) and runs as
+    written."""
+    if not _has_complex(closed.jaxpr):
+        return None
+    avals = [v.aval for v in closed.jaxpr.invars]
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+
+    def run(*args: Any) -> Any:
+        return [_whole(x) for x in _eval_pairs(closed.jaxpr, closed.consts, args)]
+
+    return jax.make_jaxpr(run)(*specs)

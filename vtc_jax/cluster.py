@@ -21,6 +21,7 @@ Merges are checked so the cluster graph stays acyclic; clusters come out in topo
 from __future__ import annotations
 
 import heapq
+from typing import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -340,3 +341,98 @@ def _finalise(graph: Graph, groups: _Groups) -> tuple[Cluster, ...]:
         kind = Kind({"elementwise": "pointwise", "reduce": "reduction"}.get(groups.kind[g], groups.kind[g]))
         out.append(Cluster(cid, kind, ops, inputs, tuple(groups.escaping(g)), _reason(graph, kind, ops)))
     return tuple(out)
+
+
+_GROUP_KIND = {"pointwise": "elementwise", "reduction": "reduce"}
+
+
+def fuse_islands(graph: Graph, clusters: Sequence[Cluster],
+                 islands: Sequence[Sequence[int]]) -> tuple[tuple[Cluster, ...], dict[int, str]]:
+    """Re-cluster after elimination (the paper's kernels around *vanished* movement): each island
+    of pointwise clusters joined only through movement clusters (``costmodel.pointwise_islands``:
+    RoPE's convert/mul, neg and mul/add joined by slices and a concat) becomes ONE pointwise
+    cluster holding the movement ops between its members. Its kernel recomputes a member's values
+    at the indices a movement op maps to (templates/pointwise.py: movement inside a pointwise
+    cluster is an index map, never a copy), so one launch replaces one per member — what XLA's
+    loop fusion does for the same island.
+
+    The island takes the movement clusters between its members and the concats/stacks that join
+    them (a complex RoPE's real and imaginary parts meet in a stack); it is fused only when its
+    escaping tensors — members' or movement results — share one shape (one kernel, one grid) and
+    contracting it keeps the cluster graph acyclic. Returns the new clusters (renumbered, in
+    topological order) and, per island left alone, why (keyed by the smallest op id in it: cluster
+    ids change when clusters are regrouped)."""
+    made_by = {t: c for c in clusters for t in c.outputs}
+    by_id = {c.id: c for c in clusters}
+    cl_of_op = {o: c.id for c in clusters for o in c.ops}
+    groups = _Groups(graph)
+    gid_of: dict[int, int] = {}
+    for c in clusters:
+        gid_of[c.id] = groups.make(_GROUP_KIND.get(str(c.kind), str(c.kind)), set(c.ops))
+    left: dict[int, str] = {}
+    for members in islands:
+        members = set(members)
+        inner = _between(graph, by_id, made_by, members)
+        island = members | inner
+        ops = {o for k in island for o in by_id[k].ops}
+        why = None
+        if not groups._acyclic(ops):
+            why = "fusing it would close a cycle through another kernel"
+        else:
+            escaping = [t for o in sorted(ops) for t in graph.ops[o].outputs
+                        if t in graph.outputs or any(u.id not in ops for u in graph.consumers(t))]
+            if len({tuple(graph.tensors[t].shape) for t in escaping}) > 1:
+                why = "its results have different shapes (one kernel has one grid)"
+        if why is not None:
+            left[min(o for k in members for o in by_id[k].ops)] = why
+            continue
+        keep = gid_of[min(members)]
+        for k in island:
+            g = gid_of[k]
+            if g == keep:
+                continue
+            for o in groups.members.pop(g):
+                groups.of[o] = keep
+                groups.members[keep].add(o)
+            del groups.kind[g]
+            gid_of[k] = keep
+    if len(left) == len(islands):
+        return tuple(clusters), left
+    return _finalise(graph, groups), left
+
+
+def _between(graph: Graph, by_id: dict[int, Cluster], made_by: dict[int, Cluster], members: set[int]) -> set[int]:
+    """Movement clusters on a path from one island member to another (through movement only)."""
+    def up(c: Cluster, seen: dict[int, bool]) -> bool:
+        """Does a member lie above movement cluster ``c`` (through movement only)?"""
+        if c.id in seen:
+            return seen[c.id]
+        seen[c.id] = False
+        hit = False
+        for t in c.inputs:
+            p = made_by.get(t)
+            if p is None:
+                continue
+            if p.id in members or (p.kind == Kind.MOVEMENT and up(p, seen)):
+                hit = True
+        seen[c.id] = hit
+        return hit
+
+    found: set[int] = set()
+    seen: dict[int, bool] = {}
+    stack = [made_by[t] for k in members for t in by_id[k].inputs if t in made_by]
+    visited: set[int] = set()
+    while stack:
+        c = stack.pop()
+        if c.id in visited or c.kind != Kind.MOVEMENT:
+            continue
+        visited.add(c.id)
+        if up(c, seen):
+            found.add(c.id)
+            stack.extend(made_by[t] for t in c.inputs if t in made_by)
+    inside = members | found
+    for c in by_id.values():   # joins: a concat/stack whose operands all come from the island
+        if c.kind == Kind.MOVEMENT and c.id not in inside and len(c.inputs) >= 2 and \
+                all(t in made_by and made_by[t].id in inside for t in c.inputs):
+            found.add(c.id)
+    return found

@@ -763,31 +763,12 @@ _CAST_ONLY = frozenset({"convert_element_type", "broadcast_in_dim", "reshape", "
                         "expand_dims", "copy", "copy_p"})
 
 
-def xla_fuses(graph: "Graph", clusters: Sequence["Cluster"], matches: Mapping[int, Any]) -> dict[int, str]:
-    """Pointwise clusters better left to XLA than made Pallas kernels: ``{cluster id: why}``.
-
-    Why: every Pallas kernel is an opaque custom call that XLA fuses nothing into, while XLA itself
-    fuses element-wise ops *together with* the slices, concats, broadcasts, reshapes and transposes
-    between them (a loop fusion reads its operands through the movement ops' index maps — what VTC
-    does for compute kernels). So for element-wise work the virtual tensors VTC would introduce buy
-    nothing XLA does not already get, and the lowering's one-kernel-per-cluster costs launches
-    (found in XLA's H100 compile, BENCHMARKS.md: RoPE became six Pallas kernels where XLA emits one
-    concatenate fusion, and a lone bf16→f32 cast of a norm weight became a kernel XLA folds into
-    the norm's reduction fusion). Two rules, both structural (no size threshold, so small test
-    programs and paper-size ones are planned alike):
-
-    * **pointwise islands** — matched pointwise clusters connected to each other only through
-      movement clusters (RoPE: convert/mul, neg and mul/add joined by slices and a concat): VTC
-      would launch one kernel per cluster, XLA one loop fusion for the island. All of them go to
-      XLA. A lone pointwise cluster (an island of one) keeps its kernel: one launch either way, and
-      its virtual reads can still save a copy XLA would make.
-    * **lone casts** — a pointwise cluster made only of casts/broadcasts/reshapes: XLA fuses it
-      into its producer's or consumer's fusion (zero launches); a kernel costs one.
-    * **parameter transforms** — a pointwise cluster reading only vectors passed in (and
-      constants): Gemma's ``1 + w`` norm scale; XLA recomputes it inside the norm's fusion.
-
-    Clusters the templates already rejected are not listed (they go to XLA anyway).
-    """
+def pointwise_islands(graph: "Graph", clusters: Sequence["Cluster"],
+                      matches: Mapping[int, Any]) -> list[list[int]]:
+    """Groups (two or more) of matched pointwise clusters joined to each other only through
+    movement clusters: RoPE's convert/mul, neg and mul/add joined by slices and a concat; or
+    feeding one concat/stack (a complex RoPE's real and imaginary parts). XLA
+    runs each group as one loop fusion; ``cluster.fuse_islands`` makes each one kernel."""
     cl_of_tensor: dict[int, "Cluster"] = {}
     for c in clusters:
         for t in c.outputs:
@@ -826,16 +807,60 @@ def xla_fuses(graph: "Graph", clusters: Sequence["Cluster"], matches: Mapping[in
                 continue   # a direct pointwise→pointwise edge would have been one cluster
             for q in upstream_kernels(t, set()):
                 parent[find(q)] = find(k)
+    for c in clusters:   # siblings joined by a concat/stack (a complex RoPE's real and imag parts)
+        if c.kind != Kind.MOVEMENT or len(c.inputs) < 2:
+            continue
+        found = set()
+        for o in c.ops:
+            for x in data_inputs(ops[o]):
+                found |= upstream_kernels(x, set())
+        found = sorted(found)
+        for q in found[1:]:
+            parent[find(q)] = find(found[0])
     islands: dict[int, list[int]] = {}
     for k in kernels:
         islands.setdefault(find(k), []).append(k)
+    return [sorted(m) for m in islands.values() if len(m) > 1]
+
+
+def xla_fuses(graph: "Graph", clusters: Sequence["Cluster"], matches: Mapping[int, Any],
+              not_fused: Mapping[int, str] | None = None) -> dict[int, str]:
+    """Pointwise clusters better left to XLA than made Pallas kernels: ``{cluster id: why}``.
+
+    Why: every Pallas kernel is an opaque custom call that XLA fuses nothing into, while XLA itself
+    fuses element-wise ops *together with* the slices, concats, broadcasts, reshapes and transposes
+    between them (a loop fusion reads its operands through the movement ops' index maps — what VTC
+    does for compute kernels). So for element-wise work the virtual tensors VTC would introduce buy
+    nothing XLA does not already get, and the lowering's one-kernel-per-cluster costs launches
+    (found in XLA's H100 compile, BENCHMARKS.md: RoPE became six Pallas kernels where XLA emits one
+    concatenate fusion, and a lone bf16→f32 cast of a norm weight became a kernel XLA folds into
+    the norm's reduction fusion). Two rules, both structural (no size threshold, so small test
+    programs and paper-size ones are planned alike):
+
+    * **pointwise islands** — matched pointwise clusters connected to each other only through
+      movement clusters (RoPE: convert/mul, neg and mul/add joined by slices and a concat) that
+      ``cluster.fuse_islands`` could not make one cluster (``not_fused``: why, keyed by the
+      island's smallest op id): VTC would launch one kernel per cluster, XLA one loop fusion for
+      the island. All of them go to XLA. A lone pointwise cluster (an island of one) keeps its kernel: one launch either way, and
+      its virtual reads can still save a copy XLA would make.
+    * **lone casts** — a pointwise cluster made only of casts/broadcasts/reshapes: XLA fuses it
+      into its producer's or consumer's fusion (zero launches); a kernel costs one.
+    * **parameter transforms** — a pointwise cluster reading only vectors passed in (and
+      constants): Gemma's ``1 + w`` norm scale; XLA recomputes it inside the norm's fusion.
+
+    Clusters the templates already rejected are not listed (they go to XLA anyway).
+    """
+    ops = {op.id: op for op in graph.ops}
+    kernels = {c.id: c for c in clusters
+               if c.kind == Kind.POINTWISE and isinstance(matches.get(c.id), Match)}
     out: dict[int, str] = {}
-    for members in islands.values():
-        if len(members) > 1:
-            for k in members:
-                out[k] = (f"XLA fuses it with {len(members) - 1} more pointwise cluster(s) "
-                          f"({', '.join(f'#{m}' for m in sorted(members) if m != k)}) and the movement "
-                          "between them into one loop fusion; Pallas would launch one kernel each")
+    for members in pointwise_islands(graph, clusters, matches):
+        why = (not_fused or {}).get(min(o for k in members for o in kernels[k].ops))
+        for k in members:
+            out[k] = (f"XLA fuses it with {len(members) - 1} more pointwise cluster(s) "
+                      f"({', '.join(f'#{m}' for m in sorted(members) if m != k)}) and the movement "
+                      "between them into one loop fusion; Pallas would launch one kernel each"
+                      + (f" (not one cluster here: {why})" if why else ""))
     inputs = set(graph.inputs)
     for k, c in kernels.items():
         if k in out:

@@ -233,6 +233,7 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
         return fn(*a, **k)
 
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
+    closed = canonical.split_complex(closed) or closed
     out_tree = jax.tree_util.tree_structure(out_shape)
     b = _Builder()
     inputs = [b.tensor(v.aval) for v in closed.jaxpr.invars]

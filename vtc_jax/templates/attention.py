@@ -250,6 +250,8 @@ class _Mask:
     fill: float | None = None   # select: the (largest) value of the masked lanes
     fill_lo: float | None = None  # select: the smallest (== fill for one constant value)
     factor: float = 1.0         # scaling applied to the scores after this mask
+    stage: int = 0              # the scores' stage this mask produced
+    when: tuple[int, bool] | None = None   # applied only where this scalar pred has this value
 
 
 def _view_axes(graph: Graph, op: Any, axes: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -307,6 +309,19 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
         st["stage"] += 1
         role[t] = _Role("s", st["stage"], axes)
 
+    def conditional_mask(op: Any, tagged: list[tuple[int, _Role]]) -> None:
+        """``select_n(pred, s, masked(s))``: masks applied only for one value of a scalar pred —
+        a sliding window under ``lax.cond`` (``canonical.speculable_cond`` made it a select)."""
+        (ia, a), (ib, b) = sorted(tagged, key=lambda t: t[1].stage)
+        if b.stage != st["stage"] or a.stage == b.stage or a.axes != b.axes:
+            fail(op, "selects between scores that are not one mask apart")
+        between = [m for m in st["masks"] if a.stage < m.stage <= b.stage]
+        if len(between) != b.stage - a.stage or any(m.when is not None for m in between):
+            fail(op, "selects between scores that differ by more than a mask")
+        for m in between:   # select_n's case 1 is taken where the pred is true
+            m.when = (op.inputs[0], ib == 2)
+        new_stage(op.outputs[0], b.axes)
+
     def key_of(op: Any, r: _Role, axes_param: Any) -> None:
         ax = tuple(r.axes[a] for a in axes_param)
         if len(ax) != 1 or ax[0] is None:
@@ -342,6 +357,11 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
                          f" -> {graph.tensors[out].shape})")
             role[out] = _Role(k, r.stage, axes)
             continue
+        if p == "select_n" and len(op.inputs) == 3 and len(tagged) == 2 and \
+                all(t.kind == "s" for _, t in tagged) and graph.tensors[op.inputs[0]].shape == () \
+                and op.inputs[0] not in role:
+            conditional_mask(op, tagged)
+            continue
         if k == "s" and len(tagged) == 1:
             latest(op, r)
             if p in ("mul", "div") and len(others) == 1:
@@ -370,11 +390,12 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
                 if v is None or v > NEG_BOUND:
                     fail(op, f"selects the scores against {'a runtime value' if v is None else v}, "
                              f"not a mask value <= {NEG_BOUND:g} (-inf, finfo.min, -1e9, ...)")
-                st["masks"].append(_Mask(op.inputs[0], i0 == 2, r.axes, fill=v, fill_lo=rng[0]))
+                st["masks"].append(_Mask(op.inputs[0], i0 == 2, r.axes, fill=v, fill_lo=rng[0],
+                                         stage=st["stage"] + 1))
                 new_stage(out, r.axes)
                 continue
             if p == "add" and len(others) == 1:
-                st["masks"].append(_Mask(others[0], None, r.axes))
+                st["masks"].append(_Mask(others[0], None, r.axes, stage=st["stage"] + 1))
                 new_stage(out, r.axes)
                 continue
             if p == "reduce_max":
@@ -524,6 +545,8 @@ def _mask_arrays(graph: Graph, masks: list[_Mask], env: dict[int, Any], rank: in
                 bias_values.update(np.unique(b[~keep]).astype(np.float64).tolist())
         else:
             keep = val.astype(bool) if m.keep else ~val.astype(bool)
+        if m.when is not None and bool(np.asarray(ev(m.when[0])).reshape(())) != m.when[1]:
+            keep = np.ones_like(np.asarray(keep, bool))   # the pred turns this mask off
         for i, a in enumerate(m.axes):
             if a is None and keep.shape[i] != 1:
                 raise Decline("a mask varies along an axis the scores do not have")

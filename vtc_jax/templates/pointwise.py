@@ -1,12 +1,16 @@
-"""Pointwise clusters: connected elementwise ops over one index space, one kernel."""
+"""Pointwise clusters: connected elementwise ops over one index space, one kernel.
+
+A cluster that also holds movement ops (an island fused by ``cluster.fuse_islands``: RoPE) is the
+same kernel whose stage 2 is ``island.program``: the movement ops are index maps on its inputs
+(``island.plan``), the values they move are recomputed at the mapped indices."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..cluster import Cluster
 from ..graph import Graph
-from ..primitives import Kind
-from . import Decline, Run, Step, Template
+from ..primitives import Kind, is_movement_op
+from . import Decline, Run, Step, Template, island
 from .stage2 import block_fn, block_supported, broadcast_input, buffers_of, kernel_inputs
 
 __all__ = ["TEMPLATE"]
@@ -20,6 +24,7 @@ class PointwiseMatch:
     shape: tuple[int, ...]
     inputs: tuple[int, ...]       # kernel inputs, in the cluster's order (iota outputs last)
     iotas: tuple[int, ...] = ()   # iota ops computed in XLA before the kernel (position tables)
+    island: island.IslandPlan | None = None   # movement inside the cluster: its recompute plan
 
 
 def _match(graph: Graph, c: Cluster) -> PointwiseMatch:
@@ -31,25 +36,40 @@ def _match(graph: Graph, c: Cluster) -> PointwiseMatch:
     iotas = tuple(o for o in c.ops if graph.ops[o].primitive == "iota")
     if any(graph.tensors[graph.ops[o].outputs[0]].size * IOTA_SHARE > size for o in iotas):
         raise Decline("an iota as large as the output (an index-dependent kernel)")
+    iota_outs = tuple(graph.ops[o].outputs[0] for o in iotas)
+    if any(is_movement_op(graph.ops[o], graph) for o in c.ops):
+        p = island.plan(graph, [o for o in c.ops if o not in iotas], kernel_inputs(graph, c), c.outputs, iota_outs)
+        return PointwiseMatch(shape, tuple(dict.fromkeys(s.tensor for s in p.inputs
+                                                         if isinstance(s, island.Load))), iotas, p)
     why = block_supported(graph, [o for o in c.ops if o not in iotas])
     if why:
         raise Decline(why)
-    return PointwiseMatch(shape, kernel_inputs(graph, c) + tuple(graph.ops[o].outputs[0] for o in iotas), iotas)
+    return PointwiseMatch(shape, kernel_inputs(graph, c) + iota_outs, iotas)
 
 
 def _build(graph: Graph, c: Cluster, m: PointwiseMatch, backend: str) -> Step:
     from ..kernels.pointwise import pointwise
-    fn = block_fn(graph, [o for o in c.ops if o not in m.iotas], m.inputs, c.outputs)
     iota_out = {graph.ops[o].outputs[0]: graph.ops[o] for o in m.iotas}
 
     def load(run: Run, t: int) -> object:
         op = iota_out.get(t)
         return run.vtensor(t) if op is None else op.prim.bind(**op.params)
 
+    if m.island is not None:
+        fn = island.program(graph, m.island)
+
+        def inputs(run: Run) -> list[object]:
+            return [island.leaf_vtensor(load(run, s.tensor) if isinstance(s, island.Load) else None, s)
+                    for s in m.island.inputs]
+    else:
+        fn = block_fn(graph, [o for o in c.ops if o not in m.iotas], m.inputs, c.outputs)
+
+        def inputs(run: Run) -> list[object]:
+            return [broadcast_input(load(run, t), m.shape) for t in m.inputs]
+
     def step(run: Run) -> None:
         outs = [run.out_vtensor(o) for o in c.outputs]
-        res = pointwise(fn, [broadcast_input(load(run, t), m.shape) for t in m.inputs], out_shape=m.shape,
-                        outs=outs, backend=backend)
+        res = pointwise(fn, inputs(run), out_shape=m.shape, outs=outs, backend=backend)
         res = (res,) if len(outs) == 1 else res
         for o, v, r in zip(c.outputs, outs, res):
             run.written(o, v, buffers_of(r))

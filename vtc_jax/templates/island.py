@@ -1,0 +1,258 @@
+"""Movement *inside* a pointwise cluster: recomputed through index maps, never copied.
+
+``cluster.fuse_islands`` groups pointwise clusters joined only by movement ops (RoPE: a cast and
+multiplies, a negation and an add, joined by two slices and a concat) into one cluster. A Pallas
+kernel cannot slice or concatenate register values (``PALLAS-TRITON-NOTES.md``: index the ref
+instead), so the kernel never materialises what a movement op inside the cluster produces:
+elementwise ops commute with movement, and every value the cluster needs at output index ``i``
+is its producer recomputed at ``map(i)`` — the index-map composition TorchInductor applies when
+it inlines a pointwise producer into its consumer, and what XLA's loop fusion does for the same
+island. :func:`plan` walks each cluster output back to the cluster's inputs:
+
+* an elementwise op at map ``m`` is the op on its operands at ``m`` (a size-1 or rank-0 operand
+  through a broadcast map);
+* a movement op at ``m`` is its operand at ``edge.map ∘ m`` (``movement.rules``' read edges, the
+  same maps the VTOG uses); a concat is one read per piece, chosen by the piece's membership; a
+  pad is its operand where the pad's mask holds, else the pad value;
+* a cluster input at ``m`` is a kernel input: that tensor's layout composed with ``m`` — a
+  virtual tensor like any other, loaded by ``vio`` (masked outside the piece it belongs to);
+* a membership test is a ``Mask`` input: a one-element buffer read through the membership
+  conditions composed with ``m`` (``vio`` turns conditions into lane masks; no index arithmetic
+  in the kernel body).
+
+The result is a static :class:`IslandPlan`: kernel inputs (``Load``/``Mask``) and a straight-line
+program over their blocks that the pointwise kernel runs as its stage 2. Values are recomputed
+once per distinct map (RoPE reads its input twice: at ``j`` and at ``j ± D/2``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..graph import Graph
+from ..indexmap import IndexMap, Layout, NotComposable, Piece, box_conds, const, dim
+from ..primitives import Direction, block_safe, is_movement_op
+from . import Decline
+
+__all__ = ["IslandPlan", "Load", "Mask", "Apply", "Select", "Fill", "plan", "program", "leaf_vtensor"]
+
+# movement primitives whose value is a pure read of their operand(s): what a kernel can recompute
+READ_ONLY = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "slice",
+                       "concatenate", "pad", "rev", "copy", "convert_element_type", "split", "stack",
+                       "unstack"})
+
+
+@dataclass(frozen=True)
+class Load:
+    """Kernel input: cluster input ``tensor`` read at ``map(i)`` for output index ``i``."""
+    tensor: int
+    map: IndexMap
+
+
+@dataclass(frozen=True)
+class Mask:
+    """Kernel input: True where ``where`` (a layout over a one-element buffer) holds a piece."""
+    where: Layout
+
+
+@dataclass(frozen=True)
+class Apply:
+    """An elementwise op re-bound on earlier values (``args``: step index, or a Python scalar)."""
+    op: int
+    out: int          # which of the op's results
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Select:
+    """``where(mask, then, other)`` over earlier steps."""
+    mask: int
+    then: int
+    other: int
+
+
+@dataclass(frozen=True)
+class Fill:
+    """A constant (a pad's value) in the tensor's dtype."""
+    value: float
+    dtype: Any
+
+
+@dataclass(frozen=True)
+class IslandPlan:
+    shape: tuple[int, ...]
+    steps: tuple[Load | Mask | Apply | Select | Fill, ...]
+    outputs: tuple[int, ...]      # step holding each cluster output, in the cluster's order
+
+    @property
+    def inputs(self) -> tuple[Load | Mask, ...]:
+        """Kernel inputs, in the order :func:`program` takes their blocks."""
+        return tuple(s for s in self.steps if isinstance(s, (Load, Mask)))
+
+
+def _scalar_const(graph: Graph, t: int) -> Any | None:
+    info = graph.tensors[t]
+    if info.const is not None and info.size == 1:
+        return np.asarray(info.const).reshape(())
+    return None
+
+
+def _operand_map(op_shape: tuple[int, ...], x_shape: tuple[int, ...]) -> IndexMap:
+    """Map from an elementwise op's index space onto one operand (numpy-style size-1 broadcast;
+    jax binary primitives also take rank-0 operands)."""
+    if x_shape == op_shape:
+        return IndexMap.identity(op_shape)
+    if len(x_shape) == 0:
+        return IndexMap(op_shape, (), ())
+    if len(x_shape) != len(op_shape) or any(a not in (1, b) for a, b in zip(x_shape, op_shape)):
+        raise Decline(f"an elementwise operand of shape {x_shape} in an op of shape {op_shape}")
+    return IndexMap(op_shape, tuple(const(0) if a == 1 else dim(i) for i, a in enumerate(x_shape)), x_shape)
+
+
+def _with_box(m: IndexMap, box: Sequence[tuple[int, int]]) -> IndexMap:
+    """``m`` masked to ``box`` (indices outside read nothing); fills are the plan's business, so
+    every mask's own fill is 0 (two masks then always compose)."""
+    conds = tuple(dict.fromkeys(m.conds + box_conds(box, m.domain)))
+    return dataclasses.replace(m, conds=conds, fill=0.0 if conds else None)
+
+
+def _indicator(shape: tuple[int, ...], conds: Sequence[Any]) -> Layout:
+    """A layout over one one-element buffer that holds exactly where ``conds`` hold."""
+    return Layout(shape, (Piece(0, IndexMap(shape, (const(0),), (1,)), tuple(conds)),))
+
+
+def plan(graph: Graph, ops: Sequence[int], inputs: Sequence[int], outputs: Sequence[int],
+         xla_computed: Sequence[int] = ()) -> IslandPlan:
+    """The straight-line program of a pointwise cluster whose ops include movement (see module
+    docstring). ``xla_computed``: tensors made inside the cluster that the kernel takes as inputs
+    (small iotas XLA computes first). Raises :class:`Decline` for what it cannot recompute."""
+    from ..movement import rules
+
+    own = set(ops)
+    made: dict[int, tuple[Any, int]] = {}
+    for oid in ops:
+        op = graph.ops[oid]
+        for k, t in enumerate(op.outputs):
+            made[t] = (op, k)
+    leaves = set(inputs) | set(xla_computed)
+    shapes = {tuple(graph.tensors[t].shape) for t in outputs}
+    if len(shapes) != 1:
+        raise Decline("outputs of different shapes")
+    shape = shapes.pop()
+    steps: list[Any] = []
+    memo: dict[tuple[Any, ...], int] = {}
+
+    def add(step: Any, key: tuple[Any, ...]) -> int:
+        if key not in memo:
+            memo[key] = len(steps)
+            steps.append(step)
+        return memo[key]
+
+    def value(t: int, m: IndexMap, depth: int = 0) -> int:
+        if depth > 200:
+            raise Decline("movement chain inside the cluster too deep")
+        key = ("v", t, m)
+        if key in memo:
+            return memo[key]
+        if t in leaves or t not in made:
+            c = _scalar_const(graph, t)
+            if c is not None:
+                return add(Fill(c.item(), graph.tensors[t].dtype), ("fill", t))
+            if m.syms:
+                raise Decline("a runtime offset inside the fused cluster")
+            return add(Load(t, m), key)
+        op, k = made[t]
+        if op.primitive == "iota":
+            raise Decline("an iota inside a fused cluster")
+        if not is_movement_op(op, graph):
+            if not block_safe(op.primitive):
+                raise Decline(f"{op.primitive} inside the cluster cannot be computed on register blocks")
+            op_shape = tuple(graph.tensors[op.outputs[0]].shape)
+            args = []
+            for x in op.inputs:
+                c = _scalar_const(graph, x)
+                if c is not None:
+                    args.append(c)
+                    continue
+                xm = _operand_map(op_shape, tuple(graph.tensors[x].shape)).compose(m)
+                args.append(("step", value(x, xm, depth + 1)))
+            return add(Apply(op.id, k, tuple(args)), key)
+        if op.primitive not in READ_ONLY:
+            raise Decline(f"{op.primitive} inside the cluster writes data: not a read it can recompute")
+        edges = [e for e in rules(op, graph) if e.src == t and e.direction == Direction.READ
+                 and e.dst in op.inputs]
+        if not edges:
+            raise Decline(f"{op.primitive} offers no read map")
+        if any(e.map.syms for e in edges):
+            raise Decline("a runtime offset inside the fused cluster")
+        t_shape = tuple(graph.tensors[t].shape)
+        try:
+            if len(edges) == 1 and not edges[0].map.conds and \
+                    tuple(edges[0].box) == tuple((0, n) for n in t_shape):
+                return memo.setdefault(key, value(edges[0].dst, edges[0].map.compose(m), depth + 1))
+            if op.primitive == "pad":
+                (e,) = edges
+                inner = value(e.dst, _with_box(e.map, e.box).compose(m), depth + 1)
+                mask = add(Mask(_indicator(t_shape, e.map.conds).compose(m)), ("mask", t, m, 0))
+                fill = add(Fill(float(e.map.fill or 0.0), graph.tensors[t].dtype), ("fillv", t, e.map.fill))
+                return add(Select(mask, inner, fill), key)
+            # pieces (concat, split): the last piece is the default, earlier ones selected in
+            acc = value(edges[-1].dst, _with_box(edges[-1].map, edges[-1].box).compose(m), depth + 1)
+            for j, e in reversed(list(enumerate(edges[:-1]))):
+                v = value(e.dst, _with_box(e.map, e.box).compose(m), depth + 1)
+                mask = add(Mask(_indicator(t_shape, box_conds(e.box, t_shape)).compose(m)), ("mask", t, m, j))
+                acc = add(Select(mask, v, acc), ("sel", t, m, j))
+            memo[key] = acc
+            return acc
+        except NotComposable as exc:
+            raise Decline(f"{op.primitive} inside the cluster: {exc}") from exc
+
+    outs = tuple(value(o, IndexMap.identity(shape)) for o in outputs)
+    return IslandPlan(shape, tuple(steps), outs)
+
+
+def program(graph: Graph, p: IslandPlan) -> Callable[..., Any]:
+    """``f(*input blocks) -> output block(s)``: the plan's steps on the kernel's blocks, in the
+    program's dtypes (loads are cast to their tensor's dtype, as ``stage2.block_fn`` does)."""
+    def f(*blocks: Any) -> Any:
+        it = iter(blocks)
+        env: list[Any] = []
+        for s in p.steps:
+            if isinstance(s, Load):
+                b = next(it)
+                d = graph.tensors[s.tensor].dtype
+                env.append(b.astype(d) if b.dtype != d else b)
+            elif isinstance(s, Mask):
+                env.append(next(it) != 0)
+            elif isinstance(s, Fill):
+                env.append(jnp.asarray(s.value, s.dtype))
+            elif isinstance(s, Select):
+                env.append(jnp.where(env[s.mask], env[s.then], env[s.other]))
+            else:
+                op = graph.ops[s.op]
+                vals = [env[a[1]] if isinstance(a, tuple) else a for a in s.args]
+                out = op.prim.bind(*vals, **op.params)
+                env.append(out[s.out] if op.prim.multiple_results else out)
+        res = tuple(env[i] for i in p.outputs)
+        return res if len(res) > 1 else res[0]
+
+    return f
+
+
+def leaf_vtensor(x: Any, load: Load | Mask) -> Any:
+    """The kernel input of a ``Load`` (``x``: the cluster input as the lowering gives it, an array
+    or a VTensor) or a ``Mask`` (``x`` ignored): a VTensor over the same buffers, read through the
+    composed map."""
+    from ..kernels.vio import VTensor
+    if isinstance(load, Mask):
+        return VTensor(load.where, np.dtype(np.int32), (jnp.ones((1,), jnp.int32),))
+    v = VTensor.of(x)
+    m = load.map
+    if v.shape == ():   # a scalar: seen as one element of shape (1,)
+        v = v.reshape((1,))
+        m = IndexMap(m.domain, (const(0),), (1,), m.conds, m.fill, m.syms)
+    return v.with_layout(v.layout.compose(m))
