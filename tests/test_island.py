@@ -176,3 +176,25 @@ def test_rope_island_dtypes(dtype, tol):
     args = _rope_args(dtype)
     _close(_optimize(rope_step, donate_argnums=(2,))(*[jnp.array(a) for a in args]),
            jax.jit(rope_step)(*args), tol)
+
+
+def test_position_tables_are_recomputed_in_the_kernel():
+    """cos/sin(pos·θ_j) tables read by the RoPE kernel are recomputed in it from ``pos`` and the
+    index (``island._table_ops``, ``island.Index``): XLA would otherwise launch a fusion for each
+    table (it does not constant-fold an iota a custom call reads)."""
+    from vtc_jax.api import analyze
+    from vtc_jax.templates import Match, island
+    args = _rope_args()
+    a = analyze(rope_step, args, {}, donate_argnums=(2,))
+    plans = [m.detail.island for m in a.matches.values()
+             if isinstance(m, Match) and getattr(m.detail, "island", None) is not None]
+    assert len(plans) == 1
+    p = plans[0]
+    loaded = {a.graph.tensors[s.tensor].shape for s in p.inputs if isinstance(s, island.Load)}
+    assert (16,) not in loaded and (8,) not in loaded, loaded          # no table is loaded
+    assert p.uses_index and any(isinstance(s, island.Apply) and a.graph.ops[s.op].primitive == "cos"
+                                for s in p.steps)
+    for pos in (0, 5, 7):
+        args = (*args[:3], jnp.int32(pos))
+        _close(_optimize(rope_step, donate_argnums=(2,))(*[jnp.array(x) for x in args]),
+               jax.jit(rope_step)(*args))

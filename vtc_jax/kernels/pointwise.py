@@ -47,12 +47,15 @@ class _Config:
     block: tuple[int, ...]
     compute: Callable[..., Any]            # fn on the input blocks (scalars bound)
     tuple_result: bool
+    index_args: bool = False               # fn also takes the block's indices, one array per dim
 
 
 def _pointwise_kernel(c: _Config, ins: Sequence[Any], outs: Sequence[Any]) -> None:
     """Program ``pid`` of the 1-D grid: one block of every input and output."""
     origin, _ = grid_origin(c.shape, c.block, pl.program_id(0))
     blocks = [r.load(origin, c.block) for r in ins]        # stage 1
+    if c.index_args:   # the output indices of this block (an iota recomputed in registers)
+        blocks += [jax.lax.broadcasted_iota(jnp.int32, c.block, k) + o for k, o in enumerate(origin)]
     res = c.compute(*blocks)                               # stage 2 (untouched)
     res = tuple(res) if c.tuple_result else (res,)
     for o, v in zip(outs, res):                            # stage 3
@@ -62,7 +65,7 @@ def _pointwise_kernel(c: _Config, ins: Sequence[Any], outs: Sequence[Any]) -> No
 def pointwise(fn: Callable[..., Any], inputs: Sequence[Any], *, out_shape: Sequence[int] | None = None,
               out_dtypes: Any = None, outs: Any = None, block: Sequence[int] | None = None,
               num_warps: int = 4, num_stages: int = 1, backend: str = "interpret",
-              name: str = "pointwise", upcast_math: bool = True) -> Any:
+              name: str = "pointwise", upcast_math: bool = True, index_args: bool = False) -> Any:
     """Elementwise ``fn(*blocks) -> block | tuple of blocks`` over a logical output shape.
 
     inputs      VTensors, arrays (broadcast to the output shape by numpy rules, through a
@@ -74,13 +77,15 @@ def pointwise(fn: Callable[..., Any], inputs: Sequence[Any], *, out_shape: Seque
     block       power-of-two block over the logical shape; default :func:`choose_block`.
     upcast_math run ``fn`` through :func:`f32_math` (needed on Triton for bf16/f16 division and
                 most transcendentals; same numerics as XLA's per-op normalisation).
+    index_args  ``fn`` also receives, after the blocks, the block's output indices (int32, one
+                array per dim): values that depend on the position (an iota) computed in registers.
 
     Returns, per result of ``fn``, its output's physical buffer (or the tuple of its buffers when
     the output VTensor has several); a single result is returned bare, a tuple result as a tuple.
     """
     out_shape = _out_shape(inputs, outs) if out_shape is None else tuple(int(n) for n in out_shape)
     vins, call_fn = _bind(fn, inputs, out_shape)
-    tuple_result, results = _results(call_fn, vins, out_shape)
+    tuple_result, results = _results(call_fn, vins, out_shape, len(out_shape) if index_args else 0)
     dtypes = out_dtypes_of(out_dtypes, [r.dtype for r in results])
     vouts, lifted = outputs(outs, [out_shape] * len(results), dtypes)
 
@@ -95,7 +100,9 @@ def pointwise(fn: Callable[..., Any], inputs: Sequence[Any], *, out_shape: Seque
     if len(blk) != len(shape) or any(b & (b - 1) or b < 1 for b in blk):
         raise ValueError(f"block {blk} must be powers of two, one per dim of {shape}")
 
-    cfg = _Config(shape, blk, f32_math(call_fn) if upcast_math else call_fn, tuple_result)
+    if out_shape == () and index_args:
+        raise ValueError("index_args needs an output of rank >= 1")
+    cfg = _Config(shape, blk, f32_math(call_fn) if upcast_math else call_fn, tuple_result, index_args)
     _, n_programs = grid_origin(shape, blk, 0)
     plan = Plan.build(vins, vouts)
     bufs = plan.call(functools.partial(_pointwise_kernel, cfg), grid=(n_programs,), backend=backend,
@@ -126,15 +133,16 @@ def _bind(fn: Callable[..., Any], inputs: Sequence[Any], out_shape: tuple[int, .
             vins.append(broadcast_input(x, out_shape))
 
     def call_fn(*blocks: Any) -> Any:
-        return fn(*[blocks[v] if is_in else v for is_in, v in slots])
+        return fn(*[blocks[v] if is_in else v for is_in, v in slots], *blocks[len(vins):])
 
     return vins, call_fn
 
 
-def _results(call_fn: Callable[..., Any], vins: Sequence[VTensor], out_shape: tuple[int, ...]
-             ) -> tuple[bool, tuple[Any, ...]]:
+def _results(call_fn: Callable[..., Any], vins: Sequence[VTensor], out_shape: tuple[int, ...],
+             n_index: int = 0) -> tuple[bool, tuple[Any, ...]]:
     """(tuple result?, abstract results) of ``call_fn`` on the logical shape; checks elementwise."""
-    abstract = jax.eval_shape(call_fn, *[jax.ShapeDtypeStruct(out_shape, v.dtype) for v in vins])
+    abstract = jax.eval_shape(call_fn, *[jax.ShapeDtypeStruct(out_shape, v.dtype) for v in vins],
+                              *[jax.ShapeDtypeStruct(out_shape, jnp.int32)] * n_index)
     tuple_result = isinstance(abstract, (tuple, list))
     results = tuple(abstract) if tuple_result else (abstract,)
     for r in results:  # a result may also be a scalar (a constant output of re-bound ops)

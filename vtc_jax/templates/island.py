@@ -34,11 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..graph import Graph
-from ..indexmap import IndexMap, Layout, NotComposable, Piece, box_conds, const, dim
+from ..indexmap import Dim, IndexMap, Layout, NotComposable, Piece, box_conds, const, dim
 from ..primitives import Direction, block_safe, is_movement_op
 from . import Decline
 
-__all__ = ["IslandPlan", "Load", "Mask", "Apply", "Select", "Fill", "plan", "program", "leaf_vtensor"]
+__all__ = ["IslandPlan", "Load", "Mask", "Index", "Apply", "Select", "Fill", "plan", "program", "leaf_vtensor"]
 
 # movement primitives whose value is a pure read of their operand(s): what a kernel can recompute
 READ_ONLY = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "slice",
@@ -68,6 +68,15 @@ class Apply:
 
 
 @dataclass(frozen=True)
+class Index:
+    """An iota at ``map``: the output index mapped onto the iota's index space, along
+    ``dimension`` (computed in registers from the block's indices; no load)."""
+    map: IndexMap
+    dimension: int
+    dtype: Any
+
+
+@dataclass(frozen=True)
 class Select:
     """``where(mask, then, other)`` over earlier steps."""
     mask: int
@@ -92,6 +101,11 @@ class IslandPlan:
     def inputs(self) -> tuple[Load | Mask, ...]:
         """Kernel inputs, in the order :func:`program` takes their blocks."""
         return tuple(s for s in self.steps if isinstance(s, (Load, Mask)))
+
+    @property
+    def uses_index(self) -> bool:
+        """Does the program take the block's indices (after the input blocks)?"""
+        return any(isinstance(s, Index) for s in self.steps)
 
 
 def _scalar_const(graph: Graph, t: int) -> Any | None:
@@ -123,6 +137,51 @@ def _with_box(m: IndexMap, box: Sequence[tuple[int, int]]) -> IndexMap:
 def _indicator(shape: tuple[int, ...], conds: Sequence[Any]) -> Layout:
     """A layout over one one-element buffer that holds exactly where ``conds`` hold."""
     return Layout(shape, (Piece(0, IndexMap(shape, (const(0),), (1,)), tuple(conds)),))
+
+
+TABLE_LIMIT = 4096   # a position table recomputed in the kernel has at most this many elements
+INLINE_OPS = 32      # ... and is made by at most this many ops
+
+
+def _table_ops(graph: Graph, t: int) -> set[int] | None:
+    """The ops computing ``t`` from scalars, constants and iotas only — RoPE's cos/sin tables
+    (``cos(pos · θ_j)``) — when ``t`` is small enough to recompute per element (else None).
+
+    Why: XLA computes such a table inside every fusion that reads it; a kernel that loads it
+    makes XLA launch a fusion of its own for it (two for cos and sin). Recomputing it in the
+    kernel is a few transcendentals per element, from a scalar and a constant-folded iota."""
+    found: set[int] = set()
+    stack = [t]
+    while stack:
+        x = stack.pop()
+        info = graph.tensors[x]
+        op = graph.producer(x)
+        if info.const is not None or op is None:
+            continue
+        if info.size <= 1 and (op.primitive not in ("convert_element_type", "mul", "add", "sub")
+                               or any(graph.tensors[y].size > 1 for y in op.inputs)):
+            continue   # a scalar from elsewhere (the clamped position): loaded
+        if info.size > TABLE_LIMIT or op.opaque_reason is not None:
+            return None
+        if op.id in found:
+            continue
+        if op.primitive == "iota":
+            found.add(op.id)
+            continue
+        movement = is_movement_op(op, graph)
+        if (movement and op.primitive not in READ_ONLY) or (not movement and not block_safe(op.primitive)):
+            return None
+        try:
+            if any(not np.issubdtype(np.dtype(graph.tensors[y].dtype), np.number)
+                   and np.dtype(graph.tensors[y].dtype) != np.bool_ for y in (*op.inputs, *op.outputs)):
+                return None
+        except TypeError:   # an extended dtype (PRNG key)
+            return None
+        found.add(op.id)
+        if len(found) > INLINE_OPS:
+            return None
+        stack.extend(op.inputs)
+    return found
 
 
 def plan(graph: Graph, ops: Sequence[int], inputs: Sequence[int], outputs: Sequence[int],
@@ -164,10 +223,16 @@ def plan(graph: Graph, ops: Sequence[int], inputs: Sequence[int], outputs: Seque
                 return add(Fill(c.item(), graph.tensors[t].dtype), ("fill", t))
             if m.syms:
                 raise Decline("a runtime offset inside the fused cluster")
-            return add(Load(t, m), key)
+            table = _table_ops(graph, t) if t not in xla_computed else None
+            if not table:
+                return add(Load(t, m), key)
+            for oid in table:   # recomputed here: the table's ops join this plan
+                for j, y in enumerate(graph.ops[oid].outputs):
+                    made.setdefault(y, (graph.ops[oid], j))
+            leaves.discard(t)
         op, k = made[t]
-        if op.primitive == "iota":
-            raise Decline("an iota inside a fused cluster")
+        if op.primitive == "iota":   # the index itself, in registers
+            return add(Index(m, int(op.params["dimension"]), graph.tensors[t].dtype), key)
         if not is_movement_op(op, graph):
             if not block_safe(op.primitive):
                 raise Decline(f"{op.primitive} inside the cluster cannot be computed on register blocks")
@@ -218,11 +283,17 @@ def plan(graph: Graph, ops: Sequence[int], inputs: Sequence[int], outputs: Seque
 def program(graph: Graph, p: IslandPlan) -> Callable[..., Any]:
     """``f(*input blocks) -> output block(s)``: the plan's steps on the kernel's blocks, in the
     program's dtypes (loads are cast to their tensor's dtype, as ``stage2.block_fn`` does)."""
+    n_in = len(p.inputs)
+
     def f(*blocks: Any) -> Any:
-        it = iter(blocks)
+        it = iter(blocks[:n_in])
+        index = {Dim(i): x for i, x in enumerate(blocks[n_in:])}
         env: list[Any] = []
         for s in p.steps:
-            if isinstance(s, Load):
+            if isinstance(s, Index):
+                v = s.map.exprs[s.dimension].evaluate(index, jnp, s.map.bounds)
+                env.append(jnp.asarray(v, jnp.int32).astype(s.dtype))
+            elif isinstance(s, Load):
                 b = next(it)
                 d = graph.tensors[s.tensor].dtype
                 env.append(b.astype(d) if b.dtype != d else b)

@@ -32,15 +32,15 @@ def _match(graph: Graph, c: Cluster) -> PointwiseMatch:
     if len(shapes) != 1:
         raise Decline("outputs of different shapes")
     shape = shapes.pop()
+    if any(is_movement_op(graph.ops[o], graph) for o in c.ops):   # an island: iotas in registers
+        p = island.plan(graph, c.ops, kernel_inputs(graph, c), c.outputs)
+        loaded = tuple(dict.fromkeys(s.tensor for s in p.inputs if isinstance(s, island.Load)))
+        return PointwiseMatch(shape, loaded, (), p)
     size = max(1, graph.tensors[c.outputs[0]].size)
     iotas = tuple(o for o in c.ops if graph.ops[o].primitive == "iota")
     if any(graph.tensors[graph.ops[o].outputs[0]].size * IOTA_SHARE > size for o in iotas):
         raise Decline("an iota as large as the output (an index-dependent kernel)")
     iota_outs = tuple(graph.ops[o].outputs[0] for o in iotas)
-    if any(is_movement_op(graph.ops[o], graph) for o in c.ops):
-        p = island.plan(graph, [o for o in c.ops if o not in iotas], kernel_inputs(graph, c), c.outputs, iota_outs)
-        return PointwiseMatch(shape, tuple(dict.fromkeys(s.tensor for s in p.inputs
-                                                         if isinstance(s, island.Load))), iotas, p)
     why = block_supported(graph, [o for o in c.ops if o not in iotas])
     if why:
         raise Decline(why)
@@ -69,7 +69,8 @@ def _build(graph: Graph, c: Cluster, m: PointwiseMatch, backend: str) -> Step:
 
     def step(run: Run) -> None:
         outs = [run.out_vtensor(o) for o in c.outputs]
-        res = pointwise(fn, inputs(run), out_shape=m.shape, outs=outs, backend=backend)
+        res = pointwise(fn, inputs(run), out_shape=m.shape, outs=outs, backend=backend,
+                        index_args=m.island is not None and m.island.uses_index)
         res = (res,) if len(outs) == 1 else res
         for o, v, r in zip(c.outputs, outs, res):
             run.written(o, v, buffers_of(r))
