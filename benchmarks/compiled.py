@@ -202,8 +202,12 @@ def render(rows: list[dict[str, Any]], info: str) -> str:
         "What the compiled programs show about why (`benchmarks/compiled.json` has every launch):",
         "",
         "* **Launches.** Every Pallas kernel is a Triton custom call, and XLA fuses nothing into or "
-        "across a custom call. So VTC leaves to XLA what XLA fuses better (`costmodel.xla_fuses`: "
-        "pointwise clusters joined only by movement — RoPE —, lone casts, per-channel parameter "
+        "across a custom call. So pointwise clusters joined only by movement — RoPE: a cast, "
+        "multiplies, a negation and an add around two slices and a concat — are one kernel "
+        "(`cluster.fuse_islands`; the values a movement op moves are recomputed through its index "
+        "map, the cos/sin tables from `pos` and the block's indices), the K one writing its row "
+        "into the cache, as XLA's one loop fusion per rotated tensor does; and VTC leaves to XLA "
+        "what XLA fuses better (`costmodel.xla_fuses`: lone casts, per-channel parameter "
         "transforms). Decode projections are priced by the weight bytes each template keeps in "
         "flight (`costmodel.decode_gemm_loss`, reading `kernels.tiling.gemm_config`): with split-K "
         "the QKV and output projections run as `vtc_matmul_splitk` + `vtc_matmul_reduce` (two "

@@ -118,6 +118,12 @@ def row(name: str, step, example_args, donate) -> list[str]:
         jit = cross_lower(jax.jit(step, donate_argnums=donate), *args)
     kernels = opt.last[1].kernels if opt.last else ()
     attn = [k.split(" (")[0] for k in kernels if k.startswith("attention")]
+    # the kernels' grids: the decode split kernel runs one program per (batch, KV head, split) —
+    # each K/V block is loaded once per KV head, for all of its group's query heads
+    grids = sorted({f"`{k.name}` grid {'×'.join(map(str, k.grid))}" for k in vtc.triton_kernels
+                    if "attention" in k.name})
+    if attn and grids:
+        attn = [f"{attn[0]}: {', '.join(grids)}"]
     xla = sorted({f"{k}: {why}" for c, k, why in report.templates if why != "kernel"})
     left = []
     for op in OPS:   # distinct ops (an op feeding two consumers counts once), activation size only

@@ -25,7 +25,7 @@ RTOL = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 2e-2}
 MOVEMENT = {
     "llama3_decode": {"split", "reshape", "dynamic_update_slice", "broadcast_in_dim", "transpose", "concatenate"},
     "gemma2_layer": {"split", "reshape", "dynamic_update_slice", "broadcast_in_dim", "transpose", "concatenate"},
-    "efficientvit_attention": {"concatenate", "reshape", "slice", "transpose", "pad"},
+    "efficientvit_attention": {"concatenate", "reshape", "split", "transpose", "pad"},   # q/k/v slices: one split
     "yolo11_c3k2": {"split", "concatenate"},
     "shufflenet_unit": {"split", "concatenate", "reshape", "transpose"},
 }

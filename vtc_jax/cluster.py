@@ -6,7 +6,8 @@ The paper's input is "a computation graph after operator fusion": VTC removes th
 * attention — dot_general -> (scale / mask / soft-cap / transpose) -> softmax -> dot_general, found
   by pattern: nothing inside may be used outside (a flash kernel never materialises the scores).
 * matmul / conv — dot_general / conv_general_dilated plus an elementwise epilogue whose other
-  operands are small or broadcast (bias). The epilogue may branch (SiLU reads the dot output twice)
+  operands are small or broadcast (bias); a matmul also takes a unary elementwise prologue on an
+  operand only it reads (a ReLU on q or k). The epilogue may branch (SiLU reads the dot output twice)
   but the cluster keeps a single escaping tensor, so fusion never duplicates work.
 * reduction — a reduce op with its elementwise prologue/epilogue (RMSNorm, LayerNorm, softmax).
   The keepdims re-broadcast of a reduced value is part of it: it never touches memory.
@@ -218,6 +219,27 @@ def _grow_epilogue(graph: Graph, roles: list[str], groups: _Groups, gid: int, ro
         groups.remove(gid, max(groups.members[gid] - {root.id}))
 
 
+def _grow_prologue(graph: Graph, roles: list[str], groups: _Groups, gid: int, root: Op) -> None:
+    """Absorb a unary elementwise chain feeding one operand of a dot (EfficientViT's ReLU on q and
+    k): the kernel applies it to each loaded tile, so its result never touches memory. Only ops
+    whose other operands are scalar constants, that keep shape and dtype, and whose result the
+    dot alone reads; the template checks that the chain maps 0 to 0 (masked lanes stay 0)."""
+    for x in root.inputs[:2]:
+        while True:
+            p = graph.producer(x)
+            if p is None or not groups.free(p.id) or roles[p.id] != "elementwise" or len(p.outputs) != 1:
+                break
+            if x in graph.outputs or len(graph.consumers(x)) != 1:
+                break
+            big = [t for t in p.inputs if graph.tensors[t].size > 1 or graph.tensors[t].const is None]
+            if len(big) != 1 or any(graph.tensors[t].const is None for t in p.inputs if t not in big):
+                break
+            src, info = graph.tensors[big[0]], graph.tensors[x]
+            if src.shape != info.shape or src.dtype != info.dtype or not groups.try_add(gid, p.id):
+                break
+            x = big[0]
+
+
 def _grow_reduction(graph: Graph, roles: list[str], groups: _Groups, gid: int, seed: Op) -> None:
     """Absorb the row-wise prologue/epilogue of a reduce op (norms, softmax)."""
     domain = graph.tensors[seed.inputs[0]].size
@@ -292,7 +314,10 @@ def cluster(graph: Graph, *, not_attention: frozenset[int] = frozenset()) -> tup
                 groups.new("attention", ops)
     for op in graph.ops:
         if roles[op.id] in ("matmul", "conv") and groups.free(op.id):
-            _grow_epilogue(graph, roles, groups, groups.make(roles[op.id], {op.id}), op)
+            gid = groups.make(roles[op.id], {op.id})
+            if roles[op.id] == "matmul":
+                _grow_prologue(graph, roles, groups, gid, op)
+            _grow_epilogue(graph, roles, groups, gid, op)
     while seeds := [op for op in graph.ops if roles[op.id] == "reduce" and groups.free(op.id)]:
         _grow_reduction(graph, roles, groups, groups.make("reduction", {seeds[0].id}), seeds[0])
     _merge_connected(graph, roles, groups, "elementwise", "pointwise", same_shape=True)

@@ -212,6 +212,93 @@ def _opaque_reason(eqn: jcore.JaxprEqn) -> str | None:
     return None
 
 
+_SINK_THROUGH = frozenset({"transpose", "reshape", "squeeze", "expand_dims"})
+
+
+def _sink_elementwise(raw: list[_RawOp], b: "_Builder", outputs: list[int]) -> list[_RawOp]:
+    """``view(f(x))`` traced as ``f(view(x))`` for a unary elementwise ``f`` (its other operands
+    rank-0) whose result only the view reads: ``transpose(relu(k))`` becomes ``relu(transpose(k))``.
+
+    Why: elementwise ops commute with views, and with ``f`` next to the dot that reads it the
+    matmul cluster takes ``f`` as a prologue applied to the tiles it loads (cluster._grow_prologue:
+    EfficientViT's ReLU on k, behind a transpose and a squeeze), instead of a pointwise kernel
+    writing ``f(k)`` for the dot to read back. The same values, in the same dtype per op."""
+    from .primitives import Role, TABLE
+    uses: dict[int, int] = {}
+    for r in raw:
+        for t in r.inputs:
+            uses[t] = uses.get(t, 0) + 1
+    made = {t: i for i, r in enumerate(raw) for t in r.outputs}
+    out = list(raw)
+    changed = True
+    while changed:
+        changed = False
+        for j, m in enumerate(out):
+            if m.eqn.primitive.name not in _SINK_THROUGH or len(m.inputs) != 1 or len(m.outputs) != 1:
+                continue
+            i = made.get(m.inputs[0])
+            if i is None or i >= j:
+                continue
+            e = out[i]
+            info = TABLE.get(e.eqn.primitive.name)
+            t = m.inputs[0]
+            if info is None or info.role is not Role.ELEMENTWISE or len(e.outputs) != 1 or e.eqn.effects \
+                    or uses.get(t, 0) != 1 or t in outputs:
+                continue
+            big = [x for x in e.inputs if b.tensors[x][0] != ()]
+            if len(big) != 1 or b.tensors[big[0]][0] != b.tensors[t][0]:
+                continue
+            x = big[0]
+            shape = b.tensors[m.outputs[0]][0]
+            moved = b.tensor(jax.ShapeDtypeStruct(shape, b.tensors[x][1]))
+            out[i] = _RawOp(m.eqn, (x,), (moved,))
+            out[j] = _RawOp(e.eqn, tuple(moved if y == x else y for y in e.inputs), m.outputs)
+            made[moved], made[m.outputs[0]] = i, j
+            uses[moved] = 1
+            changed = True
+    return out
+
+
+def _slices_as_split(raw: list[_RawOp], b: "_Builder") -> list[_RawOp]:
+    """Static slices of one tensor that tile it along one axis (``kv[0]``, ``kv[1]`` of a fused K/V
+    projection; ``x[..., :h]``, ``x[..., h:]``) traced as ONE ``split`` (``canonical``'s spirit,
+    across equations). Why: a slice offers only a read edge — the sliced tensor's other part
+    would have no home — so the producer of ``kv`` could never write ``kv[1]`` straight into the
+    V cache; a split also offers the write edges ``kv ⇢ part`` (``movement._split``), the
+    producer writing each part where its reader wants it. Same values; XLA lowers a split as the
+    same slices."""
+    groups: dict[tuple[int, int], list[_RawOp]] = {}
+    for r in raw:
+        if r.eqn.primitive.name != "slice" or r.eqn.params.get("strides") not in (None, ()) and \
+                any(int(st) != 1 for st in r.eqn.params["strides"]):
+            continue
+        shape = b.tensors[r.inputs[0]][0]
+        start, limit = r.eqn.params["start_indices"], r.eqn.params["limit_indices"]
+        cut = [d for d in range(len(shape)) if (int(start[d]), int(limit[d])) != (0, shape[d])]
+        if len(cut) == 1:
+            groups.setdefault((r.inputs[0], cut[0]), []).append(r)
+    replace: dict[int, _RawOp | None] = {}
+    for (x, axis), rs in groups.items():
+        rs = sorted(rs, key=lambda r: int(r.eqn.params["start_indices"][axis]))
+        spans = [(int(r.eqn.params["start_indices"][axis]), int(r.eqn.params["limit_indices"][axis])) for r in rs]
+        n = b.tensors[x][0][axis]
+        if len(rs) < 2 or spans[0][0] != 0 or spans[-1][1] != n or \
+                any(a[1] != c[0] for a, c in zip(spans, spans[1:])) or any(id(r) in replace for r in rs):
+            continue
+        shape, dtype, _ = b.tensors[x]
+        try:
+            split = jax.make_jaxpr(lambda a: jax.lax.split(a, [hi - lo for lo, hi in spans], axis))(
+                jax.ShapeDtypeStruct(shape, dtype)).jaxpr.eqns[0]
+        except Exception:   # noqa: BLE001 - a jax without lax.split: keep the slices
+            continue
+        first = min(rs, key=raw.index)
+        replace[id(first)] = _RawOp(split, (x,), tuple(r.outputs[0] for r in rs))
+        replace.update({id(r): None for r in rs if r is not first})
+    if not replace:
+        return raw
+    return [replace.get(id(r), r) for r in raw if replace.get(id(r), r) is not None]
+
+
 def _live_ops(raw: list[_RawOp], outputs: list[int]) -> list[_RawOp]:
     """Dead-code elimination: keep ops some output needs, and every effectful op."""
     needed, kept = set(outputs), []
@@ -238,7 +325,7 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
     b = _Builder()
     inputs = [b.tensor(v.aval) for v in closed.jaxpr.invars]
     outputs = b.inline(closed.jaxpr, list(closed.consts), inputs)
-    live = _live_ops(b.ops, outputs)
+    live = _slices_as_split(_sink_elementwise(_live_ops(b.ops, outputs), b, outputs), b)
 
     # Renumber densely: tensors still referenced, ops by position.
     used = dict.fromkeys([*inputs, *outputs, *(t for r in live for t in (*r.inputs, *r.outputs))])

@@ -577,22 +577,44 @@ def producer_writes(strategy: Strategy, op_id: int) -> Strategy:
     When the greedy makes some outputs of a split read back from its input and another output
     write onward (into a cache, say), nobody produces that last output and the op has to run.
     Taking the op's write edges for *all* outputs (the input becomes virtual over them) removes
-    it. Returns ``strategy`` unchanged when that does not validate.
+    it. When the input is itself a view read through one chosen edge, that edge is flipped to
+    the view op's write edge (the producer writes through both). Returns ``strategy`` unchanged
+    when that does not validate.
     """
     v = strategy.vtog
     writes = [i for i, e in enumerate(v.edges) if e.op == op_id and e.direction == Direction.WRITE]
     srcs = {v.edges[i].src for i in writes}
-    if not writes or len(srcs) != 1 or any(strategy.is_virtual(t) for t in srcs):
+    if not writes or len(srcs) != 1:
         return strategy
+    src = next(iter(srcs))
     reads = {i for i in strategy.chosen if v.edges[i].op == op_id and v.edges[i].direction == Direction.READ}
+    flip: list[int] = []
+    if strategy.is_virtual(src):
+        # the input is a view read through one edge (a transpose of a GEMM's output): its
+        # producer can write through that view instead — the op's reverse write edge — and on
+        # through this op's write edges (Gemma's fused K/V projection: kv transposed, split, the
+        # V part into the cache at pos)
+        held = [i for i in strategy.chosen if v.edges[i].src == src]
+        if len(held) != 1 or v.edges[held[0]].direction != Direction.READ:
+            return strategy
+        e = v.edges[held[0]]
+        back = [i for i, w in enumerate(v.edges) if w.op == e.op and w.direction == Direction.WRITE
+                and w.src == e.dst and w.dst == src]
+        if len(back) != 1 or strategy.is_virtual(e.dst) or \
+                any(v.edges[i].src == e.dst for i in strategy.chosen):
+            return strategy
+        reads |= set(held)
+        flip = back
     base = Strategy(tuple(i for i in strategy.chosen if i not in reads), strategy.total_saving,
                     tuple(p for p in strategy.trace if not set(p.edges) & reads), v)
-    src = srcs.pop()
     group = [i for i in writes if v.edges[i].src == src]
     if not exact_cover(v, group, src) or any(v.in_conflict(i, j) for i in group for j in base.chosen):
         return strategy
-    trial = Strategy(base.chosen + tuple(group), strategy.total_saving,
-                     base.trace + (Pick(src, tuple(group), 0.0, (0.0,) * len(group)),), v)
+    if any(v.in_conflict(i, j) for i in flip for j in (*base.chosen, *group)):
+        return strategy
+    trial = Strategy(base.chosen + tuple(group) + tuple(flip), strategy.total_saving,
+                     base.trace + (Pick(src, tuple(group), 0.0, (0.0,) * len(group)),)
+                     + tuple(Pick(v.edges[i].src, (i,), 0.0, (0.0,)) for i in flip), v)
     try:
         trial.validate()
     except StrategyError:

@@ -44,6 +44,7 @@ the reduce kernel only, after the whole sum.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -110,6 +111,7 @@ class _Config:
     store_dtype: np.dtype
     epilogue: Callable[..., jax.Array] | None
     launch: GemmConfig                # blocks, stages, split_k (what the cost model reads too)
+    prologue: tuple[Callable[[jax.Array], jax.Array] | None, ...] = (None, None)   # per operand
 
     @property
     def split(self) -> int:
@@ -234,8 +236,10 @@ def _accumulate(c: _Config, a_ref: Any, b_ref: Any, origins: dict[str, tuple[Any
         org = dict(origins, K=g["K"].origins(kk, mark=exact))
         a_org, a_blk = c.op_a.origin_block(g, org)
         b_org, b_blk = c.op_b.origin_block(g, org)
-        x = c.op_a.to_2d(a_ref.load(a_org, a_blk, fill=0.0), "M", "K", g)
-        y = c.op_b.to_2d(b_ref.load(b_org, b_blk, fill=0.0), "K", "N", g)
+        xa, yb = a_ref.load(a_org, a_blk, fill=0.0), b_ref.load(b_org, b_blk, fill=0.0)
+        fa, fb = c.prologue
+        x = c.op_a.to_2d(xa if fa is None else fa(xa), "M", "K", g)
+        y = c.op_b.to_2d(yb if fb is None else fb(yb), "K", "N", g)
         x, y = x.astype(c.compute_dtype), y.astype(c.compute_dtype)
         return acc + jnp.dot(x, y, preferred_element_type=c.acc_dtype, precision=c.precision)
 
@@ -300,7 +304,7 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
            preferred_element_type: Any = None, precision: Any = None,
            block_m: int = 64, block_n: int = 64, block_k: int | None = None,
            num_warps: int = 4, num_stages: int | None = None, split_k: int | None = None,
-           backend: str = "interpret") -> Any:
+           prologue: tuple[Any, Any] = (None, None), backend: str = "interpret") -> Any:
     """``lax.dot_general(a, b, dimension_numbers)`` (+ ``epilogue``) as Pallas Triton kernels:
     one kernel, or a split-K kernel plus a reduce kernel (decode shapes, see the module docstring).
 
@@ -326,6 +330,9 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
         ``max(16, next_pow2(group size))`` capped here (see :func:`choose_blocks`). ``block_k``,
         ``num_stages`` and ``split_k`` None: :func:`tiling.gemm_config`'s choice (32 / 2 / 1 for
         M > 64; ~16 KB weight tiles, 4 stages and enough splits for two waves of SMs otherwise).
+    prologue: per operand, ``None`` or an elementwise ``f(tile) -> tile`` applied to each loaded
+        tile before the dot (a ReLU on q or k), keeping the dtype. Masked lanes (ragged edges,
+        read as 0) go through it too: at most one operand's ``f`` may map 0 elsewhere than 0.
     backend: "interpret" (CPU) or "triton".
 
     Returns what ``Plan.unflatten`` gives for ``out``: the array for a fresh physical output,
@@ -338,6 +345,8 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
     a, b, extras, out, cfg = _plan(VTensor.of(a), VTensor.of(b), dimension_numbers, out, epilogue,
                                    epilogue_args, preferred_element_type, precision,
                                    block_m, block_n, block_k, num_warps, num_stages, split_k)
+    if any(f is not None for f in prologue):
+        cfg = dataclasses.replace(cfg, prologue=tuple(prologue))
     stages = cfg.launch.num_stages
     if cfg.split == 1:
         plan = Plan.build([a, b, *extras], [out])

@@ -1,4 +1,5 @@
-"""Matmul and convolution clusters: the contraction plus its elementwise epilogue as one kernel.
+"""Matmul and convolution clusters: the contraction plus its elementwise epilogue as one kernel
+(a matmul also applies a unary prologue to the tiles it loads: a ReLU on an operand).
 
 The epilogue is the cluster's other primitives re-bound on the accumulator tile
 (:func:`stage2.block_fn`). The accumulator is first rounded to the contraction's own output
@@ -25,6 +26,17 @@ class ContractionMatch:
     op: int                       # the dot_general / conv op
     rest: tuple[int, ...]         # epilogue ops
     extras: tuple[int, ...]       # epilogue operands read from outside (bias, residual rows)
+    operands: tuple[int, ...] = ()                  # what the kernel loads for lhs, rhs
+    prologue: tuple[tuple[int, ...], ...] = ((), ())   # per operand: its unary chain's ops
+
+
+def _prologue(graph: Graph, c: Cluster, x: int) -> tuple[int, tuple[int, ...]]:
+    """(the tensor the kernel loads, the cluster's ops between it and the dot operand ``x``)."""
+    own, chain = set(c.ops), []
+    while (p := graph.producer(x)) is not None and p.id in own:
+        chain.append(p.id)
+        x = next(t for t in p.inputs if graph.tensors[t].size > 1 or graph.tensors[t].const is None)
+    return x, tuple(reversed(chain))
 
 
 def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
@@ -35,21 +47,34 @@ def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
         op = graph.ops[found[0]]
         if primitive == "conv_general_dilated" and op.params.get("batch_group_count", 1) != 1:
             raise Decline("batch_group_count != 1")
-        rest = tuple(o for o in c.ops if o != op.id)
-        why = block_supported(graph, rest)
+        (lhs, pa), (rhs, pb) = (_prologue(graph, c, x) for x in op.inputs[:2])
+        rest = tuple(o for o in c.ops if o != op.id and o not in pa and o not in pb)
+        why = block_supported(graph, rest + pa + pb)
         if why:
             raise Decline(why)
-        lhs, rhs = op.inputs
+        if pa and pb and not all(_keeps_zero(graph, ch, base, x) for ch, base, x in
+                                 ((pa, lhs, op.inputs[0]), (pb, rhs, op.inputs[1]))):
+            raise Decline("both operands' prologues map 0 elsewhere (masked lanes would count)")
         extras = kernel_inputs(graph, c, exclude=(lhs, rhs))
-        return ContractionMatch(op.id, rest, extras)
+        return ContractionMatch(op.id, rest, extras, (lhs, rhs), (pa, pb))
     return match
+
+
+def _keeps_zero(graph: Graph, chain: tuple[int, ...], base: int, x: int) -> bool:
+    import jax.numpy as jnp
+    import numpy as np
+    f = block_fn(graph, chain, [base], [x])
+    return bool(np.asarray(f(jnp.zeros((), graph.tensors[base].dtype))) == 0)
 
 
 def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, ContractionMatch, str], Step]:
     def build(graph: Graph, c: Cluster, m: ContractionMatch, backend: str) -> Step:
         from ..kernels.pointwise import f32_math
         op = graph.ops[m.op]
-        lhs, rhs = op.inputs
+        lhs, rhs = m.operands or op.inputs[:2]
+        pro = tuple(f32_math(block_fn(graph, ch, [base], [x])) if ch else None
+                    for ch, base, x in zip(m.prologue, (lhs, rhs), op.inputs[:2]))
+        kw_pro = {"prologue": pro} if any(f is not None for f in pro) else {}
         o = c.outputs[0]
         epi = f32_math(block_fn(graph, m.rest, [op.outputs[0], *m.extras], [o])) if m.rest else None
         shape = tuple(graph.tensors[o].shape)
@@ -57,7 +82,8 @@ def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, Contrac
         def step(run: Run) -> None:
             out = run.out_vtensor(o)
             res = call_kernel(run.vtensor(lhs), run.vtensor(rhs), op.params, backend, out=out, epilogue=epi,
-                              epilogue_args=[broadcast_input(run.vtensor(t), shape) for t in m.extras])
+                              epilogue_args=[broadcast_input(run.vtensor(t), shape) for t in m.extras],
+                              **kw_pro)
             run.written(o, out, buffers_of(res))
 
         return step

@@ -306,6 +306,9 @@ def program(graph: Graph, p: IslandPlan) -> Callable[..., Any]:
             else:
                 op = graph.ops[s.op]
                 vals = [env[a[1]] if isinstance(a, tuple) else a for a in s.args]
+                big = max((np.shape(v) for v in vals), key=len, default=())
+                if any(np.shape(v) != big for v in vals):   # a Fill or constant among blocks
+                    vals = [jnp.broadcast_to(v, big) if np.ndim(v) == 0 else v for v in vals]
                 out = op.prim.bind(*vals, **op.params)
                 env.append(out[s.out] if op.prim.multiple_results else out)
         res = tuple(env[i] for i in p.outputs)

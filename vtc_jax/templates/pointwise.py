@@ -17,6 +17,7 @@ __all__ = ["TEMPLATE"]
 
 
 IOTA_SHARE = 4   # an iota is computed in XLA and loaded when it is at most 1/4 of the output
+ISLAND_BLOCK = 256   # elements per program of an island kernel (tiling._TARGET is the default)
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def _match(graph: Graph, c: Cluster) -> PointwiseMatch:
 
 
 def _build(graph: Graph, c: Cluster, m: PointwiseMatch, backend: str) -> Step:
-    from ..kernels.pointwise import pointwise
+    from ..kernels.pointwise import choose_block, pointwise
     iota_out = {graph.ops[o].outputs[0]: graph.ops[o] for o in m.iotas}
 
     def load(run: Run, t: int) -> object:
@@ -69,8 +70,11 @@ def _build(graph: Graph, c: Cluster, m: PointwiseMatch, backend: str) -> Step:
 
     def step(run: Run) -> None:
         outs = [run.out_vtensor(o) for o in c.outputs]
+        # an island recomputes (index maps, tables) per element: a quarter of the usual block
+        # keeps its registers well under the limit (no spills at paper size, BENCHMARKS.md)
+        block = None if m.island is None else choose_block(m.shape, 4, ISLAND_BLOCK)
         res = pointwise(fn, inputs(run), out_shape=m.shape, outs=outs, backend=backend,
-                        index_args=m.island is not None and m.island.uses_index)
+                        index_args=m.island is not None and m.island.uses_index, block=block)
         res = (res,) if len(outs) == 1 else res
         for o, v, r in zip(c.outputs, outs, res):
             run.written(o, v, buffers_of(r))
