@@ -133,7 +133,7 @@ def test_library_loss_charged_once_per_cluster():
     n = 128   # M > 64: the compute regime (decode shapes: test_decode_gemm_loss_is_bandwidth_based)
 
     def fn(a, b):
-        x, y = jnp.sin(a), jnp.cos(b)
+        x, y = jnp.sin(a) + a, jnp.cos(b) + b   # binary: not sunk below the transposes (graph.py)
         return x.T @ y.T
 
     g, cl, v = setup(fn, jnp.ones((n, n)), jnp.ones((n, n)))
@@ -161,7 +161,7 @@ def test_broadcast_read_counts_physical_bytes():
 
 def test_bitcast_reshape_is_free_until_broken():
     def fn(x):
-        y = jnp.sin(x)
+        y = jnp.sin(x) + x   # binary: not sunk below the reshape (graph._sink_elementwise)
         return jnp.cos(y.reshape(8, 8))
 
     g, cl, v = setup(fn, jnp.ones((64,)))

@@ -234,7 +234,7 @@ def test_inplace_edge_kept_when_legal():
 
 def test_opaque_cluster_pins_tensors():
     def fn(x):
-        y = (x * 3.0).T
+        y = (x * x).T   # binary: stays before the transpose (graph._sink_elementwise)
         # a reduction in a branch: not speculated into a select (canonical.speculable_cond)
         z = jax.lax.cond(y.sum() > 0, lambda a: a + a.sum(), lambda a: a - 1.0, y)
         return z.T * 2.0

@@ -170,7 +170,8 @@ def xla_plain(graph: "Graph", clusters: Sequence["Cluster"], donated: Iterable[i
     * **element-wise work fuses**: pointwise clusters joined directly or through movement are one
       loop fusion; a lone cast, and pointwise work feeding only a reduction or an update, fold
       into that consumer (input fusion / DUS fusion) — no launch of their own.
-    * **GEMM / conv / reduction**: one launch each (gemm fusion, cuDNN call, input fusion). cuDNN
+    * **GEMM / conv / reduction**: one launch each (gemm fusion, cuDNN call, input fusion), and
+      one more per GEMM operand computed by an elementwise prologue (XLA's loop fusion). cuDNN
       fuses a conv's bias + ReLU only: any other epilogue is one more loop fusion when another
       conv reads the result directly; it runs NHWC, so each NCHW program input a conv reads (and
       each output one writes) is transposed once, and each OIHW filter larger than 1×1 (not
@@ -294,6 +295,14 @@ def xla_plain(graph: "Graph", clusters: Sequence["Cluster"], donated: Iterable[i
             if epi and not {"add", "max"} <= epi and (direct or any(t in outs for t in cl[m].outputs)):
                 n += 1   # cuDNN fuses bias + ReLU only; another epilogue is a loop fusion of its
                 # own where nothing else reads the result (else it fuses into that reader)
+        for m in members:   # a matmul prologue (cluster._grow_prologue) is XLA's loop fusion
+            if kind[m] != "matmul":   # of its own: it writes the operand the GEMM then reads
+                continue
+            dots = [o for o in cl[m].ops if g.ops[o].primitive == "dot_general"]
+            made_in = {t for o in cl[m].ops if o not in dots for t in g.ops[o].outputs}
+            for x in (x for o in dots for x in g.ops[o].inputs[:2] if x in made_in):
+                n += 1
+                nbytes += 2 * ctx.nbytes[x]
         if any(kind[m] == "attention" for m in members):
             red = [o for m in members for o in cl[m].ops
                    if g.ops[o].primitive == "dot_general" or g.ops[o].primitive.startswith("reduce_")]
