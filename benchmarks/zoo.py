@@ -52,32 +52,31 @@ def models() -> dict:
 
 # What is left in each model and why (checked by hand against explain() and the lowered module;
 # keep in step with the code: a row whose figures change needs its note re-checked).
-_LLAMA = ("K: the RoPE runs in XLA (complex64 has no Triton type) and XLA writes the rotated row "
-          "into the cache in place (the dynamic_update_slice counted: update size, as jit; the cast "
-          "before it is left to XLA's fusion, costmodel.xla_fuses); V: `.at[:, pos].set` is traced as "
-          "a guarded update (canonical.py: an out-of-range pos writes back the old window, as "
-          "`.at[].set` drops it) and a pointwise select kernel writes the row in place — not the V "
-          "projection's kernel, because cluster.py grows a matmul epilogue only through elementwise "
-          "ops, and a reshape and slice sit between the projection and the select")
+_LLAMA = ("none of activation size. K: the complex RoPE is traced as real pairs "
+          "(canonical.split_complex) and, with the stack of its real and imaginary parts, is one "
+          "fused pointwise kernel (cluster.fuse_islands) that recomputes cos/sin from `pos` and writes "
+          "the rotated row into the cache in place; V: `.at[:, pos].set` is traced as a guarded update "
+          "(canonical.py: an out-of-range pos writes back the old window, as `.at[].set` drops it) "
+          "and a pointwise select kernel writes the row in place — not the V projection's kernel: the "
+          "guard's select reads the old cache window too, so it is a cluster of its own. The two "
+          "movement ops left are a scalar position's broadcast/squeeze (glue)")
 NOTES = {
     "llama_pure (where -inf)": _LLAMA,
     "llama_pure (finfo.min)": _LLAMA,
     "llama_pure (additive -1e30)": _LLAMA,
     "llama_pure (real RoPE, where -inf)": (
-        "the control: the real RoPE's pointwise clusters are left to XLA's one loop fusion "
-        "(costmodel.xla_fuses: Pallas would launch one kernel per cluster), which also writes the K "
-        "row into the cache in place; V through the guarded select kernel, as above"),
+        "the control: the real RoPE is the same one fused kernel per rotated tensor (K row into the "
+        "cache); V through the guarded select kernel, as above"),
     "gemma_flax": (
-        "V is `kv[1]` of the fused K/V einsum, a static slice of the dot's output: a slice offers "
-        "only a read edge (its input's other half would have no home), so no kernel produces V "
-        "alone and XLA writes the row into the cache in place (update size, as jit). Checked: "
-        "merging the two slices into a split and taking the K/V transpose's write edge instead "
-        "of its read edge removes it — a cost-model choice (strategy), not made here"),
+        "none of activation size. K and V come from one einsum with a stacked [2, d, KV, hd] weight: "
+        "`kv[0]`, `kv[1]` are traced as one split (graph._slices_as_split), and the projection "
+        "writes through the transpose's and the split's write edges (strategy.producer_writes), "
+        "the V row straight into the cache at pos; K through the fused RoPE kernel. Left: the "
+        "four (1, d) broadcasts of the `1 + w` norm scales, which XLA folds into the norms"),
     "gemma_flax (lax.cond window)": (
-        "the window's `lax.cond` sits between the QK matmul and the softmax, so no attention "
-        "template: the attention runs as its parts (QK and PV matmul kernels reading the cache, the "
-        "cond's body optimised on its own, a softmax reduction kernel) with the scores "
-        "(B, KV, G, T) in memory; the V cache write as gemma_flax"),
+        "as gemma_flax: the window's `lax.cond` has elementwise branches, traced as both branches "
+        "and a select (canonical.speculable_cond), and the attention template fits the mask "
+        "applied under it (a conditional mask: `_Mask.when`)"),
     "prefill": "none (the cache is as long as the prompt: its update is the update, written by the "
                "K/V projection kernels)",
     "prefill (dot_product_attention)": (
@@ -90,10 +89,10 @@ NOTES = {
         "it); VTC leaves it, with the branch's half that its last kernel wrote, to this one XLA "
         "transpose — the one jit has"),
     "vision shufflenet_state": "as shufflenet",
-    "vision linattn": (
-        "the transpose feeds a pointwise island the cost model leaves to XLA (costmodel.xla_fuses: "
-        "XLA fuses the transpose into that loop fusion); with CostModel(xla_fusion=False) it is "
-        "read through a map (tests/test_zoo.py)"),
+    "vision c3k2": (
+        "none; the three pointwise clusters joined by the split/concat are one island for XLA's "
+        "fusion, but not one kernel: the bottleneck's conv sits between two of them (a cycle)"),
+    "vision linattn": "none",
 }
 
 
