@@ -158,6 +158,29 @@ def test_scanned_llama_paper_size_leaves_no_movement_and_no_cache_copy(batch):
     assert dflt.text.count("stablehlo.dynamic_slice") < base.text.count("stablehlo.dynamic_slice")
 
 
+def test_generation_loop_around_the_layer_scan_paper_size():
+    """Issue #13's program at Llama-3-8B size: a ``fori_loop`` generating 4 tokens around the
+    2-layer scan, caches donated, default cost model. In the CUDA-lowered module (the loop bodies
+    included): no transpose, concatenate, slice, cache update, gather or scatter (jax.jit: 4, 6,
+    9, 3, 0, 0), no movement reaching a kernel, a dot or a result (jit: 11), and the only dynamic
+    slices left read a layer's (1, 4096) norm weight — none copies the stacked caches."""
+    import re
+    LS = _llama_scan()
+    args = LS.example_args("paper", batch=16)
+    base = cross_lower(jax.jit(LS.generate, donate_argnums=(2, 3)), *args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        opt = cross_lower(vtc_jax.optimize(LS.generate, backend="triton", donate_argnums=(2, 3)), *args)
+    for op in ("transpose", "concatenate", "slice", "dynamic_update_slice", "gather", "scatter"):
+        assert opt.text.count(f"stablehlo.{op} ") == 0, op
+    assert base.text.count("stablehlo.transpose ") > 0 and base.text.count("stablehlo.dynamic_update_slice ") > 0
+    assert opt.movement_into_consumers() == [] != base.movement_into_consumers()
+    sliced = re.findall(r"stablehlo.dynamic_slice.*?-> (tensor<[^>]*>)", opt.text)
+    assert len(sliced) < base.text.count("stablehlo.dynamic_slice ")
+    assert all(t == "tensor<1x4096xbf16>" for t in sliced), sliced
+    assert len(opt.triton_kernels) >= 8
+
+
 def test_32_scanned_layers_analyse_once_per_body():
     """The body is analysed once, not per layer: tracing 32 scanned Llama-3-8B layers (analysis
     of the outer program and of the body, kernels traced) stays within a few CPU seconds
