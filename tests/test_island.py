@@ -198,3 +198,26 @@ def test_position_tables_are_recomputed_in_the_kernel():
         args = (*args[:3], jnp.int32(pos))
         _close(_optimize(rope_step, donate_argnums=(2,))(*[jnp.array(x) for x in args]),
                jax.jit(rope_step)(*args))
+
+
+def runtime_window_step(x, buf, pos):
+    """Two pointwise clusters joined by a dynamic_slice at a runtime start: the island's plan
+    declines it (a runtime offset), so it stays its parts, left to XLA's one loop fusion."""
+    a = jnp.exp(x)
+    b = jax.lax.dynamic_slice(a, (pos, 0), (2, 8)) * 2.0
+    return jax.lax.dynamic_update_slice(buf, b[None], (pos, 0, 0))
+
+
+def test_island_the_plan_declines_is_left_to_xla_without_a_warning():
+    from vtc_jax.api import analyze
+    args = (jax.random.normal(jax.random.PRNGKey(5), (6, 8)), jnp.zeros((5, 2, 8)), jnp.int32(3))
+    a = analyze(runtime_window_step, args, {})
+    assert not [c for c in a.clusters if str(c.kind) == "pointwise"
+                and any(a.graph.ops[o].primitive == "dynamic_slice" for o in c.ops)]
+    assert a.xla_fused, "the two pointwise clusters are XLA's loop fusion"
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        out = vtc_jax.optimize(runtime_window_step, backend="interpret")(*args)
+    assert not [w for w in rec if issubclass(w.category, vtc_jax.VTCFallbackWarning)
+                and "runs in XLA" in str(w.message)], [str(w.message) for w in rec]
+    _close(out, jax.jit(runtime_window_step)(*args))

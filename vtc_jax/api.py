@@ -14,6 +14,7 @@ import jax
 
 from . import costmodel
 from .cluster import Cluster, cluster, fuse_islands
+from .primitives import is_movement_op
 from .graph import Graph, trace
 from .report import Report, build_report
 from .strategy import Strategy, plan
@@ -77,7 +78,25 @@ def analyze(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
         if islands:   # ... unless it becomes one kernel: re-cluster each island as one
             regrouped, left = fuse_islands(graph, clusters, islands)
             if regrouped is not clusters:
-                clusters, matches = regrouped, match_all(graph, regrouped, rejected)
+                m2 = match_all(graph, regrouped, rejected)
+                # an island its template cannot plan stays its parts, left to XLA's fusion
+                bad = {frozenset(c.ops): m2[c.id].reason for c in regrouped
+                       if isinstance(m2.get(c.id), Reject) and c.kind == "pointwise"
+                       and any(is_movement_op(graph.ops[o], graph) for o in c.ops)}
+                if bad:
+                    ops_of = {c.id: set(c.ops) for c in clusters}
+                    keep, why = [], {}
+                    for isl in islands:
+                        ops = set().union(*(ops_of[k] for k in isl))
+                        reason = next((r for b, r in bad.items() if ops <= b), None)
+                        if reason is None:
+                            keep.append(isl)
+                        else:
+                            why[min(ops)] = f"its kernel cannot be planned ({reason})"
+                    regrouped, left = fuse_islands(graph, clusters, keep) if keep else (clusters, {})
+                    left = {**left, **why}
+                    m2 = match_all(graph, regrouped, rejected) if regrouped is not clusters else matches
+                clusters, matches = regrouped, m2
         kinds = {c.id: c.kind for c in clusters}
         fused = costmodel.xla_fuses(graph, clusters, matches, left)
         matches = {**matches, **{k: Reject(k, kinds[k], why) for k, why in fused.items()}}
