@@ -17,8 +17,11 @@ island. :func:`plan` walks each cluster output back to the cluster's inputs:
 * a cluster input at ``m`` is a kernel input: that tensor's layout composed with ``m`` — a
   virtual tensor like any other, loaded by ``vio`` (masked outside the piece it belongs to);
 * a membership test is a ``Mask`` input: a one-element buffer read through the membership
-  conditions composed with ``m`` (``vio`` turns conditions into lane masks; no index arithmetic
-  in the kernel body).
+  conditions composed with ``m`` (``vio`` turns conditions into lane masks);
+* an iota at ``m`` is ``Index``: the iota's own index, ``m``'s expression evaluated on the block's
+  output indices in registers; a small table a cluster input is computed from (RoPE's
+  cos/sin(pos·θ): scalars, constants and iotas only) is recomputed the same way
+  (:func:`_table_ops`) instead of being loaded.
 
 The result is a static :class:`IslandPlan`: kernel inputs (``Load``/``Mask``) and a straight-line
 program over their blocks that the pointwise kernel runs as its stage 2. Values are recomputed
@@ -184,20 +187,17 @@ def _table_ops(graph: Graph, t: int) -> set[int] | None:
     return found
 
 
-def plan(graph: Graph, ops: Sequence[int], inputs: Sequence[int], outputs: Sequence[int],
-         xla_computed: Sequence[int] = ()) -> IslandPlan:
+def plan(graph: Graph, ops: Sequence[int], inputs: Sequence[int], outputs: Sequence[int]) -> IslandPlan:
     """The straight-line program of a pointwise cluster whose ops include movement (see module
-    docstring). ``xla_computed``: tensors made inside the cluster that the kernel takes as inputs
-    (small iotas XLA computes first). Raises :class:`Decline` for what it cannot recompute."""
+    docstring). Raises :class:`Decline` for what it cannot recompute."""
     from ..movement import rules
 
-    own = set(ops)
     made: dict[int, tuple[Any, int]] = {}
     for oid in ops:
         op = graph.ops[oid]
         for k, t in enumerate(op.outputs):
             made[t] = (op, k)
-    leaves = set(inputs) | set(xla_computed)
+    leaves = set(inputs)
     shapes = {tuple(graph.tensors[t].shape) for t in outputs}
     if len(shapes) != 1:
         raise Decline("outputs of different shapes")
@@ -223,7 +223,7 @@ def plan(graph: Graph, ops: Sequence[int], inputs: Sequence[int], outputs: Seque
                 return add(Fill(c.item(), graph.tensors[t].dtype), ("fill", t))
             if m.syms:
                 raise Decline("a runtime offset inside the fused cluster")
-            table = _table_ops(graph, t) if t not in xla_computed else None
+            table = _table_ops(graph, t)
             if not table:
                 return add(Load(t, m), key)
             for oid in table:   # recomputed here: the table's ops join this plan
