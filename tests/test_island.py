@@ -221,3 +221,44 @@ def test_island_the_plan_declines_is_left_to_xla_without_a_warning():
     assert not [w for w in rec if issubclass(w.category, vtc_jax.VTCFallbackWarning)
                 and "runs in XLA" in str(w.message)], [str(w.message) for w in rec]
     _close(out, jax.jit(runtime_window_step)(*args))
+
+
+# ---- property: random movement between two elementwise stages, one kernel, jit's numbers -------
+
+from hypothesis import HealthCheck, given, settings   # noqa: E402
+from hypothesis import strategies as st               # noqa: E402
+
+_MOVES = ("rotate", "pad_slice", "transpose_back", "reshape_back", "flip_halves")
+
+
+def _move(kind: str, y):
+    """A shape-preserving movement between the stages (each a different read-edge map)."""
+    h = y.shape[-1] // 2
+    if kind == "rotate":          # rotate-half: two slices and a concat of a computed piece
+        return jnp.concatenate([-y[..., h:], y[..., :h]], axis=-1)
+    if kind == "pad_slice":       # a pad with its own value, sliced back to the shape
+        return jnp.pad(y, ((0, 0), (1, 0), (0, 0)), constant_values=0.75)[:, :-1]
+    if kind == "transpose_back":  # a transpose and its inverse around a negation
+        return -jnp.transpose(jnp.transpose(y, (0, 2, 1)) * 1.5, (0, 2, 1))
+    if kind == "reshape_back":
+        return jnp.reshape(jnp.reshape(y, (y.shape[0], -1)) + 0.5, y.shape)
+    return jnp.concatenate([y[..., h:], y[..., :h]], axis=-1)   # flip_halves (pure movement)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, print_blob=False,
+          suppress_health_check=list(HealthCheck))
+@given(st.lists(st.sampled_from(_MOVES), min_size=1, max_size=3), st.integers(0, 4))
+def test_random_islands_equal_jit(moves, pos):
+    def step(x, buf, p):
+        y = jnp.tanh(x) * 2.0
+        for k in moves:
+            y = _move(k, y) * 0.5 + 0.25
+        return jax.lax.dynamic_update_slice(buf, (y * y)[None], (p, 0, 0, 0))
+    x = jax.random.normal(jax.random.PRNGKey(len(moves) + pos), (2, 3, 8))
+    args = (x, jnp.zeros((5, 2, 3, 8)), jnp.int32(pos))
+    # every pointwise cluster is a kernel (the island fused, or the movement moved out of the
+    # way: graph._sink_elementwise) and XLA executes no movement op
+    rep = vtc_jax.explain(step, donate_argnums=(1,))(*args)
+    assert all(why == "kernel" for _, kind, why in rep.templates if kind == "pointwise"), rep.templates
+    assert rep.strategy.resolution.executed == (), (moves, rep.strategy.resolution.executed)
+    _close(_optimize(step, donate_argnums=(1,))(*[jnp.array(a) for a in args]), jax.jit(step)(*args))
