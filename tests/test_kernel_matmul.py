@@ -525,3 +525,30 @@ def test_in_bounds_tiles_load_without_masks():
     _, lds = loads(1)
     weights = [ln for ln in lds if "tensor<128x64x!tt.ptr<bf16>>" in ln]
     assert weights and all(re.search(r"tt\.load %\w+ :", ln) for ln in weights), lds
+
+
+@pytest.mark.parametrize("split_k", [None, 3])
+def test_prologue_on_both_operands(split_k):
+    """``prologue=(fa, fb)``: a ReLU on the lhs tiles and a scaled tanh on the transposed rhs
+    tiles, applied after the load (ragged M/N/K edges: 0 maps to 0 on both sides), with and
+    without split-K; interpret and Triton IR."""
+    m, k, n = 5 if split_k else 33, 100, 40
+
+    def call(a, bt, *, backend):
+        b = VTensor(Layout.physical(0, bt.shape).transpose((1, 0)), bt.dtype, (bt,))
+        return matmul(a, b, dimension_numbers=MM, backend=backend, split_k=split_k,
+                      prologue=(jax.nn.relu, lambda y: jnp.tanh(y) * 2.0))
+
+    def ref(a, bt):
+        return ref_dot(jax.nn.relu(a), jnp.tanh(bt.T) * 2.0)
+
+    check_kernel(call, ref, (rand((m, k)), rand((n, k), seed=1)), **F32)
+
+
+def test_prologue_that_moves_zero_on_one_side():
+    """``a + 1`` maps 0 to 1: allowed on one operand, since the other's masked K lanes are 0 and
+    the products of the padding vanish (ragged K = 100)."""
+    m, k, n = 20, 100, 24
+    call = lambda a, b, *, backend: matmul(a, b, dimension_numbers=MM, backend=backend,
+                                           prologue=(lambda x: x + 1.0, None))
+    check_kernel(call, lambda a, b: ref_dot(a + 1.0, b), (rand((m, k)), rand((k, n), seed=1)), **F32)

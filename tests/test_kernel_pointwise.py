@@ -392,3 +392,21 @@ def test_default_configs_compile_for_sm90():
         assert r.cubin_ok, table
         assert not r.spills, table
         assert r.smem_bytes <= SMEM_LIMIT["sm_90"], table
+
+
+def test_index_args_give_the_block_indices():
+    """``index_args=True``: ``fn`` also receives the output indices of its block (int32, one array
+    per dim), ragged edges included — an iota computed in registers (the island template's
+    ``Index`` step); interpret and Triton IR."""
+    shape = (5, 3, 70)
+
+    def call(x, *, backend):
+        return pointwise(lambda v, i, j, k: v * 2.0 + (i * 1000 + j * 100 + k).astype(v.dtype), [x],
+                         backend=backend, index_args=True)
+
+    def ref(x):
+        i, j, k = np.indices(shape)
+        return x * 2.0 + jnp.asarray(i * 1000 + j * 100 + k, jnp.float32)
+
+    check_kernel(call, ref, (jnp.asarray(np.random.default_rng(0).standard_normal(shape), jnp.float32),),
+                 rtol=1e-6, atol=1e-6)

@@ -42,6 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .interpret import interpret
+
 __all__ = ["window_scatter", "whole_update", "speculable_cond", "rewrite", "fold_transposes", "split_complex"]
 
 
@@ -294,32 +296,21 @@ def _complex_rule(eqn: Any, ins: list[Any]) -> list[Any] | None:
     return None
 
 
-def _eval_pairs(jaxpr: Any, consts: Any, args: Any) -> list[Any]:
-    env: dict[Any, Any] = {}
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    for v, c in zip(jaxpr.constvars, consts):
-        env[v] = c
-    for v, a in zip(jaxpr.invars, args):
-        env[v] = a
-    for e in jaxpr.eqns:
-        ins = [read(v) for v in e.invars]
-        inner = e.params.get("jaxpr", e.params.get("call_jaxpr")) if e.primitive.name in (
-            "pjit", "jit", "closed_call", "core_call") else None
-        outs = None
-        if inner is not None and _has_complex(getattr(inner, "jaxpr", inner)):
-            outs = _eval_pairs(getattr(inner, "jaxpr", inner), getattr(inner, "consts", ()), ins)
-        elif any(isinstance(x, _Pair) for x in ins) or any(_is_complex(v.aval.dtype) for v in e.outvars
-                                                           if hasattr(v.aval, "dtype")):
-            outs = _complex_rule(e, ins)
-        if outs is None:
-            res = e.primitive.bind(*[_whole(x) for x in ins], **e.params)
-            outs = list(res) if e.primitive.multiple_results else [res]
-        for v, o in zip(e.outvars, outs):
-            env[v] = o
-    return [read(v) for v in jaxpr.outvars]
+def _pairs_rule(e: Any, ins: list[Any]) -> list[Any] | None:
+    """One equation of :func:`split_complex`: call bodies holding complex values are evaluated
+    on pairs too, complex ops by :func:`_complex_rule`, anything else on whole values."""
+    inner = e.params.get("jaxpr", e.params.get("call_jaxpr")) if e.primitive.name in (
+        "pjit", "jit", "closed_call", "core_call") else None
+    outs = None
+    if inner is not None and _has_complex(getattr(inner, "jaxpr", inner)):
+        outs = interpret(getattr(inner, "jaxpr", inner), getattr(inner, "consts", ()), ins, _pairs_rule)
+    elif any(isinstance(x, _Pair) for x in ins) or any(_is_complex(v.aval.dtype) for v in e.outvars
+                                                       if hasattr(v.aval, "dtype")):
+        outs = _complex_rule(e, ins)
+    if outs is None and any(isinstance(x, _Pair) for x in ins):
+        res = e.primitive.bind(*[_whole(x) for x in ins], **e.params)
+        outs = list(res) if e.primitive.multiple_results else [res]
+    return outs
 
 
 def split_complex(closed: Any) -> Any | None:
@@ -340,6 +331,6 @@ def split_complex(closed: Any) -> Any | None:
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
 
     def run(*args: Any) -> Any:
-        return [_whole(x) for x in _eval_pairs(closed.jaxpr, closed.consts, args)]
+        return [_whole(x) for x in interpret(closed.jaxpr, closed.consts, args, _pairs_rule)]
 
     return jax.make_jaxpr(run)(*specs)

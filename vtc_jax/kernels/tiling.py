@@ -397,35 +397,28 @@ def f32_math(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+          "custom_vjp_call_jaxpr", "remat", "checkpoint")
+
+
+def _f32_rule(eqn: Any, invals: list[Any]) -> list[Any] | None:
+    """One equation of :func:`f32_math`: call bodies inlined, :data:`F32_MATH_PRIMITIVES` on
+    16-bit operands computed in f32 and rounded back, anything else re-bound (None)."""
+    inner = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr")
+                  if isinstance(eqn.params.get(k), jcore.ClosedJaxpr)), None)
+    if inner is not None and eqn.primitive.name in _CALLS:
+        return _eval_f32_math(inner.jaxpr, inner.consts, invals)
+    if eqn.primitive.name in F32_MATH_PRIMITIVES and any(
+            np.dtype(v.aval.dtype) in _LOW for v in eqn.invars if hasattr(v.aval, "dtype")):
+        up = [jnp.asarray(x).astype(jnp.float32) if np.dtype(v.aval.dtype) in _LOW else x
+              for v, x in zip(eqn.invars, invals)]
+        outs = eqn.primitive.bind(*up, **eqn.params)
+        outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        return [o.astype(v.aval.dtype) if np.dtype(v.aval.dtype) in _LOW else o
+                for o, v in zip(outs, eqn.outvars)]
+    return None
+
+
 def _eval_f32_math(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-    env: dict[Any, Any] = {}
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    for v, x in zip(jaxpr.constvars, consts):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args):
-        env[v] = x
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        inner = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr")
-                      if isinstance(eqn.params.get(k), jcore.ClosedJaxpr)), None)
-        if inner is not None and eqn.primitive.name in ("pjit", "jit", "closed_call", "core_call",
-                                                         "custom_jvp_call", "custom_vjp_call",
-                                                         "custom_vjp_call_jaxpr", "remat", "checkpoint"):
-            outs = _eval_f32_math(inner.jaxpr, inner.consts, invals)
-        elif eqn.primitive.name in F32_MATH_PRIMITIVES and any(
-                np.dtype(v.aval.dtype) in _LOW for v in eqn.invars if hasattr(v.aval, "dtype")):
-            up = [jnp.asarray(x).astype(jnp.float32) if np.dtype(v.aval.dtype) in _LOW else x
-                  for v, x in zip(eqn.invars, invals)]
-            outs = eqn.primitive.bind(*up, **eqn.params)
-            outs = list(outs) if eqn.primitive.multiple_results else [outs]
-            outs = [o.astype(v.aval.dtype) if np.dtype(v.aval.dtype) in _LOW else o
-                    for o, v in zip(outs, eqn.outvars)]
-        else:
-            outs = eqn.primitive.bind(*invals, **eqn.params)
-            outs = list(outs) if eqn.primitive.multiple_results else [outs]
-        for v, o in zip(eqn.outvars, outs):
-            env[v] = o
-    return [read(v) for v in jaxpr.outvars]
+    from ..interpret import interpret
+    return interpret(jaxpr, consts, args, _f32_rule)
