@@ -127,6 +127,15 @@ def test_roofline_model_and_table():
     few = roofline.launch_model(["k", "kCustomKernel", True, 2**30, 0, 0, 16384, [4, 1, 1]])
     assert few["bound"] == "in flight"
     assert few["modelled_us"] == pytest.approx(2**30 / (4 * 16384 / gpu.hbm_latency) * 1e6)
+    # occupancy: the same per-CTA staging, a large grid of small CTAs (40 registers, 4 warps, 16 KB)
+    # — 12 resident per SM (registers: 4 warps × 1,280) — keeps 12× the bytes in flight of one CTA per SM
+    assert gpu.resident_ctas(40, 128, 16384) == 12 and gpu.resident_ctas(255, 256, 0) == 1
+    assert gpu.resident_ctas(64, 128, 147456) == 1
+    many = roofline.launch_model(["m", "kCustomKernel", True, 2**30, 0, 0, 16384, [4096]],
+                                 ["m", 40, 0, 0, 16384, 4, 1])
+    assert many["bound"] == "bandwidth"
+    one_per_sm = roofline.launch_model(["m", "kCustomKernel", True, 2**30, 0, 0, 16384, [4096]])
+    assert one_per_sm["bound"] == "in flight"
     data = json.loads((ROOT / "benchmarks" / "compiled.json").read_text())
     table = roofline.render(data)
     for r in data["rows"]:

@@ -272,3 +272,69 @@ def test_complex_ops_without_a_pair_rule_keep_complex_values():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
         _close(vtc_jax.optimize(fn)(a, b), jax.jit(fn)(a, b))
+
+
+# ---- convolutions XLA runs next to kernels, written channels-last ------------------------------
+
+CONV_FORMS = [
+    # (input shape, filter shape, dimension numbers, groups)
+    ((2, 6, 9, 7), (4, 6, 3, 3), ("NCHW", "OIHW", "NCHW"), 1),
+    ((2, 6, 9, 7), (3, 3, 6, 4), ("NCHW", "HWIO", "NHWC"), 1),
+    ((2, 9, 7, 6), (3, 3, 3, 4), ("NHWC", "HWIO", "NCHW"), 2),
+    ((2, 6, 11), (6, 1, 5), ("NCH", "OIH", "NCH"), 6),            # 1-D depthwise
+    ((6, 2, 5, 4), (4, 6, 1, 3), ("CNHW", "OIHW", "HNWC"), 1),    # batch not first
+]
+
+
+@pytest.mark.parametrize("xs,ws,dn,groups", CONV_FORMS)
+def test_channels_last_conv_equals_the_conv(xs, ws, dn, groups):
+    """``trace_with(channels_last=...)`` writes the conv as transpose → (N, spatial.., C) conv →
+    transpose back, for any dimension numbers and groups: the traced graph evaluates to lax's
+    conv (f32, 1e-5), and its conv is channels-last. A conv that already is stays untouched."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal(xs), jnp.float32)
+    w = jnp.asarray(rng.standard_normal(ws), jnp.float32)
+    nsp = len(xs) - 2
+    fn = lambda x, w: jnp.tanh(lax.conv_general_dilated(x, w, (1,) * nsp, "SAME", dimension_numbers=dn,
+                                                       feature_group_count=groups))
+    g = graph.trace_with(fn, (x, w), {}, channels_last=frozenset({0}))
+    convs = [op for op in g.ops if op.primitive == "conv_general_dilated"]
+    assert len(convs) == 1 and convs[0].conv_index == 0
+    cl = (0, len(xs) - 1, *range(1, len(xs) - 1))
+    d = convs[0].params["dimension_numbers"]
+    assert tuple(d.lhs_spec) == cl and tuple(d.out_spec) == cl
+    _close(g.evaluate(x, w), jax.jit(fn)(x, w))
+    # already channels-last: nothing to rewrite
+    nhwc = lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    g2 = graph.trace_with(nhwc, (jnp.zeros((1, 5, 5, 2)), jnp.zeros((3, 3, 2, 4))), {}, channels_last=frozenset({0}))
+    assert [op.primitive for op in g2.ops] == ["conv_general_dilated"]
+
+
+def test_convs_xla_runs_next_to_kernels_are_traced_channels_last():
+    """EfficientViT's LiteMLA: the qkv and grouped 1×1 convs feed the attention matmuls through a
+    concat and a reshape. ``api.xla_layout_convs`` names them after the first analysis (XLA runs
+    them, a kernel reads their outputs); the second trace writes them channels-last, and the
+    transposes back to NCHW are read through by the kernels (eliminated), so XLA has no layout
+    copy to make for a Pallas operand. Values equal jax.jit (f32, 1e-5)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import efficientvit_attention as eff
+    from vtc_jax.api import analyze, xla_layout_convs
+
+    args = tuple(eff.example_args("small", batch=2))
+    first = analyze(eff.step, args, {}, graph=graph.trace(eff.step, *args))
+    picked = xla_layout_convs(first)
+    assert picked == {0, 2}
+    a = analyze(eff.step, args, {})
+    res = a.strategy.resolution
+    for op in a.graph.ops:
+        if op.primitive == "conv_general_dilated" and op.conv_index in picked:
+            assert tuple(op.params["dimension_numbers"].out_spec) == (0, 3, 1, 2)
+            backs = [c for c in a.graph.consumers(op.outputs[0]) if c.primitive == "transpose"]
+            assert backs and all(b.id in res.eliminated for b in backs)
+    assert not xla_layout_convs(a)   # a fixed point: nothing left to rewrite
+    assert sum(op.primitive == "transpose" and op.id not in res.eliminated for op in a.graph.ops) <= 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _close(vtc_jax.optimize(eff.step)(*args), jax.jit(eff.step)(*args))

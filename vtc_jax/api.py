@@ -5,6 +5,7 @@ wraps it into a :class:`~vtc_jax.report.Report`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import jax
 from . import costmodel
 from .cluster import Cluster, cluster, fuse_islands
 from .primitives import is_movement_op
-from .graph import Graph, trace
+from .graph import Graph, trace, trace_with
 from .report import Report, build_report
 from .strategy import Strategy, plan
 from .templates import Match, Reject, match_all
@@ -62,7 +63,17 @@ def analyze(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
     an earlier trace of the same signature.
     """
     t0 = time.perf_counter()
-    graph = trace(fn, *args, **kwargs) if graph is None else graph
+    if graph is None:   # traced here: XLA's convs next to kernels take another trace, channels-last
+        layout: frozenset[int] = frozenset()
+        for _ in range(4):   # each pass can put another conv next to a kernel; a few suffice
+            g = trace_with(fn, args, kwargs, channels_last=layout)
+            a = analyze(fn, args, kwargs, cost_model=cost_model, objective=objective, gpu=gpu,
+                        donate_argnums=donate_argnums, rejected=rejected, graph=g)
+            more = xla_layout_convs(a)
+            if not more:
+                break
+            layout |= more
+        return dataclasses.replace(a, seconds=time.perf_counter() - t0)
     clusters = cluster(graph)
     matches = match_all(graph, clusters, rejected)
     declined = tuple((c.ops[0], matches[c.id].reason) for c in clusters
@@ -109,6 +120,45 @@ def analyze(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
     strategy = plan(vtog, graph, clusters, savings)
     return Analysis(graph, clusters, matches, vtog, strategy, time.perf_counter() - t0, donated, declined,
                     frozenset(fused))
+
+
+def xla_layout_convs(a: Analysis) -> frozenset[int]:
+    """``conv_index`` of the NCHW-style convolutions XLA runs next to a Pallas kernel: one whose
+    output a kernel reads (directly or through a virtual tensor) or whose input a kernel writes.
+
+    XLA gives such a conv's buffers cuDNN's NHWC layout and copies them into the row-major layout
+    the kernel takes; traced again with these convs channels-last (``canonical.channels_last``),
+    the copy is a transpose the strategy can make virtual. Convs VTC runs, or XLA runs among XLA
+    fusions only, are left as written."""
+    res = a.strategy.resolution
+    if res is None:
+        return frozenset()
+    kernel_ops: set[int] = set()
+    for c in a.clusters:
+        if (c.kind != "movement" and isinstance(a.matches.get(c.id), Match)
+                and any(t in res.layouts for t in (*c.inputs, *c.outputs))):
+            kernel_ops.update(c.ops)
+    read_by_kernel: set[int] = set()   # physical tensors a kernel reads, through views or not
+    for op in kernel_ops:
+        for t in a.graph.ops[op].inputs:
+            lay = res.layouts.get(t)
+            read_by_kernel.update((p.target for p in lay.pieces) if lay is not None else (t,))
+    out: set[int] = set()
+    for c in a.clusters:
+        if any(t in res.layouts for t in (*c.inputs, *c.outputs)):
+            continue   # VTC's kernel (or a view): its layout is VTC's own
+        for o in c.ops:
+            op = a.graph.ops[o]
+            dn = op.params.get("dimension_numbers")
+            if (op.primitive != "conv_general_dilated" or op.conv_index is None
+                    or getattr(dn, "lhs_spec", (0, 1))[1] == len(a.graph.tensors[op.inputs[0]].shape) - 1
+                    and getattr(dn, "out_spec", (0, 1))[1] == len(a.graph.tensors[op.outputs[0]].shape) - 1):
+                continue   # already channels-last
+            src = a.graph.producer(op.inputs[0])
+            if (any(t in read_by_kernel for t in op.outputs)
+                    or (src is not None and src.id in kernel_ops)):
+                out.add(op.conv_index)
+    return frozenset(out)
 
 
 def donated_inputs(graph: Graph, args: Sequence[Any], kwargs: dict[str, Any],

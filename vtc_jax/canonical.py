@@ -44,7 +44,8 @@ from jax import lax
 
 from .interpret import interpret
 
-__all__ = ["window_scatter", "whole_update", "speculable_cond", "rewrite", "fold_transposes", "split_complex"]
+__all__ = ["window_scatter", "whole_update", "speculable_cond", "rewrite", "channels_last", "fold_transposes",
+           "split_complex"]
 
 
 def window_scatter(eqn: jcore.JaxprEqn) -> tuple[tuple[int, ...], tuple[int, ...], bool] | None:
@@ -180,6 +181,46 @@ def rewrite(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, list[Any]] | None:
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
     closed = jax.make_jaxpr(lambda x, i, u: _as_update(x, i, u, window=window, indexed=indexed,
                                                        guarded=guarded))(*avals)
+    return closed.jaxpr, list(closed.consts)
+
+
+def channels_last(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, list[Any]] | None:
+    """``transpose(conv_NHWC(transpose(x)))`` for a convolution whose input or output is not
+    channels-last (``NCHW``), as ``(jaxpr, consts)``; None when it already is.
+
+    Why: XLA runs a GPU convolution in cuDNN's channels-last layout whatever the program says: it
+    assigns an NCHW conv's buffers the NHWC layout and transposes wherever a consumer needs the
+    logical row-major one. Its own fusions read the NHWC buffer through the layout; a Pallas
+    kernel cannot (its operands are row-major), so every conv output a kernel reads costs a
+    whole-tensor layout copy no VTC decision saw (EfficientViT's ``wrapped_transpose``s). With
+    the layout change written out as movement ops the strategy treats it like any other: the
+    kernel reads the NHWC buffer through the transpose's index map, and a conv feeding a conv
+    folds its pair of transposes away (``fold_transposes``). Only convs XLA runs next to kernels
+    are rewritten (``api.analyze``'s second pass): around a conv VTC runs itself the transposes
+    would only split it from its epilogue. The filter keeps its layout (XLA picks one for it)."""
+    if eqn.primitive.name != "conv_general_dilated":
+        return None
+    dn = eqn.params.get("dimension_numbers")
+    lhs, out = tuple(getattr(dn, "lhs_spec", ()) or ()), tuple(getattr(dn, "out_spec", ()) or ())
+    rank = len(lhs)
+    if rank < 3 or len(out) != rank or not all(hasattr(v.aval, "shape") for v in eqn.invars):
+        return None
+    cl = (0, rank - 1, *range(1, rank - 1))     # ConvDimensionNumbers of (N, spatial.., C)
+    if lhs == cl and out == cl:
+        return None
+    in_perm = tuple(int(d) for d in (lhs[0], *lhs[2:], lhs[1]))   # (N, spatial.., C) of the input
+    out_perm = [0] * rank                                          # the user's output of (N, .., C)
+    out_perm[out[0]], out_perm[out[1]] = 0, rank - 1
+    for i, d in enumerate(out[2:]):
+        out_perm[d] = 1 + i
+    params = {**eqn.params, "dimension_numbers": lax.ConvDimensionNumbers(
+        lhs_spec=cl, rhs_spec=tuple(int(d) for d in dn.rhs_spec), out_spec=cl)}
+
+    def conv(x: Any, w: Any) -> Any:
+        return lax.transpose(eqn.primitive.bind(lax.transpose(x, in_perm), w, **params), tuple(out_perm))
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    closed = jax.make_jaxpr(conv)(*avals)
     return closed.jaxpr, list(closed.consts)
 
 

@@ -102,6 +102,19 @@ class GPU:
     line_bytes: int = 128
     sms: int = 132                 # streaming multiprocessors (H100 SXM; only decode GEMMs use it)
     hbm_latency: float = 0.8e-6    # s, a load's round trip under load: Little's law for bandwidth
+    # per-SM limits on resident CTAs (Hopper, CUDA occupancy calculator): registers, shared memory
+    # (228 KB, 1 KB of it reserved per CTA), threads, CTAs
+    regs_per_sm: int = 65536
+    smem_per_sm: int = 228 * 1024
+    threads_per_sm: int = 2048
+    ctas_per_sm: int = 32
+
+    def resident_ctas(self, registers: int, threads: int, smem: int) -> int:
+        """CTAs of one kernel an SM holds at once (registers allocated per warp in units of 256)."""
+        warps = -(-threads // 32)
+        regs = warps * -(-max(1, registers) * 32 // 256) * 256
+        by_smem = self.smem_per_sm // (smem + 1024)
+        return max(1, min(self.regs_per_sm // regs, by_smem, self.threads_per_sm // threads, self.ctas_per_sm))
 
     def peak_flops(self, dtype: Any) -> float:
         return self.peak_flops_f32 if np.dtype(dtype).itemsize >= 4 else self.peak_flops_bf16

@@ -12,7 +12,7 @@ and dtypes, so `jax.ShapeDtypeStruct` arguments describe paper-size models witho
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +81,7 @@ class Op:
     params: Mapping[str, Any]
     prim: jcore.Primitive
     opaque_reason: str | None = None
+    conv_index: int | None = None   # a conv: its place among the traced function's convs (see trace)
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,12 +145,15 @@ class _RawOp:
     eqn: jcore.JaxprEqn
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
+    conv_index: int | None = None
 
 
 class _Builder:
     """Mutable scratch state of one `trace` call: tensors and ops in creation order."""
 
-    def __init__(self) -> None:
+    def __init__(self, channels_last: frozenset[int] = frozenset()) -> None:
+        self.channels_last = channels_last   # conv_index of convs to write channels-last
+        self.convs = 0                       # convolutions of the user's program seen so far
         self.tensors: list[tuple[tuple[int, ...], np.dtype, object | None]] = []
         self.ops: list[_RawOp] = []
         self.producers: dict[int, _RawOp] = {}   # tensor -> the op writing it (canonical folds)
@@ -167,12 +171,23 @@ class _Builder:
             return self.tensor(atom.aval, atom.val)
         return env[atom]
 
-    def inline(self, jaxpr: jcore.Jaxpr, consts: list[Any], args: list[int]) -> list[int]:
-        """Splice `jaxpr` into the graph with its invars bound to `args`; returns its outputs."""
+    def inline(self, jaxpr: jcore.Jaxpr, consts: list[Any], args: list[int], conv_index: int | None = None
+               ) -> list[int]:
+        """Splice `jaxpr` into the graph with its invars bound to `args`; returns its outputs.
+        ``conv_index``: `jaxpr` is that conv's channels-last form (its conv keeps the index)."""
         env: dict[jcore.Var, int] = {v: self.tensor(v.aval, c) for v, c in zip(jaxpr.constvars, consts)}
         env.update(zip(jaxpr.invars, args))
         for eqn in jaxpr.eqns:
             ins = [self.read(env, a) for a in eqn.invars]
+            index = None
+            if eqn.primitive.name == "conv_general_dilated":
+                index = conv_index if conv_index is not None else self.convs
+                self.convs += conv_index is None
+                if conv_index is None and index in self.channels_last:
+                    body = canonical.channels_last(eqn)
+                    if body is not None:
+                        env.update(zip(eqn.outvars, self.inline(body[0], body[1], ins, index)))
+                        continue
             body = _inlined_body(eqn) or canonical.rewrite(eqn)
             inner = self.producers.get(ins[0]) if body is None and ins else None
             folded = canonical.fold_transposes(eqn, inner.eqn if inner else None)
@@ -182,7 +197,7 @@ class _Builder:
                 outs = self.inline(body[0], body[1], ins)
             else:
                 outs = [self.tensor(v.aval) for v in eqn.outvars]
-                raw = _RawOp(eqn, tuple(ins), tuple(outs))
+                raw = _RawOp(eqn, tuple(ins), tuple(outs), index)
                 self.ops.append(raw)
                 self.producers.update((t, raw) for t in outs)
             env.update(zip(eqn.outvars, outs))
@@ -311,9 +326,16 @@ def _live_ops(raw: list[_RawOp], outputs: list[int]) -> list[_RawOp]:
 
 def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
     """Trace `fn(*args, **kwargs)` into a `Graph`. Leaves may be arrays or `jax.ShapeDtypeStruct`s."""
+    return trace_with(fn, args, kwargs)
+
+
+def trace_with(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], *,
+               channels_last: frozenset[int] = frozenset()) -> Graph:
+    """`trace`, with the convolutions whose ``Op.conv_index`` is in ``channels_last`` written in
+    channels-last form (``canonical.channels_last``; ``api.analyze`` picks them)."""
     if not callable(fn):
         raise TypeError(f"trace: expected a callable, {fn!r} is not callable")
-    leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+    leaves, in_tree = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
 
     def flat_fn(*flat: Any) -> Any:
         a, k = jax.tree_util.tree_unflatten(in_tree, flat)
@@ -322,7 +344,7 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
     closed = canonical.split_complex(closed) or closed
     out_tree = jax.tree_util.tree_structure(out_shape)
-    b = _Builder()
+    b = _Builder(frozenset(channels_last))
     inputs = [b.tensor(v.aval) for v in closed.jaxpr.invars]
     outputs = b.inline(closed.jaxpr, list(closed.consts), inputs)
     live = _slices_as_split(_sink_elementwise(_live_ops(b.ops, outputs), b, outputs), b)
@@ -335,7 +357,7 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
         Op(id=i, primitive=r.eqn.primitive.name,
            inputs=tuple(new_id[t] for t in r.inputs), outputs=tuple(new_id[t] for t in r.outputs),
            params={k: normalize_param(v) for k, v in r.eqn.params.items()},
-           prim=r.eqn.primitive, opaque_reason=_opaque_reason(r.eqn))
+           prim=r.eqn.primitive, opaque_reason=_opaque_reason(r.eqn), conv_index=r.conv_index)
         for i, r in enumerate(live))
     return Graph(tensors=tensors, ops=ops, inputs=tuple(new_id[t] for t in inputs),
                  outputs=tuple(new_id[t] for t in outputs), in_tree=in_tree, out_tree=out_tree)
