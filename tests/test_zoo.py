@@ -191,8 +191,9 @@ def test_decode_zoo_paper_size_cuda_module(name):
     the attention runs in the decode attention template with one program per (batch, KV head,
     split) — each K/V block loaded once per KV head for all its query heads —, no transpose,
     concatenate, gather or scatter of activation size reaches a kernel, a dot or a result, and no
-    dynamic_update_slice is left: both cache rows are written in place by kernels (K by the fused
-    RoPE kernel, V by the V projection's or a pointwise kernel)."""
+    dynamic_update_slice is left: both cache rows are written in place by kernels — K by the fused
+    RoPE kernel, V by the V projection's kernel or the same RoPE launch (a decode step's rows are
+    one launch: ``costmodel.pointwise_islands``), never by a kernel of its own."""
     from vtc_jax.testing import cross_lower
     step, example_args, donate, _ = MODELS[name]
     args = example_args("paper")
@@ -210,3 +211,33 @@ def test_decode_zoo_paper_size_cuda_module(name):
     assert not left, left
     for op in ("dynamic_update_slice", "gather", "scatter"):
         assert mod.count(f"stablehlo.{op}") == 0, (op, mod.count(f"stablehlo.{op}"))
+    # who writes the rows: K from the RoPE kernel (or the projection's), V from the projection's
+    # kernel or the same launch as K — no kernel of its own for a cache row
+    k_writer, v_writer = _row_writers(step, args, donate)
+    assert k_writer.kind in ("pointwise", "matmul") and any(
+        p in ("mul", "dot_general") for p in k_writer.primitives), k_writer
+    assert v_writer.kind == "matmul" or v_writer.id == k_writer.id, (k_writer, v_writer)
+
+
+def _row_writers(step, args, donate):
+    """The clusters computing the K and V cache rows a decode step writes (the update operand of
+    each cache's dynamic_update_slice, followed up through movement ops) at paper size."""
+    from types import SimpleNamespace
+    from vtc_jax.api import analyze
+    from vtc_jax.primitives import is_movement_op
+    a = analyze(step, args, {}, donate_argnums=donate)
+    g = a.graph
+    leaves = jax.tree.leaves(args)
+    donated = {id(x) for i in donate for x in jax.tree.leaves(args[i])}
+    caches = [g.inputs[j] for j, x in enumerate(leaves) if id(x) in donated and x.ndim == 4][:2]
+    of_op = {o: c for c in a.clusters for o in c.ops}
+    out = []
+    for cache in caches:
+        dus = [u for u in g.consumers(cache) if u.primitive == "dynamic_update_slice"]
+        assert len(dus) == 1, [u.primitive for u in g.consumers(cache)]
+        op = g.producer(dus[0].inputs[1])
+        while op is not None and is_movement_op(op, g) and op.primitive != "dynamic_slice":
+            op = g.producer(op.inputs[0])
+        c = of_op[op.id]
+        out.append(SimpleNamespace(id=c.id, kind=str(c.kind), primitives={g.ops[o].primitive for o in c.ops}))
+    return out

@@ -780,7 +780,8 @@ def pointwise_islands(graph: "Graph", clusters: Sequence["Cluster"],
                       matches: Mapping[int, Any]) -> list[list[int]]:
     """Groups (two or more) of matched pointwise clusters joined to each other only through
     movement clusters: RoPE's convert/mul, neg and mul/add joined by slices and a concat; or
-    feeding one concat/stack (a complex RoPE's real and imaginary parts). XLA
+    feeding one concat/stack (a complex RoPE's real and imaginary parts); or of one shape, each
+    output only the update of a dynamic_update_slice (a decode step's K and V cache rows). XLA
     runs each group as one loop fusion; ``cluster.fuse_islands`` makes each one kernel."""
     cl_of_tensor: dict[int, "Cluster"] = {}
     for c in clusters:
@@ -830,10 +831,41 @@ def pointwise_islands(graph: "Graph", clusters: Sequence["Cluster"],
         found = sorted(found)
         for q in found[1:]:
             parent[find(q)] = find(found[0])
+    # one step's cache rows: kernels whose every output is the update of a dynamic_update_slice
+    # (through movement only) and of one shape — a decode step's K row (RoPE) and V row — write
+    # their rows from one launch, as XLA's horizontal fusion would (fuse_islands refuses a group
+    # whose contraction closes a cycle)
+    rows: dict[tuple[int, ...], list[int]] = {}
+    for k, c in kernels.items():
+        if c.outputs and all(_feeds_update(graph, cl_of_tensor, t) for t in c.outputs):
+            shapes = {tuple(graph.tensors[t].shape) for t in c.outputs}
+            if len(shapes) == 1:
+                rows.setdefault(shapes.pop(), []).append(k)
+    for ks in rows.values():
+        for q in ks[1:]:
+            parent[find(q)] = find(ks[0])
     islands: dict[int, list[int]] = {}
     for k in kernels:
         islands.setdefault(find(k), []).append(k)
     return [sorted(m) for m in islands.values() if len(m) > 1]
+
+
+def _feeds_update(graph: "Graph", cl_of_tensor: Mapping[int, "Cluster"], t: int, depth: int = 0) -> bool:
+    """Is every use of ``t`` the update of a dynamic_update_slice, directly or through movement
+    clusters only (a cast to the cache's dtype, a reshape to the window)?"""
+    users = graph.consumers(t)
+    if not users or t in graph.outputs or depth > 8:
+        return False
+    for u in users:
+        if u.primitive == "dynamic_update_slice":
+            if len(u.inputs) < 2 or u.inputs[1] != t or u.inputs[0] == t:
+                return False
+            continue
+        c = cl_of_tensor.get(u.outputs[0]) if u.outputs else None
+        if c is None or c.kind != Kind.MOVEMENT or not all(
+                _feeds_update(graph, cl_of_tensor, y, depth + 1) for y in u.outputs):
+            return False
+    return True
 
 
 def xla_fuses(graph: "Graph", clusters: Sequence["Cluster"], matches: Mapping[int, Any],
