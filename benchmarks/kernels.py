@@ -21,6 +21,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_TRACEBACK_FILTERING", "off")  # so a lowering failure names the frame that raised
 
 import argparse
+import math
 import functools
 import importlib.util
 import sys
@@ -69,10 +70,32 @@ def compile_cases(cases: Sequence[tuple[str, Callable[[], Any]]], desc: str) -> 
             continue
         for k, r in zip(lowered.triton_kernels, compile_lowered(lowered)):
             rows.append({"case": label, "kernel": r.name, "grid": "×".join(map(str, k.grid)),
+                         **in_flight(r, k.grid),
                          "warps": r.num_warps, "stages": r.num_stages, "regs": r.registers,
                          "spill": f"{r.spill_store_bytes or 0}/{r.spill_load_bytes or 0}" if r.cubin_ok else "-",
                          "smem": r.smem_bytes, "target": r.gpu_name, "status": _status(r)})
     return rows
+
+
+def in_flight(r: Any, grid: Sequence[int]) -> dict[str, Any]:
+    """Tiles in flight from the PTX (``offline.main_loop``): per CTA (its longest loop: a
+    ``cp.async`` pipeline waiting with groups pending keeps >= 2, plain loads 1, a loop-free
+    kernel its one block), CTAs one SM holds at once (``GPU.resident_ctas`` from ptxas's
+    registers, the warps and the shared memory, capped by the grid's CTAs per SM), and their
+    product: the tiles each SM keeps in flight, what Little's law needs to cover DRAM latency."""
+    from vtc_jax.costmodel import GPUS
+    from vtc_jax.offline import main_loop
+    if not r.ptx or not r.registers:
+        return {}
+    loop = main_loop(r.ptx, r.name)
+    gpu = GPUS["h100-sxm"]
+    ctas = math.prod(int(g) for g in grid)
+    per_sm = min(gpu.resident_ctas(int(r.registers), 32 * int(r.num_warps or 4), int(r.smem_bytes or 0)),
+                 -(-ctas // gpu.sms))
+    waves = ctas / (gpu.sms * gpu.resident_ctas(int(r.registers), 32 * int(r.num_warps or 4),
+                                                int(r.smem_bytes or 0)))
+    return {"loop": loop.describe(), "tiles_cta": loop.tiles_per_cta, "ctas_sm": per_sm,
+            "tiles_sm": loop.tiles_per_cta * per_sm, "waves": f"{waves:.2f}"}
 
 
 def template_cases(only: str | None = None) -> list[tuple[str, Callable[[], Any]]]:
@@ -109,10 +132,12 @@ def _accounting() -> Any:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     acc = _accounting()
-    cols = ["case", "kernel", "grid", "warps", "stages", "regs", "spill", "smem", "status"]
-    head = ["case", "kernel", "grid", "warps", "stages", "registers", "spill st/ld B", "smem B", "status"]
+    cols = ["case", "kernel", "grid", "warps", "stages", "regs", "spill", "smem", "loop", "tiles_cta",
+            "ctas_sm", "tiles_sm", "waves", "status"]
+    head = ["case", "kernel", "grid", "warps", "stages", "registers", "spill st/ld B", "smem B",
+            "main loop (PTX)", "tiles / CTA", "CTAs / SM", "tiles / SM", "waves", "status"]
     return acc._md_table(head, [[("-" if r.get(c) is None else r.get(c)) for c in cols] for r in rows],
-                         "llrrrrrrl")
+                         "llrrrrrrlrrrrl")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,8 +175,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "kernel compiled to PTX by XLA's bundled Triton, then to a cubin by `ptxas` "
         "(`vtc_jax.offline.compile_lowered`, compute capability 9.0). Registers and spills from `ptxas -v`; "
         "smem = Triton's dynamic shared memory + static; the limit checked is the sm_90 opt-in maximum per block "
-        "(232,448 B). Warps/stages are what the template put in the launch configuration. This says the kernels "
-        "build and fit, nothing about their speed.", "",
+        "(232,448 B). Warps/stages are what the template put in the launch configuration. "
+        "Tiles in flight (`in_flight` in this script): *main loop* is the kernel's longest PTX loop — "
+        "`cp.async.wait_group N` (Triton's pipeline; N >= 1 keeps >= 2 tiles in flight per CTA), plain "
+        "`ld.global`s (consumed in the iteration that issues them: 1), or no loop (the CTA loads its one "
+        "block at once: 1); *CTAs / SM* is how many of its CTAs an SM holds at once (registers, warps, shared "
+        "memory; capped by grid / 132 SMs); *tiles / SM* their product — what covers DRAM latency (Little's "
+        "law); *waves* = grid / (132 × CTAs an SM holds). This says the kernels build and fit and how they "
+        "keep memory busy, nothing measured about their speed.", "",
         "## Kernel templates, default configurations", "",
         summary(templ), "", markdown(templ), "",
         "## Kernels `vtc_jax.optimize(step, backend=\"triton\")` emits for each workload (paper size)", "",

@@ -104,3 +104,27 @@ def test_cudnn_convolution_thunks_are_charged_their_operands():
     assert convs, p.thunks
     assert sum(c.read_bytes for c in convs) >= 8 * 8 * 9 * 4          # at least the filter
     assert sum(c.write_bytes for c in convs) >= 2 * 8 * 16 * 16 * 4   # the output
+
+
+def test_main_loop_reads_how_a_kernel_keeps_tiles_in_flight(lowered):
+    """``offline.main_loop`` on real PTX: a pointwise kernel has no loop (one block); a bf16 GEMM
+    pipelined by Triton waits with groups pending (>= 2 tiles per CTA); an f32 (FMA) conv loops
+    over plain loads (1 tile per CTA)."""
+    from vtc_jax.kernels.conv import conv
+    from vtc_jax.kernels.matmul import matmul
+    from vtc_jax.offline import main_loop
+    [r] = compile_lowered(lowered)
+    assert not main_loop(r.ptx, r.name).loop and main_loop(r.ptx, r.name).tiles_per_cta == 1
+    bf = jnp.bfloat16
+    mm = cross_lower(lambda a, b: matmul(a, b, dimension_numbers=(((1,), (0,)), ((), ())), backend="triton"),
+                     jax.ShapeDtypeStruct((16, 2048), bf), jax.ShapeDtypeStruct((2048, 256), bf))
+    main = [x for x in compile_lowered(mm) if x.name.startswith("vtc_matmul")][0]
+    loop = main_loop(main.ptx, main.name)
+    assert loop.loop and loop.waits and min(loop.waits) >= 1 and loop.tiles_per_cta == 2, loop
+    cv = cross_lower(lambda x, w: conv(x, w, window_strides=(1, 1), padding="SAME",
+                                       dimension_numbers=("NHWC", "HWIO", "NHWC"), backend="triton"),
+                     jax.ShapeDtypeStruct((1, 8, 8, 64), jnp.float32), jax.ShapeDtypeStruct((3, 3, 64, 32), jnp.float32))
+    [c] = compile_lowered(cv)
+    loop = main_loop(c.ptx, c.name)
+    assert loop.loop and not loop.waits and loop.loads > 0 and loop.tiles_per_cta == 1, loop
+    assert "ld.global" in loop.describe()

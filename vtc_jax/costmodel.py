@@ -835,19 +835,42 @@ def pointwise_islands(graph: "Graph", clusters: Sequence["Cluster"],
     # (through movement only) and of one shape — a decode step's K row (RoPE) and V row — write
     # their rows from one launch, as XLA's horizontal fusion would (fuse_islands refuses a group
     # whose contraction closes a cycle)
-    rows: dict[tuple[int, ...], list[int]] = {}
+    # (only writers independent of each other: layer i's rows and layer j's are joined through
+    # the attention between them, and one launch cannot hold both)
+    rows: dict[tuple[int, ...], list[list[int]]] = {}
+    upstream: dict[int, set[int]] = {}
     for k, c in kernels.items():
-        if c.outputs and all(_feeds_update(graph, cl_of_tensor, t) for t in c.outputs):
-            shapes = {tuple(graph.tensors[t].shape) for t in c.outputs}
-            if len(shapes) == 1:
-                rows.setdefault(shapes.pop(), []).append(k)
-    for ks in rows.values():
-        for q in ks[1:]:
-            parent[find(q)] = find(ks[0])
+        if not c.outputs or not all(_feeds_update(graph, cl_of_tensor, t) for t in c.outputs):
+            continue
+        shapes = {tuple(graph.tensors[t].shape) for t in c.outputs}
+        if len(shapes) != 1:
+            continue
+        upstream[k] = _ancestors(graph, c.ops)
+        for group in (groups := rows.setdefault(shapes.pop(), [])):
+            if all(not (set(kernels[q].ops) & upstream[k]) and not (set(c.ops) & upstream[q]) for q in group):
+                group.append(k)
+                break
+        else:
+            groups.append([k])
+    for group in (g for gs in rows.values() for g in gs):
+        for q in group[1:]:
+            parent[find(q)] = find(group[0])
     islands: dict[int, list[int]] = {}
     for k in kernels:
         islands.setdefault(find(k), []).append(k)
     return [sorted(m) for m in islands.values() if len(m) > 1]
+
+
+def _ancestors(graph: "Graph", ops: Sequence[int]) -> set[int]:
+    """Ids of the ops upstream of ``ops`` (not ``ops`` themselves, unless on a path between them)."""
+    seen: set[int] = set()
+    stack = [t for o in ops for t in graph.ops[o].inputs]
+    while stack:
+        p = graph.producer(stack.pop())
+        if p is not None and p.id not in seen:
+            seen.add(p.id)
+            stack.extend(p.inputs)
+    return seen
 
 
 def _feeds_update(graph: "Graph", cl_of_tensor: Mapping[int, "Cluster"], t: int, depth: int = 0) -> bool:

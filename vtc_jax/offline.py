@@ -128,6 +128,64 @@ _FIELD_RE = {k: re.compile(p) for k, p in {
     "spill_load_bytes": r"(\d+) bytes spill loads", "static_smem": r"(\d+) bytes smem"}.items()}
 
 
+@dataclass(frozen=True)
+class MainLoop:
+    """What a kernel's PTX says about how it keeps loads in flight (``main_loop``).
+
+    ``loop``: the kernel has a loop (a backward branch); ``waits``: the ``cp.async.wait_group N``
+    operands inside its longest loop (Triton's software pipeline: N groups stay in flight while
+    the oldest is consumed); ``loads``: plain ``ld.global`` instructions in that loop (consumed
+    in the iteration that issues them: one tile in flight)."""
+    loop: bool
+    waits: tuple[int, ...] = ()
+    loads: int = 0
+
+    @property
+    def tiles_per_cta(self) -> int:
+        """Tiles in flight per CTA, a lower bound: 2 for a pipeline that waits with at least one
+        group pending; 1 for plain loads, or for a kernel without a loop (its one block)."""
+        return 2 if self.waits and min(self.waits) >= 1 else 1
+
+    def describe(self) -> str:
+        if not self.loop:
+            return "no loop (one block)"
+        if self.waits:
+            return f"cp.async.wait_group {min(self.waits)}"
+        return f"{self.loads} ld.global, no cp.async"
+
+
+_LABEL = re.compile(r"^\s*(\$L__\w+):")
+_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__\w+);")
+
+
+def main_loop(ptx: str, entry: str | None = None) -> MainLoop:
+    """The longest loop of ``entry``'s body in ``ptx`` (the whole text if ``entry`` is None or not
+    found): a label and a later branch back to it."""
+    body = ptx
+    m = re.search(r"\.entry\s+" + re.escape(entry) + r"\b", ptx) if entry else None
+    if m is not None:
+        body = ptx[m.start():]
+        nxt = body.find(".entry", 6)
+        body = body if nxt < 0 else body[:nxt]
+    lines = body.splitlines()
+    labels: dict[str, int] = {}
+    best: tuple[int, int] | None = None
+    for i, line in enumerate(lines):
+        lm = _LABEL.match(line)
+        if lm:
+            labels[lm.group(1)] = i
+        bm = _BRANCH.search(line)
+        if bm and bm.group(1) in labels:
+            a = labels[bm.group(1)]
+            if best is None or i - a > best[1] - best[0]:
+                best = (a, i)
+    if best is None:
+        return MainLoop(False)
+    seg = "\n".join(lines[best[0]:best[1] + 1])
+    waits = tuple(int(x) for x in re.findall(r"cp\.async\.wait_group\s+(\d+)", seg))
+    return MainLoop(True, waits, len(re.findall(r"\bld\.global", seg)))
+
+
 def _tail(text: str, lines: int = 8) -> str:
     keep = [ln for ln in text.splitlines() if "cudart_stub" not in ln and "absl::" not in ln]
     return "\n".join(keep[-lines:]).strip()
