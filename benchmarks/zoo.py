@@ -57,16 +57,18 @@ _LLAMA = ("none of activation size. K: the complex RoPE is traced as real pairs 
           "fused pointwise kernel (cluster.fuse_islands) that recomputes cos/sin from `pos` and writes "
           "the rotated row into the cache in place; V: `.at[:, pos].set` is traced as a guarded update "
           "(canonical.py: an out-of-range pos writes back the old window, as `.at[].set` drops it) "
-          "and a pointwise select kernel writes the row in place — not the V projection's kernel: the "
-          "guard's select reads the old cache window too, so it is a cluster of its own. The two "
-          "movement ops left are a scalar position's broadcast/squeeze (glue)")
+          "and its select (which reads the old window too) joins the K RoPE kernel: one launch writes "
+          "both rows of the step in place (costmodel.pointwise_islands: same-shape kernels whose "
+          "outputs only update caches are one island; the V projection itself stays XLA's split-K "
+          "GEMM, which the cost model prices lower than the template). The two movement ops left are "
+          "a scalar position's broadcast/squeeze (glue)")
 NOTES = {
     "llama_pure (where -inf)": _LLAMA,
     "llama_pure (finfo.min)": _LLAMA,
     "llama_pure (additive -1e30)": _LLAMA,
     "llama_pure (real RoPE, where -inf)": (
         "the control: the real RoPE is the same one fused kernel per rotated tensor (K row into the "
-        "cache); V through the guarded select kernel, as above"),
+        "cache), the V row's guarded select in the same launch, as above"),
     "gemma_flax": (
         "none of activation size. K and V come from one einsum with a stacked [2, d, KV, hd] weight: "
         "`kv[0]`, `kv[1]` are traced as one split (graph._slices_as_split), and the projection "

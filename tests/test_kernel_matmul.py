@@ -359,7 +359,7 @@ def test_bad_blocks_rejected():
 
 @pytest.mark.offline
 def test_default_config_compiles_sm90_no_spills():
-    from vtc_jax.offline import SMEM_LIMIT, compile_lowered, format_table
+    from vtc_jax.offline import SMEM_LIMIT, compile_lowered, format_table, main_loop
     from vtc_jax.testing import cross_lower
 
     mods = []
@@ -372,8 +372,10 @@ def test_default_config_compiles_sm90_no_spills():
     assert len(results) == 2, table
     for r in results:
         assert r.cubin_ok, table
-        assert (r.num_warps, r.num_stages) == (4, 2), table
+        assert (r.num_warps, r.num_stages) == (4, 3), table
         assert not r.spills, table
+        loop = main_loop(r.ptx, r.name)   # 3 stages: the K loop waits with tiles still in flight
+        assert loop.loop and loop.tiles_per_cta >= 2, (loop, table)
         assert r.smem_bytes <= SMEM_LIMIT["sm_90"], table
 
 
@@ -400,9 +402,9 @@ def test_gemm_config_llama3_8b_decode_fills_two_waves(m, n, splits):
     assert c.workspace_bytes == (0 if splits == 1 else 2 * splits * m * n * 4)
 
 
-def test_gemm_config_prefill_unchanged_and_explicit_split():
+def test_gemm_config_prefill_and_explicit_split():
     c = gemm_config(512, 512, 512)
-    assert (c.block_k, c.num_stages, c.split_k, c.grid) == (32, 2, 1, (1, 8, 8))
+    assert (c.block_k, c.num_stages, c.split_k, c.grid) == (32, 3, 1, (1, 8, 8))
     assert DECODE_MAX_M == 64 and gemm_config(65, 64, 4096).split_k == 1
     assert gemm_config(1, 64, 4096, split_k=3).split_k == 3          # 32 K tiles: 11 + 11 + 10
     assert gemm_config(1, 64, 4096, split_k=64).split_k == 32        # never an empty split

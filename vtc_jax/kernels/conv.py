@@ -57,9 +57,10 @@ from .vio import Plan, VTensor, epilogue_input, output, pack_results
 __all__ = ["conv", "conv_views"]
 
 # Depthwise tiles hold an f32 accumulator plus the loaded window in registers (no tt.dot to spread
-# them): 512 elements per warp (16 accumulators per thread) keeps 4 warps near 64 registers,
-# where a 64x64 tile needs ~150 (ptxas, sm_90).
-_DW_TILE_PER_WARP = 512
+# them): 256 elements per warp (8 accumulators per thread) keeps 4 warps at 32-56 registers
+# (ptxas, sm_90; jax 0.12's Triton spilled 4 B at 512 per warp when the window is read through a
+# channel shuffle's map), and more of the smaller CTAs fit on an SM to keep loads in flight.
+_DW_TILE_PER_WARP = 256
 
 
 # --------------------------------------------------------------------------------------------

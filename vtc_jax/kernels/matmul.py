@@ -328,7 +328,7 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
         precision (``DEFAULT``: TF32 tensor cores on Ampere+) to match XLA's own GPU numerics.
     block_m/n/k: caps on the block of each group (powers of two >= 16); the effective block is
         ``max(16, next_pow2(group size))`` capped here (see :func:`choose_blocks`). ``block_k``,
-        ``num_stages`` and ``split_k`` None: :func:`tiling.gemm_config`'s choice (32 / 2 / 1 for
+        ``num_stages`` and ``split_k`` None: :func:`tiling.gemm_config`'s choice (32 / 3 / 1 for
         M > 64; ~16 KB weight tiles, 4 stages and enough splits for two waves of SMs otherwise).
     prologue: per operand, ``None`` or an elementwise ``f(tile) -> tile`` applied to each loaded
         tile before the dot (a ReLU on q or k), keeping the dtype. Masked lanes (ragged edges,

@@ -325,7 +325,9 @@ def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, 
     """The launch the matmul template uses for these sizes (``None`` = the template's choice).
 
     Why two regimes: a prefill-sized GEMM (``m > DECODE_MAX_M``) has enough output tiles to fill
-    the GPU and is compute-heavy, so it keeps ``bk = 32`` and 2 stages. A decode GEMM (``m`` up to
+    the GPU and is compute-heavy, so it keeps ``bk = 32``, with 3 stages (two stages made the K
+    loop wait for the tile it had just issued, ``cp.async.wait_group 0``: one tile in flight;
+    three keep two, and ptxas gives the f32 kernel fewer registers, 109 against 222). A decode GEMM (``m`` up to
     64 rows) reads each weight once and does almost no math: it is bound by how many weight bytes
     are in flight. With one 64-wide N tile per program, Llama-3-8B's QKV (N = 6144) gives 96
     programs and w_o 64 — under one wave of 132 SMs, each waiting on one 4 KB tile at a time. So
@@ -345,7 +347,7 @@ def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, 
     check_pow2("block_k", block_k)
     bk = min(block_k, max(MIN_DOT_BLOCK, next_pow2(k)))
     if num_stages is None:
-        num_stages = _DECODE_STAGES if decode else 2
+        num_stages = _DECODE_STAGES if decode else 3
     # A wide K tile is for a narrow N: with M up to 64 rows and f32 the staged A tiles dominate;
     # halve the automatic bk until the pipeline fits the budget (EfficientViT's f32 attention
     # matmuls asked for 288 KB at bk 256).
