@@ -166,6 +166,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"; not ok: {', '.join(sorted({r['case'] + ('' if r['kernel'] == '-' else ' ' + r['kernel']) for r in bad}))}."
             if bad else ".")
 
+    def in_flight_summary(rows: list[dict[str, Any]]) -> str:
+        from vtc_jax.costmodel import GPUS
+        sms = GPUS["h100-sxm"].sms
+        measured = [r for r in rows if "tiles_sm" in r]
+        ok = [r for r in measured if r["tiles_sm"] >= 2]
+        small = [r for r in measured if r["tiles_sm"] < 2
+                 and math.prod(int(x) for x in r["grid"].split("×")) < sms]
+        other = [r for r in measured if r not in ok and r not in small]
+        looped = sorted({f"{r['case']} {r['kernel']}" for r in small if not r["loop"].startswith("no loop")})
+        text = (f"Tiles in flight: {len(ok)} of {len(measured)} kernels keep >= 2 per SM; the other "
+                f"{len(small)} launch fewer CTAs than the {sms} SMs (a batch-1 vector, a decode "
+                "split's combine or reduce, a 28×28 map): their output has fewer tiles than the GPU "
+                "has SMs. Those without a loop issue all their loads at once (one DRAM round trip); "
+                f"{len(looped)} have a loop and pay it once per iteration"
+                + (f" ({'; '.join(looped)}) — more, smaller CTAs (split K) would hide it; not done"
+                   if looped else ""))
+        if other:
+            text += "; not covered by that: " + ", ".join(f"{r['case']} {r['kernel']}" for r in other)
+        return text + "."
+
     text = "\n".join([
         "# Offline compile of the Triton kernels (sm_90)", "",
         "Regenerate with one command:", "", "```sh", COMMAND, "```", "",
@@ -184,9 +204,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "law); *waves* = grid / (132 × CTAs an SM holds). This says the kernels build and fit and how they "
         "keep memory busy, nothing measured about their speed.", "",
         "## Kernel templates, default configurations", "",
-        summary(templ), "", markdown(templ), "",
+        summary(templ), "", in_flight_summary(templ), "", markdown(templ), "",
         "## Kernels `vtc_jax.optimize(step, backend=\"triton\")` emits for each workload (paper size)", "",
         (summary(work) if work else "skipped") + "", "",
+        in_flight_summary(work) if work else "", "",
         markdown(work) if work else "", "",
     ])
     Path(ns.out).write_text(text)
