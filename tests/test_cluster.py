@@ -202,3 +202,35 @@ def test_movement_table():
     g2 = trace(lambda x: jnp.zeros(64) + jax.lax.convert_element_type(x, jnp.float32), 1.0)
     (same,) = [op for op in g2.ops if op.primitive == "convert_element_type"]
     assert is_movement_op(same, g2)
+
+
+def test_attention_output_cast_is_the_kernels_store():
+    """``o = (p @ v in f32).astype(bf16)`` then the head transpose: the narrowing cast stays next to
+    the second dot (graph._sink_elementwise leaves casts to narrower dtypes where they are) and is
+    part of the attention cluster, whose one output is bf16 — the kernel stores bf16 instead of a
+    lone cast launching between the Pallas kernel and the next GEMM. A widening cast still sinks
+    past a view. Values equal jax.jit (bf16, 2e-2)."""
+    import warnings
+    import vtc_jax
+
+    def attn(q, k, v):   # (B, H, 1, D) q, (B, H, T, D) k and v, bf16
+        s = jnp.einsum("bhqd,bhtd->bhqt", q, k, preferred_element_type=jnp.float32) / 4.0
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        o = jnp.einsum("bhqt,bhtd->bhqd", p, v, preferred_element_type=jnp.float32).astype(q.dtype)
+        return jnp.transpose(o, (0, 2, 1, 3)).reshape(q.shape[0], -1)
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((2, 4, 1, 16), (2, 4, 32, 16), (2, 4, 32, 16)))
+    g = trace(attn, q, k, v)
+    (att,) = [c for c in cluster(g) if c.kind == "attention"]
+    assert g.ops[max(att.ops)].primitive == "convert_element_type"
+    assert [g.tensors[t].dtype for t in att.outputs] == [jnp.bfloat16]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = vtc_jax.optimize(attn)(q, k, v)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(jax.jit(attn)(q, k, v), np.float32),
+                               rtol=2e-2, atol=2e-2)
+    widen = trace(lambda x: jnp.transpose(x.astype(jnp.float32), (1, 0)), jnp.zeros((3, 5), jnp.bfloat16))
+    assert [op.primitive for op in widen.ops] == ["transpose", "convert_element_type"]
+    narrow = trace(lambda x: jnp.transpose(x.astype(jnp.bfloat16), (1, 0)), jnp.zeros((3, 5), jnp.float32))
+    assert [op.primitive for op in narrow.ops] == ["convert_element_type", "transpose"]

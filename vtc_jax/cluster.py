@@ -190,6 +190,13 @@ def _attention(graph: Graph, roles: list[str], d1: Op) -> set[int] | None:
         ops = path | {d1.id, d2}
         scores = {t for o in ops - {d2} for t in graph.ops[o].outputs}
         if not scores & set(graph.outputs) and all(c.id in ops for t in scores for c in graph.consumers(t)):
+            # the output's dtype casts (``o.astype(q.dtype)``) are the kernel's store: a cast left
+            # outside is a launch of its own between the Pallas kernel and whatever reads it
+            t = graph.ops[d2].outputs[0]
+            while t not in graph.outputs and len(users := graph.consumers(t)) == 1 \
+                    and users[0].primitive == "convert_element_type":
+                ops.add(users[0].id)
+                t = users[0].outputs[0]
             return ops
     return None
 

@@ -237,7 +237,10 @@ def _sink_elementwise(raw: list[_RawOp], b: "_Builder", outputs: list[int]) -> l
     Why: elementwise ops commute with views, and with ``f`` next to the dot that reads it the
     matmul cluster takes ``f`` as a prologue applied to the tiles it loads (cluster._grow_prologue:
     EfficientViT's ReLU on k, behind a transpose and a squeeze), instead of a pointwise kernel
-    writing ``f(k)`` for the dot to read back. The same values, in the same dtype per op."""
+    writing ``f(k)`` for the dot to read back. The same values, in the same dtype per op.
+    A cast to a narrower dtype is not moved: next to its producer it is that kernel's epilogue
+    (the attention's f32 output stored as bf16, half the bytes), where sunk past the head
+    transpose it became a lone cast between a Pallas kernel and XLA's GEMM — a launch of its own."""
     from .primitives import Role, TABLE
     uses: dict[int, int] = {}
     for r in raw:
@@ -264,6 +267,8 @@ def _sink_elementwise(raw: list[_RawOp], b: "_Builder", outputs: list[int]) -> l
             if len(big) != 1 or b.tensors[big[0]][0] != b.tensors[t][0]:
                 continue
             x = big[0]
+            if _narrows(b.tensors[x][1], b.tensors[t][1]):
+                continue   # a narrowing cast stays with its producer (docstring)
             shape = b.tensors[m.outputs[0]][0]
             moved = b.tensor(jax.ShapeDtypeStruct(shape, b.tensors[x][1]))
             out[i] = _RawOp(m.eqn, (x,), (moved,))
@@ -272,6 +277,14 @@ def _sink_elementwise(raw: list[_RawOp], b: "_Builder", outputs: list[int]) -> l
             uses[moved] = 1
             changed = True
     return out
+
+
+def _narrows(src: Any, dst: Any) -> bool:
+    """A cast from ``src`` to a dtype of fewer bytes per element."""
+    try:
+        return np.dtype(dst).itemsize < np.dtype(src).itemsize
+    except TypeError:   # extended dtypes (PRNG keys)
+        return False
 
 
 def _slices_as_split(raw: list[_RawOp], b: "_Builder") -> list[_RawOp]:
