@@ -279,6 +279,53 @@ def _sink_elementwise(raw: list[_RawOp], b: "_Builder", outputs: list[int]) -> l
     return out
 
 
+def _hoist_narrowing_casts(raw: list[_RawOp], b: "_Builder", outputs: list[int]) -> list[_RawOp]:
+    """``cast(view(x))`` traced as ``view(cast(x))`` for a cast to a narrower dtype whose operand
+    only it reads (views: transpose, reshape, squeeze, expand_dims, a broadcast that adds only
+    size-1 dims): the mirror of :func:`_sink_elementwise` for narrowing casts.
+
+    Why: a narrowing cast belongs with the producer — its epilogue stores fewer bytes (the
+    attention kernel's bf16 store, ``cluster._attention``). jax's batched matmul at batch 1 puts a
+    size-1 broadcast between the second dot and ``.astype(q.dtype)``; hoisted above it, the cast
+    is the dot's own. The same values: a cast commutes with any view."""
+    uses: dict[int, int] = {}
+    for r in raw:
+        for t in r.inputs:
+            uses[t] = uses.get(t, 0) + 1
+    made = {t: i for i, r in enumerate(raw) for t in r.outputs}
+    out = list(raw)
+
+    def is_view(r: _RawOp) -> bool:
+        name = r.eqn.primitive.name
+        if len(r.inputs) != 1 or len(r.outputs) != 1:
+            return False
+        if name == "broadcast_in_dim":
+            return int(np.prod(b.tensors[r.inputs[0]][0])) == int(np.prod(b.tensors[r.outputs[0]][0]))
+        return name in _SINK_THROUGH
+
+    changed = True
+    while changed:
+        changed = False
+        for j, c in enumerate(out):
+            if c.eqn.primitive.name != "convert_element_type" or len(c.inputs) != 1:
+                continue
+            t = c.inputs[0]
+            i = made.get(t)
+            if i is None or i >= j or uses.get(t, 0) != 1 or t in outputs or not is_view(out[i]):
+                continue
+            v = out[i]
+            x = v.inputs[0]
+            if not _narrows(b.tensors[x][1], b.tensors[c.outputs[0]][1]):
+                continue
+            cast = b.tensor(jax.ShapeDtypeStruct(b.tensors[x][0], b.tensors[c.outputs[0]][1]))
+            out[i] = _RawOp(c.eqn, (x,), (cast,))
+            out[j] = _RawOp(v.eqn, (cast,), c.outputs)
+            made[cast], made[c.outputs[0]] = i, j
+            uses[cast] = 1
+            changed = True
+    return out
+
+
 def _narrows(src: Any, dst: Any) -> bool:
     """A cast from ``src`` to a dtype of fewer bytes per element."""
     try:
@@ -360,7 +407,8 @@ def trace_with(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str,
     b = _Builder(frozenset(channels_last))
     inputs = [b.tensor(v.aval) for v in closed.jaxpr.invars]
     outputs = b.inline(closed.jaxpr, list(closed.consts), inputs)
-    live = _slices_as_split(_sink_elementwise(_live_ops(b.ops, outputs), b, outputs), b)
+    live = _slices_as_split(_hoist_narrowing_casts(
+        _sink_elementwise(_live_ops(b.ops, outputs), b, outputs), b, outputs), b)
 
     # Renumber densely: tensors still referenced, ops by position.
     used = dict.fromkeys([*inputs, *outputs, *(t for r in live for t in (*r.inputs, *r.outputs))])
