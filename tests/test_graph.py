@@ -211,3 +211,54 @@ def test_prng_keys_are_ordinary_tensors():
         np.testing.assert_array_equal(data, want[2])
     sds = trace(fn, jax.ShapeDtypeStruct((), key.dtype), jax.ShapeDtypeStruct((4, 6), jnp.float32))
     assert sds.tensors[sds.inputs[0]].dtype == key.dtype
+
+
+# ---- casts moved across views (graph._sink_elementwise / _hoist_narrowing_casts) ---------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+_VIEWS = ("transpose", "reshape", "expand", "squeeze", "relu")
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(_VIEWS + ("cast",)), st.sampled_from(_DTYPES)),
+                      min_size=1, max_size=6))
+def test_casts_across_views_keep_values_and_dtypes(steps):
+    """Random chains of views, casts (narrowing and widening) and a unary op after a matmul, as
+    traced (casts sunk or hoisted across views): the traced graph gives jax.jit's values bit for
+    bit, in the same output dtype — a cast commutes with a view exactly — and a narrowing cast
+    never ends up after a view it directly followed in the program."""
+    def fn(a, b):
+        y = a @ b                                   # (4, 6)
+        for kind, dt in steps:
+            if kind == "transpose":
+                y = jnp.swapaxes(y, 0, 1) if y.ndim >= 2 else y
+            elif kind == "reshape":
+                y = y.reshape(-1) if y.ndim != 1 else y.reshape(2, -1)
+            elif kind == "expand":
+                y = y[None]
+            elif kind == "squeeze":
+                y = y[0] if y.shape[0] == 1 else y
+            elif kind == "relu":
+                y = jax.nn.relu(y)
+            else:
+                y = y.astype(dt)
+        return y
+
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((4, 5)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((5, 6)), jnp.float32)
+    g = trace(fn, a, b)
+    ref = jax.jit(fn)(a, b)
+    (out,) = g.evaluate(a, b)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+    views = {"transpose", "reshape", "squeeze", "expand_dims"}
+    for op in g.ops:
+        if op.primitive in views:
+            user = g.consumers(op.outputs[0])
+            if len(user) == 1 and user[0].primitive == "convert_element_type" and \
+                    g.producer(op.inputs[0]) is not None:
+                src, dst = g.tensors[op.inputs[0]].dtype, g.tensors[user[0].outputs[0]].dtype
+                assert np.dtype(dst).itemsize >= np.dtype(src).itemsize, (op.primitive, src, dst)
