@@ -140,9 +140,13 @@ def _map_run_bytes(m: Any, itemsize: int) -> tuple[bool, int]:
     """(fully contiguous?, best contiguous run in bytes) of one piece map.
 
     Besides the innermost run of the paper's contiguity, any virtual dim that maps to consecutive
-    physical elements (coefficient 1, not inside a floordiv/mod, not masked) gives a run as long as
-    the tile a kernel loads along it: Triton's coalescing pass orders threads along whichever axis
-    of a block is unit-stride, so a transposed or head-repeated block still reads whole sectors.
+    physical elements (coefficient 1, not inside a floordiv/mod) gives a run as long as the tile a
+    kernel loads along it: Triton's coalescing pass orders threads along whichever axis of a block
+    is unit-stride, so a transposed or head-repeated block still reads whole sectors. A range
+    condition on the dim (a pad's mask, a concat piece's bounds) only masks lanes at the run's
+    ends; it used to count as breaking the run, which priced EfficientViT's padded V, read through
+    the concat of NHWC conv outputs in 64-byte runs, as 4-byte reads (8× the traffic) and left
+    XLA to materialise V and Kᵀ (the compile: 3,410 against 2,514 MiB at batch 16).
     """
     c = m.contiguity(itemsize)
     if c.full:
@@ -153,8 +157,10 @@ def _map_run_bytes(m: Any, itemsize: int) -> tuple[bool, int]:
     for a, _ in flat.terms:
         if isinstance(a, (FloorDiv, Mod)):
             blocked |= a.expr.dims()
-    for cond in m.conds:
-        blocked |= cond.expr.dims()
+    for cond in m.conds:   # a range check masks the run's ends; only a floordiv/mod breaks it
+        for a, _ in cond.expr.terms:
+            if isinstance(a, (FloorDiv, Mod)):
+                blocked |= a.expr.dims()
     for i, n in enumerate(m.domain):
         if n > 1 and i not in blocked and flat.coeff(Dim(i)) == 1:
             run = max(run, min(n, TILE) * itemsize)

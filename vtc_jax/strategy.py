@@ -622,6 +622,45 @@ def producer_writes(strategy: Strategy, op_id: int) -> Strategy:
     return trial
 
 
+def consumer_reads(strategy: Strategy, edge: int) -> Strategy:
+    """Trade a chosen write edge ``u ⇢ d`` (``u`` written in ``d``'s layout by its producer) for
+    the same op's read edge ``d ⇢ u`` plus a full read edge out of ``u`` through another op.
+
+    Why: the greedy is myopic where three edges tie. EfficientViT's Kᵀ: the transpose's write
+    edge (K written transposed), its read edge (Kᵀ read through K) and the split's read edge (K
+    read from the qkv buffer) each save the same; taking the write edge first makes the other two
+    illegal, and XLA still runs the split to produce K (transposed) — a whole-tensor copy. The
+    pair of read edges removes both ops. Returns ``strategy`` unchanged when the move does not
+    apply or does not validate; ``plan`` keeps it only where the cost model is not slower."""
+    v = strategy.vtog
+    w = v.edges[edge]
+    if edge not in strategy.chosen or w.direction != Direction.WRITE or w.inplace:
+        return strategy
+    u, d = w.src, w.dst
+    if strategy.is_virtual(d) or any(v.edges[i].src == u for i in strategy.chosen if i != edge):
+        return strategy
+    back = [i for i, r in enumerate(v.edges) if r.op == w.op and r.direction == Direction.READ
+            and r.src == d and r.dst == u and box_volume(r.box) == v.volume(d)]
+    alts = [i for i in v.out_edges(u) if i != edge and v.edges[i].op != w.op
+            and v.edges[i].direction == Direction.READ and box_volume(v.edges[i].box) == v.volume(u)]
+    if len(back) != 1 or not alts:
+        return strategy
+    base = tuple(i for i in strategy.chosen if i != edge)
+    trace = tuple(p for p in strategy.trace if edge not in p.edges)
+    for a in alts:
+        new = (back[0], a)
+        if any(v.in_conflict(i, j) for i in new for j in base) or v.in_conflict(*new):
+            continue
+        trial = Strategy(base + new, strategy.total_saving,
+                         trace + tuple(Pick(v.edges[i].src, (i,), 0.0, (0.0,)) for i in new), v)
+        try:
+            trial.validate()
+        except StrategyError:
+            continue
+        return trial
+    return strategy
+
+
 # --------------------------------------------------------------------------------------------
 # The whole stage, and what it decided (read by lower, report and accounting)
 # --------------------------------------------------------------------------------------------
@@ -680,6 +719,9 @@ def plan(vtog: VTOG, graph: "Graph", clusters: Sequence["Cluster"], savings: Sav
                 continue
             if any(e.direction == Direction.WRITE for o in op.outputs for e in s.points_to(o)):
                 s = priced(s, producer_writes(s, oid))
+    for i in [i for i in s.chosen if vtog.edges[i].direction == Direction.WRITE]:
+        if i in s.chosen:   # a write edge the greedy took over two read edges that tie with it
+            s = priced(s, consumer_reads(s, i))
     s = complete_views(s, graph, _kept_edge_ops(graph, vtog, s), keep(s))
     return resolve(s, graph, clusters)
 
