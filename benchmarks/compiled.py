@@ -223,7 +223,10 @@ def render(rows: list[dict[str, Any]], info: str) -> str:
         "`wrapped_transpose`s, 192 MiB each at batch 16); VTC now traces an NCHW conv that XLA runs "
         "next to a kernel as `transpose(conv_NHWC(transpose(x)))` (`canonical.channels_last`, "
         "`api.xla_layout_convs`), and the kernels read the NHWC buffer through the transpose: the "
-        "copies are gone and VTC touches fewer bytes than jit in every case.",
+        "copies are gone. K, Kᵀ and the padded V are read through maps too, not copied by XLA "
+        "(`strategy.consumer_reads` trades a write edge the greedy took for two read edges that "
+        "tie with it; a pad's mask no longer counts as breaking a contiguous run in the cost "
+        "model). VTC touches fewer bytes than jit in every case.",
         "* **Buffers.** XLA's temporaries fall under VTC's everywhere but ShuffleNet, where the last "
         "channel shuffle writes the program output and stays XLA's (`loop_transpose_fusion` reading "
         "the input half and both branch outputs): VTC keeps those three buffers alive until the end, "

@@ -236,12 +236,16 @@ def test_attention_output_cast_is_the_kernels_store():
     assert [op.primitive for op in narrow.ops] == ["convert_element_type", "transpose"]
     # and a narrowing cast after a view moves up to the producer (graph._hoist_narrowing_casts):
     # jax's batch-1 matmul puts a size-1 broadcast between the second dot and ``.astype``
-    hoist = trace(lambda x: jnp.transpose(x[None], (1, 0, 2)).astype(jnp.bfloat16), jnp.zeros((3, 5), jnp.float32))
-    assert [op.primitive for op in hoist.ops][0] == "convert_element_type"
-    assert hoist.tensors[hoist.outputs[0]].dtype == jnp.bfloat16
+    # (only onto a contraction: after an elementwise producer the cast stays where it is)
+    f = lambda x, w: jnp.transpose((x @ w)[None], (1, 0, 2)).astype(jnp.bfloat16)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 5)), jnp.float32)
-    np.testing.assert_array_equal(np.asarray(hoist.evaluate(x)[0], np.float32),
-                                  np.asarray(jnp.transpose(x[None], (1, 0, 2)).astype(jnp.bfloat16), np.float32))
+    hoist = trace(f, x, x.T)
+    assert [op.primitive for op in hoist.ops][:2] == ["dot_general", "convert_element_type"]
+    assert hoist.tensors[hoist.outputs[0]].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(hoist.evaluate(x, x.T)[0], np.float32),
+                                  np.asarray(jax.jit(f)(x, x.T), np.float32))
+    stay = trace(lambda x: jnp.transpose(jnp.tanh(x)[None], (1, 0, 2)).astype(jnp.bfloat16), x)
+    assert [op.primitive for op in stay.ops][-1] == "convert_element_type"
     q1, k1, v1 = q[:1], k[:1], v[:1]     # batch 1
     g1 = trace(attn, q1, k1, v1)
     (att1,) = [c for c in cluster(g1) if c.kind == "attention"]

@@ -279,6 +279,9 @@ def _sink_elementwise(raw: list[_RawOp], b: "_Builder", outputs: list[int]) -> l
     return out
 
 
+_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+
+
 def _hoist_narrowing_casts(raw: list[_RawOp], b: "_Builder", outputs: list[int]) -> list[_RawOp]:
     """``cast(view(x))`` traced as ``view(cast(x))`` for a cast to a narrower dtype whose operand
     only it reads (views: transpose, reshape, squeeze, expand_dims, a broadcast that adds only
@@ -287,7 +290,11 @@ def _hoist_narrowing_casts(raw: list[_RawOp], b: "_Builder", outputs: list[int])
     Why: a narrowing cast belongs with the producer — its epilogue stores fewer bytes (the
     attention kernel's bf16 store, ``cluster._attention``). jax's batched matmul at batch 1 puts a
     size-1 broadcast between the second dot and ``.astype(q.dtype)``; hoisted above it, the cast
-    is the dot's own. The same values: a cast commutes with any view."""
+    is the dot's own. Only casts of a contraction's result move: a cast after an elementwise
+    producer is in that pointwise cluster either way, and moving it above a reshape would change
+    the cluster's output shape (a complex RoPE's ``(…, 64, 2) → (…, 128)`` row, which then no
+    longer matches the V row it shares a launch with). The same values: a cast commutes with any
+    view."""
     uses: dict[int, int] = {}
     for r in raw:
         for t in r.inputs:
@@ -315,7 +322,11 @@ def _hoist_narrowing_casts(raw: list[_RawOp], b: "_Builder", outputs: list[int])
                 continue
             v = out[i]
             x = v.inputs[0]
-            if not _narrows(b.tensors[x][1], b.tensors[c.outputs[0]][1]):
+            root = made.get(x)   # through a chain of views, only onto a contraction: after an
+            while root is not None and is_view(out[root]):   # elementwise op the cast is in
+                root = made.get(out[root].inputs[0])          # its cluster already
+            if not _narrows(b.tensors[x][1], b.tensors[c.outputs[0]][1]) or root is None \
+                    or out[root].eqn.primitive.name not in _CONTRACTIONS:
                 continue
             cast = b.tensor(jax.ShapeDtypeStruct(b.tensors[x][0], b.tensors[c.outputs[0]][1]))
             out[i] = _RawOp(c.eqn, (x,), (cast,))
