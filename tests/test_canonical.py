@@ -338,3 +338,42 @@ def test_convs_xla_runs_next_to_kernels_are_traced_channels_last():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _close(vtc_jax.optimize(eff.step)(*args), jax.jit(eff.step)(*args))
+
+
+# ---- autodiff's add_any and jnp.tile: primitives other codebases emit -------------------------
+
+def test_grad_add_any_is_an_add_and_no_fallback():
+    """A ``jax.grad`` program sums cotangents with ``add_any``: traced as ``add`` (no opaque op, no
+    fallback warning), and the gradients equal jax.jit's."""
+    rng = np.random.default_rng(5)
+    x, w1, w2 = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((8, 16), (16, 32), (32, 16)))
+
+    def loss(w1, w2, x):
+        h = jax.nn.gelu((x @ w1).reshape(8, 4, 8).transpose(1, 0, 2)).transpose(1, 0, 2).reshape(8, 32)
+        return jnp.mean((h @ w2 - x) ** 2) + jnp.sum(h * h)   # h read twice: its cotangents add_any
+
+    step = jax.value_and_grad(loss, argnums=(0, 1))
+    assert "add_any" in str(jax.make_jaxpr(step)(w1, w2, x))
+    g = graph.trace(step, w1, w2, x)
+    assert not any(op.primitive == "add_any" or op.opaque_reason for op in g.ops)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", vtc_jax.VTCFallbackWarning)
+        got = vtc_jax.optimize(step, backend="interpret")(w1, w2, x)
+    want = jax.jit(step)(w1, w2, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape,reps", [((2, 3, 4), (1, 2, 1)), ((3, 4), (2, 2)), ((4,), (2, 3, 1)),
+                                        ((2, 3), (3,)), ((2, 1, 3), (1, 4, 2))])
+def test_tile_is_a_broadcast_and_eliminated(shape, reps):
+    """``jnp.tile`` (a ``tile`` primitive in jax ≥ 0.10) is traced as broadcast + reshape, which the
+    movement rules make virtual: no movement op left running, values exactly jax.jit's."""
+    x = jnp.asarray(np.random.default_rng(6).standard_normal(shape), jnp.float32)
+    fn = lambda a: jnp.tanh(jnp.tile(a * 2.0, reps)) + 1.0   # noqa: E731
+    g = graph.trace(fn, x)
+    assert "tile" not in [op.primitive for op in g.ops]
+    rep = vtc_jax.explain(fn)(x)
+    assert all(m.eliminated for m in rep.movement), rep
+    np.testing.assert_array_equal(np.asarray(vtc_jax.optimize(fn, backend="interpret")(x)),
+                                  np.asarray(jax.jit(fn)(x)))

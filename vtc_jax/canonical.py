@@ -25,6 +25,11 @@ A ``dynamic_update_slice`` whose update is the whole operand (a prefill writing 
 the cache) is its update: the starts clamp to 0. Spliced in as the update itself, the producer of
 the update writes the new cache directly instead of XLA copying it into the old buffer.
 
+``add_any`` — how autodiff sums cotangents, in every ``jax.grad`` program — is ``add`` on two
+same-typed numeric arrays and is traced as one (``is_plain_add_any``); unknown, it stayed opaque and
+kept the tensors around it physical. ``tile`` is traced as the broadcast + reshape ``jnp.tile`` used
+to emit (``_tile_as_broadcast``), which the movement rules eliminate.
+
 Only a plain ``scatter`` (a set: ``update_jaxpr`` None, no combiner) with a single index vector
 (indices of shape ``(k,)``), no batching dims and the update covering the window in order is
 rewritten; everything else is traced unchanged. The rewrite is a function of the equation alone
@@ -164,6 +169,27 @@ def _as_select(index: Any, *operands: Any, branches: tuple[Any, ...]) -> list[An
     return [lax.select_n(which, *[o[i] for o in outs]) for i in range(len(outs[0]))]
 
 
+def _tile_as_broadcast(x: Any, *, reps: tuple[int, ...]) -> Any:
+    """``tile`` as the broadcast + reshape the movement rules know: ``(r0, s0, r1, s1, …)`` then
+    merged pairwise (each rep is an outer dim of its merged axis, as tiling repeats whole copies)."""
+    reps = (1,) * (x.ndim - len(reps)) + reps
+    x = x.reshape((1,) * (len(reps) - x.ndim) + x.shape)
+    inter = tuple(d for r, n in zip(reps, x.shape) for d in (r, n))
+    y = lax.broadcast_in_dim(x, inter, tuple(range(1, 2 * x.ndim, 2)))
+    return y.reshape(tuple(r * n for r, n in zip(reps, x.shape)))
+
+
+def is_plain_add_any(eqn: jcore.JaxprEqn) -> bool:
+    """``add_any`` (autodiff's sum of cotangents) of two same-typed numeric arrays: an ``add``.
+
+    Every ``jax.grad`` program is full of them; kept opaque, each pinned its neighbours physical."""
+    if eqn.primitive.name != "add_any" or len(eqn.invars) != 2:
+        return False
+    a, b = (v.aval for v in eqn.invars)
+    ok = getattr(a, "dtype", None) is not None and np.issubdtype(a.dtype, np.number)
+    return bool(ok) and a.shape == b.shape and a.dtype == b.dtype
+
+
 def rewrite(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, list[Any]] | None:
     """``(jaxpr, consts)`` computing ``eqn``'s output with primitives VTC handles, or None."""
     if speculable_cond(eqn):
@@ -173,6 +199,15 @@ def rewrite(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, list[Any]] | None:
     if whole_update(eqn):
         avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
         closed = jax.make_jaxpr(lambda x, u, *starts: u)(*avals)
+        return closed.jaxpr, list(closed.consts)
+    if eqn.primitive.name == "tile" and len(eqn.invars) == 1:
+        reps = tuple(int(r) for r in eqn.params["reps"])
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        closed = jax.make_jaxpr(functools.partial(_tile_as_broadcast, reps=reps))(*avals)
+        return closed.jaxpr, list(closed.consts)
+    if is_plain_add_any(eqn):
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        closed = jax.make_jaxpr(lax.add)(*avals)
         return closed.jaxpr, list(closed.consts)
     form = window_scatter(eqn)
     if form is None:

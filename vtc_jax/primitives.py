@@ -86,7 +86,8 @@ def _rows() -> dict[str, PrimInfo]:
         "cbrt square integer_pow erf erfc erf_inv lgamma digamma is_finite reduce_precision "
         "stop_gradient select_n clamp copysign eq ne lt le gt ge and or not xor shift_left "
         "shift_right_logical shift_right_arithmetic population_count real imag conj "
-        "bitcast_convert_type",   # equal widths only (cluster.py keeps width changes opaque)
+        "bitcast_convert_type "   # equal widths only (cluster.py keeps width changes opaque)
+        "one_minus_square log2",   # jax >= 0.11 (tanh's and asin's derivatives; jnp.log2)
         Role.ELEMENTWISE, block_safe=True)
     # a dtype change is elementwise; the same dtype is a copy (a view): see role_of / is_view
     add("convert_element_type", Role.ELEMENTWISE, view=True, block_safe=True)
