@@ -1,0 +1,66 @@
+"""Snippets in other codebases' styles (``tests/zoo/styles.py``) against ``jax.jit``.
+
+Each case: ``vtc_jax.optimize(step, backend="interpret")`` equals ``jax.jit(step)`` (same pytree,
+shapes and dtypes; max |diff| <= 1e-5 x max |ref| for f32, 2e-2 for bf16; integer and boolean
+outputs exactly), the fallback warnings are exactly the expected ones (what vtc_jax leaves to XLA
+in that case, and why), and the optimised program cross-lowers for CUDA (every Pallas kernel
+through Triton's lowering).
+"""
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+import vtc_jax
+from tests.test_zoo import check_close
+from tests.zoo.styles import CASES
+
+# case -> substrings of the fallback warnings it must give (one per warning); absent: none.
+FALLBACKS = {
+    "sdpa_gqa_causal_bf16": ("an iota as large as the output",),   # the causal mask XLA builds
+    "moe_topk_router": ("'top_k'",),
+    "int_and_bool_outputs": ("'cumsum'",),
+}
+
+
+def _exact(out, ref):
+    """Integer and boolean leaves exactly; float leaves by check_close's tolerances."""
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+        if not np.issubdtype(np.asarray(b).dtype, np.inexact) and np.asarray(b).dtype.name != "bfloat16":
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    check_close(out, ref)
+
+
+def _case(name):
+    try:
+        return CASES[name]()
+    except ImportError as e:   # flax / equinox: in the test extra, absent on a bare GPU machine
+        pytest.skip(f"{name} needs {e.name}")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_style_matches_jit(name):
+    step, args = _case(name)
+    ref = jax.jit(step)(*args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", vtc_jax.VTCFallbackWarning)
+        out = vtc_jax.optimize(step, backend="interpret")(*args)
+    assert jax.tree.structure(out) == jax.tree.structure(ref)
+    _exact(out, ref)
+    got = [str(w.message) for w in caught if issubclass(w.category, vtc_jax.VTCFallbackWarning)]
+    want = FALLBACKS.get(name, ())
+    assert len(got) == len(want) and all(any(s in g for g in got) for s in want), got
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_style_cross_lowers_for_cuda(name):
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="cross-lowering for CUDA needs jax-cuda12-plugin")
+    from vtc_jax.testing import cross_lower
+    step, args = _case(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        module = cross_lower(vtc_jax.optimize(step, backend="triton"), *args)
+    if name != "int_and_bool_outputs":   # argmax, a reshape and a cumsum: nothing for a kernel
+        assert module.triton_kernels, "no Pallas kernel in the CUDA module"

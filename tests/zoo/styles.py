@@ -1,0 +1,240 @@
+"""Snippets in the styles of other codebases that the zoo's models do not cover.
+
+Each ``CASES[name]()`` returns ``(step, args)``, small and random: flax.linen's
+``MultiHeadDotProductAttention`` in decode mode (its cache collection), flax.nnx's
+``MultiHeadAttention`` with a causal mask, equinox's ``MultiheadAttention`` vmapped per sample,
+``jax.nn.dot_product_attention`` with GQA (bf16, causal), T5-style relative-position bias by
+``jnp.take``, a top-k MoE router with ``take_along_axis``, ViT patchify (reshape/transpose) with a
+class token and LayerNorm by ``rsqrt``, a flax.linen conv + BatchNorm block in NHWC, ``roll`` /
+``flip`` / reflect ``pad`` / ``tile``, a ``scan`` over ``dynamic_slice`` windows, rotate-half RoPE
+with ``.at[:, pos].set`` caches and a ``finfo.min`` mask, PRNG keys made inside, ``value_and_grad``
+through transposes, ``cond`` + ``while_loop``, integer and boolean outputs.
+``tests/test_styles.py`` checks each against ``jax.jit``.
+"""
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+key = jax.random.PRNGKey(0)
+
+
+def _rng():
+    """``rnd(*shape, dtype=f32)``: a normal array, each call of one case its own key (a case's
+    values do not depend on which cases ran before it)."""
+    n = iter(range(1, 1 << 30))
+    return lambda *shape, dtype=jnp.float32: jax.random.normal(jax.random.fold_in(key, next(n)), shape, dtype)
+
+
+CASES: dict = {}
+
+
+def case(f):
+    CASES[f.__name__] = f
+    return f
+
+
+
+@case
+def flax_linen_mha_decode():
+    rnd = _rng()
+    import flax.linen as nn
+    m = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32, decode=True)
+    x = rnd(2, 8, 32)
+    v = m.init(key, x, x)
+    params, cache = v["params"], v["cache"]
+    tok = rnd(2, 1, 32)
+    def step(params, cache, tok):
+        y, upd = m.apply({"params": params, "cache": cache}, tok, tok, mutable=["cache"])
+        return y, upd["cache"]
+    return step, (params, cache, tok)
+
+
+@case
+def flax_nnx_mha():
+    rnd = _rng()
+    from flax import nnx
+    m = nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=32, decode=False, rngs=nnx.Rngs(0))
+    gd, st = nnx.split(m)
+    x = rnd(2, 8, 32)
+    def step(st, x):
+        mm = nnx.merge(gd, st)
+        return mm(x, mask=nnx.make_causal_mask(jnp.ones((2, 8))))
+    return step, (st, x)
+
+
+@case
+def equinox_mha_vmapped():
+    rnd = _rng()
+    import equinox as eqx
+    m = eqx.nn.MultiheadAttention(num_heads=4, query_size=32, key=key)
+    x = rnd(3, 8, 32)
+    params, static = eqx.partition(m, eqx.is_array)
+    def step(params, x):
+        mm = eqx.combine(params, static)
+        return jax.vmap(lambda s: mm(s, s, s))(x)
+    return step, (params, x)
+
+
+@case
+def sdpa_gqa_causal_bf16():
+    rnd = _rng()
+    q = rnd(2, 8, 8, 16, dtype=jnp.bfloat16); k = rnd(2, 8, 2, 16, dtype=jnp.bfloat16); v = rnd(2, 8, 2, 16, dtype=jnp.bfloat16)
+    def step(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return step, (q, k, v)
+
+
+@case
+def t5_relative_bias():
+    rnd = _rng()
+    q = rnd(2, 4, 8, 16); k = rnd(2, 4, 8, 16); v = rnd(2, 4, 8, 16); table = rnd(32, 4)
+    def step(q, k, v, table):
+        pos = jnp.arange(8)[None, :] - jnp.arange(8)[:, None]
+        bucket = jnp.clip(pos + 16, 0, 31)
+        bias = jnp.take(table, bucket, axis=0).transpose(2, 0, 1)  # (H, q, k)
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k) + bias[None]
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+    return step, (q, k, v, table)
+
+
+@case
+def moe_topk_router():
+    rnd = _rng()
+    x = rnd(16, 32); wr = rnd(32, 4); we = rnd(4, 32, 32)
+    def step(x, wr, we):
+        logits = x @ wr
+        w, idx = lax.top_k(logits, 2)
+        w = jax.nn.softmax(w, axis=-1)
+        ye = jnp.einsum("td,edf->tef", x, we)
+        sel = jnp.take_along_axis(ye, idx[:, :, None], axis=1)
+        return jnp.sum(sel * w[:, :, None], axis=1)
+    return step, (x, wr, we)
+
+
+@case
+def vit_patchify():
+    rnd = _rng()
+    img = rnd(2, 3, 16, 16); w = rnd(3 * 4 * 4, 32); cls = rnd(1, 1, 32); pos = rnd(1, 17, 32)
+    def step(img, w, cls, pos):
+        b, c, h, ww = img.shape
+        p = img.reshape(b, c, h // 4, 4, ww // 4, 4).transpose(0, 2, 4, 1, 3, 5).reshape(b, 16, c * 16)
+        t = p @ w
+        t = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, 32)), t], axis=1) + pos
+        mu = t.mean(-1, keepdims=True); var = ((t - mu) ** 2).mean(-1, keepdims=True)
+        return (t - mu) * lax.rsqrt(var + 1e-6)
+    return step, (img, w, cls, pos)
+
+
+@case
+def linen_conv_bn_nhwc():
+    rnd = _rng()
+    import flax.linen as nn
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            y = nn.Conv(16, (3, 3))(x)
+            y = nn.BatchNorm(use_running_average=True)(y)
+            y = nn.relu(y)
+            y = nn.Conv(16, (1, 1), feature_group_count=1)(y)
+            return jnp.concatenate([x, y], axis=-1)[..., ::2]
+    m = Block(); x = rnd(2, 8, 8, 16)
+    v = m.init(key, x)
+    return (lambda v, x: m.apply(v, x)), (v, x)
+
+
+@case
+def roll_flip_pad_tile():
+    rnd = _rng()
+    x = rnd(2, 8, 16)
+    def step(x):
+        y = jnp.roll(x, 3, axis=1) * 2.0
+        y = jnp.flip(y, axis=2) + 1.0
+        y = jnp.pad(y, ((0, 0), (1, 1), (2, 2)), mode="reflect")
+        z = jnp.tile(y, (1, 2, 1))
+        return jnp.tanh(z)[:, ::3, 1:-1]
+    return step, (x,)
+
+
+@case
+def scan_sliding_window():
+    rnd = _rng()
+    x = rnd(4, 32); w = rnd(8, 8)
+    def step(x, w):
+        def body(c, i):
+            win = lax.dynamic_slice(x, (0, i), (4, 8))
+            return c + jnp.tanh(win @ w).sum(), win[:, ::2]
+        return lax.scan(body, 0.0, jnp.arange(0, 24, 4))
+    return step, (x, w)
+
+
+@case
+def rotate_half_rope_kvcache_at_set():
+    rnd = _rng()
+    B, H, T, D = 2, 4, 16, 8
+    q = rnd(B, 1, H, D); kn = rnd(B, 1, H, D); ck = rnd(B, T, H, D); cv = rnd(B, T, H, D); vn = rnd(B, 1, H, D)
+    pos = jnp.int32(5)
+    def rot(x, p):
+        half = x.shape[-1] // 2
+        f = 1.0 / (10000 ** (jnp.arange(half) / half))
+        a = p * f
+        c, s = jnp.cos(a), jnp.sin(a)
+        x1, x2 = x[..., :half], x[..., half:]
+        return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+    def step(q, kn, vn, ck, cv, pos):
+        q = rot(q, pos); kn = rot(kn, pos)
+        ck = ck.at[:, pos].set(kn[:, 0]); cv = cv.at[:, pos].set(vn[:, 0])
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, ck) * (D ** -0.5)
+        s = jnp.where(jnp.arange(T)[None, None, None] <= pos, s, jnp.finfo(s.dtype).min)
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), cv)
+        return o.reshape(B, 1, H * D), ck, cv
+    return step, (q, kn, vn, ck, cv, pos)
+
+
+@case
+def prng_dropout_inside():
+    rnd = _rng()
+    x = rnd(4, 32); w = rnd(32, 32)
+    def step(x, w, seed):
+        k = jax.random.PRNGKey(seed)
+        k1, k2 = jax.random.split(k)
+        y = (x @ w).T.reshape(8, 16)
+        keep = jax.random.bernoulli(k1, 0.9, y.shape)
+        n = jax.random.normal(k2, (8, 16))
+        return jnp.where(keep, y / 0.9, 0.0) + 0.01 * n
+    return step, (x, w, 3)
+
+
+@case
+def grad_through_transpose_mlp():
+    rnd = _rng()
+    x = rnd(8, 16); w1 = rnd(16, 32); w2 = rnd(32, 16)
+    def loss(w1, w2, x):
+        h = jax.nn.gelu((x @ w1).reshape(8, 4, 8).transpose(1, 0, 2)).transpose(1, 0, 2).reshape(8, 32)
+        return jnp.mean((h @ w2 - x) ** 2)
+    def step(w1, w2, x):
+        return jax.value_and_grad(loss, argnums=(0, 1))(w1, w2, x)
+    return step, (w1, w2, x)
+
+
+@case
+def cond_switch_and_while():
+    rnd = _rng()
+    x = rnd(4, 16)
+    def step(x, flag):
+        y = lax.cond(flag > 0, lambda a: jnp.transpose(a) @ a, lambda a: a.T @ (2 * a), x)
+        def body(c):
+            i, v = c
+            return i + 1, jnp.roll(v, 1, axis=0) * 0.5
+        return lax.while_loop(lambda c: c[0] < 3, body, (0, y))[1]
+    return step, (x, 1)
+
+
+@case
+def int_and_bool_outputs():
+    rnd = _rng()
+    x = rnd(4, 8)
+    def step(x):
+        a = jnp.argmax(x.T, axis=0)
+        m = (x.reshape(8, 4) > 0)
+        return a, m, jnp.cumsum(x, axis=1)[:, ::-1]
+    return step, (x,)
