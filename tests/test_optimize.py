@@ -4,6 +4,7 @@ Equivalence runs the Pallas kernels in interpret mode (small shapes); the paper-
 trace and lower for CUDA (no execution).
 """
 import sys
+import re
 import warnings
 from pathlib import Path
 
@@ -114,6 +115,51 @@ def test_jit_conventions_pytrees_kwargs_static_and_nesting():
     exp = jax.export.export(jax.jit(lambda t: f(t, scale=1.0, mode="t")))(tree)
     np.testing.assert_allclose(exp.call(tree)["y"], out_t := f(tree, scale=1.0, mode="t")["y"], rtol=1e-6)
     assert isinstance(f.explain(tree, scale=1.0, mode="t"), vtc_jax.Report)
+
+
+def _cache_step(n, x, cache, pos):
+    y = jnp.tanh(x.T) * n
+    cache = jax.lax.dynamic_update_slice(cache, y[None], (pos, 0, 0))
+    return cache.sum(0), cache
+
+
+def test_static_and_donated_arguments_by_number_or_name_as_jax_jit():
+    """jax.jit's rule: static/donated arguments given by number or by name, the other read off the
+    signature. A static argument passed the other way round is still static (a Python ``if`` on it
+    traces), a donated one is donated (its buffer aliased, the analysis told which graph input it
+    is, with static arguments before it shifting the positions), and bad numbers or names raise
+    jax.jit's own errors."""
+    x = jnp.arange(32.0).reshape(4, 8) / 32
+    cache = jnp.zeros((5, 8, 4))
+    ref = jax.jit(_cache_step, static_argnums=0)(2, x, cache, 1)
+    calls = [  # (optimize's keywords, how the call passes n, cache and pos)
+        (dict(static_argnums=0, donate_argnums=2), lambda f, c: f(2, x, c, 1)),
+        (dict(static_argnames="n", donate_argnames="cache"), lambda f, c: f(2, x, c, 1)),
+        (dict(static_argnums=0, donate_argnames="cache"), lambda f, c: f(2, x, cache=c, pos=1)),
+        (dict(static_argnames="n", donate_argnums=2), lambda f, c: f(x=x, n=2, cache=c, pos=1)),
+    ]
+    for kw, call in calls:
+        f = vtc_jax.optimize(_cache_step, backend="interpret", **kw)
+        out = call(f, jnp.array(cache))
+        assert _max_rel(out, ref) <= 1e-6, kw
+        g = f.last[0].graph
+        cache_input = [t for t in g.inputs if g.tensors[t].shape == cache.shape]
+        assert f.last[0].donated == frozenset(cache_input), (kw, f.last[0].donated, g.inputs)
+        text = call(f.lower, cache).as_text()
+        assert "tf.aliasing_output = 1" in text, kw
+    branchy = lambda x, mode: x * 2 if mode > 1 else x   # noqa: E731 - a Python if on a static arg
+    for kw in (dict(static_argnames="mode"), dict(static_argnums=1)):
+        f = vtc_jax.optimize(branchy, backend="interpret", **kw)
+        np.testing.assert_array_equal(f(x, 3), jax.jit(branchy, **kw)(x, 3))
+        np.testing.assert_array_equal(f(x, mode=3), jax.jit(branchy, **kw)(x, mode=3))
+    for kw in (dict(static_argnames="nope"), dict(donate_argnames="nope"), dict(donate_argnums=9),
+               dict(static_argnames="cache", donate_argnames="cache")):
+        with pytest.raises(ValueError) as want:
+            jax.jit(_cache_step, **kw)(2, x, cache, 1)
+        with pytest.raises(ValueError, match=re.escape(str(want.value)[:60])):
+            vtc_jax.optimize(_cache_step, backend="interpret", **kw)(2, x, cache, 1)
+    rep = vtc_jax.explain(_cache_step, static_argnums=0, donate_argnames="cache")(2, x, cache, 1)
+    assert isinstance(rep, vtc_jax.Report)
 
 
 def test_decorator_forms_and_bad_input():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -53,11 +54,12 @@ def _cost_model(cost_model: Any, objective: str, gpu: str | None) -> Any:
 def analyze(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], *,
             cost_model: Any = None, objective: str = "latency", gpu: str | None = None,
             donate_argnums: Sequence[int] = (), rejected: Mapping[int, str] | None = None,
-            graph: Graph | None = None) -> Analysis:
+            graph: Graph | None = None, donate_argnames: Sequence[str] = ()) -> Analysis:
     """The analysis half of VTC for one input signature (no kernels are built here):
     trace → cluster → match templates → VTOG → strategy (``strategy.plan``).
 
-    ``donate_argnums`` (positions in ``args``) tell the cost model which inputs XLA may update in
+    ``donate_argnums`` (positions in ``args``) and ``donate_argnames`` (keys of ``kwargs``) tell
+    the cost model which inputs XLA may update in
     place (a donated KV cache costs only its update). ``rejected`` forces clusters (by id) to XLA
     with the given reason: a kernel that failed to build on an earlier attempt. ``graph`` re-uses
     an earlier trace of the same signature.
@@ -68,7 +70,8 @@ def analyze(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
         for _ in range(4):   # each pass can put another conv next to a kernel; a few suffice
             g = trace_with(fn, args, kwargs, channels_last=layout)
             a = analyze(fn, args, kwargs, cost_model=cost_model, objective=objective, gpu=gpu,
-                        donate_argnums=donate_argnums, rejected=rejected, graph=g)
+                        donate_argnums=donate_argnums, rejected=rejected, graph=g,
+                        donate_argnames=donate_argnames)
             more = xla_layout_convs(a)
             if not more:
                 break
@@ -112,7 +115,7 @@ def analyze(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
         fused = costmodel.xla_fuses(graph, clusters, matches, left)
         matches = {**matches, **{k: Reject(k, kinds[k], why) for k, why in fused.items()}}
     vtog = build_vtog(graph, clusters, matches=matches)
-    donated = donated_inputs(graph, args, kwargs, donate_argnums)
+    donated = donated_inputs(graph, args, kwargs, donate_argnums, donate_argnames)
     if hasattr(model, "bind"):
         savings = model.bind(vtog, graph, clusters, donated=donated)
     else:  # a user cost model with only savings(edge, chosen, vtog, graph)
@@ -161,21 +164,33 @@ def xla_layout_convs(a: Analysis) -> frozenset[int]:
     return frozenset(out)
 
 
+def positions(argnums: Sequence[int], n: int) -> set[int]:
+    """The argument positions ``argnums`` name in a call with ``n`` positional arguments, as
+    jax.jit reads them (``FlatTree.flatten_static_argnums``): a negative number counts from the
+    end, one past the end names nothing (that argument was passed by keyword, or left to its
+    default)."""
+    return {i % n if i < 0 else i for i in argnums if n and i < n}
+
+
 def donated_inputs(graph: Graph, args: Sequence[Any], kwargs: dict[str, Any],
-                   donate_argnums: Sequence[int]) -> frozenset[int]:
-    """Graph input tensor ids of the leaves of the donated positional arguments."""
-    if not donate_argnums:
+                   donate_argnums: Sequence[int], donate_argnames: Sequence[str] = ()) -> frozenset[int]:
+    """Graph input tensor ids of the leaves of the donated arguments: positions in ``args`` and
+    keys of ``kwargs`` (the graph's inputs are the leaves of ``(args, kwargs)``, keys sorted)."""
+    if not donate_argnums and not donate_argnames:
         return frozenset()
-    counts = [len(jax.tree_util.tree_leaves(a)) for a in args]
-    starts = [sum(counts[:i]) for i in range(len(args))]
-    nums = {i % len(args) for i in donate_argnums} if args else set()
-    return frozenset(graph.inputs[starts[i] + j] for i in nums for j in range(counts[i]))
+    leaves = [len(jax.tree_util.tree_leaves(a)) for a in args]
+    keys = sorted(kwargs)
+    leaves += [len(jax.tree_util.tree_leaves(kwargs[k])) for k in keys]
+    starts = [sum(leaves[:i]) for i in range(len(leaves))]
+    slots = positions(donate_argnums, len(args))
+    slots |= {len(args) + keys.index(k) for k in donate_argnames if k in kwargs}
+    return frozenset(graph.inputs[starts[i] + j] for i in slots for j in range(leaves[i]))
 
 
 def _split_static(fn: Callable[..., Any], args: tuple, kwargs: dict, static_argnums: Sequence[int],
                   static_argnames: Sequence[str]) -> tuple[Callable[..., Any], tuple, dict]:
     """Close over static arguments the way jax.jit treats them: as compile-time Python values."""
-    nums = {i % len(args) if args else i for i in static_argnums}
+    nums = positions(static_argnums, len(args))
     static_pos = {i: args[i] for i in nums if i < len(args)}
     static_kw = {k: kwargs[k] for k in static_argnames if k in kwargs}
     if not static_pos and not static_kw:
@@ -191,9 +206,48 @@ def _split_static(fn: Callable[..., Any], args: tuple, kwargs: dict, static_argn
     return closed, dyn_args, dyn_kw
 
 
+def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):   # some builtins have none: jax.jit then infers nothing either
+        return None
+
+
+def resolve_argnums(fn: Callable[..., Any], nums: int | Sequence[int] | None,
+                    names: str | Sequence[str] | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``jax.jit``'s rule for ``*_argnums`` / ``*_argnames``: given only one of the two, the other
+    is read off ``fn``'s signature (its positional-or-keyword parameters), so an argument marked
+    static or donated by name is so when passed by position too, and the reverse."""
+    nums_t = () if nums is None else (nums,) if isinstance(nums, int) else tuple(nums)
+    names_t = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+    sig = _signature(fn)
+    if sig is None or (nums_t and names_t) or not (nums_t or names_t):
+        return nums_t, names_t
+    params = [(i, k) for i, (k, p) in enumerate(sig.parameters.items())
+              if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    if nums_t:
+        return nums_t, tuple(k for i, k in params if i in nums_t)
+    return tuple(i for i, k in params if k in names_t), names_t
+
+
+def _dynamic_donation(args: tuple, kwargs: dict, static_argnums: Sequence[int], static_argnames: Sequence[str],
+                      donate_argnums: Sequence[int], donate_argnames: Sequence[str]) -> tuple[tuple[int, ...],
+                                                                                             tuple[str, ...]]:
+    """The donated arguments as positions in the *dynamic* args and keys of the dynamic kwargs
+    (what ``_split_static`` leaves: static arguments removed, later positions shifted down)."""
+    n = len(args)
+    static = positions(static_argnums, n)
+    dyn_pos = [i for i in range(n) if i not in static]
+    donated = positions(donate_argnums, n)
+    nums = tuple(dyn_pos.index(i) for i in sorted(donated) if i in dyn_pos)
+    names = tuple(k for k in donate_argnames if k in kwargs and k not in static_argnames)
+    return nums, names
+
+
 def explain(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence[int] = (),
             static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
-            objective: str = "latency", gpu: str | None = None, cost_model: Any = None) -> Any:
+            objective: str = "latency", gpu: str | None = None, cost_model: Any = None,
+            donate_argnames: str | Sequence[str] = ()) -> Any:
     """``explain(fn)(*args, **kwargs) -> Report``: what VTC would do to ``fn``, without running it.
 
     Arguments may be arrays or ``jax.ShapeDtypeStruct`` (paper-size models analyse without
@@ -202,22 +256,19 @@ def explain(fn: Callable[..., Any] | None = None, *, static_argnums: int | Seque
     if fn is None:
         return functools.partial(explain, static_argnums=static_argnums, static_argnames=static_argnames,
                                  donate_argnums=donate_argnums, objective=objective, gpu=gpu,
-                                 cost_model=cost_model)
+                                 cost_model=cost_model, donate_argnames=donate_argnames)
     if not callable(fn):
         raise TypeError(f"explain requires a callable, got {fn!r} of type {type(fn).__name__}")
-    nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
-    names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
-    donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    nums, names = resolve_argnums(fn, static_argnums, static_argnames)
+    dnums, dnames = resolve_argnums(fn, donate_argnums, donate_argnames)
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Report:
         f, a, k = _split_static(fn, args, kwargs, nums, names)
-        static = set(nums)
-        dyn_pos = [i for i in range(len(args)) if i not in static]
-        dyn_donate = tuple(dyn_pos.index(i) for i in donate if i in dyn_pos)
+        dyn_nums, dyn_names = _dynamic_donation(args, kwargs, nums, names, dnums, dnames)
         try:
             analysis = analyze(f, a, k, cost_model=cost_model, objective=objective, gpu=gpu,
-                               donate_argnums=dyn_donate)
+                               donate_argnums=dyn_nums, donate_argnames=dyn_names)
             return make_report(getattr(fn, "__name__", repr(fn)), analysis)
         except VTCError:
             raise
@@ -302,10 +353,10 @@ class Optimized:
 
     def __init__(self, fn: Callable[..., Any], *, static_argnums: Sequence[int], static_argnames: Sequence[str],
                  donate_argnums: Sequence[int], backend: str, objective: str, cost_model: Any,
-                 profile: bool, strict: bool, gpu: str | None) -> None:
+                 profile: bool, strict: bool, gpu: str | None, donate_argnames: Sequence[str] = ()) -> None:
         self.fn = fn
-        self._static = (tuple(static_argnums), tuple(static_argnames))
-        self._donate = tuple(donate_argnums)
+        self._static = resolve_argnums(fn, static_argnums or None, static_argnames or None)
+        self._donate = resolve_argnums(fn, donate_argnums or None, donate_argnames or None)
         self._opts = dict(objective=objective, cost_model=cost_model, gpu=gpu)
         self.backend = _resolve_backend(backend)
         self.strict = strict
@@ -317,8 +368,17 @@ class Optimized:
             self._warn("no GPU: Pallas kernels run in interpret mode (correct, slow); "
                        "use backend='triton' to lower them for CUDA")
         functools.update_wrapper(self, fn)
-        self._jitted = jax.jit(self._impl, static_argnums=static_argnums, static_argnames=static_argnames,
-                               donate_argnums=donate_argnums)
+
+        def impl(*args: Any, **kwargs: Any) -> Any:
+            return self._impl(*args, **kwargs)
+
+        sig = _signature(fn)   # jax.jit validates names and numbers against fn's own signature
+        if sig is not None:
+            impl.__signature__ = sig  # type: ignore[attr-defined]
+        impl.__name__ = getattr(fn, "__name__", "fn")
+        impl.__qualname__ = getattr(fn, "__qualname__", impl.__name__)
+        self._jitted = jax.jit(impl, static_argnums=self._static[0], static_argnames=self._static[1],
+                               donate_argnums=self._donate[0], donate_argnames=self._donate[1])
 
     def _warn(self, msg: str) -> None:
         if msg not in self._said:
@@ -333,11 +393,12 @@ class Optimized:
 
     def _impl(self, *args: Any, **kwargs: Any) -> Any:
         f, a, k = _split_static(self.fn, args, kwargs, *self._static)
+        donate = _dynamic_donation(args, kwargs, *self._static, *self._donate)
         if self.profile and jax.default_backend() != "gpu":
             self._fallback("profile=True needs a GPU to time candidates; using the analytical cost model")
         flat = jax.tree_util.tree_leaves((a, k))
         try:
-            analysis, lowered, closed = self._plan_and_build(f, a, k, flat)
+            analysis, lowered, closed = self._plan_and_build(f, a, k, flat, donate)
         except VTCError:
             raise
         except Exception as exc:  # the whole rewrite failed: plain jax.jit behaviour
@@ -358,14 +419,15 @@ class Optimized:
                                             f, analysis.graph.in_tree)
         return analysis.graph.unflatten_outputs(program(*flat))
 
-    def _plan_and_build(self, f: Callable[..., Any], a: tuple, k: dict, flat: list) -> tuple[Any, Any, Any]:
+    def _plan_and_build(self, f: Callable[..., Any], a: tuple, k: dict, flat: list,
+                        donate: tuple[tuple[int, ...], tuple[str, ...]]) -> tuple[Any, Any, Any]:
         """Analyse, lower and trace the emitted program (``program.build``: per-cluster fallback,
         control-flow bodies optimised recursively)."""
         from .program import BuildOptions, build
         abstract_a, abstract_k = jax.tree_util.tree_map(_abstract, (a, k))
         self._rejected = {}
         self._build = BuildOptions(self.backend, self.strict, self._opts, self._fallback, VTCError)
-        return build(f, abstract_a, abstract_k, flat, donate=self._donate, opts=self._build,
+        return build(f, abstract_a, abstract_k, flat, donate=donate[0], donate_names=donate[1], opts=self._build,
                      rejected=self._rejected)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -382,22 +444,25 @@ class Optimized:
 
     def explain(self, *args: Any, **kwargs: Any) -> Report:
         return explain(self.fn, static_argnums=self._static[0], static_argnames=self._static[1],
-                       donate_argnums=self._donate, **self._opts)(*args, **kwargs)
+                       donate_argnums=self._donate[0], donate_argnames=self._donate[1],
+                       **self._opts)(*args, **kwargs)
 
 
 def optimize(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence[int] = (),
              static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
              backend: str = "auto", objective: str = "latency", cost_model: Any = None,
-             profile: bool = False, strict: bool = False, gpu: str | None = None) -> Any:
+             profile: bool = False, strict: bool = False, gpu: str | None = None,
+             donate_argnames: str | Sequence[str] = ()) -> Any:
     """Compile ``fn`` with VTC: like ``jax.jit(fn)``, with data movement turned into index maps.
 
-    Use as ``@optimize`` or ``@optimize(donate_argnums=2, ...)``. ``backend``: "auto" (Triton on a
+    Use as ``@optimize`` or ``@optimize(donate_argnums=2, ...)``. Static and donated arguments
+    follow ``jax.jit``: by number or by name, the other read off ``fn``'s signature. ``backend``: "auto" (Triton on a
     GPU, the Pallas interpreter elsewhere), "triton" (lower for CUDA even on a CPU machine, e.g. to
     export) or "interpret". ``strict=True`` raises where VTC would fall back to plain XLA.
     """
     opts = dict(static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums,
                 backend=backend, objective=objective, cost_model=cost_model, profile=profile, strict=strict,
-                gpu=gpu)
+                gpu=gpu, donate_argnames=donate_argnames)
     if fn is None:
         return functools.partial(optimize, **opts)
     if not callable(fn):
@@ -406,5 +471,6 @@ def optimize(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequ
     _resolve_backend(backend)
     _cost_model(cost_model, objective, gpu)
     return Optimized(fn, static_argnums=as_tuple(static_argnums, int), static_argnames=as_tuple(static_argnames, str),
-                     donate_argnums=as_tuple(donate_argnums, int), backend=backend, objective=objective,
+                     donate_argnums=as_tuple(donate_argnums, int), donate_argnames=as_tuple(donate_argnames, str),
+                     backend=backend, objective=objective,
                      cost_model=cost_model, profile=profile, strict=strict, gpu=gpu)

@@ -35,7 +35,8 @@ class BuildOptions:
 
 
 def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequence[Any], *,
-          donate: Sequence[int], opts: BuildOptions, rejected: dict[int, str]) -> tuple[Any, Any, Any]:
+          donate: Sequence[int], opts: BuildOptions, rejected: dict[int, str],
+          donate_names: Sequence[str] = ()) -> tuple[Any, Any, Any]:
     """``(analysis, lowered, closed_jaxpr)`` of ``f`` traced on ``flat`` (arrays, tracers or
     ShapeDtypeStructs). ``rejected`` collects the clusters whose kernels failed to build."""
     from . import lower as lower_mod
@@ -43,7 +44,8 @@ def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequ
     from .templates import KernelBuildError
     graph = None
     for _ in range(MAX_BUILD_ATTEMPTS):
-        analysis = analyze(f, abstract_a, abstract_k, donate_argnums=donate, rejected=rejected, graph=graph,
+        analysis = analyze(f, abstract_a, abstract_k, donate_argnums=donate, donate_argnames=donate_names,
+                           rejected=rejected, graph=graph,
                            **opts.analysis)
         graph = analysis.graph
         lowered = lower_mod.lower(graph, analysis.clusters, analysis.matches, analysis.strategy,
