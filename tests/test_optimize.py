@@ -4,6 +4,7 @@ Equivalence runs the Pallas kernels in interpret mode (small shapes); the paper-
 trace and lower for CUDA (no execution).
 """
 import sys
+import functools
 import re
 import warnings
 from pathlib import Path
@@ -160,6 +161,40 @@ def test_static_and_donated_arguments_by_number_or_name_as_jax_jit():
             vtc_jax.optimize(_cache_step, backend="interpret", **kw)(2, x, cache, 1)
     rep = vtc_jax.explain(_cache_step, static_argnums=0, donate_argnames="cache")(2, x, cache, 1)
     assert isinstance(rep, vtc_jax.Report)
+
+
+def test_method_binds_self_as_jax_jit():
+    """``@partial(optimize, static_argnums=0)`` on a method binds ``self`` (a static, hashable
+    object), as ``jax.jit`` does; a non-static ``self`` that is not an array gets jax.jit's error."""
+    class Layer:
+        def __init__(self, k):
+            self.k = k
+
+        def __hash__(self):
+            return hash(self.k)
+
+        def __eq__(self, other):
+            return isinstance(other, Layer) and other.k == self.k
+
+        @functools.partial(vtc_jax.optimize, static_argnums=0, backend="interpret")
+        def f(self, x):
+            return (x.T * self.k).sum(0)
+
+        @functools.partial(jax.jit, static_argnums=0)
+        def g(self, x):
+            return (x.T * self.k).sum(0)
+
+        @functools.partial(vtc_jax.optimize, backend="interpret")
+        def h(self, x):
+            return x.T
+
+    x = jnp.arange(12.0).reshape(3, 4)
+    for k in (2.0, 3.0):
+        layer = Layer(k)
+        np.testing.assert_array_equal(layer.f(x), layer.g(x))
+        np.testing.assert_array_equal(Layer.f(layer, x), layer.g(x))
+    with pytest.raises(TypeError, match="as an abstract array"):
+        Layer(1.0).h(x)
 
 
 def test_decorator_forms_and_bad_input():

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import inspect
 import time
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -432,6 +433,11 @@ class Optimized:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._jitted(*args, **kwargs)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        """A method decorated with ``optimize`` binds ``self`` as its first argument, as a
+        ``jax.jit``-decorated one does (``@partial(optimize, static_argnums=0)`` on a method)."""
+        return self if obj is None else types.MethodType(self, obj)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         return self._jitted.lower(*args, **kwargs)
