@@ -379,3 +379,42 @@ def test_default_config_compiles_sm90_no_spills(compiled_defaults, name):
         import re
         waits = [int(x) for x in re.findall(r"cp\.async\.wait_group\s+(\d+)", results[0].ptx or "")]
         assert waits and max(waits) >= 1, waits
+
+
+# --------------------------------------------------------------------------------------------
+# One position per sequence (continuous batching): a (B,) pos / kv_len operand
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("splits,window,use_kv_len", [(1, None, False), (3, None, False), (2, 24, False),
+                                                      (3, None, True)])
+def test_per_sequence_positions(dtype, splits, window, use_kv_len):
+    """Each sequence its own end: positions 0, mid, T - 1 and past T, through a cache layout, in
+    both the one-kernel and the split + combine forms, with a sliding window; equal to the numpy
+    reference row by row."""
+    b, h, g, d, t = 4, 2, 3, 48, 100
+    # past the end only without a window (ref_attention counts a window from the clamped end)
+    pos = jnp.asarray([0, 37, t - 1, t + 5 if window is None else 60], jnp.int32)
+    q = rand((b, h, g, d), dtype)
+    kc, vc = rand((b, t, h, d), dtype, 1), rand((b, t, h, d), dtype, 2)
+
+    def call(q, kc, vc, pos, backend):
+        kw = dict(kv_len=pos + 1) if use_kv_len else dict(pos=pos)
+        return decode_attention(q, cache_view(kc), cache_view(vc), num_splits=splits, block_k=32,
+                                window=window, backend=backend, **kw)
+
+    def ref(q, kc, vc, pos):
+        rows = [ref_attention(q[i:i + 1], from_cache(kc)[i:i + 1], from_cache(vc)[i:i + 1],
+                              hi=int(pos[i]) + 1, window=window) for i in range(b)]
+        return jnp.concatenate(rows, axis=0)
+
+    res = check_kernel(call, ref, (q, kc, vc, pos), **TOL[dtype])
+    assert len(res.triton_kernels) == (1 if splits == 1 else 2)
+
+
+def test_per_sequence_positions_must_match_the_batch():
+    q, k = rand((2, 1, 1, 16)), rand((2, 1, 32, 16))
+    with pytest.raises(ValueError, match=r"shape \(2,\)"):
+        decode_attention(q, k, k, pos=jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="scalar or a"):
+        decode_attention(q, k, k, pos=jnp.zeros((2, 1), jnp.int32))

@@ -3,7 +3,8 @@
 Each case: ``vtc_jax.optimize(step, backend="interpret")`` equals ``jax.jit(step)`` (same pytree,
 shapes and dtypes; max |diff| <= 1e-5 x max |ref| for f32, 2e-2 for bf16; integer and boolean
 outputs exactly), the fallback warnings are exactly the expected ones (what vtc_jax leaves to XLA
-in that case, and why), and the optimised program cross-lowers for CUDA (every Pallas kernel
+in that case, and why), attention reaches the kernel named in ``ATTENTION`` (and no other case
+has one), and the optimised program cross-lowers for CUDA (every Pallas kernel
 through Triton's lowering).
 """
 import warnings
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import vtc_jax
+from vtc_jax.templates import Match
 from tests.test_zoo import check_close
 from tests.zoo.styles import CASES
 
@@ -21,6 +23,16 @@ FALLBACKS = {
     "sdpa_gqa_causal_bf16": ("an iota as large as the output",),   # the causal mask XLA builds
     "moe_topk_router": ("'top_k'",),
     "int_and_bool_outputs": ("'cumsum'",),
+}
+
+# case -> the attention kernel its attention must run in (the template reached from that style)
+ATTENTION = {
+    "flax_linen_mha_decode": "decode",
+    "flax_nnx_mha": "prefill",
+    "equinox_mha_vmapped": "decode",      # 8 query rows, no mask: one decode tile per head
+    "sdpa_gqa_causal_bf16": "prefill",
+    "rotate_half_rope_kvcache_at_set": "decode",
+    "continuous_batching_decode": "decode",
 }
 
 
@@ -46,7 +58,10 @@ def test_style_matches_jit(name):
     ref = jax.jit(step)(*args)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", vtc_jax.VTCFallbackWarning)
-        out = vtc_jax.optimize(step, backend="interpret")(*args)
+        opt = vtc_jax.optimize(step, backend="interpret")
+        out = opt(*args)
+    kernels = [m.detail.kernel for m in opt.last[0].matches.values() if isinstance(m, Match) and m.kind == "attention"]
+    assert kernels == ([ATTENTION[name]] if name in ATTENTION else []), kernels
     assert jax.tree.structure(out) == jax.tree.structure(ref)
     _exact(out, ref)
     got = [str(w.message) for w in caught if issubclass(w.category, vtc_jax.VTCFallbackWarning)]

@@ -7,7 +7,8 @@ Each ``CASES[name]()`` returns ``(step, args)``, small and random: flax.linen's
 ``jnp.take``, a top-k MoE router with ``take_along_axis``, ViT patchify (reshape/transpose) with a
 class token and LayerNorm by ``rsqrt``, a flax.linen conv + BatchNorm block in NHWC, ``roll`` /
 ``flip`` / reflect ``pad`` / ``tile``, a ``scan`` over ``dynamic_slice`` windows, rotate-half RoPE
-with ``.at[:, pos].set`` caches and a ``finfo.min`` mask, PRNG keys made inside, ``value_and_grad``
+with ``.at[:, pos].set`` caches and a ``finfo.min`` mask, continuous-batching decode (a position per
+sequence), PRNG keys made inside, ``value_and_grad``
 through transposes, ``cond`` + ``while_loop``, integer and boolean outputs.
 ``tests/test_styles.py`` checks each against ``jax.jit``.
 """
@@ -186,6 +187,27 @@ def rotate_half_rope_kvcache_at_set():
         s = jnp.einsum("bqhd,bkhd->bhqk", q, ck) * (D ** -0.5)
         s = jnp.where(jnp.arange(T)[None, None, None] <= pos, s, jnp.finfo(s.dtype).min)
         o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), cv)
+        return o.reshape(B, 1, H * D), ck, cv
+    return step, (q, kn, vn, ck, cv, pos)
+
+
+@case
+def continuous_batching_decode():
+    """Serving with continuous batching: each sequence at its own position (a (B,) vector), K/V
+    rows scattered per sequence, GQA by jnp.repeat, scores / sqrt(d), a -inf mask per sequence."""
+    rnd = _rng()
+    B, T, H, KV, D = 4, 32, 8, 2, 16
+    q, kn, vn = rnd(B, 1, H, D), rnd(B, 1, KV, D), rnd(B, 1, KV, D)
+    ck, cv = rnd(B, T, KV, D), rnd(B, T, KV, D)
+    pos = jnp.array([0, 7, 31, 12], jnp.int32)
+
+    def step(q, kn, vn, ck, cv, pos):
+        b = jnp.arange(B)
+        ck, cv = ck.at[b, pos].set(kn[:, 0]), cv.at[b, pos].set(vn[:, 0])
+        k, v = jnp.repeat(ck, H // KV, axis=2), jnp.repeat(cv, H // KV, axis=2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(D).astype(q.dtype)
+        s = jnp.where(jnp.arange(T)[None, None, None, :] <= pos[:, None, None, None], s, -jnp.inf)
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
         return o.reshape(B, 1, H * D), ck, cv
     return step, (q, kn, vn, ck, cv, pos)
 

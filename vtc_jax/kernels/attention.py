@@ -28,7 +28,8 @@ Kernels (the paper's Listing 1 stages: load through vio / untouched compute / st
         exp(m_s - max m), sums, divides by the combined l, OUT.store.
 
 Valid keys are ``lo <= t < hi`` with ``hi = min(end, T)``, ``end = pos + 1`` (or ``kv_len``, or
-``T``) and, with a sliding ``window``, ``lo = end - window`` (keys ``t > pos - window``, counted from
+``T``; ``pos``/``kv_len`` one scalar for all sequences, or one per sequence: a ``(B,)`` operand
+program ``b`` reads its element of, as a continuously batched server has) and, with a sliding ``window``, ``lo = end - window`` (keys ``t > pos - window``, counted from
 the unclamped end as jax does for ``pos >= T``). A row with no valid key (``hi <= lo``: a position
 < 0) outputs what ``empty_rows`` says (:func:`empty_rows_mode`; for a finite mask a second pass
 over all T keys, which runs no step unless the row is empty). The split is decided at run time from
@@ -131,6 +132,7 @@ class _Cfg:
     precision: Any
     empty_nan: bool = False   # a row with no valid key is NaN (jax's softmax of all -inf), else 0
     empty_fill: tuple | None = None  # ... or the softmax of jax's masked scores (:func:`masked_scores`)
+    per_row: bool = False     # the runtime end is a (B,) operand (one position per sequence)
 
 
 def softmax_block(qt: jax.Array, kb: jax.Array, vb: jax.Array, valid: jax.Array, carry: tuple, *,
@@ -204,9 +206,11 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
 
     q: logical (B, Hkv, G, D); k: (B, Hkv, T, D); v: (B, Hkv, T, Dv) — :class:`vio.VTensor` or
         arrays, read through their layouts (e.g. K/V straight from a (B, T, Hkv, D) cache).
-    pos: runtime int32 scalar, the decode position: keys ``t <= pos`` are valid (causal).
-    kv_len: instead of ``pos``: keys ``t < kv_len`` are valid (static int or runtime scalar).
-        Neither: all T keys. Both: error.
+    pos: runtime int32 scalar, the decode position: keys ``t <= pos`` are valid (causal); or a
+        runtime ``(B,)`` vector, one position per sequence (continuous batching: program ``b``
+        reads element ``b``, one scalar load).
+    kv_len: instead of ``pos``: keys ``t < kv_len`` are valid (static int, runtime scalar or
+        ``(B,)`` vector). Neither: all T keys. Both: error.
     sm_scale: logit scale, default ``1/sqrt(D)``.
     soft_cap: logit soft-capping ``cap * tanh(s / cap)`` after scaling (Gemma-2), before masking.
     window: sliding window: additionally keys ``t >= end - window`` only (``t > pos - window``).
@@ -235,7 +239,12 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
     T, Dv = k.shape[2], v.shape[3]
     out = output(out, (B, H, G, Dv), q.dtype)
     hi_static, hi_offset, scalar = _valid_end(pos, kv_len, T)
-    if scalar is not None:
+    per_row = scalar is not None and jnp.ndim(scalar) == 1
+    if per_row:   # one end per sequence: a (B,) int32 operand, each program reads its element
+        if jnp.shape(scalar) != (B,):
+            raise ValueError(f"per-sequence positions must have shape ({B},), got {jnp.shape(scalar)}")
+        lens = VTensor.of(jnp.asarray(scalar, jnp.int32))
+    elif scalar is not None:
         # The scalar rides along as a runtime symbol of q: vio passes symbols as (1,) int32
         # operands and hands every VRef their values (one scalar read in the kernel; a (1,)
         # physical input would be a masked vector load plus a reduction).
@@ -249,8 +258,9 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
                   num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
                   hi_static=hi_static, hi_offset=hi_offset)
     empty_nan, empty_fill = empty_rows_mode(empty_rows)
-    cfg = dataclasses.replace(cfg, empty_nan=empty_nan, empty_fill=empty_fill)
-    return _launch(cfg, q, k, v, out, backend=backend, num_warps=num_warps, num_stages=num_stages)
+    cfg = dataclasses.replace(cfg, empty_nan=empty_nan, empty_fill=empty_fill, per_row=per_row)
+    return _launch(cfg, q, k, v, out, backend=backend, num_warps=num_warps, num_stages=num_stages,
+                   lens=lens if per_row else None)
 
 
 def _check(q: VTensor, k: VTensor, v: VTensor, *, block_k: int, pos: Any, kv_len: Any,
@@ -265,6 +275,9 @@ def _check(q: VTensor, k: VTensor, v: VTensor, *, block_k: int, pos: Any, kv_len
     check_pow2("block_k", block_k, MIN_DOT)
     if pos is not None and kv_len is not None:
         raise ValueError("give pos or kv_len, not both")
+    end = pos if pos is not None else kv_len
+    if end is not None and not _is_static_int(end) and jnp.ndim(end) not in (0, 1):
+        raise ValueError(f"pos / kv_len must be a scalar or a (B,) vector, got shape {jnp.shape(end)}")
     if window is not None and int(window) < 1:
         raise ValueError(f"window={window} must be >= 1")
     for v_ in (q, k, v):
@@ -311,17 +324,18 @@ def _config(q_shape: tuple[int, ...], T: int, Dv: int, compute: np.dtype, *, blo
 
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, *, backend: str,
-            num_warps: int, num_stages: int) -> Any:
+            num_warps: int, num_stages: int, lens: VTensor | None = None) -> Any:
     """One kernel when S == 1; else the split kernel into f32 partials, then the combine kernel."""
+    ins = [q, k, v] + ([lens] if lens is not None else [])
     if c.S == 1:
-        plan = Plan.build([q, k, v], [out])
+        plan = Plan.build(ins, [out])
         bufs = plan.call(functools.partial(_split_body, c), grid=(c.B, c.H, 1), backend=backend,
                          num_warps=num_warps, num_stages=num_stages, name="vtc_decode_attention")
         return pack_results(bufs)[0]
     parts = [VTensor.fresh((c.B, c.H, c.S, c.G), jnp.float32),
              VTensor.fresh((c.B, c.H, c.S, c.G), jnp.float32),
              VTensor.fresh((c.B, c.H, c.S, c.G, c.Dv), jnp.float32)]
-    plan = Plan.build([q, k, v], parts)
+    plan = Plan.build(ins, parts)
     (m,), (l,), (acc,) = plan.call(functools.partial(_split_body, c), grid=(c.B, c.H, c.S),
                                    backend=backend, num_warps=num_warps, num_stages=num_stages,
                                    name="vtc_decode_attention_split")
@@ -342,7 +356,9 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     # The valid keys [lo, hi): scalars (traced or static); a window counts back from the
     # unclamped end (jax's ``t > pos - window`` for any pos).
     if c.hi_static is None:
-        end: Any = q_ref.syms[_LEN_SYM] + c.hi_offset
+        # this sequence's position: a (1,)-block load of the (B,) operand, reduced to a scalar
+        x = ins[3].load((b,), (1,)).max() if c.per_row else q_ref.syms[_LEN_SYM]
+        end: Any = x + c.hi_offset
         hi: Any = jnp.minimum(end, c.T)
         lo: Any = jnp.maximum(end - c.window, 0) if c.window is not None else 0
     else:

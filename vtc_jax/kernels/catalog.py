@@ -76,6 +76,9 @@ def examples() -> Iterator[tuple[str, Callable[..., Any], tuple]]:
            (S((B, HKV, G, DH), bf16), S((B, HKV, T, DH), bf16), S((B, HKV, T, DH), bf16), S((), i32)))
     yield (f"decode_attention_bf16_from_cache_B1_H{HKV}_G{G}_T{T}_D{DH}", attn_cache,
            (S((1, HKV, G, DH), bf16), S((1, T, HKV, DH), bf16), S((1, T, HKV, DH), bf16), S((), i32)))
+    # continuous batching: one position per sequence, a (B,) operand
+    yield (f"decode_attention_bf16_from_cache_per_sequence_pos_B{B}_H{HKV}_G{G}_T{T}_D{DH}", attn_cache,
+           (S((B, HKV, G, DH), bf16), S((B, T, HKV, DH), bf16), S((B, T, HKV, DH), bf16), S((B,), i32)))
 
     # pointwise
     def silu_mul(g: Any, u: Any, *, backend: str) -> Any:

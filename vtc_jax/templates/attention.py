@@ -33,9 +33,13 @@ and the result is fitted to the family the kernels implement::
 (``a`` = 1: causal by query position ``i``; ``W``: sliding window, measured from the unclamped
 end as jax does). The runtime scalar is probed over [0, T) and outside it (negative, past the
 end): the kernels compute the same bounds for any position (|x| < 2^30), so a mask that leaves
-the family outside the cache (``t <= clip(pos, 0, T - 1)``) is declined, not extrapolated. Masks that vary along the batch or head axes (per-batch positions,
-padding masks) or depend on a non-scalar runtime tensor are declined with that reason: neither
-kernel takes per-batch positions. An additive bias with other values (ALiBi) is declined too.
+the family outside the cache (``t <= clip(pos, 0, T - 1)``) is declined, not extrapolated.
+Masks that vary along the batch or head axes (padding masks, say) or depend on a non-integer
+runtime tensor are declined with that reason. The one exception is a vector of positions, one per sequence (continuous batching: ``t <= pos[b]``): probed
+with every entry equal it must fit the family like a scalar, then with distinct entries batch entry
+``b`` must see the family at ``pos[b]`` (:func:`_check_per_row`); the decode kernel takes it as a
+``(B,)`` operand (the prefill kernel takes one bound for all). An additive bias with other values
+(ALiBi) is declined too.
 
 Decode (every query row sees the same keys, at most 16 query rows per batch·head — one token,
 GQA heads folded in) runs ``kernels.attention.decode_attention``; everything else (prefill,
@@ -93,6 +97,7 @@ class _AttnMatch:
     empty_rows: str = "zero"    # a row with no valid key: "nan" (every mask fills -inf, as jax),
                                 # "uniform" (one finite fill value: jax averages V), "zero" (never
                                 # happens: no probe found such a row)
+    per_row: bool = False       # hi_scalar is a vector: one position per sequence (decode only)
 
     @property
     def kernel(self) -> str:
@@ -564,13 +569,14 @@ def _mask_arrays(graph: Graph, masks: list[_Mask], env: dict[int, Any], rank: in
 
 def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tuple[int, ...],
               bias_values: set[float] | None = None):
-    """(seq axis, causal, c, scalar, window, empty) with valid(i, t) = lo <= t < min(T, a·i + c [+ x]);
-    ``empty``: some probed value of the runtime scalar (or the static mask) leaves a row with no
-    valid key."""
+    """(seq axis, causal, c, scalar, window, empty, per_row) with
+    valid(i, t) = lo <= t < min(T, a·i + c [+ x]); ``empty``: some probed value of the runtime
+    scalar (or the static mask) leaves a row with no valid key; ``per_row``: ``x`` is a vector, one
+    value per batch entry (:func:`_check_per_row`)."""
     rank = len(shape)
     T = shape[dims["key"]]
     if not masks:
-        return None, False, T, None, None, False
+        return None, False, T, None, None, False, False
     ev = _Eval(graph)
     leaves: set[int] = set()
     try:
@@ -581,13 +587,15 @@ def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tup
     if len(leaves) > 1:
         raise Decline(f"the mask depends on several runtime tensors ({sorted(leaves)})")
     x = next(iter(leaves), None)
+    per_row = False
     if x is not None:
         info = graph.tensors[x]
-        if info.size != 1:
-            raise Decline(f"the mask depends on a runtime tensor of shape {info.shape} (per-batch "
-                          "positions or a padding mask): the kernels take one bound for all rows")
         if not np.issubdtype(np.dtype(info.dtype), np.integer):
-            raise Decline(f"the mask depends on a runtime {np.dtype(info.dtype).name} scalar")
+            raise Decline(f"the mask depends on a runtime {np.dtype(info.dtype).name} tensor of shape "
+                          f"{info.shape} (a padding mask?): the kernels take integer positions only")
+        # a vector: one position per batch entry (checked below); probed first with every entry
+        # equal (a size-1 value broadcasts), which must fit the family like a scalar does
+        per_row = info.size != 1
     # probe positions inside the cache, [0, T), and outside it (a negative position, one past
     # the end, ...): the kernels compute the family's bounds for any value of the scalar
     # (|x| < 2^30), so a mask that leaves the family outside [0, T) (``t <= clip(pos, 0, T-1)``) is
@@ -656,7 +664,58 @@ def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tup
                       "(valid keys hi(i) - W <= t < hi(i) with hi = [i +] c [+ pos]) for every position, "
                       "in [0, T) and outside it")
     empty = any(not row.any() for m in mats.values() for row in m)
-    return (*found, empty)
+    if per_row:
+        _check_per_row(graph, masks, dims, shape, x, found, xs)
+    return (*found, empty, per_row)
+
+
+def _check_per_row(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tuple[int, ...],
+                   x: int, found: tuple, probes: list[Any]) -> None:
+    """A vector ``x`` (per-sequence positions, continuous batching): with distinct values in its
+    entries, batch entry ``b`` of the scores (the batch axes but the head axis, flattened) must see
+    exactly the family at ``x[b]`` — so ``x`` has one entry per batch entry, in batch order, and
+    the mask does not vary along the heads. Probed with three assignments of the probe values
+    (negative, inside and past the cache) to the entries; Decline otherwise."""
+    seq_axis, causal, c, use_x, w = found
+    info = graph.tensors[x]
+    nb, key = dims["nb"], dims["key"]
+    if use_x is None:
+        raise Decline(f"the mask depends on runtime tensor t{x} but not as a bound on key positions")
+    if nb < 1:
+        raise Decline(f"the mask depends on a runtime tensor of shape {info.shape} but the scores have "
+                      "no batch axis")
+    B = int(np.prod(shape[:nb - 1])) if nb > 1 else 1
+    if info.size != B:
+        raise Decline(f"the mask depends on a runtime tensor of shape {info.shape} ({info.size} values; "
+                      f"{B} sequences): per-sequence positions need one value per sequence")
+    if np.prod(shape[:nb]) * shape[key] * (shape[seq_axis] if seq_axis is not None else 1) > _MAX_PROBE_ELEMS:
+        raise Decline(f"the mask over {shape} is too large to probe per sequence")
+    T = shape[key]
+    S = shape[seq_axis] if seq_axis is not None else 1
+    for r in range(3):
+        vals = np.asarray([probes[(j * (2 * r + 3) + r) % len(probes)] for j in range(info.size)],
+                          np.dtype(info.dtype))
+        try:
+            arr = _mask_arrays(graph, masks, {x: vals.reshape(info.shape)}, len(shape))
+        except _NoFold as e:
+            raise Decline(f"mask t{e} cannot be evaluated")
+        arr = np.broadcast_to(arr, tuple(shape[:nb]) + arr.shape[nb:])
+        arr = arr.reshape((B, -1) + arr.shape[nb:])            # (B, heads, query/key axes...)
+        keep = [a - nb + 2 for a in (seq_axis, key) if a is not None]
+        others = [a for a in range(2, arr.ndim) if a not in keep]
+        for a in others:   # one mask for every value of the other query axes
+            if arr.shape[a] != 1 and not np.all(arr == arr.take([0], axis=a)):
+                raise Decline("the mask varies along two query axes")
+        idx = tuple(slice(None) if a < 2 or a in keep else 0 for a in range(arr.ndim))
+        mats = arr[idx]                                         # (B, heads, [S,] T) in some order
+        if seq_axis is not None and seq_axis > key:
+            mats = np.swapaxes(mats, -1, -2)
+        mats = np.broadcast_to(mats.reshape(mats.shape[:2] + (-1, T)), (B, mats.shape[1], S, T))
+        for b in range(B):
+            want = _family(S, T, causal, c + int(vals[b]), w)
+            if not all(np.array_equal(mats[b, h], want) for h in range(mats.shape[1])):
+                raise Decline(f"the mask depends on runtime tensor t{x} of shape {info.shape}, but not as "
+                              "one position per sequence (entry b bounding batch entry b's keys)")
 
 
 def _empty_rows(masks: list[_Mask], bias_values: set[float], empty: bool) -> Any:
@@ -699,7 +758,8 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     d1 = a["d1"]
     shape = graph.tensors[d1.outputs[0]].shape
     bias_values: set[float] = set()
-    seq_axis, causal, hi_c, hi_x, window, empty = _fit_mask(graph, st["masks"], dims, shape, bias_values)
+    seq_axis, causal, hi_c, hi_x, window, empty, per_row = _fit_mask(graph, st["masks"], dims, shape,
+                                                                      bias_values)
     empty_rows = _empty_rows(st["masks"], bias_values, empty)
     inner, outer = st["inner"], st["outer"]
     if st["tanh"]:
@@ -731,11 +791,14 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     if window is not None and window < 1:
         raise Decline(f"sliding window of {window} keys")
     decode = not causal and rows <= DECODE_MAX_ROWS
+    if per_row and not decode:
+        raise Decline("per-sequence positions: only the decode kernel takes one bound per sequence "
+                      "(the prefill kernel takes one for all)")
     if seq_axis is None:
         S = rows
     return _AttnMatch(q, k, v, c.outputs[0], q_perm, k_perm, v_perm, out_perm, batch, rows, S, T, D, Dv,
                       float(scale), None if cap is None else float(cap), causal, int(hi_c), hi_x,
-                      None if window is None else int(window), decode, empty_rows)
+                      None if window is None else int(window), decode, empty_rows, per_row)
 
 
 # --------------------------------------------------------------------------------------------
@@ -784,14 +847,16 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
             return VTensor(lay, x.dtype, x.buffers, x.symbols)
 
         base: Any = m.hi_const
-        if m.hi_scalar is not None:
-            base = jnp.asarray(run.value(m.hi_scalar), jnp.int32).reshape(()) + m.hi_const
+        pos: Any = None
+        if m.hi_scalar is not None:   # one scalar, or one per sequence (B,)
+            pos = jnp.asarray(run.value(m.hi_scalar), jnp.int32).reshape((B,) if m.per_row else ())
+            base = pos + m.hi_const
         if m.decode:
             from ..kernels.attention import decode_attention
             kw: dict[str, Any] = {}
             if m.hi_scalar is not None:
                 if m.hi_const == 1:     # keys t <= pos: the decode kernel's own form
-                    kw["pos"] = jnp.asarray(run.value(m.hi_scalar), jnp.int32).reshape(())
+                    kw["pos"] = pos
                 else:
                     kw["kv_len"] = base
             elif m.hi_const < T or m.window is not None:   # a window counts from the unclamped end
