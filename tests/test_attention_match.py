@@ -333,6 +333,12 @@ def x_pos_per_head(q, kc, vc, pos):
         jnp.where(jnp.arange(T)[None, None, None, :] <= pos[None, :, None, None], s, -jnp.inf), -1))
 
 
+def x_second_score_term(q, kc, vc, pos):
+    """Scores from two q·k products (MLA's latent and rope parts): the added one is no mask."""
+    return _attend(q, kc, vc, lambda s: jax.nn.softmax(jnp.where(
+        jnp.arange(T) <= pos, s + jnp.einsum("bhqd,btd->bhqt", th(q), kc[:, :, 0]), -jnp.inf), -1))
+
+
 def x_prefill_per_sequence(q, kc, vc, pos):
     """A causal chunk per sequence, each at its own offset: the prefill kernel takes one bound."""
     qs = jnp.concatenate([q] * S, axis=1)                                       # (B, S, H, D)
@@ -370,13 +376,14 @@ def x_padding_mask(q, kc, vc, valid):
 @pytest.mark.parametrize("fn,why", [
     (x_pos_per_head, "per-sequence positions need one value per sequence"),
     (x_prefill_per_sequence, "only the decode kernel takes one bound per sequence"),
+    (x_second_score_term, "a second score term or a learned bias"),
     (x_alibi, "a general bias is not supported"),
     (x_mask_before_cap, "soft-caps scores that are already masked"),
     (x_relu, "not a scale, soft-cap, mask or softmax step"),
     (x_small_neg, "not a mask value"),
     (x_mask_scaled_down, "no longer a mask"),
     (x_padding_mask, "shape (2, 24)"),
-], ids=["pos_per_head", "prefill_per_sequence", "alibi", "mask_before_cap", "relu", "small_neg", "scaled_down", "padding_mask"])
+], ids=["pos_per_head", "prefill_per_sequence", "second_score_term", "alibi", "mask_before_cap", "relu", "small_neg", "scaled_down", "padding_mask"])
 def test_declined_forms_say_why(fn, why):
     args = decode_args()
     if fn is x_padding_mask:

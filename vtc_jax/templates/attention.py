@@ -584,6 +584,14 @@ def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tup
             leaves |= ev.leaves(m.tensor)
     except _NoFold as e:
         raise Decline(f"mask t{e} cannot be evaluated")
+    for m in masks:   # a float runtime term added to the scores is no mask (MLA's rope scores, a bias)
+        floats = [t for t in ev.leaves(m.tensor)
+                  if not np.issubdtype(np.dtype(graph.tensors[t].dtype), np.integer)
+                  and np.dtype(graph.tensors[t].dtype) != np.bool_]
+        if m.keep is None and floats:
+            raise Decline(f"the scores get t{m.tensor} added, computed from runtime "
+                          f"{np.dtype(graph.tensors[floats[0]].dtype).name} tensor t{floats[0]}: a second score "
+                          "term or a learned bias, not a mask of positions")
     if len(leaves) > 1:
         raise Decline(f"the mask depends on several runtime tensors ({sorted(leaves)})")
     x = next(iter(leaves), None)
