@@ -23,6 +23,8 @@ FALLBACKS = {
     "sdpa_gqa_causal_bf16": ("an iota as large as the output",),   # the causal mask XLA builds
     "moe_topk_router": ("'top_k'",),
     "int_and_bool_outputs": ("'cumsum'",),
+    "mla_absorbed": ("a second score term",),
+    "attn_dropout_training": ("an iota as large as the output",),   # the tril mask; dropout declines
 }
 
 # case -> the attention kernel its attention must run in (the template reached from that style)
@@ -33,6 +35,11 @@ ATTENTION = {
     "sdpa_gqa_causal_bf16": "prefill",
     "rotate_half_rope_kvcache_at_set": "decode",
     "continuous_batching_decode": "decode",
+    "rolling_buffer_mistral": "decode",
+    "int8_kv_cache_dequant": "decode",
+    "whisper_cross_attention": "decode",
+    "mqa_single_kv_head": "decode",
+    "vmap_over_heads_attention": "prefill",
 }
 
 

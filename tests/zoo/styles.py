@@ -9,9 +9,14 @@ class token and LayerNorm by ``rsqrt``, a flax.linen conv + BatchNorm block in N
 ``flip`` / reflect ``pad`` / ``tile``, a ``scan`` over ``dynamic_slice`` windows, rotate-half RoPE
 with ``.at[:, pos].set`` caches and a ``finfo.min`` mask, continuous-batching decode (a position per
 sequence), PRNG keys made inside, ``value_and_grad``
-through transposes, ``cond`` + ``while_loop``, integer and boolean outputs.
+through transposes, ``cond`` + ``while_loop``, integer and boolean outputs; and attention as
+Mistral's rolling-buffer cache, an int8 KV cache dequantised by per-token scales, DeepSeek's MLA
+(absorbed, two score terms), Whisper's cross-attention, multi-query attention, attention dropout
+in training, ``vmap`` over heads, and a ``scan`` of decode steps.
 ``tests/test_styles.py`` checks each against ``jax.jit``.
 """
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -260,3 +265,120 @@ def int_and_bool_outputs():
         m = (x.reshape(8, 4) > 0)
         return a, m, jnp.cumsum(x, axis=1)[:, ::-1]
     return step, (x,)
+
+
+# ---- attention in more codebases' styles -----------------------------------------------------
+
+
+@case
+def rolling_buffer_mistral():
+    rnd = _rng(); B, W, H, KV, D = 2, 16, 4, 2, 8
+    q, kn, vn = rnd(B, 1, H, D), rnd(B, 1, KV, D), rnd(B, 1, KV, D); ck, cv = rnd(B, W, KV, D), rnd(B, W, KV, D)
+    def step(q, kn, vn, ck, cv, pos):
+        slot = pos % W
+        ck = lax.dynamic_update_slice(ck, kn, (0, slot, 0, 0)); cv = lax.dynamic_update_slice(cv, vn, (0, slot, 0, 0))
+        k = jnp.repeat(ck, H // KV, 2); v = jnp.repeat(cv, H // KV, 2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
+        valid = jnp.arange(W) <= pos   # before the buffer wraps
+        s = jnp.where(valid[None, None, None], s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v), ck, cv
+    return step, (q, kn, vn, ck, cv, jnp.int32(20))
+
+
+@case
+def int8_kv_cache_dequant():
+    rnd = _rng(); B, T, H, KV, D = 2, 32, 8, 2, 16
+    q = rnd(B, 1, H, D, dtype=jnp.bfloat16)
+    ck = (rnd(B, T, KV, D) * 40).astype(jnp.int8); cv = (rnd(B, T, KV, D) * 40).astype(jnp.int8)
+    sk, sv = jnp.abs(rnd(B, T, KV)) * 0.02, jnp.abs(rnd(B, T, KV)) * 0.02
+    def step(q, ck, cv, sk, sv, pos):
+        k = (ck.astype(jnp.bfloat16) * sk[..., None].astype(jnp.bfloat16))
+        v = (cv.astype(jnp.bfloat16) * sv[..., None].astype(jnp.bfloat16))
+        qg = q.reshape(B, 1, KV, H // KV, D)
+        s = jnp.einsum("bqkgd,btkd->bkgqt", qg, k).astype(jnp.float32) * D ** -0.5
+        s = jnp.where(jnp.arange(T) <= pos, s, jnp.finfo(jnp.float32).min)
+        p = jax.nn.softmax(s, -1).astype(jnp.bfloat16)
+        return jnp.einsum("bkgqt,btkd->bqkgd", p, v).reshape(B, 1, H * D)
+    return step, (q, ck, cv, sk, sv, jnp.int32(17))
+
+
+@case
+def mla_absorbed():
+    rnd = _rng(); B, T, H, R, Dr, D = 2, 16, 4, 32, 8, 16
+    qn, qr = rnd(B, H, D), rnd(B, H, Dr); ckv, kr = rnd(B, T, R), rnd(B, T, Dr); wuk, wuv = rnd(H, D, R), rnd(H, R, D)
+    def step(qn, qr, ckv, kr, wuk, wuv, pos):
+        qa = jnp.einsum("bhd,hdr->bhr", qn, wuk)
+        s = (jnp.einsum("bhr,btr->bht", qa, ckv) + jnp.einsum("bhd,btd->bht", qr, kr)) / math.sqrt(D + Dr)
+        s = jnp.where(jnp.arange(T)[None, None] <= pos, s, -jnp.inf)
+        o = jnp.einsum("bht,btr->bhr", jax.nn.softmax(s, -1), ckv)
+        return jnp.einsum("bhr,hrd->bhd", o, wuv).reshape(B, H * D)
+    return step, (qn, qr, ckv, kr, wuk, wuv, jnp.int32(9))
+
+
+@case
+def whisper_cross_attention():
+    rnd = _rng(); B, S, T, H, D = 2, 1, 30, 4, 16
+    x, enc = rnd(B, S, H * D), rnd(B, T, H * D); wq, wk, wv = rnd(H * D, H * D), rnd(H * D, H * D), rnd(H * D, H * D)
+    def step(x, enc, wq, wk, wv):
+        q = (x @ wq).reshape(B, S, H, D).transpose(0, 2, 1, 3) * D ** -0.25
+        k = (enc @ wk).reshape(B, T, H, D).transpose(0, 2, 3, 1) * D ** -0.25
+        v = (enc @ wv).reshape(B, T, H, D).transpose(0, 2, 1, 3)
+        w = jax.nn.softmax((q @ k).astype(jnp.float32), axis=-1).astype(q.dtype)
+        return (w @ v).transpose(0, 2, 1, 3).reshape(B, S, H * D)
+    return step, (x, enc, wq, wk, wv)
+
+
+@case
+def mqa_single_kv_head():
+    rnd = _rng(); B, T, H, D = 3, 24, 6, 16
+    q, ck, cv = rnd(B, H, D), rnd(B, T, D), rnd(B, T, D)
+    def step(q, ck, cv, pos):
+        s = jnp.einsum("bhd,btd->bht", q, ck) * lax.rsqrt(jnp.float32(D))
+        s = jnp.where((jnp.arange(T) < pos + 1)[None, None], s, -1e30)
+        return jnp.einsum("bht,btd->bhd", jax.nn.softmax(s, -1), cv)
+    return step, (q, ck, cv, jnp.int32(11))
+
+
+@case
+def attn_dropout_training():
+    rnd = _rng(); B, S, H, D = 2, 8, 4, 16
+    q, k, v = rnd(B, S, H, D), rnd(B, S, H, D), rnd(B, S, H, D)
+    def step(q, k, v, key):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
+        s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s, -jnp.inf)
+        p = jax.nn.softmax(s, -1)
+        keep = jax.random.bernoulli(key, 0.9, p.shape)
+        p = jnp.where(keep, p / 0.9, 0)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    return step, (q, k, v, jax.random.PRNGKey(3))
+
+
+@case
+def vmap_over_heads_attention():
+    rnd = _rng(); S, H, D = 8, 4, 16
+    q, k, v = rnd(H, S, D), rnd(H, S, D), rnd(H, S, D)
+    def one(q, k, v):
+        s = q @ k.T / math.sqrt(D)
+        s = jnp.where(jnp.arange(S)[:, None] >= jnp.arange(S)[None], s, jnp.finfo(s.dtype).min)
+        return jax.nn.softmax(s) @ v
+    def step(q, k, v):
+        return jax.vmap(one)(q, k, v).transpose(1, 0, 2).reshape(S, H * D)
+    return step, (q, k, v)
+
+
+@case
+def scan_decode_loop_kvcache():
+    rnd = _rng(); B, T, H, D = 2, 16, 2, 8
+    q0, ck, cv, w = rnd(B, H, D), rnd(B, T, H, D), rnd(B, T, H, D), rnd(H * D, 3 * H * D) * 0.3
+    def step(q0, ck, cv, w):
+        def body(c, p):
+            x, ck, cv = c
+            qkv = (x.reshape(B, H * D) @ w).reshape(B, 3, H, D)
+            ck = lax.dynamic_update_slice(ck, qkv[:, 1][:, None], (0, p, 0, 0))
+            cv = lax.dynamic_update_slice(cv, qkv[:, 2][:, None], (0, p, 0, 0))
+            s = jnp.einsum("bhd,bthd->bht", qkv[:, 0], ck) / math.sqrt(D)
+            s = jnp.where(jnp.arange(T) <= p, s, -jnp.inf)
+            o = jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s, -1), cv)
+            return (jnp.tanh(o), ck, cv), o.sum()
+        return lax.scan(body, (q0, ck, cv), jnp.arange(4, 8))
+    return step, (q0, ck, cv, w)
