@@ -418,3 +418,35 @@ def test_per_sequence_positions_must_match_the_batch():
         decode_attention(q, k, k, pos=jnp.zeros((3,), jnp.int32))
     with pytest.raises(ValueError, match="scalar or a"):
         decode_attention(q, k, k, pos=jnp.zeros((2, 1), jnp.int32))
+
+
+# --------------------------------------------------------------------------------------------
+# Rows with no valid key under a finite mask: the empty-row pass lowers to IR that verifies
+# --------------------------------------------------------------------------------------------
+
+def _ref_masked(q, k, v, hi, fill):
+    """jax's numbers for a finite mask: ``where(valid, s, fill)`` or an additive bias applied before
+    a scaling (``(s / f + where(valid, 0, b)) * f``), softmax over every key (f32)."""
+    s = jnp.einsum("bhgd,bhtd->bhgt", q.astype(jnp.float32), k.astype(jnp.float32)) / math.sqrt(q.shape[-1])
+    valid = jnp.arange(k.shape[2]) < hi
+    if fill[0] == "fill":
+        s = jnp.where(valid, s, fill[1])
+    else:
+        _, b, f = fill
+        s = (s / f + jnp.where(valid, 0.0, b)) * f
+    return jnp.einsum("bhgt,bhtd->bhgd", jax.nn.softmax(s, -1), v.astype(jnp.float32)).astype(q.dtype)
+
+
+@pytest.mark.parametrize("fill", [("fill", float(jnp.finfo(jnp.float32).min)), ("bias", -1e9, 0.25)],
+                         ids=["fill", "bias"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("pos", [-1, 9])
+def test_finite_mask_rows(fill, splits, pos):
+    """A position < 0 leaves every key masked: the kernels add a pass over all keys at jax's masked
+    value (the mean of V for a constant fill). Its loop bounds once lowered to an ``arith.select``
+    MLIR's verifier rejects (a weak-typed Python int), which XLA's Triton refused on the GPU; the
+    cross-lowering now verifies every kernel's IR (``testing.verify_triton_ir``)."""
+    args = (rand((2, 2, 3, 16)), rand((2, 2, 40, 16), seed=1), rand((2, 2, 40, 16), seed=2), jnp.int32(pos))
+    call = lambda q, k, v, p, backend: decode_attention(   # noqa: E731
+        q, k, v, pos=p, num_splits=splits, block_k=16, empty_rows=fill, backend=backend)
+    check_kernel(call, lambda q, k, v, p: _ref_masked(q, k, v, int(p) + 1, fill), args, **F32)

@@ -143,3 +143,27 @@ def test_default_config_compiles_sm90(name):
     assert results[0].cubin_ok, table
     assert not results[0].spills, table
     assert results[0].smem_bytes <= SMEM_LIMIT["sm_90"], table
+
+
+@pytest.mark.parametrize("fill", [("fill", float(jnp.finfo(jnp.float32).min)), ("bias", -1e9, 0.25)],
+                         ids=["fill", "bias"])
+@pytest.mark.parametrize("off", [-20, 3])
+def test_finite_mask_rows_with_no_valid_key(fill, off):
+    """Causal rows before key 0 (a negative offset) under a finite mask: jax's softmax of the masked
+    scores (a pass over all keys, only for blocks with such a row), and IR that verifies (its loop
+    bound was a select on a weak-typed Python int, which XLA's Triton rejected)."""
+    z, m, t, d = 2, 40, 50, 24
+    args = (rand((z, m, d)), rand((z, t, d), seed=1), rand((z, t, d), seed=2), jnp.int32(off))
+
+    def ref(q, k, v, o):
+        s = jnp.einsum("zmd,ztd->zmt", q, k, precision="highest") / math.sqrt(d)
+        valid = jnp.arange(t)[None, :] <= int(o) + jnp.arange(m)[:, None]
+        if fill[0] == "fill":
+            s = jnp.where(valid, s, fill[1])
+        else:
+            s = (s / fill[2] + jnp.where(valid, 0.0, fill[1])) * fill[2]
+        return jnp.einsum("zmt,ztd->zmd", jax.nn.softmax(s, -1), v, precision="highest")
+
+    call = lambda q, k, v, o, backend: prefill_attention(   # noqa: E731
+        q, k, v, causal=True, q_offset=o, empty_rows=fill, backend=backend)
+    check_kernel(call, ref, args, **F32)

@@ -174,7 +174,8 @@ def cross_lower(fn: Callable, *args: Any) -> LoweredModule:
     """Lower ``jax.jit(fn)`` for CUDA on this CPU machine (``jax.export``, platforms=["cuda"]).
 
     ``args`` may be arrays or ``jax.ShapeDtypeStruct`` pytrees. The Triton custom call is not on
-    export's stable list, so that safety check is disabled: we only inspect the module.
+    export's stable list, so that safety check is disabled: we only inspect the module. Every
+    Triton kernel's IR is verified (:func:`verify_triton_ir`; :class:`TritonIRError` otherwise).
     Needs jax-cuda12-plugin installed (the Pallas Triton lowering lives behind it). On jax >= 0.11
     without a GPU the lowering runs inside ``compat.cuda_lowering()`` (an abstract H100).
     """
@@ -185,6 +186,8 @@ def cross_lower(fn: Callable, *args: Any) -> LoweredModule:
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL_TARGET)],
         )(*jax.tree.map(_sds, args))
     module = replace(LoweredModule.from_text(exported.mlir_module()), exported=exported)
+    for k in module.triton_kernels:
+        verify_triton_ir(k.ir, k.name)
     for i, k in enumerate(module.triton_kernels):
         _IR_OWNERS[k.ir] = (exported, i)
     while len(_IR_OWNERS) > 4096:
@@ -232,7 +235,8 @@ def check_kernel(kernel_call: Callable, ref_fn: Callable, args: tuple, *, rtol: 
     (a) ``backend="interpret"`` under ``jax.jit``: shapes (and dtypes) must match the reference and
         values agree within ``rtol``/``atol`` (floats compared in f32); outputs may be pytrees.
     (b) if ``lower``: ``backend="triton"`` cross-lowered for CUDA must contain at least one
-        ``__gpu$xla.gpu.triton`` custom call — the check interpret mode cannot do.
+        ``__gpu$xla.gpu.triton`` custom call — the check interpret mode cannot do — whose Triton
+        IR MLIR's verifier accepts (``cross_lower`` verifies every kernel).
     ``name`` only labels failure messages. Static configuration belongs in a ``functools.partial``.
     """
     label = name or getattr(kernel_call, "__name__", repr(kernel_call))
@@ -256,6 +260,23 @@ def check_kernel(kernel_call: Callable, ref_fn: Callable, args: tuple, *, rtol: 
             f"{label}: the CUDA lowering has no {TRITON_CALL_TARGET} custom call — did the "
             "pallas_call get compiler_params=plgpu.CompilerParams(...)?")
     return KernelCheck(out, lowered)
+
+
+class TritonIRError(ValueError):
+    """A kernel's Triton IR that MLIR's verifier rejects: XLA's Triton would refuse to compile it."""
+
+
+def verify_triton_ir(ir: bytes, name: str = "kernel") -> None:
+    """Parse a kernel's Triton IR (bytecode) with jaxlib's Triton dialect, which runs MLIR's
+    verifier: the check XLA's Triton makes before compiling. Pallas can emit IR it does not
+    verify itself (an ``arith.select`` between a weak-typed Python int and an i32, typed i1), so
+    without this a kernel cross-lowers here and fails only when compiled for the GPU."""
+    try:
+        triton_ir_text(ir)
+    except Exception as exc:  # noqa: BLE001 - MLIR raises a plain error with the diagnostics
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "error" in ln and ln != lines[0]), lines[0] if lines else "")
+        raise TritonIRError(f"Triton IR of {name} does not verify: {why}") from exc
 
 
 def triton_ir_text(ir: bytes) -> str:

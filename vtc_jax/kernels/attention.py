@@ -407,7 +407,9 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
         nblk = -(-c.T // c.bk)
         per_u = -(-nblk // c.S)
         u0 = 0 if c.S == 1 else s * per_u
-        u1 = jnp.where(hi <= lo, jnp.minimum(u0 + per_u, nblk), u0)
+        # both branches int32 arrays: a weak-typed Python-int branch lowers to an ``arith.select``
+        # with an i1 operand that XLA's Triton rejects (ptxas never sees the kernel)
+        u1 = jnp.where(hi <= lo, jnp.asarray(jnp.minimum(u0 + per_u, nblk), jnp.int32), jnp.asarray(u0, jnp.int32))
         m, l, acc = lax.fori_loop(u0, u1, functools.partial(step, empty_pass=True), (m, l, acc))
 
     # Stage 3.

@@ -228,8 +228,10 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
         # T keys (a second pass, only when this block has such a row; no reduce_or in Triton)
         empty = (hi <= lo if lo is not None else hi <= 0)[:, 0] & live[:, 0]
         nblk = -(-c.T // c.bk)
-        _, l_e, acc_e = lax.fori_loop(0, jnp.where(jnp.max(empty.astype(jnp.int32)) > 0, nblk, 0),
-                                      functools.partial(step, empty_pass=True), init)
+        # int32 bounds on both sides: a weak-typed Python int in the select lowers to IR that
+        # MLIR's verifier rejects (testing.verify_triton_ir)
+        n_e = jnp.where(jnp.max(empty.astype(jnp.int32)) > 0, jnp.int32(nblk), jnp.int32(0))
+        _, l_e, acc_e = lax.fori_loop(jnp.int32(0), n_e, functools.partial(step, empty_pass=True), init)
         l = jnp.where(empty, l_e, l)
         acc = jnp.where(empty[:, None], acc_e, acc)
     o = normalise(acc, l, c.empty_nan).astype(o_ref.binding.dtype)
