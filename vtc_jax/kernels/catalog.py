@@ -21,6 +21,7 @@ def examples() -> Iterator[tuple[str, Callable[..., Any], tuple]]:
     """
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from vtc_jax.indexmap import Layout, SymInfo, sym
     from vtc_jax.kernels.attention import decode_attention
@@ -76,6 +77,13 @@ def examples() -> Iterator[tuple[str, Callable[..., Any], tuple]]:
            (S((B, HKV, G, DH), bf16), S((B, HKV, T, DH), bf16), S((B, HKV, T, DH), bf16), S((), i32)))
     yield (f"decode_attention_bf16_from_cache_B1_H{HKV}_G{G}_T{T}_D{DH}", attn_cache,
            (S((1, HKV, G, DH), bf16), S((1, T, HKV, DH), bf16), S((1, T, HKV, DH), bf16), S((), i32)))
+    # a finite mask (finfo.min / -1e30): the kernel carries the empty-row pass (jax's row for pos < 0)
+    def attn_cache_fill(q: Any, kc: Any, vc: Any, pos: Any, *, backend: str) -> Any:
+        return decode_attention(q, cache_view(kc), cache_view(vc), pos=pos, backend=backend,
+                                empty_rows=("fill", float(np.finfo(np.float32).min)))
+
+    yield (f"decode_attention_bf16_from_cache_finite_mask_B{B}_H{HKV}_G{G}_T{T}_D{DH}", attn_cache_fill,
+           (S((B, HKV, G, DH), bf16), S((B, T, HKV, DH), bf16), S((B, T, HKV, DH), bf16), S((), i32)))
     # continuous batching: one position per sequence, a (B,) operand
     yield (f"decode_attention_bf16_from_cache_per_sequence_pos_B{B}_H{HKV}_G{G}_T{T}_D{DH}", attn_cache,
            (S((B, HKV, G, DH), bf16), S((B, T, HKV, DH), bf16), S((B, T, HKV, DH), bf16), S((B,), i32)))
