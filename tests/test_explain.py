@@ -133,3 +133,17 @@ def test_cli_explain_prints_the_report():
                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Data-movement ops" in out.stdout and "dynamic_update_slice" in out.stdout
+
+
+def test_kept_op_names_the_data_tensor_that_stays_physical():
+    """A kept pad says why its *data* must stay physical (its output feeds a cast XLA fuses into the
+    matmul), not that its fill value is a constant — which pins nothing that matters."""
+    def f(v, w):
+        p = jnp.pad(v, ((0, 1), (0, 0)), constant_values=1.0)
+        return p.astype(jnp.float32) @ w
+
+    rep = vtc_jax.explain(f)(jnp.ones((64, 32), jnp.bfloat16), jnp.ones((32, 16)))
+    (pad,) = [m for m in rep.movement if m.primitive == "pad"]
+    assert not pad.eliminated
+    assert "stays physical" in pad.reason and "XLA" in pad.reason, pad.reason
+    assert "compile-time constant" not in pad.reason and "glue" not in pad.reason, pad.reason

@@ -17,6 +17,7 @@ from . import movement
 from .accounting import modeled_bytes
 from .cluster import Cluster
 from .graph import Graph
+from .primitives import data_inputs
 from .strategy import Strategy
 from .vtog import VTOG
 
@@ -231,6 +232,12 @@ def build_report(name: str, a: "Analysis") -> Report:
     return Report(name, g, a.clusters, v, s, tuple(infos), modeled, a.seconds, opaque, templates=templates)
 
 
+def _stuck(v: VTOG, op: Any) -> list[str]:
+    """Why the op's data tensors must stay physical, outputs first (the sources of its read edges):
+    a pad's constant fill or a dynamic_slice's start index is pinned too, but says nothing."""
+    return [f"t{t} stays physical: {v.reasons[t]}" for t in (*op.outputs, *data_inputs(op)) if t in v.reasons]
+
+
 def _reason(g: Graph, v: VTOG, s: Strategy, op: Any, edges: tuple[int, ...], gone: bool) -> str:
     chosen = [v.edges[i] for i in edges if i in set(s.chosen)]
     if gone:
@@ -240,14 +247,14 @@ def _reason(g: Graph, v: VTOG, s: Strategy, op: Any, edges: tuple[int, ...], gon
         why = movement.explain_no_edges(op, g)
         if why:
             return why
-        stuck = [v.reasons[t] for t in (*op.inputs, *op.outputs) if t in v.reasons]
+        stuck = _stuck(v, op)
         return stuck[0] if stuck else "no virtual-tensor rule applies"
     for i in edges:
         for x, y in v.conflicts:
             other = y if x == i else x if y == i else None
             if other is not None and other in set(s.chosen):
                 return f"edge {i} conflicts with chosen edge {other} ({v.edges[other].primitive} #{v.edges[other].op})"
-    stuck = [v.reasons[t] for t in (*op.inputs, *op.outputs) if t in v.reasons]
+    stuck = _stuck(v, op)
     if stuck and not chosen:
         return stuck[0]
     return "not profitable under the cost model (no edge with positive modelled saving)" if not chosen \
