@@ -428,8 +428,9 @@ def test_xla_fusion_off_keeps_the_kernels():
     from vtc_jax.api import analyze
     x = jnp.ones((2, 1, 4, 16), jnp.bfloat16)
     cos, sin = jnp.cos(jnp.arange(16.0)), jnp.sin(jnp.arange(16.0))
-    fn = lambda w, x: (x.astype(jnp.float32) @ w.astype(jnp.float32), )   # a lone cast of w
-    w = jnp.ones((16, 8), jnp.bfloat16)
+    # a lone narrowing cast of w (a widening one would be the matmul's prologue: cluster.py)
+    fn = lambda w, x: (x @ w.astype(jnp.bfloat16), )
+    w = jnp.ones((16, 8), jnp.float32)
     on = analyze(fn, (w, x.reshape(8, 16)), {})
     off = analyze(fn, (w, x.reshape(8, 16)), {}, cost_model=CostModel(xla_fusion=False))
     assert on.xla_fused and not off.xla_fused

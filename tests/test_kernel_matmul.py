@@ -556,3 +556,17 @@ def test_prologue_that_moves_zero_on_one_side():
     call = lambda a, b, *, backend: matmul(a, b, dimension_numbers=MM, backend=backend,
                                            prologue=(lambda x: x + 1.0, None))
     check_kernel(call, lambda a, b: ref_dot(a + 1.0, b), (rand((m, k)), rand((k, n), seed=1)), **F32)
+
+
+@pytest.mark.parametrize("split_k", [None, 4])
+def test_prologue_that_widens_the_dtype(split_k):
+    """``prologue_dtypes``: bf16 tiles cast to f32 in registers (``v.astype(f32) @ k`` on bf16
+    values) — the dot computes in f32, as ``lax.dot_general`` on the cast operands does, and the
+    kernel loads 2-byte tiles; ragged edges, with and without split-K; interpret and Triton IR."""
+    m, k, n = 5 if split_k else 33, 100, 40
+    f32 = lambda t: t.astype(jnp.float32)   # noqa: E731
+    call = lambda a, b, *, backend: matmul(a, b, dimension_numbers=MM, backend=backend, split_k=split_k,
+                                           prologue=(f32, None), prologue_dtypes=(jnp.float32, None))
+    a, b = rand((m, k)).astype(jnp.bfloat16), rand((k, n), seed=1)
+    out = check_kernel(call, lambda a, b: ref_dot(a.astype(jnp.float32), b), (a, b), **F32).output
+    assert out.dtype == jnp.float32

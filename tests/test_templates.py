@@ -229,3 +229,34 @@ def test_reduction_over_adjacent_axes(axes):
     check_close(out, jax.jit(f)(*args), rtol=1e-5)
     _, lowered = opt.last
     assert any(k.startswith("reduction") for k in lowered.kernels), lowered.kernels
+
+
+def test_widening_cast_before_a_dot_is_the_matmul_prologue():
+    """``v.astype(f32) @ kᵀ.astype(f32)`` on bf16 values (EfficientViT-style linear attention as
+    equinox models write it): the casts are the matmul's prologue, so the pad of v and the
+    transpose of k are read through maps instead of XLA writing f32 copies. Equal to jax.jit; the
+    kernel cross-lowers."""
+    from vtc_jax.testing import cross_lower
+
+    def f(v, k, q):
+        v = jnp.pad(v, ((0, 0), (0, 1), (0, 0)), constant_values=1.0)
+        vk = v.astype(jnp.float32) @ jnp.swapaxes(k, -1, -2).astype(jnp.float32)
+        out = vk @ jax.nn.relu(q).astype(jnp.float32)
+        return (out[:, :-1] / (out[:, -1:] + 1e-15)).astype(v.dtype)
+
+    rng = np.random.default_rng(7)
+    args = tuple(jnp.asarray(rng.standard_normal((4, 16, 50)), jnp.bfloat16) for _ in range(3))
+    rep = vtc_jax.explain(f)(*args)
+    assert all(m.eliminated for m in rep.movement if m.primitive in ("pad", "transpose")), rep.movement
+    a = vtc_jax.api.analyze(f, args, {})
+    g = a.graph
+    casts = [o.id for o in g.ops if o.primitive == "convert_element_type"
+             and g.tensors[o.outputs[0]].dtype == jnp.float32 and len(g.tensors[o.outputs[0]].shape) == 3]
+    of = {o: c for c in a.clusters for o in c.ops}
+    assert casts and all(of[o].kind == "matmul" for o in casts), [(o, of[o].kind) for o in casts]
+    with warnings.catch_warnings():   # both operands' prologues checked for 0 -> 0 under jit's trace
+        warnings.simplefilter("error", vtc_jax.VTCFallbackWarning)
+        out, ref = vtc_jax.optimize(f, backend="interpret")(*args), jax.jit(f)(*args)
+        mod = cross_lower(vtc_jax.optimize(f, backend="triton"), *args)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=2e-2, atol=2e-2)
+    assert any(k.name.startswith("vtc_matmul") for k in mod.triton_kernels)

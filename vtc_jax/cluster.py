@@ -25,6 +25,7 @@ import heapq
 from typing import Sequence
 from dataclasses import dataclass
 
+import jax.numpy as jnp
 import numpy as np
 
 from .graph import Graph, Op, is_extended
@@ -230,7 +231,9 @@ def _grow_prologue(graph: Graph, roles: list[str], groups: _Groups, gid: int, ro
     """Absorb a unary elementwise chain feeding one operand of a dot (EfficientViT's ReLU on q and
     k): the kernel applies it to each loaded tile, so its result never touches memory. Only ops
     whose other operands are scalar constants, that keep shape and dtype, and whose result the
-    dot alone reads; the template checks that the chain maps 0 to 0 (masked lanes stay 0)."""
+    dot alone reads; the template checks that the chain maps 0 to 0 (masked lanes stay 0). A
+    widening float cast may change the dtype (``v.astype(jnp.float32) @ k`` on bf16 values: the
+    kernel loads the bf16 tile and casts it in registers instead of XLA writing an f32 copy)."""
     for x in root.inputs[:2]:
         while True:
             p = graph.producer(x)
@@ -242,7 +245,12 @@ def _grow_prologue(graph: Graph, roles: list[str], groups: _Groups, gid: int, ro
             if len(big) != 1 or any(graph.tensors[t].const is None for t in p.inputs if t not in big):
                 break
             src, info = graph.tensors[big[0]], graph.tensors[x]
-            if src.shape != info.shape or src.dtype != info.dtype or not groups.try_add(gid, p.id):
+            # a widening float cast only: loading the narrow tile is the saving (a narrowing cast
+            # stays with its producer, whose store it halves); jnp: numpy's misses bfloat16
+            recast = p.primitive == "convert_element_type" and all(
+                jnp.issubdtype(d, jnp.floating) for d in (src.dtype, info.dtype)) and \
+                np.dtype(src.dtype).itemsize < np.dtype(info.dtype).itemsize
+            if src.shape != info.shape or (src.dtype != info.dtype and not recast) or not groups.try_add(gid, p.id):
                 break
             x = big[0]
 

@@ -136,7 +136,8 @@ class _Config:
 def _plan(a: VTensor, b: VTensor, dimension_numbers: Any, out: VTensor | None,
           epilogue: Callable[..., jax.Array] | None, epilogue_args: Sequence[Any],
           preferred_element_type: Any, precision: Any, block_m: int, block_n: int,
-          block_k: int | None, num_warps: int, num_stages: int | None, split_k: int | None
+          block_k: int | None, num_warps: int, num_stages: int | None, split_k: int | None,
+          prologue_dtypes: tuple[Any, Any] = (None, None)
           ) -> tuple[VTensor, VTensor, list[VTensor], VTensor, _Config]:
     """Check the operands, normalise the dimension numbers into groups and view every operand so
     that each group has at least one dim (size-1 dims through the layout, no data movement).
@@ -158,7 +159,11 @@ def _plan(a: VTensor, b: VTensor, dimension_numbers: Any, out: VTensor | None,
     rf = tuple(d for d in range(len(b.shape)) if d not in rc and d not in rb)
     out_shape = (tuple(a.shape[d] for d in lb) + tuple(a.shape[d] for d in lf)
                  + tuple(b.shape[d] for d in rf))
-    compute_dtype = jnp.promote_types(a.dtype, b.dtype)
+    da, db = (v.dtype if d is None else np.dtype(d) for v, d in zip((a, b), prologue_dtypes))
+    for d in (da, db):
+        if not jnp.issubdtype(d, jnp.floating):
+            raise NotImplementedError(f"matmul template supports floating dtypes, got {d}")
+    compute_dtype = jnp.promote_types(da, db)
     out = output(out, out_shape, preferred_element_type or compute_dtype, "dot_general gives")
     extras = [epilogue_input(x, out_shape) for x in epilogue_args]
 
@@ -304,7 +309,8 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
            preferred_element_type: Any = None, precision: Any = None,
            block_m: int = 64, block_n: int = 64, block_k: int | None = None,
            num_warps: int = 4, num_stages: int | None = None, split_k: int | None = None,
-           prologue: tuple[Any, Any] = (None, None), backend: str = "interpret") -> Any:
+           prologue: tuple[Any, Any] = (None, None), prologue_dtypes: tuple[Any, Any] = (None, None),
+           backend: str = "interpret") -> Any:
     """``lax.dot_general(a, b, dimension_numbers)`` (+ ``epilogue``) as Pallas Triton kernels:
     one kernel, or a split-K kernel plus a reduce kernel (decode shapes, see the module docstring).
 
@@ -331,8 +337,11 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
         ``num_stages`` and ``split_k`` None: :func:`tiling.gemm_config`'s choice (32 / 3 / 1 for
         M > 64; ~16 KB weight tiles, 4 stages and enough splits for two waves of SMs otherwise).
     prologue: per operand, ``None`` or an elementwise ``f(tile) -> tile`` applied to each loaded
-        tile before the dot (a ReLU on q or k), keeping the dtype. Masked lanes (ragged edges,
-        read as 0) go through it too: at most one operand's ``f`` may map 0 elsewhere than 0.
+        tile before the dot (a ReLU on q or k). Masked lanes (ragged edges, read as 0) go
+        through it too: at most one operand's ``f`` may map 0 elsewhere than 0.
+    prologue_dtypes: per operand, the dtype its ``prologue`` returns when it casts (a bf16 operand
+        cast to f32 before the dot): the dot computes in the promoted type of these, as
+        ``lax.dot_general`` on the cast operands does. None: the operand's own dtype.
     backend: "interpret" (CPU) or "triton".
 
     Returns what ``Plan.unflatten`` gives for ``out``: the array for a fresh physical output,
@@ -344,7 +353,8 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
         check_pow2("block_k", block_k)
     a, b, extras, out, cfg = _plan(VTensor.of(a), VTensor.of(b), dimension_numbers, out, epilogue,
                                    epilogue_args, preferred_element_type, precision,
-                                   block_m, block_n, block_k, num_warps, num_stages, split_k)
+                                   block_m, block_n, block_k, num_warps, num_stages, split_k,
+                                   prologue_dtypes)
     if any(f is not None for f in prologue):
         cfg = dataclasses.replace(cfg, prologue=tuple(prologue))
     stages = cfg.launch.num_stages

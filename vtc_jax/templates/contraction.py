@@ -63,8 +63,10 @@ def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
 def _keeps_zero(graph: Graph, chain: tuple[int, ...], base: int, x: int) -> bool:
     import jax.numpy as jnp
     import numpy as np
+    import jax
     f = block_fn(graph, chain, [base], [x])
-    return bool(np.asarray(f(jnp.zeros((), graph.tensors[base].dtype))) == 0)
+    with jax.ensure_compile_time_eval():   # matched while jit traces the program: evaluate now
+        return bool(np.asarray(f(jnp.zeros((), graph.tensors[base].dtype))) == 0)
 
 
 def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, ContractionMatch, str], Step]:
@@ -75,6 +77,9 @@ def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, Contrac
         pro = tuple(f32_math(block_fn(graph, ch, [base], [x])) if ch else None
                     for ch, base, x in zip(m.prologue, (lhs, rhs), op.inputs[:2]))
         kw_pro = {"prologue": pro} if any(f is not None for f in pro) else {}
+        after = tuple(graph.tensors[x].dtype for x in op.inputs[:2])   # a prologue may cast
+        if any(f is not None for f in pro) and after != tuple(graph.tensors[t].dtype for t in (lhs, rhs)):
+            kw_pro["prologue_dtypes"] = after
         o = c.outputs[0]
         epi = f32_math(block_fn(graph, m.rest, [op.outputs[0], *m.extras], [o])) if m.rest else None
         shape = tuple(graph.tensors[o].shape)
