@@ -136,13 +136,14 @@ def test_cli_explain_prints_the_report():
 
 
 def test_kept_op_names_the_data_tensor_that_stays_physical():
-    """A kept pad says why its *data* must stay physical (its output feeds a cast XLA fuses into the
-    matmul), not that its fill value is a constant — which pins nothing that matters."""
+    """A kept pad says why its *data* must stay physical (its output feeds a narrowing cast XLA
+    fuses into the matmul), not that its fill value is a constant — which pins nothing that
+    matters. (A widening cast would be the matmul's prologue and the pad eliminated.)"""
     def f(v, w):
         p = jnp.pad(v, ((0, 1), (0, 0)), constant_values=1.0)
-        return p.astype(jnp.float32) @ w
+        return p.astype(jnp.bfloat16) @ w
 
-    rep = vtc_jax.explain(f)(jnp.ones((64, 32), jnp.bfloat16), jnp.ones((32, 16)))
+    rep = vtc_jax.explain(f)(jnp.ones((64, 32), jnp.float32), jnp.ones((32, 16), jnp.bfloat16))
     (pad,) = [m for m in rep.movement if m.primitive == "pad"]
     assert not pad.eliminated
     assert "stays physical" in pad.reason and "XLA" in pad.reason, pad.reason
