@@ -60,10 +60,10 @@ def analyze(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
     trace → cluster → match templates → VTOG → strategy (``strategy.plan``).
 
     ``donate_argnums`` (positions in ``args``) and ``donate_argnames`` (keys of ``kwargs``) tell
-    the cost model which inputs XLA may update in
-    place (a donated KV cache costs only its update). ``rejected`` forces clusters (by id) to XLA
-    with the given reason: a kernel that failed to build on an earlier attempt. ``graph`` re-uses
-    an earlier trace of the same signature.
+    the cost model which inputs XLA may update in place (a donated KV cache costs only its
+    update). ``rejected`` forces clusters (by id) to XLA with the given reason: a kernel that
+    failed to build on an earlier attempt. ``graph`` re-uses an earlier trace of the same
+    signature.
     """
     t0 = time.perf_counter()
     if graph is None:   # traced here: XLA's convs next to kernels take another trace, channels-last
