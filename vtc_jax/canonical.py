@@ -186,37 +186,33 @@ def is_plain_add_any(eqn: jcore.JaxprEqn) -> bool:
     if eqn.primitive.name != "add_any" or len(eqn.invars) != 2:
         return False
     a, b = (v.aval for v in eqn.invars)
-    ok = getattr(a, "dtype", None) is not None and np.issubdtype(a.dtype, np.number)
+    # jnp: numpy's issubdtype does not count bfloat16 as a number
+    ok = getattr(a, "dtype", None) is not None and jnp.issubdtype(a.dtype, jnp.number)
     return bool(ok) and a.shape == b.shape and a.dtype == b.dtype
+
+
+def _traced(fn: Any, eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, list[Any]]:
+    """``fn`` traced on ``eqn``'s operand types: the ``(jaxpr, consts)`` spliced in its place."""
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    closed = jax.make_jaxpr(fn)(*avals)
+    return closed.jaxpr, list(closed.consts)
 
 
 def rewrite(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, list[Any]] | None:
     """``(jaxpr, consts)`` computing ``eqn``'s output with primitives VTC handles, or None."""
     if speculable_cond(eqn):
-        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
-        closed = jax.make_jaxpr(functools.partial(_as_select, branches=tuple(eqn.params["branches"])))(*avals)
-        return closed.jaxpr, list(closed.consts)
+        return _traced(functools.partial(_as_select, branches=tuple(eqn.params["branches"])), eqn)
     if whole_update(eqn):
-        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
-        closed = jax.make_jaxpr(lambda x, u, *starts: u)(*avals)
-        return closed.jaxpr, list(closed.consts)
+        return _traced(lambda x, u, *starts: u, eqn)
     if eqn.primitive.name == "tile" and len(eqn.invars) == 1:
-        reps = tuple(int(r) for r in eqn.params["reps"])
-        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
-        closed = jax.make_jaxpr(functools.partial(_tile_as_broadcast, reps=reps))(*avals)
-        return closed.jaxpr, list(closed.consts)
+        return _traced(functools.partial(_tile_as_broadcast, reps=tuple(int(r) for r in eqn.params["reps"])), eqn)
     if is_plain_add_any(eqn):
-        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
-        closed = jax.make_jaxpr(lax.add)(*avals)
-        return closed.jaxpr, list(closed.consts)
+        return _traced(lax.add, eqn)
     form = window_scatter(eqn)
     if form is None:
         return None
     window, indexed, guarded = form
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
-    closed = jax.make_jaxpr(lambda x, i, u: _as_update(x, i, u, window=window, indexed=indexed,
-                                                       guarded=guarded))(*avals)
-    return closed.jaxpr, list(closed.consts)
+    return _traced(lambda x, i, u: _as_update(x, i, u, window=window, indexed=indexed, guarded=guarded), eqn)
 
 
 def channels_last(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, list[Any]] | None:

@@ -29,8 +29,9 @@ Kernels (the paper's Listing 1 stages: load through vio / untouched compute / st
 
 Valid keys are ``lo <= t < hi`` with ``hi = min(end, T)``, ``end = pos + 1`` (or ``kv_len``, or
 ``T``; ``pos``/``kv_len`` one scalar for all sequences, or one per sequence: a ``(B,)`` operand
-program ``b`` reads its element of, as a continuously batched server has) and, with a sliding ``window``, ``lo = end - window`` (keys ``t > pos - window``, counted from
-the unclamped end as jax does for ``pos >= T``). A row with no valid key (``hi <= lo``: a position
+program ``b`` reads its element of, as a continuously batched server has) and, with a sliding
+``window``, ``lo = end - window`` (keys ``t > pos - window``, counted from the unclamped end as
+jax does for ``pos >= T``). A row with no valid key (``hi <= lo``: a position
 < 0) outputs what ``empty_rows`` says (:func:`empty_rows_mode`; for a finite mask a second pass
 over all T keys, which runs no step unless the row is empty). The split is decided at run time from
 ``[lo, hi)``: the valid KV blocks are dealt out evenly over the S programs of a head, so a short
@@ -409,7 +410,8 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
         u0 = 0 if c.S == 1 else s * per_u
         # both branches int32 arrays: a weak-typed Python-int branch lowers to an ``arith.select``
         # with an i1 operand that XLA's Triton rejects (ptxas never sees the kernel)
-        u1 = jnp.where(hi <= lo, jnp.asarray(jnp.minimum(u0 + per_u, nblk), jnp.int32), jnp.asarray(u0, jnp.int32))
+        u1 = jnp.where(hi <= lo, jnp.asarray(jnp.minimum(u0 + per_u, nblk), jnp.int32),
+                       jnp.asarray(u0, jnp.int32))
         m, l, acc = lax.fori_loop(u0, u1, functools.partial(step, empty_pass=True), (m, l, acc))
 
     # Stage 3.

@@ -35,9 +35,9 @@ end as jax does). The runtime scalar is probed over [0, T) and outside it (negat
 end): the kernels compute the same bounds for any position (|x| < 2^30), so a mask that leaves
 the family outside the cache (``t <= clip(pos, 0, T - 1)``) is declined, not extrapolated.
 Masks that vary along the batch or head axes (padding masks, say) or depend on a non-integer
-runtime tensor are declined with that reason. The one exception is a vector of positions, one per sequence (continuous batching: ``t <= pos[b]``): probed
-with every entry equal it must fit the family like a scalar, then with distinct entries batch entry
-``b`` must see the family at ``pos[b]`` (:func:`_check_per_row`); the decode kernel takes it as a
+runtime tensor are declined with that reason. The one exception is a vector of positions, one per
+sequence (continuous batching: ``t <= pos[b]``): probed with every entry equal it must fit the
+family like a scalar, then with distinct entries batch entry ``b`` must see the family at ``pos[b]`` (:func:`_check_per_row`); the decode kernel takes it as a
 ``(B,)`` operand (the prefill kernel takes one bound for all). An additive bias with other values
 (ALiBi) is declined too.
 
