@@ -13,10 +13,10 @@ nothing allocated or executed):
   donation)``: ``len(module.movement_into_consumers())`` (a movement op whose result reaches a
   kernel, a dot or a function result) and a per-op count of the stablehlo movement ops;
 * Triton kernels in the optimised module, dots/convs left to the library, and the *modelled* kernel
-  launches of both (``costmodel.modeled_bytes``: XLA's own fusions cannot be counted without
+  launches of both (``accounting.modeled_bytes``: XLA's own fusions cannot be counted without
   compiling for a GPU);
 * *modelled* HBM bytes (plain XLA, optimised, compulsory) and *modelled* peak memory (plain XLA,
-  optimised), from ``costmodel.modeled_bytes`` over the jaxpr;
+  optimised), from ``accounting.modeled_bytes`` over the jaxpr;
 * the analysis time (``Report.analysis_seconds``, on this CPU);
 
 plus the paper's measured peak-memory table beside our modelled savings, and the analysis time of
@@ -181,8 +181,9 @@ def account(workload: str | Workload, batch: int, *, lower: bool = True) -> Case
     """Analyse and (``lower``) cross-lower one workload at paper size for one batch size."""
     import jax
     import vtc_jax
-    from vtc_jax import costmodel
-    from vtc_jax.api import analyze, make_report
+    from vtc_jax import accounting
+    from vtc_jax.analysis import analyze
+    from vtc_jax.report import build_report
 
     w = workload if isinstance(workload, Workload) else next(
         (x for x in WORKLOADS if x.module == workload), Workload(workload, workload))
@@ -194,8 +195,8 @@ def account(workload: str | Workload, batch: int, *, lower: bool = True) -> Case
     c0 = time.process_time()
     a = analyze(mod.step, args, {}, donate_argnums=donate)
     cpu = time.process_time() - c0
-    report = make_report(w.module, a)
-    mb = costmodel.modeled_bytes(a.graph, a.clusters, a.strategy, donated=a.donated)
+    report = build_report(w.module, a)
+    mb = accounting.modeled_bytes(a.graph, a.clusters, a.strategy, donated=a.donated)
     case = Case(
         workload=w.module, label=w.label, batch=batch, donated=donate, jaxpr_ops=len(a.graph.ops),
         clusters=len(a.clusters), movement_ops=len(report.movement), eliminated=len(report.eliminated),
@@ -261,12 +262,13 @@ def unrolled_llama(n: int, batch: int = LAYER_BATCH) -> tuple[Callable, tuple, t
 
 
 def time_layers(n: int, batch: int = LAYER_BATCH) -> dict[str, Any]:
-    from vtc_jax.api import analyze, make_report
+    from vtc_jax.analysis import analyze
+    from vtc_jax.report import build_report
     fn, args, donate = unrolled_llama(n, batch)
     t0, c0 = time.perf_counter(), time.process_time()
     a = analyze(fn, args, {}, donate_argnums=donate)
     cpu = time.process_time() - c0
-    r = make_report(fn.__name__, a)
+    r = build_report(fn.__name__, a)
     return {"layers": n, "ops": len(a.graph.ops), "movement_ops": len(r.movement),
             "eliminated": len(r.eliminated), "analysis_seconds": r.analysis_seconds, "cpu_seconds": cpu,
             "wall_seconds": time.perf_counter() - t0}
@@ -446,7 +448,7 @@ def render(cases: list[Case], layers: list[dict[str, Any]], info: dict[str, str]
             "The paper's numbers (Table *Peak GPU memory consumption of PyTorch and VTC*, `tab:memory`) are "
             "**measured** on an A100 with PyTorch's memory monitor for the whole end-to-end inference "
             "(PyTorch's caching allocator, its workspace and everything the model keeps alive), in MB as printed. "
-            "Ours are **modelled** from the jaxpr by a liveness walk over the clusters (`costmodel.modeled_bytes`, "
+            "Ours are **modelled** from the jaxpr by a liveness walk over the clusters (`accounting.modeled_bytes`, "
             "peak_*): plain XLA vs VTC's strategy, in MiB. Only the savings are comparable in kind, and only "
             "roughly; the absolute figures measure different things.", ""]
     rows = []
@@ -462,7 +464,7 @@ def render(cases: list[Case], layers: list[dict[str, Any]], info: dict[str, str]
 
     out += [f"## Analysis time vs unrolled Llama-3 layers (batch {LAYER_BATCH}, paper size)", "",
             "N Llama-3-8B decoder layers composed in a Python loop, each with its own parameters and KV caches "
-            "(donated), analysed with `vtc_jax.api.analyze` (trace → cluster → VTOG → greedy; the Report's "
+            "(donated), analysed with `vtc_jax.analysis.analyze` (trace → cluster → VTOG → greedy; the Report's "
             "`analysis_seconds`, wall clock) and the process's CPU time over the same call (`time.process_time`: "
             "on a shared machine the wall clock also counts the neighbours). "
             f"Target: 32 layers in < {LAYER_TARGET_S:g} s.", ""]
@@ -556,7 +558,7 @@ def plot(cases: list[Case], path: Path) -> None:
 
 def _warm_up() -> None:
     """Analyse the small Llama layer once so the first timed case does not pay one-time costs."""
-    from vtc_jax.api import analyze
+    from vtc_jax.analysis import analyze
     L = load_example("llama3_decode")
     if L is not None:
         analyze(L.step, L.example_args("small", batch=1), {}, donate_argnums=(2, 3))

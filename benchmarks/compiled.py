@@ -14,7 +14,7 @@ From each compiled program: kernel launches (XLA's thunk sequence), HBM buffer b
 reads and writes (optimised HLO; buffers updated in place counted apart), Triton kernels, XLA's
 buffer assignment (``compiled.memory_analysis()``: arguments + outputs + temporaries − aliased),
 and registers/spills/shared memory per kernel from ``ptxas -v`` on the PTX XLA emits. Beside it,
-the analytical model (``vtc_jax.costmodel.modeled_bytes``, what ``Report.modeled`` shows) and its
+the analytical model (``vtc_jax.accounting.modeled_bytes``, what ``Report.modeled`` shows) and its
 error against the compile. ``measure(name, batch)`` is the per-case function (tests use it).
 """
 from __future__ import annotations
@@ -63,15 +63,15 @@ def measure(name: str, batch: int) -> dict[str, Any]:
     """Compile one workload both ways and run the model; one dict of plain numbers."""
     import jax
     import vtc_jax
-    from vtc_jax import costmodel, offline
-    from vtc_jax.api import analyze
+    from vtc_jax import accounting, offline
+    from vtc_jax.analysis import analyze
 
     mod = load_example(name)
     args = tuple(mod.example_args("paper", batch=batch))
     donate = donate_argnums(mod)
     row: dict[str, Any] = {"workload": name, "batch": batch}
     a = analyze(mod.step, args, {}, donate_argnums=donate)
-    row["modeled"] = {k: int(v) for k, v in costmodel.modeled_bytes(
+    row["modeled"] = {k: int(v) for k, v in accounting.modeled_bytes(
         a.graph, a.clusters, a.strategy, donated=a.donated).items()}
     t0 = time.perf_counter()
     row["jit"] = _program_row(offline.compile_program(jax.jit(mod.step, donate_argnums=donate), *args))
@@ -126,7 +126,7 @@ def render(rows: list[dict[str, Any]], info: str) -> str:
         "* **buffers**: XLA's buffer assignment, `compiled.memory_analysis()`: arguments + outputs + "
         "temporaries − aliased (donated caches counted once). Temporaries are the part either "
         "compiler can change.",
-        "* **model**: `vtc_jax.costmodel.modeled_bytes` over the jaxpr (what `Report.modeled` "
+        "* **model**: `vtc_jax.accounting.modeled_bytes` over the jaxpr (what `Report.modeled` "
         "shows), with its error against the compile: (model − compile) / compile.",
         "",
         "## Compiled: jit vs VTC (paper size, MiB = 2^20 bytes)",
@@ -152,7 +152,7 @@ def render(rows: list[dict[str, Any]], info: str) -> str:
         "## The analytical model against the compile",
         "",
         "Modelled figures (`Report.modeled`) beside the compiled ones, and the model's error. The jit "
-        "model is `accounting.xla_plain` (plain jit as XLA fuses it: movement fused into consumers, "
+        "model is `xla.xla_plain` (plain jit as XLA fuses it: movement fused into consumers, "
         "element-wise islands one fusion, in-place cache updates, cuDNN layout transposes; "
         "`tests/test_costmodel.py` checks it against the compile); in brackets the unfused upper "
         "bound (`kernels_baseline` / `bytes_baseline`: every movement op and cluster a kernel) the "
@@ -207,7 +207,7 @@ def render(rows: list[dict[str, Any]], info: str) -> str:
         "(`cluster.fuse_islands`; the values a movement op moves are recomputed through its index "
         "map, the cos/sin tables from `pos` and the block's indices), the K one writing its row "
         "into the cache, as XLA's one loop fusion per rotated tensor does; and VTC leaves to XLA "
-        "what XLA fuses better (`costmodel.xla_fuses`: lone casts, per-channel parameter "
+        "what XLA fuses better (`xla.xla_fuses`: lone casts, per-channel parameter "
         "transforms). Decode projections are priced by the weight bytes each template keeps in "
         "flight (`costmodel.decode_gemm_loss`, reading `kernels.tiling.gemm_config`): with split-K "
         "the QKV and output projections run as `vtc_matmul_splitk` + `vtc_matmul_reduce` (two "
@@ -222,7 +222,7 @@ def render(rows: list[dict[str, Any]], info: str) -> str:
         "copies its output to row-major for a Pallas operand (EfficientViT had two such "
         "`wrapped_transpose`s, 192 MiB each at batch 16); VTC now traces an NCHW conv that XLA runs "
         "next to a kernel as `transpose(conv_NHWC(transpose(x)))` (`canonical.channels_last`, "
-        "`api.xla_layout_convs`), and the kernels read the NHWC buffer through the transpose: the "
+        "`analysis.xla_layout_convs`), and the kernels read the NHWC buffer through the transpose: the "
         "copies are gone. K, Kᵀ and the padded V are read through maps too, not copied by XLA "
         "(`strategy.consumer_reads` trades a write edge the greedy took for two read edges that "
         "tie with it; a pad's mask no longer counts as breaking a contiguous run in the cost "

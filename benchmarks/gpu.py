@@ -1,13 +1,12 @@
 #!/usr/bin/env python
 """Measured latency and peak memory on a GPU (verification ladder, rung 4). Not run in CI.
 
-    python benchmarks/gpu.py [--runs 50] [--warmup 5] [--profile] [--out gpu.md]
+    python benchmarks/gpu.py [--runs 50] [--warmup 5] [--out gpu.md]
 
 On a machine whose default jax backend is a GPU: for each workload of ``examples/`` × batch {1, 16}
 at paper size, ``vtc_jax.optimize(step)`` vs ``jax.jit(step)`` (cache arguments donated in both),
 and for the Llama-3 decode-attention part alone, also versus Pallas' own GPU decode attention
-(``jax.experimental.pallas.ops.gpu.decode_attention.gqa``); with ``--profile`` also
-``vtc_jax.optimize(step, profile=True)``.
+(``jax.experimental.pallas.ops.gpu.decode_attention.gqa``).
 
 * latency: median (and 10th/90th percentile) of ``--runs`` timed calls after ``--warmup`` calls,
   each call timed alone up to ``jax.block_until_ready``; donated inputs are re-made before each call,
@@ -93,8 +92,6 @@ def workload_program(name: str, batch: int, variant: str) -> tuple[Callable, tup
         return jax.jit(mod.step, donate_argnums=donate), args, donate, ref
     if variant == "vtc":
         return vtc_jax.optimize(mod.step, donate_argnums=donate), args, donate, ref
-    if variant == "vtc_profile":
-        return vtc_jax.optimize(mod.step, donate_argnums=donate, profile=True), args, donate, ref
     raise ValueError(f"unknown variant {variant!r}")
 
 
@@ -226,7 +223,7 @@ def render(results: list[dict[str, Any]], ns: argparse.Namespace, device: str) -
     acc = _accounting()
     info = acc.machine_info()
     MiB = 2 ** 20
-    lines = ["# GPU measurements", "", "```sh", "python benchmarks/gpu.py" + (" --profile" if ns.profile else ""), "```",
+    lines = ["# GPU measurements", "", "```sh", "python benchmarks/gpu.py", "```",
              "", f"{info['date']}, {device}; host {info['cpu']}; jax {info['jax']}, jaxlib {info['jaxlib']}, "
              f"vtc_jax {info['vtc_jax']} (git {info['commit']}). Median of {ns.runs} timed calls after {ns.warmup} "
              "warm-up calls; peak = `memory_stats()['peak_bytes_in_use']` in a fresh process per row, *program* = "
@@ -256,7 +253,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--pos", type=int, default=2048, help="value of integer scalar inputs (decode position)")
     p.add_argument("--workloads", default=None, help="comma-separated example modules (default: all)")
     p.add_argument("--batches", default="1,16")
-    p.add_argument("--profile", action="store_true", help="also vtc_jax.optimize(step, profile=True)")
     p.add_argument("--no-attention", action="store_true", help="skip the decode-attention comparison")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement subprocess")
     p.add_argument("--out", default=None, help="also write the markdown table here")
@@ -282,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"skipped {n}: examples/{n}.py does not exist")
             continue
         for b in batches:
-            jobs += [("workload", n, b, v) for v in VARIANTS + (("vtc_profile",) if ns.profile else ())]
+            jobs += [("workload", n, b, v) for v in VARIANTS]
     if not ns.no_attention and acc.load_example("llama3_decode") is not None:
         jobs += [("attention", "llama3_attention", b, v) for b in batches for v in ATTN_VARIANTS]
     results = []

@@ -61,7 +61,7 @@ _LLAMA = ("none of activation size. K: the complex RoPE is traced as real pairs 
           "the rotated row into the cache in place; V: `.at[:, pos].set` is traced as a guarded update "
           "(canonical.py: an out-of-range pos writes back the old window, as `.at[].set` drops it) "
           "and its select (which reads the old window too) joins the K RoPE kernel: one launch writes "
-          "both rows of the step in place (costmodel.pointwise_islands: same-shape kernels whose "
+          "both rows of the step in place (xla.pointwise_islands: same-shape kernels whose "
           "outputs only update caches are one island; the V projection itself stays XLA's split-K "
           "GEMM, which the cost model prices lower than the template). The two movement ops left are "
           "a scalar position's broadcast/squeeze (glue)")

@@ -320,7 +320,7 @@ def test_convs_xla_runs_next_to_kernels_are_traced_channels_last():
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     import efficientvit_attention as eff
-    from vtc_jax.api import analyze, xla_layout_convs
+    from vtc_jax.analysis import analyze, xla_layout_convs
 
     args = tuple(eff.example_args("small", batch=2))
     first = analyze(eff.step, args, {}, graph=graph.trace(eff.step, *args))

@@ -12,11 +12,18 @@ from vtc_jax.profiling import ProfiledSavings, TimingProfiler
 from vtc_jax.graph import trace
 from vtc_jax.indexmap import IndexMap, Layout
 from vtc_jax.movement import Edge
+from vtc_jax.primitives import Kind
 from vtc_jax.strategy import from_edges, greedy
 from vtc_jax.vtog import build_vtog, build_vtog_from_edges
 
 H100 = GPUS["h100-sxm"]
 BW, LAUNCH = H100.hbm_bandwidth, H100.launch_overhead
+
+
+def _times(cm, g, cl, s, donated=()):
+    """The bound model's whole-program seconds with no edge chosen and under strategy ``s``."""
+    bound = cm.bind(s.vtog, g, cl, donated=donated)
+    return {"time_baseline": bound.time(from_edges(s.vtog, [])), "time_optimized": bound.time(s)}
 
 
 def setup(fn, *args):
@@ -88,7 +95,7 @@ def test_edge_saving_by_hand():
     assert w == pytest.approx(2048 / BW + LAUNCH - lib, rel=1e-9)
     # the model's whole-program time agrees with the edge saving
     s = from_edges(v, [i])
-    t = cm.modeled_time(g, cl, s)
+    t = _times(cm, g, cl, s)
     assert t["time_baseline"] - t["time_optimized"] == pytest.approx(w, rel=1e-9)
     # memory objective: z's 1024 bytes no longer need a buffer
     assert CostModel(objective="memory").savings(v.edges[i], frozenset(), v, g, cl) == 1024
@@ -217,7 +224,7 @@ def test_greedy_writes_the_projection_into_the_kv_cache():
     cache_in = g.inputs[2]
     # into the output cache buffer, or (output cache updated in place) into the input cache itself
     assert new_cache in targets or (s.is_virtual(new_cache) and cache_in in targets), targets
-    t = cm.modeled_time(g, cl, s)
+    t = _times(cm, g, cl, s)
     assert t["time_optimized"] < t["time_baseline"]
     m = modeled_bytes(g, cl, s)
     assert m["kernels_optimized"] < m["kernels_baseline"]
@@ -309,7 +316,7 @@ def test_greedy_total_is_the_modelled_saving():
     g, cl, v = setup(kv_layer, *KV_ARGS)
     cm = CostModel()
     s = greedy(v, cm.bind(v, g, cl))
-    t = cm.modeled_time(g, cl, s)
+    t = _times(cm, g, cl, s)
     assert s.total_saving == pytest.approx(t["time_baseline"] - t["time_optimized"], rel=1e-9)
     assert any(p.companion_of is not None for p in s.trace)
     # pick by pick: a pick plus its companions saves exactly what the trace says
@@ -319,7 +326,7 @@ def test_greedy_total_is_the_modelled_saving():
         pending += p.saving
         last = k + 1 == len(s.trace) or s.trace[k + 1].companion_of is None
         if last:
-            now = cm.modeled_time(g, cl, from_edges(v, chosen))["time_optimized"]
+            now = _times(cm, g, cl, from_edges(v, chosen))["time_optimized"]
             assert prev - now == pytest.approx(pending, rel=1e-9)
             prev, pending = now, 0.0
 
@@ -338,13 +345,13 @@ def test_llama_decode_layer_end_to_end(donate):
     cm = CostModel()
     s = greedy(v, cm.bind(v, g, cl, donated=caches))
     s.validate()
-    t = cm.modeled_time(g, cl, s, donated=caches)
+    t = _times(cm, g, cl, s, donated=caches)
     assert s.total_saving == pytest.approx(t["time_baseline"] - t["time_optimized"], rel=1e-9)
     m = modeled_bytes(g, cl, s, donated=caches)
-    from vtc_jax.costmodel import _Ctx, _cluster_cost, _strategy_oracles
-    ctx, (lay, by_op) = _Ctx(g, cl, v, caches), _strategy_oracles(s)
+    from vtc_jax.costmodel import Context, cluster_cost, strategy_oracles
+    ctx, (lay, by_op) = Context(g, cl, v, caches), strategy_oracles(s)
     left = [g.ops[c.ops[0]].primitive for k, c in enumerate(cl)
-            if c.kind == "movement" and _cluster_cost(ctx, k, lay, by_op, lambda k: 0.0).launches]
+            if c.kind == Kind.MOVEMENT and cluster_cost(ctx, k, lay, by_op, lambda k: 0.0).launches]
     # the caches are returned updated in place (in-place edges), so no update op is left; without
     # donation the copy XLA makes of each input cache is charged in bytes instead. The QKV split
     # goes with the split-K template (the M = 1 projection writes its pieces); with a template
@@ -369,7 +376,7 @@ def test_llama_decode_layer_end_to_end(donate):
 # ---- xla_fuses: pointwise work XLA fuses better than one Pallas kernel per cluster -------------
 
 def _xla_fuses(fn, *args):
-    from vtc_jax.costmodel import xla_fuses
+    from vtc_jax.xla import xla_fuses
     from vtc_jax.templates import match_all
     g = trace(fn, *args)
     cl = cluster(g)
@@ -425,7 +432,7 @@ def test_xla_fuses_a_lone_cast_but_not_a_lone_pointwise_kernel():
 
 def test_xla_fusion_off_keeps_the_kernels():
     """``CostModel(xla_fusion=False)`` plans as before (every matched cluster may become a kernel)."""
-    from vtc_jax.api import analyze
+    from vtc_jax.analysis import analyze
     x = jnp.ones((2, 1, 4, 16), jnp.bfloat16)
     cos, sin = jnp.cos(jnp.arange(16.0)), jnp.sin(jnp.arange(16.0))
     # a lone narrowing cast of w (a widening one would be the matmul's prologue: cluster.py)
@@ -482,10 +489,10 @@ def test_decode_gemm_keeps_xlas_gemm_when_the_template_streams_slower():
     assert (decode_gemm_loss(H100, 1, 16, 2048, 4096, 2, 2) > 0) == (not touched)
 
 
-# ---- accounting.xla_plain: plain jax.jit as XLA fuses it -------------------------------------
+# ---- xla.xla_plain: plain jax.jit as XLA fuses it -------------------------------------
 
 def _plain(fn, *args, donated=()):
-    from vtc_jax.accounting import xla_plain
+    from vtc_jax.xla import xla_plain
     g = trace(fn, *args)
     return xla_plain(g, cluster(g), donated=[g.inputs[i] for i in donated])
 
@@ -554,8 +561,8 @@ def test_xla_plain_against_xlas_compile_of_the_examples():
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / "benchmarks"))
     from accounting import WORKLOADS, donate_argnums, load_example
-    from vtc_jax.accounting import xla_plain
-    from vtc_jax.api import analyze
+    from vtc_jax.xla import xla_plain
+    from vtc_jax.analysis import analyze
     from vtc_jax.offline import compile_program
     for w in WORKLOADS:
         mod = load_example(w.module)
@@ -612,7 +619,7 @@ def test_decode_layer_keeps_xlas_gemms_and_norms_at_paper_size(plain_gemm_launch
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     llama = pytest.importorskip("llama3_decode")
-    from vtc_jax.api import analyze
+    from vtc_jax.analysis import analyze
     a = analyze(llama.step, llama.example_args("paper", batch=16), {}, donate_argnums=(2, 3))
     s = a.strategy
     touched = lambda c: any(s.is_virtual(t) for t in (*c.inputs, *c.outputs))
@@ -628,7 +635,7 @@ def test_decode_loss_off_lets_the_template_write_the_qkv_split(plain_gemm_launch
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     llama = pytest.importorskip("llama3_decode")
-    from vtc_jax.api import analyze
+    from vtc_jax.analysis import analyze
     args = llama.example_args("paper", batch=16)
     on = analyze(llama.step, args, {}, donate_argnums=(2, 3))
     off = analyze(llama.step, args, {}, donate_argnums=(2, 3), cost_model=CostModel(decode_loss=False))
@@ -657,7 +664,7 @@ def test_effvit_reads_k_and_v_through_maps_at_paper_size():
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     import efficientvit_attention as eff
-    from vtc_jax.api import analyze
+    from vtc_jax.analysis import analyze
     from vtc_jax.primitives import Direction
     a = analyze(eff.step, tuple(eff.example_args("paper", batch=16)), {})
     res = a.strategy.resolution

@@ -165,20 +165,20 @@ def test_island_that_cannot_be_one_kernel_stays_xla_and_right():
 
 
 def test_fuse_islands_explains_what_it_leaves():
-    from vtc_jax import costmodel
+    from vtc_jax import xla
     from vtc_jax.cluster import cluster, fuse_islands
     from vtc_jax.graph import trace
     from vtc_jax.templates import match_all
     args = (jax.random.normal(jax.random.PRNGKey(3), (2, 8)), jnp.zeros((3, 2, 8)), jnp.int32(1))
     g = trace(escaping_step, *args)
     cl = cluster(g)
-    islands = costmodel.pointwise_islands(g, cl, match_all(g, cl))
+    islands = xla.pointwise_islands(g, cl, match_all(g, cl))
     assert islands
     new, left = fuse_islands(g, cl, islands)
     assert new == cl and "different shapes" in next(iter(left.values()))
     ga = trace(rope_step, *_rope_args())
     ca = cluster(ga)
-    new, left = fuse_islands(ga, ca, costmodel.pointwise_islands(ga, ca, match_all(ga, ca)))
+    new, left = fuse_islands(ga, ca, xla.pointwise_islands(ga, ca, match_all(ga, ca)))
     assert len(new) < len(ca) and not left
     assert sorted(o for c in new for o in c.ops) == sorted(o for c in ca for o in c.ops)
 
@@ -198,7 +198,7 @@ def test_position_tables_are_recomputed_in_the_kernel():
     """cos/sin(pos·θ_j) tables read by the RoPE kernel are recomputed in it from ``pos`` and the
     index (``island._table_ops``, ``island.Index``): XLA would otherwise launch a fusion for each
     table (it does not constant-fold an iota a custom call reads)."""
-    from vtc_jax.api import analyze
+    from vtc_jax.analysis import analyze
     from vtc_jax.templates import Match, island
     args = _rope_args()
     a = analyze(rope_step, args, {}, donate_argnums=(2,))
@@ -225,7 +225,7 @@ def runtime_window_step(x, buf, pos):
 
 
 def test_island_the_plan_declines_is_left_to_xla_without_a_warning():
-    from vtc_jax.api import analyze
+    from vtc_jax.analysis import analyze
     args = (jax.random.normal(jax.random.PRNGKey(5), (6, 8)), jnp.zeros((5, 2, 8)), jnp.int32(3))
     a = analyze(runtime_window_step, args, {})
     assert not [c for c in a.clusters if str(c.kind) == "pointwise"

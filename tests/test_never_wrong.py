@@ -105,12 +105,12 @@ def test_prefill_attention_with_tril_mask():
 
 def test_explain_never_raises_an_internal_error(monkeypatch):
     """explain raises the user's own error, or VTCError — never an internal one."""
-    import vtc_jax.api as api
+    import vtc_jax.analysis as analysis
 
     def boom(*a, **k):
         raise KeyError("internal")
 
-    monkeypatch.setattr(api, "plan", boom)
+    monkeypatch.setattr(analysis, "plan", boom)
     f = lambda x: jnp.transpose(x) + 1  # noqa: E731
     with pytest.raises(vtc_jax.VTCError, match="internal"):
         vtc_jax.explain(f)(jnp.ones((2, 3)))

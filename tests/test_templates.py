@@ -14,7 +14,7 @@ from jax import lax
 
 import vtc_jax
 from vtc_jax import templates
-from vtc_jax.api import analyze
+from vtc_jax.analysis import analyze
 from vtc_jax.templates import Match, Reject
 from vtc_jax.testing import cross_lower
 
@@ -248,7 +248,7 @@ def test_widening_cast_before_a_dot_is_the_matmul_prologue():
     args = tuple(jnp.asarray(rng.standard_normal((4, 16, 50)), jnp.bfloat16) for _ in range(3))
     rep = vtc_jax.explain(f)(*args)
     assert all(m.eliminated for m in rep.movement if m.primitive in ("pad", "transpose")), rep.movement
-    a = vtc_jax.api.analyze(f, args, {})
+    a = vtc_jax.analysis.analyze(f, args, {})
     g = a.graph
     casts = [o.id for o in g.ops if o.primitive == "convert_element_type"
              and g.tensors[o.outputs[0]].dtype == jnp.float32 and len(g.tensors[o.outputs[0]].shape) == 3]

@@ -147,7 +147,7 @@ def test_explain_paper(name):
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
         # what the analysis can eliminate (every cluster a kernel candidate, the GEMM template
         # modelled as fast as XLA's): by default VTC leaves RoPE-like pointwise islands, parameter
-        # transforms and decode GEMMs to XLA (costmodel.xla_fuses / decode_gemm_loss), which keeps
+        # transforms and decode GEMMs to XLA (xla.xla_fuses / decode_gemm_loss), which keeps
         # the movement XLA fuses anyway
         from vtc_jax.costmodel import CostModel
         model = CostModel(xla_fusion=False, decode_loss=False)
@@ -193,7 +193,7 @@ def test_decode_zoo_paper_size_cuda_module(name):
     concatenate, gather or scatter of activation size reaches a kernel, a dot or a result, and no
     dynamic_update_slice is left: both cache rows are written in place by kernels — K by the fused
     RoPE kernel, V by the V projection's kernel or the same RoPE launch (a decode step's rows are
-    one launch: ``costmodel.pointwise_islands``), never by a kernel of its own."""
+    one launch: ``xla.pointwise_islands``), never by a kernel of its own."""
     from vtc_jax.testing import cross_lower
     step, example_args, donate, _ = MODELS[name]
     args = example_args("paper")
@@ -223,7 +223,7 @@ def _row_writers(step, args, donate):
     """The clusters computing the K and V cache rows a decode step writes (the update operand of
     each cache's dynamic_update_slice, followed up through movement ops) at paper size."""
     from types import SimpleNamespace
-    from vtc_jax.api import analyze
+    from vtc_jax.analysis import analyze
     from vtc_jax.primitives import is_movement_op
     a = analyze(step, args, {}, donate_argnums=donate)
     g = a.graph

@@ -51,7 +51,7 @@ greedy to take those followers in the same pick (``companions``) and which estim
 after a pick (``refresh``). With ``CostModel.bind`` passed to the greedy, its ``total_saving`` is
 exactly ``T(∅) - T(C)``.
 
-``accounting.modeled_bytes`` uses the same per-cluster accounting to report total HBM bytes and a liveness-based
+``accounting.modeled_bytes`` uses the same per-cluster accounting (:func:`cluster_cost`) to report total HBM bytes and a liveness-based
 peak, for plain XLA (``baseline``) and under a strategy (``optimized``). All of this is a model:
 it knows nothing about caches beyond the repeat rule, overlap of kernels, or compute-bound kernels
 other than the library loss. On a GPU, ``profiling.TimingProfiler`` + ``ProfiledSavings`` measure
@@ -61,26 +61,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .cluster import cluster
 from .indexmap import Dim, FloorDiv, Layout, Mod
+from .kernels import tiling
 from .movement import Edge
 from .primitives import Kind, data_inputs, inplace_operand, is_view
-from .templates import TEMPLATES, Match
 from .vtog import VTOG, box_volume, piece_group
+from .xla import LIBRARY_KINDS, Facts
 
 if TYPE_CHECKING:
     from .cluster import Cluster
     from .graph import Graph, Op
     from .strategy import Strategy
 
-__all__ = ["GPU", "GPUS", "CostModel", "modeled_bytes", "xla_fuses", "access_penalty", "piece_penalty", "LIBRARY_KINDS"]
+__all__ = ["GPU", "GPUS", "CostModel", "BoundCostModel", "Context", "Cost", "cluster_cost", "strategy_oracles",
+           "access_penalty", "piece_penalty", "decode_gemm_loss"]
 
 INF = float("inf")
-LIBRARY_KINDS = frozenset(str(k) for k, t in TEMPLATES.items() if t.library)   # XLA: cuBLAS / cuDNN
 TILE = 64                                               # block extent a kernel coalesces along
 
 
@@ -94,13 +96,9 @@ class GPU:
     name: str
     hbm_bandwidth: float       # bytes / s
     launch_overhead: float     # s
-    l2_bytes: int
     peak_flops_bf16: float     # flop / s, dense
     peak_flops_f32: float      # flop / s, non-tensor-core
-    memory_bytes: int = 0
-    sector_bytes: int = 32
-    line_bytes: int = 128
-    sms: int = 132                 # streaming multiprocessors (H100 SXM; only decode GEMMs use it)
+    sms: int = tiling.H100_SMS     # streaming multiprocessors (only decode GEMMs use it)
     hbm_latency: float = 0.8e-6    # s, a load's round trip under load: Little's law for bandwidth
     # per-SM limits on resident CTAs (Hopper, CUDA occupancy calculator): registers, shared memory
     # (228 KB, 1 KB of it reserved per CTA), threads, CTAs
@@ -121,14 +119,14 @@ class GPU:
 
 
 GPUS: Mapping[str, GPU] = {
-    # NVIDIA A100 datasheet (80GB PCIe): 1,935 GB/s HBM2e, 312 TFLOPS bf16, 19.5 TFLOPS fp32, 40 MB L2
-    "a100-80gb-pcie": GPU("A100 80GB PCIe", 1.935e12, 2.0e-6, 40 * 2**20, 312e12, 19.5e12, 80 * 10**9),
-    # NVIDIA H100 datasheet (SXM5): 3.35 TB/s HBM3, 989 TFLOPS bf16 dense, 67 TFLOPS fp32, 50 MB L2
-    "h100-sxm": GPU("H100 SXM", 3.35e12, 2.0e-6, 50 * 2**20, 989.4e12, 66.9e12, 80 * 10**9),
-    # H100 NVL: 3.9 TB/s HBM3, 835 TFLOPS bf16 dense (1,671 sparse), 60 TFLOPS fp32, 94 GB
-    "h100-nvl": GPU("H100 NVL", 3.9e12, 2.0e-6, 50 * 2**20, 835.5e12, 60e12, 94 * 10**9),
-    # H200 (SXM): 4.8 TB/s HBM3e, 989 TFLOPS bf16 dense, 67 TFLOPS fp32, 141 GB
-    "h200": GPU("H200 SXM", 4.8e12, 2.0e-6, 50 * 2**20, 989.4e12, 66.9e12, 141 * 10**9),
+    # NVIDIA A100 datasheet (80GB PCIe): 1,935 GB/s HBM2e, 312 TFLOPS bf16, 19.5 TFLOPS fp32, 108 SMs
+    "a100-80gb-pcie": GPU("A100 80GB PCIe", 1.935e12, 2.0e-6, 312e12, 19.5e12, sms=108),
+    # NVIDIA H100 datasheet (SXM5): 3.35 TB/s HBM3, 989 TFLOPS bf16 dense, 67 TFLOPS fp32
+    "h100-sxm": GPU("H100 SXM", 3.35e12, 2.0e-6, 989.4e12, 66.9e12),
+    # H100 NVL: 3.9 TB/s HBM3, 835 TFLOPS bf16 dense (1,671 sparse), 60 TFLOPS fp32
+    "h100-nvl": GPU("H100 NVL", 3.9e12, 2.0e-6, 835.5e12, 60e12),
+    # H200 (SXM): 4.8 TB/s HBM3e, 989 TFLOPS bf16 dense, 67 TFLOPS fp32
+    "h200": GPU("H200 SXM", 4.8e12, 2.0e-6, 989.4e12, 66.9e12),
 }
 
 
@@ -220,18 +218,11 @@ def template_gemm_inflight(batch: int, m: int, n: int, k: int, a_itemsize: int, 
                            sms: int) -> tuple[int, int]:
     """``(CTAs, operand bytes each CTA keeps in flight)`` of the matmul template's launch.
 
-    Read from ``kernels/tiling.py`` when it describes the launch (``gemm_config``: split-K, deeper
-    pipelines for decode shapes); otherwise the template's plain tiling: ``choose_blocks`` (64×64
-    output tiles, bk 32), one program per output tile, 2 pipeline stages (one K tile in flight).
+    Read from the kernels' own launch description (``tiling.gemm_config``: split-K, deeper
+    pipelines for decode shapes), so the model and the kernel cannot disagree.
     """
-    from .kernels import tiling
-    cfg_fn = getattr(tiling, "gemm_config", None)
-    if cfg_fn is not None:
-        cfg = cfg_fn(m, n, k, batch=batch, a_itemsize=a_itemsize, b_itemsize=b_itemsize, sms=sms)
-        return cfg.ctas, cfg.tiles_in_flight * cfg.tile_bytes
-    bm, bn, bk = tiling.choose_blocks(m, n, k)
-    ctas = batch * tiling.cdiv(m, bm) * tiling.cdiv(n, bn)
-    return ctas, bk * (bm * a_itemsize + bn * b_itemsize)
+    cfg = tiling.gemm_config(m, n, k, batch=batch, a_itemsize=a_itemsize, b_itemsize=b_itemsize, sms=sms)
+    return cfg.ctas, cfg.tiles_in_flight * cfg.tile_bytes
 
 
 def decode_gemm_loss(gpu: GPU, batch: int, m: int, n: int, k: int, a_itemsize: int, b_itemsize: int) -> float:
@@ -274,54 +265,18 @@ def _flops(op: "Op", graph: "Graph") -> int:
     return 0
 
 
-class _Ctx:
-    """Everything about (graph, clusters, vtog) the model needs, computed once."""
+class Context(Facts):
+    """XLA's facts about (graph, clusters) plus what the model needs of the VTOG, computed once."""
 
     def __init__(self, graph: "Graph", clusters: Sequence["Cluster"], vtog: VTOG | None,
                  donated: Iterable[int] = ()) -> None:
-        self.graph, self.clusters, self.vtog = graph, tuple(clusters), vtog
-        self.donated = donated = frozenset(donated)
-        self.nbytes = [int(t.size) * t.dtype.itemsize for t in graph.tensors]
-        self.itemsize = [t.dtype.itemsize for t in graph.tensors]
-        self.pos = {oid: k for k, c in enumerate(self.clusters) for oid in c.ops}
-        self.producer: dict[int, int] = {}
-        self.users: dict[int, list[int]] = {}
-        for k, c in enumerate(self.clusters):
-            for t in c.outputs:
-                self.producer[t] = k
-            for t in c.inputs:
-                self.users.setdefault(t, []).append(k)
-        outs = set(graph.outputs)
-        ins = set(graph.inputs) | {t.id for t in graph.tensors if t.const is not None}
-        self.bitcast: dict[int, bool] = {}
-        self.dus_copy: dict[int, bool] = {}
-        self.base: dict[int, int] = {}
-        for c in self.clusters:
-            if c.kind != "movement":
-                continue
-            for oid in c.ops:
-                op = graph.ops[oid]
-                self.bitcast[oid] = self._is_bitcast(op)
-                k_inplace = inplace_operand(op.primitive)
-                if k_inplace is not None:
-                    operand = op.inputs[k_inplace]
-                    later = any(self.pos.get(u.id, u.id) > self.pos.get(oid, oid)
-                                for u in graph.consumers(operand) if u.id != oid)
-                    if operand in donated:   # XLA updates a donated input buffer in place
-                        self.dus_copy[oid] = later or operand in outs
-                    else:
-                        self.dus_copy[oid] = operand in ins or operand in outs or later
-                    self.base[oid] = 2 * self.nbytes[op.inputs[1]] + (
-                        2 * self.nbytes[operand] if self.dus_copy[oid] else 0)
-                else:
-                    w = sum(self.nbytes[t] for t in op.outputs)
-                    r = sum(self.nbytes[t] for t in data_inputs(op))
-                    self.base[oid] = w + min(r, w)
+        super().__init__(graph, clusters, donated)
+        self.vtog = vtog
         self.flops = {k: sum(_flops(graph.ops[o], graph) for o in c.ops)
                       for k, c in enumerate(self.clusters) if c.kind in LIBRARY_KINDS}
         self.flop_dtype = {k: graph.tensors[graph.ops[c.ops[0]].outputs[0]].dtype
                            for k, c in enumerate(self.clusters) if c.kind in LIBRARY_KINDS}
-        self.gemm = {k: g for k, c in enumerate(self.clusters) if c.kind == "matmul"
+        self.gemm = {k: g for k, c in enumerate(self.clusters) if c.kind == Kind.MATMUL
                      for g in [_gemm_shape(graph, c)] if g is not None}
         self.edge_bytes: list[int] = []
         self.by_op: dict[int, list[int]] = {}
@@ -330,9 +285,6 @@ class _Ctx:
                 self.edge_bytes.append(self._edge_bytes(e))
                 self.by_op.setdefault(e.op, []).append(i)
         self._pen: dict[int, tuple] = {}
-
-    def _is_bitcast(self, op: "Op") -> bool:
-        return is_view(op, self.graph)
 
     def _edge_bytes(self, e: Edge) -> int:
         if e.inplace and not self.dus_copy.get(e.op, True):
@@ -364,20 +316,20 @@ class _Ctx:
 
 
 @dataclass
-class _Cost:
+class Cost:
     raw: float = 0.0        # bytes, as counted by modeled_bytes
     eff: float = 0.0        # bytes including sector waste
     launches: int = 0
     extra: float = 0.0      # seconds (library loss)
 
 
-def _cluster_cost(ctx: _Ctx, k: int, layout: Callable[[int], Layout | None],
-                  chosen_of_op: Callable[[int], Sequence[int]], lib_loss: Callable[[int], float]) -> _Cost:
+def cluster_cost(ctx: Context, k: int, layout: Callable[[int], Layout | None],
+                  chosen_of_op: Callable[[int], Sequence[int]], lib_loss: Callable[[int], float]) -> Cost:
     """Cost of cluster ``k`` given a layout oracle (None = physical) and the chosen edges."""
     c = ctx.clusters[k]
     g = ctx.graph
-    if c.kind == "movement":
-        cost = _Cost()
+    if c.kind == Kind.MOVEMENT:
+        cost = Cost()
         for oid in c.ops:
             op = g.ops[oid]
             mine = chosen_of_op(oid)
@@ -414,7 +366,7 @@ def _cluster_cost(ctx: _Ctx, k: int, layout: Callable[[int], Layout | None],
         raw += ctx.nbytes[t]
         eff += ctx.nbytes[t] * ctx.penalty(t, lay)
     extra = lib_loss(k) if touched and c.kind in LIBRARY_KINDS else 0.0
-    return _Cost(raw, eff, 1, extra)
+    return Cost(raw, eff, 1, extra)
 
 
 # --------------------------------------------------------------------------------------------
@@ -424,7 +376,7 @@ def _cluster_cost(ctx: _Ctx, k: int, layout: Callable[[int], Layout | None],
 class _State:
     """Layouts under a chosen edge set ``C``, extended incrementally as the greedy grows ``C``."""
 
-    def __init__(self, ctx: _Ctx) -> None:
+    def __init__(self, ctx: Context) -> None:
         self.ctx, self.vtog = ctx, ctx.vtog
         self.C: frozenset[int] = frozenset()
         self.by_src: dict[int, list[int]] = {}
@@ -509,7 +461,6 @@ class CostModel:
     library_efficiency: float = 0.85
     xla_fusion: bool = True   # leave to XLA the pointwise clusters it fuses better (xla_fuses)
     decode_loss: bool = True  # charge decode GEMMs decode_gemm_loss (off: the template streams as fast)
-    _bound: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.objective not in ("latency", "memory"):
@@ -517,46 +468,26 @@ class CostModel:
 
     def bind(self, vtog: VTOG, graph: "Graph", clusters: Sequence["Cluster"] | None = None,
              donated: Iterable[int] = ()) -> "BoundCostModel":
-        """A ``savings(edge, chosen)`` callable for :func:`strategy.greedy` (state is cached).
+        """A ``savings(edge, chosen)`` callable for :func:`strategy.greedy`, holding the state it
+        caches (layouts under the chosen set) for that one (vtog, graph, clusters).
 
         Prefer passing the bound object itself to ``greedy`` (not a lambda around ``savings``):
         its ``companions`` and ``refresh`` methods keep the greedy's total exact.
         ``donated`` are graph inputs whose buffers the caller donates (a KV cache updated in place).
         """
-        donated = frozenset(donated)
-        key = (id(vtog), id(graph), id(clusters), donated)
-        got = self._bound.get(key)
-        if got is None or got.vtog is not vtog or got.ctx.graph is not graph:
-            if clusters is None:
-                from .cluster import cluster
-                clusters = cluster(graph)
-            got = BoundCostModel(self, _Ctx(graph, clusters, vtog, donated))
-            self._bound.clear()
-            self._bound[key] = got
-        return got
+        return BoundCostModel(self, Context(graph, cluster(graph) if clusters is None else clusters, vtog,
+                                           donated))
 
     def savings(self, edge: Edge, chosen: frozenset[int], vtog: VTOG, graph: "Graph",
                 clusters: Sequence["Cluster"] | None = None) -> float:
-        """Seconds (latency) or bytes (memory) saved by adding ``edge`` to ``chosen``."""
+        """Seconds (latency) or bytes (memory) saved by adding ``edge`` to ``chosen`` (binds afresh on
+        every call: for one-off questions; the greedy takes :meth:`bind`'s object)."""
         return self.bind(vtog, graph, clusters)(edge, chosen)
 
-    def seconds(self, cost: _Cost) -> float:
+    def seconds(self, cost: Cost) -> float:
         return cost.eff / self.gpu.hbm_bandwidth + cost.launches * self.gpu.launch_overhead + cost.extra
 
-    def modeled_time(self, graph: "Graph", clusters: Sequence["Cluster"],
-                     strategy: "Strategy | None" = None, donated: Iterable[int] = ()) -> dict[str, float]:
-        """Modelled seconds of the whole program, plain XLA vs under ``strategy``."""
-        ctx = _Ctx(graph, clusters, strategy.vtog if strategy is not None else None, donated)
-        lib = self._lib_loss(ctx)
-        base = sum(self.seconds(_cluster_cost(ctx, k, lambda t: None, lambda o: (), lib))
-                   for k in range(len(ctx.clusters)))
-        if strategy is None:
-            return {"time_baseline": base, "time_optimized": base}
-        lay, by_op = _strategy_oracles(strategy)
-        opt = sum(self.seconds(_cluster_cost(ctx, k, lay, by_op, lib)) for k in range(len(ctx.clusters)))
-        return {"time_baseline": base, "time_optimized": opt}
-
-    def _lib_loss(self, ctx: _Ctx) -> Callable[[int], float]:
+    def _lib_loss(self, ctx: Context) -> Callable[[int], float]:
         loss = 1.0 - self.library_efficiency
 
         def lib(k: int) -> float:
@@ -569,7 +500,7 @@ class CostModel:
 class BoundCostModel:
     """``CostModel`` bound to one (vtog, graph, clusters): the callable greedy consumes."""
 
-    def __init__(self, model: CostModel, ctx: _Ctx) -> None:
+    def __init__(self, model: CostModel, ctx: Context) -> None:
         self.model, self.ctx, self.vtog = model, ctx, ctx.vtog
         self.state = _State(ctx)
         self.lib = model._lib_loss(ctx)
@@ -590,8 +521,8 @@ class BoundCostModel:
         clusters next to the edges they differ in is the same comparison, at a fraction of the cost."""
         if self.model.objective != "latency":
             return 0.0
-        lay, by_op = _strategy_oracles(strategy)
-        return sum(self.model.seconds(_cluster_cost(self.ctx, k, lay, by_op, self.lib)) for k in clusters)
+        lay, by_op = strategy_oracles(strategy)
+        return sum(self.model.seconds(cluster_cost(self.ctx, k, lay, by_op, self.lib)) for k in clusters)
 
     def prefers_library(self, k: int) -> bool:
         """Cluster position ``k`` is a GEMM whose Pallas kernel is modelled slower than XLA's
@@ -745,8 +676,8 @@ class BoundCostModel:
                 affected.add(ctx.producer[t])
             affected.update(ctx.users.get(t, ()))
         sec = self.model.seconds
-        before = sum(sec(_cluster_cost(ctx, k, st.layout, chosen_before, self.lib)) for k in affected)
-        after = sum(sec(_cluster_cost(ctx, k, lay_after, chosen_after, self.lib)) for k in affected)
+        before = sum(sec(cluster_cost(ctx, k, st.layout, chosen_before, self.lib)) for k in affected)
+        after = sum(sec(cluster_cost(ctx, k, lay_after, chosen_after, self.lib)) for k in affected)
         return before - after
 
     def _reach(self, t: int) -> set[int]:
@@ -762,187 +693,9 @@ class BoundCostModel:
         return seen
 
 
-def _strategy_oracles(strategy: "Strategy") -> tuple[Callable[[int], Layout | None], Callable[[int], Sequence[int]]]:
+def strategy_oracles(strategy: "Strategy") -> tuple[Callable[[int], Layout | None], Callable[[int], Sequence[int]]]:
     by_op: dict[int, list[int]] = {}
     for i in strategy.chosen:
         by_op.setdefault(strategy.vtog.edges[i].op, []).append(i)
     return ((lambda t: strategy.layout(t) if strategy.is_virtual(t) else None),
             (lambda oid: by_op.get(oid, ())))
-
-
-def modeled_bytes(*args: Any, **kwargs: Any) -> dict[str, int]:
-    """Moved to :func:`vtc_jax.accounting.modeled_bytes` (whole-program accounting)."""
-    from .accounting import modeled_bytes as impl
-    return impl(*args, **kwargs)
-
-
-# Primitives a pointwise cluster may consist of and still be "only a cast": XLA fuses such a cluster
-# into whatever fusion produces or consumes its tensors, so a kernel of its own is a pure loss.
-_CAST_ONLY = frozenset({"convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
-                        "expand_dims", "copy", "copy_p"})
-
-
-def pointwise_islands(graph: "Graph", clusters: Sequence["Cluster"],
-                      matches: Mapping[int, Any]) -> list[list[int]]:
-    """Groups (two or more) of matched pointwise clusters joined to each other only through
-    movement clusters: RoPE's convert/mul, neg and mul/add joined by slices and a concat; or
-    feeding one concat/stack (a complex RoPE's real and imaginary parts); or of one shape, each
-    output only the update of a dynamic_update_slice (a decode step's K and V cache rows). XLA
-    runs each group as one loop fusion; ``cluster.fuse_islands`` makes each one kernel."""
-    cl_of_tensor: dict[int, "Cluster"] = {}
-    for c in clusters:
-        for t in c.outputs:
-            cl_of_tensor[t] = c
-    ops = {op.id: op for op in graph.ops}
-    kernels = {c.id: c for c in clusters
-               if c.kind == Kind.POINTWISE and isinstance(matches.get(c.id), Match)}
-    parent = {k: k for k in kernels}
-
-    def find(k: int) -> int:
-        while parent[k] != k:
-            parent[k] = parent[parent[k]]
-            k = parent[k]
-        return k
-
-    def upstream_kernels(t: int, seen: set[int]) -> set[int]:
-        """Pointwise kernels reachable from tensor ``t`` upwards through movement clusters only."""
-        c = cl_of_tensor.get(t)
-        if c is None or c.id in seen:
-            return set()
-        seen.add(c.id)
-        if c.id in kernels:
-            return {c.id}
-        if c.kind != Kind.MOVEMENT:
-            return set()
-        found: set[int] = set()
-        for o in c.ops:
-            for x in data_inputs(ops[o]):
-                found |= upstream_kernels(x, seen)
-        return found
-
-    for k, c in kernels.items():
-        for t in c.inputs:
-            p = cl_of_tensor.get(t)
-            if p is None or p.kind != Kind.MOVEMENT:
-                continue   # a direct pointwise→pointwise edge would have been one cluster
-            for q in upstream_kernels(t, set()):
-                parent[find(q)] = find(k)
-    for c in clusters:   # siblings joined by a concat/stack (a complex RoPE's real and imag parts)
-        if c.kind != Kind.MOVEMENT or len(c.inputs) < 2:
-            continue
-        found = set()
-        for o in c.ops:
-            for x in data_inputs(ops[o]):
-                found |= upstream_kernels(x, set())
-        found = sorted(found)
-        for q in found[1:]:
-            parent[find(q)] = find(found[0])
-    # one step's cache rows: kernels whose every output is the update of a dynamic_update_slice
-    # (through movement only) and of one shape — a decode step's K row (RoPE) and V row — write
-    # their rows from one launch, as XLA's horizontal fusion would (fuse_islands refuses a group
-    # whose contraction closes a cycle)
-    # (only writers independent of each other: layer i's rows and layer j's are joined through
-    # the attention between them, and one launch cannot hold both)
-    rows: dict[tuple[int, ...], list[list[int]]] = {}
-    upstream: dict[int, set[int]] = {}
-    for k, c in kernels.items():
-        if not c.outputs or not all(_feeds_update(graph, cl_of_tensor, t) for t in c.outputs):
-            continue
-        shapes = {tuple(graph.tensors[t].shape) for t in c.outputs}
-        if len(shapes) != 1:
-            continue
-        upstream[k] = _ancestors(graph, c.ops)
-        for group in (groups := rows.setdefault(shapes.pop(), [])):
-            if all(not (set(kernels[q].ops) & upstream[k]) and not (set(c.ops) & upstream[q]) for q in group):
-                group.append(k)
-                break
-        else:
-            groups.append([k])
-    for group in (g for gs in rows.values() for g in gs):
-        for q in group[1:]:
-            parent[find(q)] = find(group[0])
-    islands: dict[int, list[int]] = {}
-    for k in kernels:
-        islands.setdefault(find(k), []).append(k)
-    return [sorted(m) for m in islands.values() if len(m) > 1]
-
-
-def _ancestors(graph: "Graph", ops: Sequence[int]) -> set[int]:
-    """Ids of the ops upstream of ``ops`` (not ``ops`` themselves, unless on a path between them)."""
-    seen: set[int] = set()
-    stack = [t for o in ops for t in graph.ops[o].inputs]
-    while stack:
-        p = graph.producer(stack.pop())
-        if p is not None and p.id not in seen:
-            seen.add(p.id)
-            stack.extend(p.inputs)
-    return seen
-
-
-def _feeds_update(graph: "Graph", cl_of_tensor: Mapping[int, "Cluster"], t: int, depth: int = 0) -> bool:
-    """Is every use of ``t`` the update of a dynamic_update_slice, directly or through movement
-    clusters only (a cast to the cache's dtype, a reshape to the window)?"""
-    users = graph.consumers(t)
-    if not users or t in graph.outputs or depth > 8:
-        return False
-    for u in users:
-        if u.primitive == "dynamic_update_slice":
-            if len(u.inputs) < 2 or u.inputs[1] != t or u.inputs[0] == t:
-                return False
-            continue
-        c = cl_of_tensor.get(u.outputs[0]) if u.outputs else None
-        if c is None or c.kind != Kind.MOVEMENT or not all(
-                _feeds_update(graph, cl_of_tensor, y, depth + 1) for y in u.outputs):
-            return False
-    return True
-
-
-def xla_fuses(graph: "Graph", clusters: Sequence["Cluster"], matches: Mapping[int, Any],
-              not_fused: Mapping[int, str] | None = None) -> dict[int, str]:
-    """Pointwise clusters better left to XLA than made Pallas kernels: ``{cluster id: why}``.
-
-    Why: every Pallas kernel is an opaque custom call that XLA fuses nothing into, while XLA itself
-    fuses element-wise ops *together with* the slices, concats, broadcasts, reshapes and transposes
-    between them (a loop fusion reads its operands through the movement ops' index maps — what VTC
-    does for compute kernels). So for element-wise work the virtual tensors VTC would introduce buy
-    nothing XLA does not already get, and the lowering's one-kernel-per-cluster costs launches
-    (found in XLA's H100 compile, BENCHMARKS.md: RoPE became six Pallas kernels where XLA emits one
-    concatenate fusion, and a lone bf16→f32 cast of a norm weight became a kernel XLA folds into
-    the norm's reduction fusion). Two rules, both structural (no size threshold, so small test
-    programs and paper-size ones are planned alike):
-
-    * **pointwise islands** — matched pointwise clusters connected to each other only through
-      movement clusters (RoPE: convert/mul, neg and mul/add joined by slices and a concat) that
-      ``cluster.fuse_islands`` could not make one cluster (``not_fused``: why, keyed by the
-      island's smallest op id): VTC would launch one kernel per cluster, XLA one loop fusion for
-      the island. All of them go to XLA. A lone pointwise cluster (an island of one) keeps its kernel: one launch either way, and
-      its virtual reads can still save a copy XLA would make.
-    * **lone casts** — a pointwise cluster made only of casts/broadcasts/reshapes: XLA fuses it
-      into its producer's or consumer's fusion (zero launches); a kernel costs one.
-    * **parameter transforms** — a pointwise cluster reading only vectors passed in (and
-      constants): Gemma's ``1 + w`` norm scale; XLA recomputes it inside the norm's fusion.
-
-    Clusters the templates already rejected are not listed (they go to XLA anyway).
-    """
-    ops = {op.id: op for op in graph.ops}
-    kernels = {c.id: c for c in clusters
-               if c.kind == Kind.POINTWISE and isinstance(matches.get(c.id), Match)}
-    out: dict[int, str] = {}
-    for members in pointwise_islands(graph, clusters, matches):
-        why = (not_fused or {}).get(min(o for k in members for o in kernels[k].ops))
-        for k in members:
-            out[k] = (f"XLA fuses it with {len(members) - 1} more pointwise cluster(s) "
-                      f"({', '.join(f'#{m}' for m in sorted(members) if m != k)}) and the movement "
-                      "between them into one loop fusion; Pallas would launch one kernel each"
-                      + (f" (not one cluster here: {why})" if why else ""))
-    inputs = set(graph.inputs)
-    for k, c in kernels.items():
-        if k in out:
-            continue
-        if all(ops[o].primitive in _CAST_ONLY for o in c.ops):
-            out[k] = "only casts/broadcasts: XLA fuses it into a neighbouring fusion (no launch of its own)"
-        elif all((t in inputs and len(graph.tensors[t].shape) <= 1) or graph.tensors[t].const is not None
-                 for t in c.inputs):
-            out[k] = ("a per-channel parameter transform (1 + w, a cast of a weight vector): XLA folds it "
-                      "into the fusion that reads it (no launch of its own)")
-    return out

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .testing import cross_lower
+
 
 def _example() -> Any:
     """The Llama-3 example ships in ``examples/``; load it from the source tree or the package."""
@@ -66,7 +68,6 @@ def run(batch: int = 16) -> int:
 
     print("\n== 3. Cross-lowering the paper-size layer for CUDA (Triton kernels) ==")
     try:
-        from .testing import cross_lower
         f = vtc_jax.optimize(L.step, backend="triton", donate_argnums=(2, 3))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)

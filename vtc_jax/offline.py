@@ -35,6 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from .compat import cuda_lowering
+from .testing import LoweredModule, exported_for_ir
+
 # Shared memory per block (opt-in maximum), bytes. Only checked by the driver at load time.
 SMEM_LIMIT: dict[str, int] = {"sm_90": 232448, "sm_80": 166912, "sm_86": 101376, "sm_89": 101376}
 
@@ -515,7 +518,6 @@ def compile_program(fn: Callable, *args: Any, kernels: bool = True, donate_argnu
     A plain function is wrapped in ``jax.jit(fn, donate_argnums=donate_argnums)``. With ``kernels``
     the PTX XLA emits is assembled by ``ptxas -v`` for per-kernel resources."""
     import jax
-    from .compat import cuda_lowering
 
     sharding = jax.sharding.SingleDeviceSharding(h100_device())
     args = jax.tree.map(lambda x: _sds(x, sharding), args)
@@ -619,7 +621,6 @@ def compile_many(kernels: Sequence[tuple[str, bytes, int, int]], *, arch: str = 
                  ) -> list[KernelResources]:
     """Resources for ``(name, ir_bytes, num_warps, num_stages)`` tuples whose IR came from
     ``vtc_jax.testing.cross_lower`` (each module is compiled once, deviceless, for sm_90)."""
-    from .testing import exported_for_ir
     groups: dict[int, tuple[Any, list[int]]] = {}
     out: list[KernelResources | None] = [None] * len(kernels)
     for i, (name, ir, _, _) in enumerate(kernels):
@@ -631,7 +632,6 @@ def compile_many(kernels: Sequence[tuple[str, bytes, int, int]], *, arch: str = 
         groups.setdefault(id(owner[0]), (owner[0], []))[1].append(i)
     for exported, idxs in groups.values():
         program = _compile_or_error(exported, arch)
-        from .testing import LoweredModule
         module_kernels = LoweredModule.from_text(exported.mlir_module()).triton_kernels
         matched = _match(list(module_kernels), program)
         for i in idxs:

@@ -16,8 +16,11 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
+from .analysis import Analysis, analyze
 from .compat import scan_counts
 from .graph import CONTROL_FLOW_PRIMITIVES, Op
+from .lower import Lowered, lower, triton_failures
+from .templates import KernelBuildError
 
 __all__ = ["BuildOptions", "build", "optimize_body", "MAX_BUILD_ATTEMPTS"]
 
@@ -36,19 +39,17 @@ class BuildOptions:
 
 def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequence[Any], *,
           donate: Sequence[int], opts: BuildOptions, rejected: dict[int, str],
-          donate_names: Sequence[str] = ()) -> tuple[Any, Any, Any]:
+          donate_names: Sequence[str] = ()) -> tuple[Analysis, Lowered, Any]:
     """``(analysis, lowered, closed_jaxpr)`` of ``f`` traced on ``flat`` (arrays, tracers or
-    ShapeDtypeStructs). ``rejected`` collects the clusters whose kernels failed to build."""
-    from . import lower as lower_mod
-    from .api import analyze
-    from .templates import KernelBuildError
+    ShapeDtypeStructs). ``rejected`` collects the clusters whose kernels failed to build; they go
+    back into the analysis (``selection.select``) as an input, which re-plans without them."""
     graph = None
     for _ in range(MAX_BUILD_ATTEMPTS):
         analysis = analyze(f, abstract_a, abstract_k, donate_argnums=donate, donate_argnames=donate_names,
                            rejected=rejected, graph=graph,
                            **opts.analysis)
         graph = analysis.graph
-        lowered = lower_mod.lower(graph, analysis.clusters, analysis.matches, analysis.strategy,
+        lowered = lower(graph, analysis.clusters, analysis.matches, analysis.strategy,
                                   backend=opts.backend, rewrite=lambda op: optimize_body(op, opts))
         try:
             closed = jax.make_jaxpr(lowered.fn)(*flat)
@@ -59,7 +60,7 @@ def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequ
                                   f"{str(e.cause).splitlines()[0] if str(e.cause) else ''})"
             continue
         if opts.backend == "triton":
-            bad = lower_mod.triton_failures(closed)
+            bad = triton_failures(closed)
             if bad:
                 if opts.strict:
                     raise opts.error(f"kernels failed to lower for CUDA: {bad}")

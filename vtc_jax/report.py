@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from . import movement
 from .accounting import modeled_bytes
+from .analysis import Analysis
 from .cluster import Cluster
 from .graph import Graph
-from .primitives import data_inputs
+from .primitives import Kind, data_inputs, is_movement_op
 from .strategy import Strategy
+from .templates import Match, Reject
 from .vtog import VTOG
-
-if TYPE_CHECKING:
-    from .api import Analysis
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,6 @@ class Report:
     modeled: Modeled
     analysis_seconds: float
     opaque: tuple[tuple[str, str], ...] = ()     # (primitive, reason) for ops left to XLA unanalysed
-    notes: tuple[str, ...] = ()
     templates: tuple[tuple[int, str, str], ...] = ()   # (cluster, kind, "kernel" | why it runs in XLA)
 
     @property
@@ -110,8 +108,6 @@ class Report:
                              [[f"#{c}" if c >= 0 else "-", k, why] for c, k, why in self.templates])]
         if self.opaque:
             lines += ["", "Left to XLA without analysis"] + [f"  {p}: {r}" for p, r in self.opaque]
-        if self.notes:
-            lines += [""] + [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     # -- machine-readable ---------------------------------------------------------------------
@@ -139,7 +135,6 @@ class Report:
             "modeled": {k: int(getattr(self.modeled, k)) for k in self.modeled.__dataclass_fields__},
             "opaque": [list(p) for p in self.opaque],
             "templates": [{"cluster": c, "kind": k, "template": why} for c, k, why in self.templates],
-            "notes": list(self.notes),
         }
 
     def to_json(self, **kwargs: Any) -> str:
@@ -196,9 +191,8 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 # Building the report from an Analysis
 # --------------------------------------------------------------------------------------------
 
-def build_report(name: str, a: "Analysis") -> Report:
+def build_report(name: str, a: Analysis) -> Report:
     """The report of one analysis: every stage's decision read off the Analysis, nothing re-run."""
-    from .templates import Match
     g, v, s = a.graph, a.vtog, a.strategy
     res = s.resolution
     by_op: dict[int, list[int]] = {}
@@ -209,11 +203,11 @@ def build_report(name: str, a: "Analysis") -> Report:
     home = {oid: c for c in a.clusters for oid in c.ops}
     infos = []
     for op in g.ops:
-        if not movement.is_movement(op, g) or all(g.tensors[t].const is not None for t in op.inputs):
+        if not is_movement_op(op, g) or all(g.tensors[t].const is not None for t in op.inputs):
             continue
         edges = tuple(by_op.get(op.id, ()))
         c = home.get(op.id)
-        if c is not None and c.kind not in ("movement", "glue", "opaque"):
+        if c is not None and c.kind not in (Kind.MOVEMENT, Kind.GLUE, Kind.OPAQUE):
             gone, reason = True, f"fused into {c.kind} cluster #{c.id}: a register-level view, never in memory"
         else:
             gone = op.id in gone_ops
@@ -224,7 +218,7 @@ def build_report(name: str, a: "Analysis") -> Report:
                                   tuple(i for i in edges if i in chosen)))
     mb = modeled_bytes(g, a.clusters, s, donated=a.donated)
     modeled = Modeled(**{k: int(mb[k]) for k in Modeled.__dataclass_fields__})
-    opaque = tuple((g.ops[c.ops[0]].primitive, c.reason) for c in a.clusters if c.kind == "opaque")
+    opaque = tuple((g.ops[c.ops[0]].primitive, c.reason) for c in a.clusters if c.kind == Kind.OPAQUE)
     templates = tuple((cid, m.kind.value, "kernel" if isinstance(m, Match) else m.reason)
                       for cid, m in sorted(a.matches.items()))
     templates += tuple((-1, "attention", f"region from dot #{op}: {why}; clustered as its parts instead")
@@ -259,3 +253,33 @@ def _reason(g: Graph, v: VTOG, s: Strategy, op: Any, edges: tuple[int, ...], gon
         return stuck[0]
     return "not profitable under the cost model (no edge with positive modelled saving)" if not chosen \
         else "partially virtual: some outputs still need a physical copy"
+
+
+def fallback_messages(a: Analysis, always: frozenset[int] = frozenset(),
+                      bodies: Sequence[str] = ()) -> list[str]:
+    """One line per reason VTC left part of the program to XLA where it mattered: opaque
+    primitives, and compute clusters next to data movement that no template took (grouped by
+    reason, so 32 identical layers give one line)."""
+    g = a.graph
+    msgs: list[str] = []
+    for c in a.clusters:
+        if c.kind == Kind.OPAQUE and f"{g.ops[c.ops[0]].primitive} #{c.ops[0]}" not in bodies:
+            msgs.append(f"unsupported primitive {g.ops[c.ops[0]].primitive} left to XLA "
+                        f"({c.reason}); tensors around it stay physical")
+    res = a.strategy.resolution
+    kept = [a.graph.ops[o] for o in (res.executed if res is not None else ())]
+    kept_tensors = {t for op in kept for t in (*op.inputs, *op.outputs)}
+    by_reason: dict[tuple[str, str], list[Cluster]] = {}
+    for c in a.clusters:   # a rejection matters where data movement next to the cluster still runs
+        verdict = a.matches.get(c.id)
+        if c.id in a.xla_fused:   # XLA's by choice: not a fallback
+            continue
+        if isinstance(verdict, Reject) and (c.id in always or set((*c.inputs, *c.outputs)) & kept_tensors):
+            by_reason.setdefault((c.kind, verdict.reason), []).append(c)
+    for (kind, reason), cs in by_reason.items():
+        prims = ", ".join(dict.fromkeys(g.ops[o].primitive for o in cs[0].ops))
+        ids = ", ".join(f"#{c.id}" for c in cs)
+        what = f"{kind} cluster {ids} ({prims}) runs" if len(cs) == 1 else \
+            f"{len(cs)} {kind} clusters ({ids}; {prims}) run"
+        msgs.append(f"{what} in XLA: {reason}; the data movement next to it stays")
+    return msgs

@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
+from .compat import cuda_lowering
+
 TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"
 
 
@@ -179,7 +181,6 @@ def cross_lower(fn: Callable, *args: Any) -> LoweredModule:
     Needs jax-cuda12-plugin installed (the Pallas Triton lowering lives behind it). On jax >= 0.11
     without a GPU the lowering runs inside ``compat.cuda_lowering()`` (an abstract H100).
     """
-    from .compat import cuda_lowering
     with cuda_lowering():
         exported = jax.export.export(
             jax.jit(fn), platforms=["cuda"],

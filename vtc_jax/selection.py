@@ -1,0 +1,110 @@
+"""Selection: which ops form a kernel, and which clusters become kernels — decided once, here.
+
+One function, :func:`select`, runs the front of the pipeline for one traced graph and returns every
+compute cluster with its verdict (:class:`~vtc_jax.templates.Match`, or
+:class:`~vtc_jax.templates.Reject` with the reason). In order:
+
+1. **cluster** (``cluster.cluster``): primitives grouped into kernel-shaped clusters;
+2. **match** (``templates.match_all``): one verdict per compute cluster; clusters the caller
+   ``rejected`` (a kernel that failed to build or to lower on an earlier attempt) get their reason;
+3. **declined attention re-clustered**: an attention region no template takes is clustered again
+   as its parts (matmuls, softmax reduction, pointwise), which other templates may take;
+4. **islands**: pointwise clusters XLA would run as one loop fusion (``xla.pointwise_islands``) are
+   merged into one cluster (``cluster.fuse_islands``) when one kernel can serve them; an island its
+   template cannot plan stays its parts;
+5. **XLA verdicts** (``xla.xla_fuses``): pointwise work XLA fuses better is rejected with the
+   reason, recorded in ``xla_fused`` (XLA's by choice, not a fallback).
+
+This module is the only caller of ``match_all`` and ``fuse_islands``. Later stages read the
+verdicts (the VTOG pins every tensor of a rejected cluster physical; lowering builds kernels for
+matches; the report prints the reasons) and never re-decide them.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .cluster import Cluster, cluster, fuse_islands
+from .graph import Graph
+from .primitives import Kind, is_movement_op
+from .templates import Match, Reject, match_all
+from .xla import pointwise_islands, xla_fuses
+
+__all__ = ["Selection", "select"]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The clusters of one graph and the verdict on each compute cluster.
+
+    ``verdicts``: cluster id → Match | Reject (movement, glue and opaque clusters have none).
+    ``declined``: (first dot op, why) of attention regions no template took, clustered as parts.
+    ``xla_fused``: ids of clusters left to XLA by choice (XLA fuses them better), not fallbacks.
+    """
+    clusters: tuple[Cluster, ...]
+    verdicts: Mapping[int, Match | Reject]
+    declined: tuple[tuple[int, str], ...] = ()
+    xla_fused: frozenset[int] = frozenset()
+
+    def kernels(self) -> tuple[Cluster, ...]:
+        """The clusters that become kernels (a Match)."""
+        return tuple(c for c in self.clusters if isinstance(self.verdicts.get(c.id), Match))
+
+
+def select(graph: Graph, rejected: Mapping[int, str] | None = None, *, xla_fusion: bool = True) -> Selection:
+    """Cluster ``graph`` and give each compute cluster its verdict (see the module docstring).
+
+    ``rejected``: clusters (by id) forced to XLA with the given reason — build or lowering failures
+    of an earlier attempt on the same graph, fed back by ``program.build``. ``xla_fusion=False``
+    keeps every matched pointwise cluster a kernel (the cost model's switch, for ablations).
+    """
+    clusters = cluster(graph)
+    verdicts = match_all(graph, clusters, rejected)
+    declined = tuple((c.ops[0], verdicts[c.id].reason) for c in clusters
+                     if c.kind == Kind.ATTENTION and isinstance(verdicts.get(c.id), Reject))
+    if declined:
+        clusters = cluster(graph, not_attention=frozenset(o for o, _ in declined))
+        verdicts = match_all(graph, clusters, rejected)
+    if not xla_fusion:
+        return Selection(clusters, verdicts, declined)
+    clusters, verdicts, not_fused = _fuse_islands(graph, clusters, verdicts, rejected)
+    fused = xla_fuses(graph, clusters, verdicts, not_fused)
+    kinds = {c.id: c.kind for c in clusters}
+    verdicts = {**verdicts, **{k: Reject(k, Kind(kinds[k]), why) for k, why in fused.items()}}
+    return Selection(clusters, verdicts, declined, frozenset(fused))
+
+
+def _fuse_islands(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],
+                  rejected: Mapping[int, str] | None
+                  ) -> tuple[tuple[Cluster, ...], dict[int, Match | Reject], dict[int, str]]:
+    """Each pointwise island (``xla.pointwise_islands``) re-clustered as one cluster, where its
+    template can plan it: ``(clusters, verdicts, why not fused)``, the last keyed by the island's
+    smallest op id (``xla.xla_fuses`` then leaves the island's parts to XLA with that reason)."""
+    islands = pointwise_islands(graph, clusters, verdicts)
+    if not islands:
+        return clusters, verdicts, {}
+    regrouped, left = fuse_islands(graph, clusters, islands)
+    if regrouped is clusters:
+        return clusters, verdicts, left
+    regrouped_verdicts = match_all(graph, regrouped, rejected)
+    # an island its template cannot plan stays its parts, left to XLA's fusion
+    bad = {frozenset(c.ops): regrouped_verdicts[c.id].reason for c in regrouped
+           if isinstance(regrouped_verdicts.get(c.id), Reject) and c.kind == Kind.POINTWISE
+           and any(is_movement_op(graph.ops[o], graph) for o in c.ops)}
+    if not bad:
+        return regrouped, regrouped_verdicts, left
+    ops_of = {c.id: set(c.ops) for c in clusters}
+    keep, why = [], {}
+    for isl in islands:
+        ops = set().union(*(ops_of[k] for k in isl))
+        reason = next((r for b, r in bad.items() if ops <= b), None)
+        if reason is None:
+            keep.append(isl)
+        else:
+            why[min(ops)] = f"its kernel cannot be planned ({reason})"
+    if not keep:
+        return clusters, verdicts, why
+    regrouped, left = fuse_islands(graph, clusters, keep)
+    if regrouped is clusters:
+        return clusters, verdicts, {**left, **why}
+    return regrouped, match_all(graph, regrouped, rejected), {**left, **why}

@@ -1,0 +1,451 @@
+"""What XLA does with the program VTC leaves it: the one model of XLA's behaviour.
+
+Every stage that has to predict XLA reads it here, not from a model of its own:
+
+* **facts** (:class:`Facts`): bytes per tensor, producer and reader clusters, which movement ops
+  XLA runs as free bitcasts, which ``dynamic_update_slice`` it runs in place and which it must
+  copy first (a graph input not donated, a graph output, an operand read again later);
+* **fusion** (:func:`pointwise_islands`, :func:`xla_fuses`): element-wise work XLA fuses with the
+  movement between it into one loop fusion, casts it folds into a neighbour — read by
+  ``selection`` to leave such clusters to XLA;
+* **plain jit** (:func:`xla_plain`): launches and bytes of ``jax.jit(fn)`` as XLA's GPU pipeline
+  fuses it (library calls and their layouts included) — the baseline ``accounting`` reports and
+  BENCHMARKS.md checks against XLA's own compile (``benchmarks/compiled.py``).
+
+Why one module: these rules used to live in the cost model and in the accounting, with different
+cast lists, so the two predicted different programs for the same jit. One list (:data:`CAST_ONLY`)
+and one set of facts now serve both. Everything here is a model read off XLA's compiled programs;
+``tests/test_costmodel.py`` holds it against the examples' deviceless H100 compile.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from .cluster import Cluster
+from .graph import Graph
+from .primitives import Kind, data_inputs, inplace_operand, is_view
+from .templates import TEMPLATES, Match
+
+__all__ = ["Facts", "LIBRARY_KINDS", "CAST_ONLY", "pointwise_islands", "xla_fuses", "xla_plain"]
+
+LIBRARY_KINDS = frozenset(k for k, t in TEMPLATES.items() if t.library)   # XLA calls cuBLAS / cuDNN
+
+
+class Facts:
+    """What XLA makes of (graph, clusters, donated inputs), computed once: tensor bytes, producer
+    and reader cluster positions, free bitcasts, in-place updates and the copies XLA adds first.
+
+    ``base[op]`` is a movement op's HBM traffic run on its own: ``dynamic_update_slice`` writes its
+    update in place (``2 * update``) plus ``2 * operand`` where XLA must copy the operand; any other
+    op writes its outputs and reads at most as much (a slice reads what it keeps)."""
+
+    def __init__(self, graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] = ()) -> None:
+        self.graph, self.clusters = graph, tuple(clusters)
+        self.donated = donated = frozenset(donated)
+        self.nbytes = [int(t.size) * t.dtype.itemsize for t in graph.tensors]
+        self.itemsize = [t.dtype.itemsize for t in graph.tensors]
+        self.pos = {oid: k for k, c in enumerate(self.clusters) for oid in c.ops}
+        self.producer: dict[int, int] = {}
+        self.users: dict[int, list[int]] = {}
+        for k, c in enumerate(self.clusters):
+            for t in c.outputs:
+                self.producer[t] = k
+            for t in c.inputs:
+                self.users.setdefault(t, []).append(k)
+        outs = set(graph.outputs)
+        ins = set(graph.inputs) | {t.id for t in graph.tensors if t.const is not None}
+        self.bitcast: dict[int, bool] = {}
+        self.dus_copy: dict[int, bool] = {}
+        self.base: dict[int, int] = {}
+        for c in self.clusters:
+            if c.kind != Kind.MOVEMENT:
+                continue
+            for oid in c.ops:
+                op = graph.ops[oid]
+                self.bitcast[oid] = is_view(op, graph)
+                k_inplace = inplace_operand(op.primitive)
+                if k_inplace is not None:
+                    operand = op.inputs[k_inplace]
+                    later = any(self.pos.get(u.id, u.id) > self.pos.get(oid, oid)
+                                for u in graph.consumers(operand) if u.id != oid)
+                    if operand in donated:   # XLA updates a donated input buffer in place
+                        self.dus_copy[oid] = later or operand in outs
+                    else:
+                        self.dus_copy[oid] = operand in ins or operand in outs or later
+                    self.base[oid] = 2 * self.nbytes[op.inputs[1]] + (
+                        2 * self.nbytes[operand] if self.dus_copy[oid] else 0)
+                else:
+                    w = sum(self.nbytes[t] for t in op.outputs)
+                    r = sum(self.nbytes[t] for t in data_inputs(op))
+                    self.base[oid] = w + min(r, w)
+
+
+# Primitives a pointwise cluster may consist of and still be "only a cast": XLA fuses such a cluster
+# into whatever fusion produces or consumes its tensors, so a kernel of its own is a pure loss.
+CAST_ONLY = frozenset({"convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
+                        "expand_dims", "copy", "copy_p"})
+
+
+def pointwise_islands(graph: Graph, clusters: Sequence[Cluster],
+                      matches: Mapping[int, Any]) -> list[list[int]]:
+    """Groups (two or more) of matched pointwise clusters joined to each other only through
+    movement clusters: RoPE's convert/mul, neg and mul/add joined by slices and a concat; or
+    feeding one concat/stack (a complex RoPE's real and imaginary parts); or of one shape, each
+    output only the update of a dynamic_update_slice (a decode step's K and V cache rows). XLA
+    runs each group as one loop fusion; ``cluster.fuse_islands`` makes each one kernel."""
+    cl_of_tensor: dict[int, Cluster] = {}
+    for c in clusters:
+        for t in c.outputs:
+            cl_of_tensor[t] = c
+    ops = {op.id: op for op in graph.ops}
+    kernels = {c.id: c for c in clusters
+               if c.kind == Kind.POINTWISE and isinstance(matches.get(c.id), Match)}
+    parent = {k: k for k in kernels}
+
+    def find(k: int) -> int:
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    def upstream_kernels(t: int, seen: set[int]) -> set[int]:
+        """Pointwise kernels reachable from tensor ``t`` upwards through movement clusters only."""
+        c = cl_of_tensor.get(t)
+        if c is None or c.id in seen:
+            return set()
+        seen.add(c.id)
+        if c.id in kernels:
+            return {c.id}
+        if c.kind != Kind.MOVEMENT:
+            return set()
+        found: set[int] = set()
+        for o in c.ops:
+            for x in data_inputs(ops[o]):
+                found |= upstream_kernels(x, seen)
+        return found
+
+    for k, c in kernels.items():
+        for t in c.inputs:
+            p = cl_of_tensor.get(t)
+            if p is None or p.kind != Kind.MOVEMENT:
+                continue   # a direct pointwise→pointwise edge would have been one cluster
+            for q in upstream_kernels(t, set()):
+                parent[find(q)] = find(k)
+    for c in clusters:   # siblings joined by a concat/stack (a complex RoPE's real and imag parts)
+        if c.kind != Kind.MOVEMENT or len(c.inputs) < 2:
+            continue
+        found = set()
+        for o in c.ops:
+            for x in data_inputs(ops[o]):
+                found |= upstream_kernels(x, set())
+        found = sorted(found)
+        for q in found[1:]:
+            parent[find(q)] = find(found[0])
+    # one step's cache rows: kernels whose every output is the update of a dynamic_update_slice
+    # (through movement only) and of one shape — a decode step's K row (RoPE) and V row — write
+    # their rows from one launch, as XLA's horizontal fusion would (fuse_islands refuses a group
+    # whose contraction closes a cycle)
+    # (only writers independent of each other: layer i's rows and layer j's are joined through
+    # the attention between them, and one launch cannot hold both)
+    rows: dict[tuple[int, ...], list[list[int]]] = {}
+    upstream: dict[int, set[int]] = {}
+    for k, c in kernels.items():
+        if not c.outputs or not all(_feeds_update(graph, cl_of_tensor, t) for t in c.outputs):
+            continue
+        shapes = {tuple(graph.tensors[t].shape) for t in c.outputs}
+        if len(shapes) != 1:
+            continue
+        upstream[k] = _ancestors(graph, c.ops)
+        for group in (groups := rows.setdefault(shapes.pop(), [])):
+            if all(not (set(kernels[q].ops) & upstream[k]) and not (set(c.ops) & upstream[q]) for q in group):
+                group.append(k)
+                break
+        else:
+            groups.append([k])
+    for group in (g for gs in rows.values() for g in gs):
+        for q in group[1:]:
+            parent[find(q)] = find(group[0])
+    islands: dict[int, list[int]] = {}
+    for k in kernels:
+        islands.setdefault(find(k), []).append(k)
+    return [sorted(m) for m in islands.values() if len(m) > 1]
+
+
+def _ancestors(graph: Graph, ops: Sequence[int]) -> set[int]:
+    """Ids of the ops upstream of ``ops`` (not ``ops`` themselves, unless on a path between them)."""
+    seen: set[int] = set()
+    stack = [t for o in ops for t in graph.ops[o].inputs]
+    while stack:
+        p = graph.producer(stack.pop())
+        if p is not None and p.id not in seen:
+            seen.add(p.id)
+            stack.extend(p.inputs)
+    return seen
+
+
+def _feeds_update(graph: Graph, cl_of_tensor: Mapping[int, Cluster], t: int, depth: int = 0) -> bool:
+    """Is every use of ``t`` the update of a dynamic_update_slice, directly or through movement
+    clusters only (a cast to the cache's dtype, a reshape to the window)?"""
+    users = graph.consumers(t)
+    if not users or t in graph.outputs or depth > 8:
+        return False
+    for u in users:
+        if u.primitive == "dynamic_update_slice":
+            if len(u.inputs) < 2 or u.inputs[1] != t or u.inputs[0] == t:
+                return False
+            continue
+        c = cl_of_tensor.get(u.outputs[0]) if u.outputs else None
+        if c is None or c.kind != Kind.MOVEMENT or not all(
+                _feeds_update(graph, cl_of_tensor, y, depth + 1) for y in u.outputs):
+            return False
+    return True
+
+
+def xla_fuses(graph: Graph, clusters: Sequence[Cluster], matches: Mapping[int, Any],
+              not_fused: Mapping[int, str] | None = None) -> dict[int, str]:
+    """Pointwise clusters better left to XLA than made Pallas kernels: ``{cluster id: why}``.
+
+    Why: every Pallas kernel is an opaque custom call that XLA fuses nothing into, while XLA itself
+    fuses element-wise ops *together with* the slices, concats, broadcasts, reshapes and transposes
+    between them (a loop fusion reads its operands through the movement ops' index maps — what VTC
+    does for compute kernels). So for element-wise work the virtual tensors VTC would introduce buy
+    nothing XLA does not already get, and the lowering's one-kernel-per-cluster costs launches
+    (found in XLA's H100 compile, BENCHMARKS.md: RoPE became six Pallas kernels where XLA emits one
+    concatenate fusion, and a lone bf16→f32 cast of a norm weight became a kernel XLA folds into
+    the norm's reduction fusion). Two rules, both structural (no size threshold, so small test
+    programs and paper-size ones are planned alike):
+
+    * **pointwise islands** — matched pointwise clusters connected to each other only through
+      movement clusters (RoPE: convert/mul, neg and mul/add joined by slices and a concat) that
+      ``cluster.fuse_islands`` could not make one cluster (``not_fused``: why, keyed by the
+      island's smallest op id): VTC would launch one kernel per cluster, XLA one loop fusion for
+      the island. All of them go to XLA. A lone pointwise cluster (an island of one) keeps its kernel: one launch either way, and
+      its virtual reads can still save a copy XLA would make.
+    * **lone casts** — a pointwise cluster made only of casts/broadcasts/reshapes: XLA fuses it
+      into its producer's or consumer's fusion (zero launches); a kernel costs one.
+    * **parameter transforms** — a pointwise cluster reading only vectors passed in (and
+      constants): Gemma's ``1 + w`` norm scale; XLA recomputes it inside the norm's fusion.
+
+    Clusters the templates already rejected are not listed (they go to XLA anyway).
+    """
+    ops = {op.id: op for op in graph.ops}
+    kernels = {c.id: c for c in clusters
+               if c.kind == Kind.POINTWISE and isinstance(matches.get(c.id), Match)}
+    out: dict[int, str] = {}
+    for members in pointwise_islands(graph, clusters, matches):
+        why = (not_fused or {}).get(min(o for k in members for o in kernels[k].ops))
+        for k in members:
+            out[k] = (f"XLA fuses it with {len(members) - 1} more pointwise cluster(s) "
+                      f"({', '.join(f'#{m}' for m in sorted(members) if m != k)}) and the movement "
+                      "between them into one loop fusion; Pallas would launch one kernel each"
+                      + (f" (not one cluster here: {why})" if why else ""))
+    inputs = set(graph.inputs)
+    for k, c in kernels.items():
+        if k in out:
+            continue
+        if all(ops[o].primitive in CAST_ONLY for o in c.ops):
+            out[k] = "only casts/broadcasts: XLA fuses it into a neighbouring fusion (no launch of its own)"
+        elif all((t in inputs and len(graph.tensors[t].shape) <= 1) or graph.tensors[t].const is not None
+                 for t in c.inputs):
+            out[k] = ("a per-channel parameter transform (1 + w, a cast of a weight vector): XLA folds it "
+                      "into the fusion that reads it (no launch of its own)")
+    return out
+
+
+def xla_plain(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] = ()) -> dict[str, int]:
+    """Launches and HBM bytes of plain ``jax.jit`` as XLA's GPU pipeline fuses it (a model).
+
+    Why a second baseline: ``bytes_baseline``/``kernels_baseline`` charge every movement op and
+    every cluster a kernel — an upper bound that XLA's H100 compile beats by 2–6× (BENCHMARKS.md),
+    so a saving measured against it is mostly movement XLA never materialises. The rules, each
+    read off XLA's compiled programs (``benchmarks/compiled.json``):
+
+    * **movement fuses into its consumer**: a transpose / slice / concat / broadcast / reshape /
+      pad costs no launch; the fusion reading it reads its source (a broadcast: its small input,
+      a slice: what it keeps). It costs a launch and a write only where it is a program output.
+    * **dynamic_update_slice is in place**: one launch writing the update (plus a copy of the
+      operand where XLA must keep it: not donated, or read later).
+    * **element-wise work fuses**: pointwise clusters joined directly or through movement are one
+      loop fusion; a lone cast, and pointwise work feeding only a reduction or an update, fold
+      into that consumer (input fusion / DUS fusion) — no launch of their own.
+    * **GEMM / conv / reduction**: one launch each (gemm fusion, cuDNN call, input fusion), and
+      one more per GEMM operand computed by an elementwise prologue (XLA's loop fusion). cuDNN
+      fuses a conv's bias + ReLU only: any other epilogue is one more loop fusion when another
+      conv reads the result directly; it runs NHWC, so each NCHW program input a conv reads (and
+      each output one writes) is transposed once, and each OIHW filter larger than 1×1 (not
+      depthwise); movement in front of a conv (a split half, a concat) is materialised.
+    * **attention left to XLA**: one fusion per reduction (the M=1 dots become reductions) and one
+      element-wise fusion between each pair, ``2 n - 1``; each writes its intermediate once.
+    """
+    ctx = Facts(graph, clusters, donated)
+    _data = data_inputs
+    g, cl = graph, ctx.clusters
+    outs = set(g.outputs)
+    kind = [Kind(c.kind) for c in cl]
+    parent = list(range(len(cl)))
+
+    def find(k: int) -> int:
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    def is_dus(k: int) -> bool:
+        return kind[k] == Kind.MOVEMENT and any(inplace_operand(g.ops[o].primitive) is not None for o in cl[k].ops)
+
+    def fused_movement(k: int) -> bool:
+        return kind[k] in (Kind.MOVEMENT, Kind.GLUE) and not is_dus(k)
+
+    def producers_through_movement(t: int, seen: set[int]) -> set[int]:
+        k = ctx.producer.get(t)
+        if k is None or k in seen:
+            return set()
+        seen.add(k)
+        if not fused_movement(k):
+            return {k}
+        return set().union(*[producers_through_movement(x, seen) for o in cl[k].ops for x in _data(g.ops[o])] or [set()])
+
+    def consumers_through_movement(t: int, seen: set[int]) -> set[int]:
+        found: set[int] = set()
+        for k in ctx.users.get(t, ()):
+            if k in seen:
+                continue
+            seen.add(k)
+            if fused_movement(k):
+                for o in cl[k].outputs:
+                    found |= consumers_through_movement(o, seen)
+            else:
+                found.add(k)
+        return found
+
+    for k, c in enumerate(cl):   # pointwise islands: one loop fusion
+        if kind[k] != Kind.POINTWISE:
+            continue
+        for t in c.inputs:
+            for p in producers_through_movement(t, set()):
+                if kind[p] == Kind.POINTWISE:
+                    parent[find(p)] = find(k)
+    for k, c in enumerate(cl):   # folded into the consumer: lone casts, prologues of reductions/updates
+        if kind[k] != Kind.POINTWISE or any(t in outs for t in c.outputs):
+            continue
+        users = set().union(*[consumers_through_movement(t, set()) for t in c.outputs] or [set()])
+        users = {u for u in users if find(u) != find(k)}
+        cast = all(g.ops[o].primitive in CAST_ONLY for o in c.ops)
+        if users and (cast or all(kind[u] == Kind.REDUCTION or is_dus(u) for u in users)) and len(users) == 1:
+            parent[find(k)] = find(next(iter(users)))
+
+    def read_bytes(t: int, seen: set[int]) -> int:
+        """Bytes a fusion reads for ``t``: through fused movement, what its sources hold."""
+        k = ctx.producer.get(t)
+        if k is None or not fused_movement(k) or k in seen:
+            return ctx.nbytes[t]
+        seen.add(k)
+        src = sum(read_bytes(x, seen) for o in cl[k].ops for x in _data(g.ops[o]))
+        return min(ctx.nbytes[t], src) if kind[k] != Kind.GLUE else 0
+
+    inputs = set(g.inputs)
+
+    def read_src_is_input(t: int) -> bool:
+        """``t`` is (a movement op's view of) a program input with more than one dimension."""
+        if t in inputs:
+            return len(g.tensors[t].shape) >= 3
+        k = ctx.producer.get(t)
+        return k is not None and fused_movement(k) and kind[k] == Kind.MOVEMENT and any(
+            read_src_is_input(x) for o in cl[k].ops for x in _data(g.ops[o]))
+
+    def _inputs_behind(t: int) -> set[int]:
+        if t in inputs:
+            return {t}
+        k = ctx.producer.get(t)
+        if k is None or not fused_movement(k):
+            return set()
+        return set().union(*[_inputs_behind(x) for o in cl[k].ops for x in _data(g.ops[o])] or [set()])
+
+    launches, nbytes = 0, 0
+    groups: dict[int, list[int]] = {}
+    for k in range(len(cl)):
+        groups.setdefault(find(k), []).append(k)
+    for members in groups.values():
+        head = members[0]
+        if len(members) == 1 and fused_movement(head):
+            if kind[head] == Kind.MOVEMENT:
+                for o in cl[head].ops:
+                    op = g.ops[o]
+                    if any(t in outs for t in op.outputs) and not ctx.bitcast.get(o):
+                        launches += 1
+                        nbytes += sum(ctx.nbytes[t] for t in op.outputs) + sum(read_bytes(x, set()) for x in _data(op))
+            continue
+        if len(members) == 1 and is_dus(head):
+            launches += 1
+            nbytes += sum(ctx.base.get(o, 0) for o in cl[head].ops)
+            continue
+        inside = {t for m in members for t in cl[m].outputs}
+        ins = {t for m in members for t in cl[m].inputs if t not in inside}
+        out = {t for m in members for t in cl[m].outputs
+               if t in outs or any(find(u) != find(m) for u in ctx.users.get(t, ()))}
+        n = 1
+        for m in members:
+            if kind[m] != Kind.CONV:
+                continue
+            epi = {g.ops[o].primitive for o in cl[m].ops} - {"conv_general_dilated"}
+            direct = [u for t in cl[m].outputs for u in ctx.users.get(t, ()) if kind[u] == Kind.CONV]
+            if epi and not {"add", "max"} <= epi and (direct or any(t in outs for t in cl[m].outputs)):
+                n += 1   # cuDNN fuses bias + ReLU only; another epilogue is a loop fusion of its
+                # own where nothing else reads the result (else it fuses into that reader)
+        for m in members:   # a matmul prologue (cluster._grow_prologue) is XLA's loop fusion
+            if kind[m] != Kind.MATMUL:   # of its own: it writes the operand the GEMM then reads
+                continue
+            dots = [o for o in cl[m].ops if g.ops[o].primitive == "dot_general"]
+            made_in = {t for o in cl[m].ops if o not in dots for t in g.ops[o].outputs}
+            for x in (x for o in dots for x in g.ops[o].inputs[:2] if x in made_in):
+                n += 1
+                nbytes += 2 * ctx.nbytes[x]
+        if any(kind[m] == Kind.ATTENTION for m in members):
+            red = [o for m in members for o in cl[m].ops
+                   if g.ops[o].primitive == "dot_general" or g.ops[o].primitive.startswith("reduce_")]
+            n = max(1, 2 * len(red) - 1)
+            nbytes += 2 * sum(ctx.nbytes[g.ops[o].outputs[0]] for o in red[:-1])
+        if any(is_dus(m) for m in members):   # the update fused into the in-place DUS fusion:
+            for m in members:                    # it writes the update (and the copy, if any)
+                for o in cl[m].ops if is_dus(m) else ():
+                    op = g.ops[o]
+                    ins.discard(op.inputs[0])
+                    nbytes += ctx.nbytes[op.inputs[1]] + (ctx.base.get(o, 0) - 2 * ctx.nbytes[op.inputs[1]])
+            out = {t for t in out if not any(is_dus(m) and t in cl[m].outputs for m in members)}
+        launches += n
+        nbytes += sum(read_bytes(t, set()) for t in ins) + sum(ctx.nbytes[t] for t in out)
+    convs = [k for k in range(len(cl)) if kind[k] == Kind.CONV]
+    if convs:   # cuDNN runs NHWC: each NCHW program input a conv reads, and each output a conv
+        # produces, is transposed once (one launch reading and writing it)
+        lhs = [g.ops[o].inputs[0] for k in convs for o in cl[k].ops
+               if g.ops[o].primitive == "conv_general_dilated"]
+        srcs = {x for t in lhs if read_src_is_input(t) for x in _inputs_behind(t)}
+        made = {t for t in outs if len(g.tensors[t].shape) >= 3
+                and any(kind[p] == Kind.CONV for p in producers_through_movement(t, set()))}
+        launches += len(srcs) + len(made)
+        nbytes += sum(2 * ctx.nbytes[t] for t in srcs | made)
+        # a conv reads a buffer: movement (a split half, a concat) in front of it is materialised
+        # by one fusion, unless it only reshapes or reads a program input (the layout transpose
+        # above does it)
+        fed = set()
+        for t in lhs:
+            p = ctx.producer.get(t)
+            if p is None or kind[p] != Kind.MOVEMENT or is_dus(p) or t in fed:
+                continue
+            if all(ctx.bitcast.get(o) for o in cl[p].ops) or _inputs_behind(t) & inputs:
+                continue
+            fed.add(t)
+        launches += len(fed)
+        nbytes += sum(read_bytes(t, set()) + ctx.nbytes[t] for t in fed)
+        # filters are OIHW; cuDNN wants them transposed (free for 1x1 and depthwise filters)
+        for k in convs:
+            for o in cl[k].ops:
+                op = g.ops[o]
+                if op.primitive != "conv_general_dilated" or op.inputs[1] not in inputs:
+                    continue
+                shape = g.tensors[op.inputs[1]].shape
+                if len(shape) == 4 and shape[0] > 1 and shape[1] > 1 and shape[2] * shape[3] > 1:
+                    launches += 1
+                    nbytes += 2 * ctx.nbytes[op.inputs[1]]
+    return {"kernels_xla": int(launches), "bytes_xla": int(nbytes)}
