@@ -221,7 +221,7 @@ def build_report(name: str, a: Analysis) -> Report:
     opaque = tuple((g.ops[c.ops[0]].primitive, c.reason) for c in a.clusters if c.kind == Kind.OPAQUE)
     templates = tuple((cid, m.kind.value, "kernel" if isinstance(m, Match) else m.reason)
                       for cid, m in sorted(a.matches.items()))
-    templates += tuple((-1, "attention", f"region from dot #{op}: {why}; clustered as its parts instead")
+    templates += tuple((-1, Kind.ATTENTION.value, f"region from dot #{op}: {why}; clustered as its parts instead")
                        for op, why in a.declined)
     return Report(name, g, a.clusters, v, s, tuple(infos), modeled, a.seconds, opaque, templates=templates)
 

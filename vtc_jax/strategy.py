@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from .indexmap import Layout
 from .movement import Edge
-from .primitives import Direction, EdgeClass, data_inputs, inplace_operand, is_view
+from .primitives import Direction, EdgeClass, Kind, data_inputs, inplace_operand, is_view
 from .vtog import VTOG, box_volume, boxes_overlap
 
 if TYPE_CHECKING:
@@ -711,7 +711,7 @@ def plan(vtog: VTOG, graph: "Graph", clusters: Sequence["Cluster"], savings: Sav
     s = physical_inplace(complete_views(s, graph, _kept_edge_ops(graph, vtog, s), keep(s)))
     gone = eliminated_ops(graph, s)
     for c in clusters:
-        if c.kind != "movement":
+        if c.kind != Kind.MOVEMENT:
             continue
         for oid in c.ops:   # outputs left for nobody to produce: let the producer write them all
             op = graph.ops[oid]
@@ -735,14 +735,14 @@ def _kept_library(s: Strategy, clusters: Sequence["Cluster"],
         return lambda s: frozenset()
     # reductions too: a norm whose only virtual operand would be its weight's free broadcast is
     # one XLA input fusion with the weight's cast; as a Pallas kernel it is two launches
-    lib = [c for k, c in enumerate(clusters) if str(c.kind) == "matmul" and prefers(k)]
-    norms = [c for c in clusters if str(c.kind) == "reduction"]
+    lib = [c for k, c in enumerate(clusters) if c.kind == Kind.MATMUL and prefers(k)]
+    norms = [c for c in clusters if c.kind == Kind.REDUCTION]
     made_by = {t: c for c in clusters for t in c.outputs}
 
     def weight_broadcast(t: int) -> bool:   # (1, d) view of a weight vector: a norm's scale
         c = made_by.get(t)
-        return c is not None and str(c.kind) == "movement" and len(c.inputs) == 1 and len(c.outputs) == 1 \
-            and c.inputs[0] in made_by and str(made_by[c.inputs[0]].kind) != "movement"
+        return c is not None and c.kind == Kind.MOVEMENT and len(c.inputs) == 1 and len(c.outputs) == 1 \
+            and c.inputs[0] in made_by and made_by[c.inputs[0]].kind != Kind.MOVEMENT
 
     def keep(s: Strategy) -> frozenset[int]:
         out = {t for c in lib for t in (*c.inputs, *c.outputs)
@@ -762,7 +762,7 @@ def resolve(strategy: Strategy, graph: "Graph", clusters: Sequence["Cluster"]) -
     """``strategy`` with its :class:`Resolution` attached."""
     gone = eliminated_ops(graph, strategy)
     inplace = frozenset(e.op for t in strategy.virtual for e in strategy.points_to(t) if e.inplace)
-    executed = tuple(oid for c in clusters if c.kind == "movement" for oid in c.ops
+    executed = tuple(oid for c in clusters if c.kind == Kind.MOVEMENT for oid in c.ops
                      if oid not in gone and oid not in inplace)
     layouts = {t: strategy.layout(t) for t in sorted(strategy.virtual)}
     return Strategy(strategy.chosen, strategy.total_saving, strategy.trace, strategy.vtog,
