@@ -13,6 +13,13 @@ modulo are simplified with the ranges of the indices, which is what turns a resh
 dimensions cleanly back into plain strides (``(d0*128 + d1) floordiv 128 -> d0`` when
 ``0 <= d1 < 128``). Without that, every reshape would leave a ``//``/``%`` in the kernel and every
 contiguity question would be answered "unknown".
+
+Evaluation is one code path with the array module as a parameter (``xp``): at a :data:`Point`
+(index arrays per virtual dim, values per runtime symbol) :meth:`IndexMap.targets`,
+:meth:`IndexMap.flat_offsets`, :meth:`Piece.holds` and :meth:`Layout.gather` compute with numpy
+for the reference semantics (:meth:`Layout.evaluate`), with jax.numpy where ``lower`` must read or
+write a virtual tensor in XLA, and with jax.numpy on a block's int32 lane indices inside a kernel
+(``kernels.vio``). :func:`all_of` / :func:`conds_mask` are the one way conditions become a mask.
 """
 from __future__ import annotations
 
@@ -210,18 +217,21 @@ class Expr:
             out = out + rep * k
         return out
 
-    def evaluate(self, env: Mapping[Atom, Any], xp: Any = np, bounds: Bounds | None = None) -> Any:
-        """Evaluate with numpy or jax.numpy arrays bound to dims/symbols.
+    def evaluate(self, at: "Point", xp: Any = np, bounds: Bounds | None = None) -> Any:
+        """The expression's value at the point ``at`` (arrays or scalars bound to dims/symbols),
+        computed with the array module ``xp`` (numpy or jax.numpy): only ``+``, ``*`` by
+        constants and ``floordiv``/``mod`` by constants, so one code path serves both.
 
-        Inside a kernel non-negative operands use truncating ``lax.div``/``lax.rem`` (cheaper
-        than floor semantics, and identical when the operand cannot be negative).
+        Under jax, operands ``bounds`` prove non-negative use truncating ``lax.div``/``lax.rem``
+        (cheaper than floor semantics in a kernel, and identical when the operand cannot be
+        negative); numpy and unproven operands use floor semantics.
         """
         val: Any = self.const
         for a, k in self.terms:
             if isinstance(a, (Dim, Sym)):
-                v = env[a]
+                v = at[a]
             else:
-                inner = a.expr.evaluate(env, xp, bounds)
+                inner = a.expr.evaluate(at, xp, bounds)
                 nonneg = bounds is not None and a.expr.range(bounds)[0] >= 0
                 v = _div_or_mod(inner, a.c, isinstance(a, FloorDiv), nonneg, xp)
             val = val + (v if k == 1 else v * k)
@@ -372,6 +382,10 @@ class Cond:
     def __str__(self) -> str:
         return f"{self.lo} <= {self.expr} < {self.hi}"
 
+
+# --------------------------------------------------------------------------------------------
+# Evaluation: one evaluator, the array module a parameter
+# --------------------------------------------------------------------------------------------
 
 Point = Mapping[Atom, Any]
 """Where an expression is evaluated: a value (an index array, or a scalar) for every atom

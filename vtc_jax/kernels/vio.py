@@ -44,8 +44,9 @@ How a piece is accessed (cheapest first)
    of it, e.g. Q | K-cache | V-cache) read or written in blocks of at most ``D`` columns at
    aligned origins is a window with scalar ``//``/``%`` on the origin, not a per-lane gather.
 2. *General*: the buffer is passed flattened (a free bitcast in XLA) and the block's flat offsets
-   are computed from the map (``//`` and ``%`` only where simplification could not remove them) —
-   a masked gather/scatter. Masked-off scatter lanes point past the end of the buffer, because the
+   are the map's own ``IndexMap.flat_offsets`` evaluated on the block's int32 lane indices (``//``
+   and ``%`` only where simplification could not remove them) — a masked gather/scatter. Lane
+   masks are ``Piece.holds`` / ``FillRegion.holds`` on the same lanes, joined by ``all_of``. Masked-off scatter lanes point past the end of the buffer, because the
    interpreter writes the old value back on masked lanes and would clobber element 0.
 3. *General, on an unflattened buffer*: buffers of 2^31 elements or more (flat int32 offsets
    would overflow, and int64 values do not exist in a kernel traced without x64), and buffers of
