@@ -6,6 +6,7 @@ composed `Layout` evaluated on the physical numpy buffers equals the same ops ap
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 pytest.importorskip("hypothesis", reason="property tests need hypothesis (the test extra)")
@@ -13,8 +14,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
-from vtc_jax.indexmap import (Dim, Expr, IndexMap, Layout, NotComposable, SymInfo, const, dim, row_major_strides,
-                              sym)
+from vtc_jax.indexmap import (Dim, Expr, IndexMap, Layout, NotComposable, SymInfo, all_of, conds_mask, const, dim,
+                              point, row_major_strides, sym)
 
 MAX_ELEMS = 2000
 MAX_RANK = 4
@@ -221,23 +222,8 @@ OPS = {f.__name__[3:]: f for f in [op_transpose, op_reshape, op_slice, op_expand
                                     op_concatenate, op_split, op_rev, op_pad, op_dynamic_slice]}
 
 
-def _check_contiguity(m: IndexMap, symbols) -> None:
-    """The claimed contiguous run really is consecutive physical elements (maps without masks)."""
-    if m.conds or not m.domain:
-        return
-    c = m.contiguity(4)
-    idx = np.indices(m.domain)
-    tgt, _ = m.evaluate(list(idx), symbols)
-    flat = sum(np.broadcast_to(t, m.domain) * s for t, s in zip(tgt, row_major_strides(m.target)))
-    rows = flat.reshape(-1, c.run_elems)  # row-major: each row is one claimed run
-    assert (np.diff(rows, axis=1) == 1).all(), (str(m), c)
-
-
-# No shrinking: each example runs eager lax ops (slow to shrink); the failure message names the chain.
-@settings(max_examples=500, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(st.data())
-def test_random_chain_matches_lax(data):
+def random_chain(data) -> Chain:
+    """A random chain of 6 to 9 movement ops on one physical tensor (others join by concatenate)."""
     c = Chain(data, fill=float(data.draw(st.sampled_from([-1.0, -2.5, 0.0]))))
     n_ops = data.draw(st.integers(6, 9))
     while len(c.steps) < n_ops:
@@ -248,6 +234,27 @@ def test_random_chain_matches_lax(data):
         c.layout, fn, step = res
         c.fns.append(fn)
         c.steps.append(step)
+    return c
+
+
+def _check_contiguity(m: IndexMap, symbols) -> None:
+    """The claimed contiguous run really is consecutive physical elements (maps without masks)."""
+    if m.conds or not m.domain:
+        return
+    c = m.contiguity(4)
+    idx = np.indices(m.domain)
+    tgt, _ = m.evaluate(point(list(idx), symbols))
+    flat = sum(np.broadcast_to(t, m.domain) * s for t, s in zip(tgt, row_major_strides(m.target)))
+    rows = flat.reshape(-1, c.run_elems)  # row-major: each row is one claimed run
+    assert (np.diff(rows, axis=1) == 1).all(), (str(m), c)
+
+
+# No shrinking: each example runs eager lax ops (slow to shrink); the failure message names the chain.
+@settings(max_examples=500, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.data())
+def test_random_chain_matches_lax(data):
+    c = random_chain(data)
 
     def program(x, raw):
         # The barriers keep each op's own semantics: XLA's simplifier folds dynamic_slice of
@@ -381,18 +388,29 @@ def test_conflicting_symbol_ranges_do_not_compose():
 # Block evaluation
 # --------------------------------------------------------------------------------------------
 
+def _lanes(origin, block):
+    """A block's lane indices at ``origin``, one broadcastable array per dim (as a kernel makes them)."""
+    return [np.arange(b).reshape([b if k == j else 1 for k in range(len(block))]) + o
+            for j, (o, b) in enumerate(zip(origin, block))]
+
+
+def _in_bounds(idx, shape, block):
+    return np.broadcast_to(all_of(i < n for i, n in zip(idx, shape)), block)
+
+
 def test_flat_offsets_ragged_block():
     m = IndexMap.identity((5, 6)).transpose((1, 0))  # virtual (6, 5) over physical (5, 6)
-    off, mask = m.flat_offsets((0, 0), (8, 8))
+    idx = _lanes((0, 0), (8, 8))
+    off, mask = np.broadcast_to(m.flat_offsets(point(idx)), (8, 8)), _in_bounds(idx, m.domain, (8, 8))
     i, j = np.indices((8, 8))
-    assert mask.shape == (8, 8)
     np.testing.assert_array_equal(mask, (i < 6) & (j < 5))
     np.testing.assert_array_equal(off[mask], (j * 6 + i)[mask])
 
 
 def test_flat_offsets_with_symbol_and_origin():
     m = IndexMap.identity((16, 8)).dynamic_slice([sym("pos"), 0], (4, 8), [SymInfo("pos", 0, 12)])
-    off, mask = m.flat_offsets((2, 4), (4, 4), {"pos": 5})
+    idx = _lanes((2, 4), (4, 4))
+    off, mask = m.flat_offsets(point(idx, {"pos": 5})), _in_bounds(idx, m.domain, (4, 4))
     i, j = np.indices((4, 4))
     np.testing.assert_array_equal(mask, (i + 2 < 4) & (j + 4 < 8))
     np.testing.assert_array_equal(off[mask], ((i + 2 + 5) * 8 + j + 4)[mask])
@@ -400,9 +418,62 @@ def test_flat_offsets_with_symbol_and_origin():
 
 def test_flat_offsets_pad_mask():
     m = IndexMap.identity((3,)).pad((1,), (0,), (1,), 0.0)  # [f, a, f, b, f, c]
-    off, mask = m.flat_offsets((0,), (8,))
+    idx = _lanes((0,), (8,))
+    at = point(idx)
+    off, mask = m.flat_offsets(at), _in_bounds(idx, m.domain, (8,)) & m.valid(at)
     np.testing.assert_array_equal(mask, [False, True, False, True, False, True, False, False])
     np.testing.assert_array_equal(off[mask], [0, 1, 2])
+
+
+def test_all_of_and_conds_mask():
+    a, b = np.array([True, False, True]), np.array([True, True, False])
+    assert all_of([]) is None and all_of([None, True, np.bool_(True)]) is None
+    assert all_of([a, None, False]) is False                      # a static False wins
+    np.testing.assert_array_equal(all_of([a, True, b]), a & b)
+    m = IndexMap.identity((3,)).pad((1,), (1,), (0,), 0.0)          # valid where 1 <= d0 < 4
+    assert conds_mask((), point([np.arange(5)])) is None
+    np.testing.assert_array_equal(conds_mask(m.conds, point([np.arange(5)])), [False, True, True, True, False])
+    np.testing.assert_array_equal(m.valid(point([np.arange(5)])), [False, True, True, True, False])
+
+
+def _as_block(x, shape, xp):
+    """An evaluation result as a full array: None (everywhere) is all-true; scalars broadcast."""
+    return xp.broadcast_to(xp.asarray(True if x is None else x), shape)
+
+
+def _evaluations(lay: Layout, at, xp) -> list:
+    """Everything the one evaluator computes for a layout at a point: per piece its targets, where
+    it holds and its flat offsets; per fill region where it holds."""
+    out = []
+    for p in lay.pieces:
+        out += [_as_block(t, lay.shape, xp) for t in p.map.targets(at, xp)]
+        out += [_as_block(p.holds(at, xp), lay.shape, xp), _as_block(p.map.flat_offsets(at, xp), lay.shape, xp)]
+    out += [_as_block(r.holds(at, xp), lay.shape, xp) for r in lay.fills]
+    return out
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.data())
+def test_evaluator_numpy_and_jnp_agree(data):
+    """The one layout evaluator gives identical targets, masks, flat offsets and elements with
+    numpy (int64 index grid, Python-int symbols: the reference) and with jax.numpy (int32 iota,
+    traced int32 symbols, truncating division where the ranges prove operands non-negative:
+    what ``lower`` emits for XLA) on random layouts."""
+    c = random_chain(data)
+    lay = c.layout
+    at = point(list(np.indices(lay.shape, dtype=np.int64)) if lay.shape else [], c.symbols)
+    want = _evaluations(lay, at, np) + [lay.evaluate(c.buffers, c.symbols)]
+
+    def under_jax(buffers, symbols):
+        at = point([lax.broadcasted_iota(jnp.int32, lay.shape, k) for k in range(len(lay.shape))], symbols)
+        return _evaluations(lay, at, jnp) + [lay.gather(at, buffers, np.float32, jnp)]
+
+    syms = {k: np.int32(v) for k, v in c.symbols.items()}
+    got = jax.jit(under_jax).lower(c.buffers, syms).compile(LAX_COMPILE_OPTIONS)(c.buffers, syms)
+    assert len(got) == len(want)
+    for k, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(np.asarray(g), w, err_msg=f"result {k}: " + " -> ".join(c.steps) + f"\n{lay}")
 
 
 def test_strided_box():

@@ -9,9 +9,13 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from vtc_jax.indexmap import Layout, SymInfo, sym
-from vtc_jax.kernels.vio import Plan, VTensor
-from vtc_jax.testing import check_kernel
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from tests.test_indexmap import random_chain
+from vtc_jax.indexmap import Layout, SymInfo, all_of, point, sym
+from vtc_jax.kernels.vio import Plan, VRef, VTensor, _Binding, _flat_offsets, compiler_params, next_pow2
+from vtc_jax.testing import check_kernel, cross_lower
 
 RNG = np.random.default_rng(0)
 
@@ -345,3 +349,61 @@ def test_merged_dims_concat_write_as_window(block):
     lane_divs = [ln for ln in text.splitlines()
                  if re.search(r"arith\.(div|rem)[su]i", ln) and "tensor<" in ln]
     assert (lane_divs == []) == (block[1] <= d), lane_divs
+
+
+# --------------------------------------------------------------------------------------------
+# In-kernel offsets and masks are the algebra's own (random layouts)
+# --------------------------------------------------------------------------------------------
+
+def _offsets_kernel(layout: Layout, names, block, backend: str):
+    """A kernel writing, for every block of ``layout``, each piece's flat offsets (vio's path 2)
+    and its lane mask as vio computes them: ``f(*symbols) -> [offsets, mask] per piece`` over the
+    grid-padded shape."""
+    grid = tuple(-(-n // b) for n, b in zip(layout.shape, block))
+    padded = tuple(g * b for g, b in zip(grid, block))
+    binding = _Binding(layout, np.dtype(np.float32), (), (), (), ())   # _env/_piece_mask read the layout only
+
+    def kernel(*refs):
+        sym_refs, outs = refs[:len(names) + 1], refs[len(names) + 1:]
+        r = VRef(binding, (), {k: ref[0] for k, ref in zip(names, sym_refs[1:])})   # [0]: a dummy
+        env, inb = r._env(tuple(pl.program_id(k) * b for k, b in enumerate(block)), block)
+        for i, p in enumerate(layout.pieces):
+            outs[2 * i][...] = _flat_offsets(p, env, p.map.target, block)
+            m = r._piece_mask(p, env, inb, block)
+            outs[2 * i + 1][...] = jnp.broadcast_to(True if m is None else m, block).astype(jnp.int32)
+
+    spec = pl.BlockSpec(block, lambda *g: g)
+    return pl.pallas_call(
+        kernel, grid=grid, out_shape=[jax.ShapeDtypeStruct(padded, jnp.int32)] * (2 * len(layout.pieces)),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * (len(names) + 1),
+        out_specs=[spec] * (2 * len(layout.pieces)), compiler_params=compiler_params(),
+        interpret=backend == "interpret")
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.data())
+def test_kernel_offsets_equal_the_reference(data):
+    """vio's in-kernel flat offsets (int32 lanes, truncating division) and piece masks (bounds
+    and piece conditions) equal the numpy reference's ``IndexMap.flat_offsets`` / ``Piece.holds``
+    on every in-bounds lane of random layouts; the kernel cross-lowers to verified Triton IR."""
+    c = random_chain(data)
+    lay = c.layout
+    if not lay.shape:
+        return
+    block = tuple(min(next_pow2(n), 4) for n in lay.shape)
+    names = sorted(c.symbols)
+    args = [jnp.int32(0).reshape(1)] + [jnp.asarray(c.symbols[k], jnp.int32).reshape(1) for k in names]
+    got = jax.jit(_offsets_kernel(lay, names, block, "interpret"))(*args)
+    padded = got[0].shape
+    idx = list(np.indices(padded, dtype=np.int64))
+    at = point(idx, c.symbols)
+    inb = np.broadcast_to(all_of(i < n for i, n in zip(idx, lay.shape)), padded)
+    for i, p in enumerate(lay.pieces):
+        msg = " -> ".join(c.steps) + f"\npiece {i}: {p.map}"
+        want_off = np.broadcast_to(p.map.flat_offsets(at), padded)
+        np.testing.assert_array_equal(np.asarray(got[2 * i])[inb], want_off[inb], err_msg=msg)
+        held = p.holds(at)
+        want_mask = inb & np.broadcast_to(True if held is None else held, padded)
+        np.testing.assert_array_equal(np.asarray(got[2 * i + 1]).astype(bool), want_mask, err_msg=msg)
+    cross_lower(_offsets_kernel(lay, names, block, "triton"), *args)

@@ -13,6 +13,13 @@ modulo are simplified with the ranges of the indices, which is what turns a resh
 dimensions cleanly back into plain strides (``(d0*128 + d1) floordiv 128 -> d0`` when
 ``0 <= d1 < 128``). Without that, every reshape would leave a ``//``/``%`` in the kernel and every
 contiguity question would be answered "unknown".
+
+Evaluation is one code path with the array module as a parameter (``xp``): at a :data:`Point`
+(index arrays per virtual dim, values per runtime symbol) :meth:`IndexMap.targets`,
+:meth:`IndexMap.flat_offsets`, :meth:`Piece.holds` and :meth:`Layout.gather` compute with numpy
+for the reference semantics (:meth:`Layout.evaluate`), with jax.numpy where ``lower`` must read or
+write a virtual tensor in XLA, and with jax.numpy on a block's int32 lane indices inside a kernel
+(``kernels.vio``). :func:`all_of` / :func:`conds_mask` are the one way conditions become a mask.
 """
 from __future__ import annotations
 
@@ -27,7 +34,8 @@ import numpy as np
 
 __all__ = [
     "Expr", "Atom", "Dim", "Sym", "FloorDiv", "Mod", "Cond", "SymInfo", "IndexMap", "Piece",
-    "Contiguity", "FillRegion", "Layout", "region_member", "Movements", "box_conds", "NotComposable", "dim", "sym", "const", "row_major_strides",
+    "Contiguity", "FillRegion", "Layout", "Movements", "box_conds", "NotComposable", "dim", "sym", "const",
+    "row_major_strides", "Point", "point", "all_of", "conds_mask",
 ]
 
 
@@ -209,18 +217,21 @@ class Expr:
             out = out + rep * k
         return out
 
-    def evaluate(self, env: Mapping[Atom, Any], xp: Any = np, bounds: Bounds | None = None) -> Any:
-        """Evaluate with numpy or jax.numpy arrays bound to dims/symbols.
+    def evaluate(self, at: "Point", xp: Any = np, bounds: Bounds | None = None) -> Any:
+        """The expression's value at the point ``at`` (arrays or scalars bound to dims/symbols),
+        computed with the array module ``xp`` (numpy or jax.numpy): only ``+``, ``*`` by
+        constants and ``floordiv``/``mod`` by constants, so one code path serves both.
 
-        Inside a kernel non-negative operands use truncating ``lax.div``/``lax.rem`` (cheaper
-        than floor semantics, and identical when the operand cannot be negative).
+        Under jax, operands ``bounds`` prove non-negative use truncating ``lax.div``/``lax.rem``
+        (cheaper than floor semantics in a kernel, and identical when the operand cannot be
+        negative); numpy and unproven operands use floor semantics.
         """
         val: Any = self.const
         for a, k in self.terms:
             if isinstance(a, (Dim, Sym)):
-                v = env[a]
+                v = at[a]
             else:
-                inner = a.expr.evaluate(env, xp, bounds)
+                inner = a.expr.evaluate(at, xp, bounds)
                 nonneg = bounds is not None and a.expr.range(bounds)[0] >= 0
                 v = _div_or_mod(inner, a.c, isinstance(a, FloorDiv), nonneg, xp)
             val = val + (v if k == 1 else v * k)
@@ -370,6 +381,51 @@ class Cond:
 
     def __str__(self) -> str:
         return f"{self.lo} <= {self.expr} < {self.hi}"
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation: one evaluator, the array module a parameter
+# --------------------------------------------------------------------------------------------
+
+Point = Mapping[Atom, Any]
+"""Where an expression is evaluated: a value (an index array, or a scalar) for every atom
+``Dim(i)`` / ``Sym(name)`` it uses. The values' array module decides how it is computed."""
+
+
+def point(indices: Sequence[Any], symbols: Mapping[str, Any] | None = None) -> dict[Atom, Any]:
+    """The :data:`Point` of virtual index arrays ``indices`` (``d_0, d_1, ...``) and runtime
+    symbols by name."""
+    at: dict[Atom, Any] = {Dim(i): x for i, x in enumerate(indices)}
+    at.update({Sym(k): v for k, v in (symbols or {}).items()})
+    return at
+
+
+def all_of(masks: Iterable[Any]) -> Any:
+    """The conjunction of lane masks: the one place a list of conditions becomes one mask.
+
+    None means "every lane" and drops out, as does a static truth (a condition the evaluator
+    decided while tracing, e.g. one on Python-int symbols, arrives as a Python/numpy bool); a
+    static False is returned as ``False`` (callers broadcast it). None when nothing constrains,
+    so callers skip the select entirely (a kernel then emits no mask at all).
+    """
+    out = None
+    for m in masks:
+        if m is None or (isinstance(m, (bool, np.bool_)) and m):
+            continue
+        if isinstance(m, (bool, np.bool_)):
+            return False
+        out = m if out is None else out & m
+    return out
+
+
+def conds_mask(conds: Iterable[Cond], at: Point, xp: Any = np, bounds: Bounds | None = None) -> Any:
+    """Where every ``lo <= expr < hi`` of ``conds`` holds at ``at`` (None: no conditions).
+    ``bounds`` let non-negative floordiv/mod use truncating division under jax (see
+    :meth:`Expr.evaluate`)."""
+    def one(c: Cond) -> Any:
+        v = c.expr.evaluate(at, xp, bounds)
+        return (v >= c.lo) & (v < c.hi)
+    return all_of(one(c) for c in conds)
 
 
 @dataclass(frozen=True)
@@ -572,46 +628,32 @@ class IndexMap(Movements):
         return self._movement([hi - lo for lo, hi in box], [dim(i) + lo for i, (lo, _) in enumerate(box)])
 
     # -- evaluation ---------------------------------------------------------------------------
-    def evaluate(self, indices: Sequence[Any], symbols: Mapping[str, Any] | None = None,
-                 xp: Any = np) -> tuple[tuple[Any, ...], Any]:
-        """Target index arrays (and a validity mask, None if no conds) for given virtual indices."""
-        env: dict[Atom, Any] = {Dim(i): x for i, x in enumerate(indices)}
-        env.update({Sym(k): v for k, v in (symbols or {}).items()})
+    def targets(self, at: Point, xp: Any = np) -> tuple[Any, ...]:
+        """The target index of every target dim at the point ``at`` (see :func:`point`)."""
         b = self.bounds
-        tgt = tuple(e.evaluate(env, xp, b) for e in self.exprs)
-        mask = None
-        for c in self.conds:
-            v = c.expr.evaluate(env, xp, b)
-            m = (v >= c.lo) & (v < c.hi)
-            mask = m if mask is None else mask & m
-        return tgt, mask
+        return tuple(e.evaluate(at, xp, b) for e in self.exprs)
 
-    def block_indices(self, origin: Sequence[Any], block: Sequence[int], xp: Any = np) -> tuple[list[Any], Any]:
-        """Virtual index arrays of a block at ``origin`` and the in-bounds mask for ragged edges."""
-        idx, inb = [], None
-        rank = len(block)
-        for k, (o, n) in enumerate(zip(origin, block)):
-            shape = [1] * rank
-            shape[k] = n
-            ar = xp.arange(n, dtype=np.int32).reshape(shape) + o
-            idx.append(ar)
-            m = ar < self.domain[k]
-            inb = m if inb is None else inb & m
-        return idx, inb
+    def valid(self, at: Point, xp: Any = np) -> Any:
+        """Where the map's own conditions (a ``pad``'s mask) hold at ``at``; None: everywhere."""
+        return conds_mask(self.conds, at, xp, self.bounds)
 
-    def flat_offsets(self, origin: Sequence[Any], block: Sequence[int], symbols: Mapping[str, Any] | None = None,
-                     xp: Any = np, strides: Sequence[int] | None = None) -> tuple[Any, Any]:
-        """Flat physical offsets of a power-of-two block and its mask (in bounds and cond-valid).
+    def evaluate(self, at: Point, xp: Any = np) -> tuple[tuple[Any, ...], Any]:
+        """``(targets(at), valid(at))``: where the point lands and whether it lands at all."""
+        return self.targets(at, xp), self.valid(at, xp)
 
-        Out-of-bounds lanes keep whatever offset they compute; callers must use the mask.
-        """
-        idx, inb = self.block_indices(origin, block, xp)
-        tgt, mask = self.evaluate(idx, symbols, xp)
+    def flat_offsets(self, at: Point, xp: Any = np, strides: Sequence[int] | None = None,
+                     base: Any = 0) -> Any:
+        """The flat physical offset ``base + Σ target_k * stride_k`` at ``at`` (row-major target
+        strides by default). Lanes where :meth:`valid` fails, or outside the domain, get
+        whatever offset they compute: callers mask them. ``base`` fixes the result's shape and
+        dtype where the caller needs them (a kernel's int32 block of zeros)."""
         strides = tuple(strides) if strides is not None else row_major_strides(self.target)
-        off = sum((t * s for t, s in zip(tgt, strides) if s), 0)
-        off = xp.broadcast_to(off, tuple(block)) if hasattr(xp, "broadcast_to") else off
-        full = inb if mask is None else inb & mask
-        return off, xp.broadcast_to(full, tuple(block))
+        b = self.bounds
+        off = base
+        for e, s in zip(self.exprs, strides):
+            if s:
+                off = off + e.evaluate(at, xp, b) * s
+        return off
 
     # -- analysis -----------------------------------------------------------------------------
     def flat_expr(self) -> Expr:
@@ -743,15 +785,11 @@ class Piece:
     map: IndexMap
     where: tuple[Cond, ...] = ()
 
-    def member(self, idx: Sequence[Any], xp: Any = np, symbols: Mapping[str, Any] | None = None) -> Any:
-        """Membership mask of virtual indices ``idx`` (conditions may involve runtime symbols)."""
-        env: dict[Atom, Any] = {Sym(k): v for k, v in (symbols or {}).items()}
-        env.update({Dim(i): x for i, x in enumerate(idx)})
-        m = True
-        for c in self.where:
-            v = c.expr.evaluate(env, xp)
-            m = m & (v >= c.lo) & (v < c.hi)
-        return m
+    def holds(self, at: Point, xp: Any = np) -> Any:
+        """Where this piece holds a valid element at ``at``: its membership and its map's own
+        conditions (both may involve runtime symbols; a symbol-only condition gives a scalar).
+        None: everywhere."""
+        return conds_mask(self.where + self.map.conds, at, xp, self.map.bounds)
 
     def box(self) -> tuple[tuple[int, int], ...] | None:
         """The membership as a static box, when it is one (the common concat/split case)."""
@@ -768,6 +806,10 @@ class FillRegion:
     concatenation of two pads with different fills keeps each pad's own value."""
     where: tuple[Cond, ...]
     value: float
+
+    def holds(self, at: Point, xp: Any = np) -> Any:
+        """Where the region holds at ``at``; None: everywhere."""
+        return conds_mask(self.where, at, xp)
 
 
 @dataclass(frozen=True)
@@ -867,38 +909,40 @@ class Layout(Movements):
             off += n
         return Layout.assemble(shape, parts)
 
+    def gather(self, at: Point, buffers: Mapping[int, Any], dtype: Any, xp: Any = np) -> Any:
+        """The tensor's elements at the point ``at`` (index arrays spanning the whole tensor),
+        read from its physical buffers with the array module ``xp``: numpy for the reference
+        semantics (:meth:`evaluate`), ``jax.numpy`` where XLA must read a virtual tensor
+        element-wise. Fill regions first (the first containing a lane wins), then each piece
+        where it holds; target indices are clipped so that lanes a piece does not hold never
+        read out of bounds."""
+        shape = self.shape
+        out = xp.zeros(shape, dtype)
+        for r in reversed(self.fills):
+            m = r.holds(at, xp)
+            out = xp.where(True if m is None else m, xp.asarray(r.value, dtype), out)
+        for p in self.pieces:
+            tgt, m = p.map.targets(at, xp), p.holds(at, xp)
+            buf = buffers[p.target]
+            if buf.ndim:
+                got = buf[tuple(xp.clip(xp.broadcast_to(t, shape), 0, n - 1) for t, n in zip(tgt, buf.shape))]
+            else:
+                got = xp.broadcast_to(buf, shape)
+            got = got.astype(dtype)
+            out = got if m is None else xp.where(m, got, out)
+        return out
+
     def evaluate(self, buffers: Mapping[int, np.ndarray], symbols: Mapping[str, Any] | None = None) -> np.ndarray:
         """Materialise the tensor from physical buffers with numpy (the reference semantics)."""
-        idx = list(np.indices(self.shape, dtype=np.int64)) if self.shape else []
         dtype = np.result_type(*[buffers[p.target].dtype for p in self.pieces]) if self.pieces else np.float32
-        out = np.zeros(self.shape, dtype=dtype)
-        for r in reversed(self.fills):
-            out = np.where(np.broadcast_to(region_member(r, idx, np, symbols), self.shape), np.asarray(r.value, dtype), out)
-        for p in self.pieces:
-            tgt, valid = p.map.evaluate(idx, symbols)
-            m = np.broadcast_to(p.member(idx, np, symbols) & (True if valid is None else valid), self.shape)
-            buf = buffers[p.target]
-            safe = tuple(np.clip(np.broadcast_to(t, self.shape), 0, n - 1) for t, n in zip(tgt, buf.shape))
-            out = np.where(m, buf[safe] if buf.ndim else buf, out)
-        return out
+        idx = list(np.indices(self.shape, dtype=np.int64)) if self.shape else []
+        return np.asarray(self.gather(point(idx, symbols), buffers, dtype, np))
 
     def __str__(self) -> str:
         s = " | ".join(f"t{p.target}{list(p.box() or p.where)}: {p.map}" for p in self.pieces)
         for r in self.fills:
             s += f" | {r.value} where {' and '.join(str(c) for c in r.where) or 'elsewhere'}"
         return s
-
-
-def region_member(r: FillRegion, idx: Sequence[Any], xp: Any = np, symbols: Mapping[str, Any] | None = None,
-                  bounds: Bounds | None = None) -> Any:
-    """Mask of virtual indices ``idx`` inside the fill region ``r``."""
-    env: dict[Atom, Any] = {Sym(k): v for k, v in (symbols or {}).items()}
-    env.update({Dim(i): x for i, x in enumerate(idx)})
-    m: Any = True
-    for c in r.where:
-        v = c.expr.evaluate(env, xp, bounds)
-        m = m & (v >= c.lo) & (v < c.hi)
-    return m
 
 
 def _dedupe_fills(fills: Sequence[FillRegion]) -> tuple[FillRegion, ...]:

@@ -36,7 +36,7 @@ from jax import lax
 
 from .cluster import Cluster
 from .graph import Graph, Op
-from .indexmap import Layout, Piece, region_member
+from .indexmap import Layout, Piece, point
 from .kernels.vio import VTensor
 from .primitives import Direction, Role, inplace_operand, role_of
 from .strategy import Resolution, Strategy
@@ -217,18 +217,14 @@ class _Run:
     def _store_window(self, lay: Layout, value: Any) -> bool:
         """Write ``value`` into its buffer with ``dynamic_update_slice`` when the layout is one
         unit-strided piece that keeps the dims in order (a concat slab, a cache row)."""
-        if len(lay.pieces) != 1 or lay.fills or lay.pieces[0].where:
+        win = _unit_window(lay)
+        if win is None:
             return False
-        p = lay.pieces[0]
-        sb = p.map.strided_box()
-        if sb is None or any(j is not None and k != 1 for j, k, _ in sb):
-            return False
+        p, sb = win
         mapped = [j for j, _, _ in sb if j is not None]
         if mapped != sorted(mapped) or any(n != 1 for j, n in enumerate(lay.shape) if j not in mapped):
             return False   # dims must keep their order; a virtual dim with no home must be size 1
-        syms = dict(self.symbols(lay))
-        starts = [jnp.asarray(off.evaluate({_sym(k): v for k, v in syms.items()}, jnp), jnp.int32)
-                  for _, _, off in sb]
+        starts = _window_starts(sb, dict(self.symbols(lay)))
         shape = [lay.shape[j] if j is not None else 1 for j, _, _ in sb]
         ti = self.graph.tensors[p.target]
         buf = self.env.get(p.target, jnp.zeros(ti.shape, ti.dtype))
@@ -251,31 +247,41 @@ class _Run:
         lay = Layout.assemble(g.tensors[t].shape, [(self._home(e.dst), e.map, e.box)])
         return self._store_window(lay, value)
 
-def _sym(name: str) -> Any:
-    from .indexmap import Sym
-    return Sym(name)
-
-
 def _indices(shape: Sequence[int]) -> list[Any]:
     return [lax.broadcasted_iota(jnp.int32, tuple(shape), k) for k in range(len(shape))]
+
+
+def _unit_window(layout: Layout) -> tuple[Piece, tuple[Any, ...]] | None:
+    """``(piece, strided box)`` when the layout is one unconditional piece whose map is a strided
+    box with unit strides: XLA reads or writes it as a window (``dynamic_slice`` /
+    ``dynamic_update_slice``) instead of element-wise."""
+    if len(layout.pieces) != 1 or layout.fills or layout.pieces[0].where:
+        return None
+    p = layout.pieces[0]
+    sb = p.map.strided_box()
+    if sb is None or any(j is not None and k != 1 for j, k, _ in sb):
+        return None
+    return p, sb
+
+
+def _window_starts(sb: Sequence[Any], syms: Mapping[str, Any]) -> list[Any]:
+    """The window's first index per target dim: the strided box's offsets (expressions over the
+    runtime symbols) evaluated with jax.numpy."""
+    at = point((), syms)
+    return [jnp.asarray(off.evaluate(at, jnp), jnp.int32) for _, _, off in sb]
 
 
 def _window(layout: Layout, dtype: Any, env: Mapping[int, Any], syms: Mapping[str, Any]) -> Any:
     """A one-piece, unit-strided layout read with ``dynamic_slice`` + ``transpose`` + broadcast
     (None when the layout is not of that form)."""
-    if len(layout.pieces) != 1 or layout.fills or layout.pieces[0].where:
+    win = _unit_window(layout)
+    if win is None or win[0].target not in env:
         return None
-    p = layout.pieces[0]
-    if p.target not in env:
-        return None
-    sb = p.map.strided_box()
-    if sb is None or any(j is not None and k != 1 for j, k, _ in sb):
-        return None
+    p, sb = win
     buf = env[p.target]
     if p.map.is_identity and tuple(buf.shape) == tuple(layout.shape):
         return buf.astype(dtype)
-    senv = {_sym(k): v for k, v in syms.items()}
-    starts = [jnp.asarray(off.evaluate(senv, jnp), jnp.int32) for _, _, off in sb]
+    starts = _window_starts(sb, syms)
     sizes = [layout.shape[j] if j is not None else 1 for j, _, _ in sb]
     x = lax.dynamic_slice(buf, starts, sizes)
     mapped = [j for j, _, _ in sb if j is not None]
@@ -288,32 +294,18 @@ def _window(layout: Layout, dtype: Any, env: Mapping[int, Any], syms: Mapping[st
 
 
 def _gather(layout: Layout, dtype: Any, env: Mapping[int, Any], syms: Mapping[str, Any]) -> Any:
-    """Element-wise gather of a virtual tensor (the last resort; ``Lowered.gathers`` lists it)."""
-    idx = _indices(layout.shape)
-    out = jnp.zeros(layout.shape, dtype)
-    for r in reversed(layout.fills):
-        out = jnp.where(region_member(r, idx, jnp, syms), jnp.asarray(r.value, dtype), out)
-    for p in layout.pieces:
-        tgt, valid = p.map.evaluate(idx, syms, xp=jnp)
-        member = p.member(idx, jnp, syms)
-        if valid is not None:
-            member = member & valid
-        buf = env[p.target]
-        safe = tuple(jnp.clip(jnp.broadcast_to(x, layout.shape), 0, n - 1) for x, n in zip(tgt, buf.shape))
-        got = buf[safe].astype(dtype) if buf.ndim else jnp.broadcast_to(buf, layout.shape).astype(dtype)
-        out = got if member is True else jnp.where(member, got, out)
-    return out
+    """Element-wise gather of a virtual tensor (the last resort; ``Lowered.gathers`` lists it):
+    the layout's own evaluator, run with jax.numpy on the tensor's index grid."""
+    return layout.gather(point(_indices(layout.shape), syms), env, dtype, jnp)
 
 
 def _scatter(p: Piece, value: Any, buf: Any, syms: Mapping[str, Any]) -> Any:
     """Write a value's piece into its buffer element-wise (the last resort); other lanes dropped."""
     shape = value.shape
-    idx = _indices(shape)
-    tgt, valid = p.map.evaluate(idx, syms, xp=jnp)
-    member = p.member(idx, jnp, syms)
-    if valid is not None:
-        member = member & valid
-    tgt = tuple(jnp.where(member, jnp.broadcast_to(x, shape), n) for x, n in zip(tgt, buf.shape))
+    at = point(_indices(shape), syms)
+    tgt, m = p.map.targets(at, jnp), p.holds(at, jnp)
+    m = True if m is None else m
+    tgt = tuple(jnp.where(m, jnp.broadcast_to(x, shape), n) for x, n in zip(tgt, buf.shape))
     return buf.at[tgt].set(value.astype(buf.dtype), mode="drop")
 
 

@@ -44,8 +44,9 @@ How a piece is accessed (cheapest first)
    of it, e.g. Q | K-cache | V-cache) read or written in blocks of at most ``D`` columns at
    aligned origins is a window with scalar ``//``/``%`` on the origin, not a per-lane gather.
 2. *General*: the buffer is passed flattened (a free bitcast in XLA) and the block's flat offsets
-   are computed from the map (``//`` and ``%`` only where simplification could not remove them) —
-   a masked gather/scatter. Masked-off scatter lanes point past the end of the buffer, because the
+   are the map's own ``IndexMap.flat_offsets`` evaluated on the block's int32 lane indices (``//``
+   and ``%`` only where simplification could not remove them) — a masked gather/scatter. Lane
+   masks are ``Piece.holds`` / ``FillRegion.holds`` on the same lanes, joined by ``all_of``. Masked-off scatter lanes point past the end of the buffer, because the
    interpreter writes the old value back on masked lanes and would clobber element 0.
 3. *General, on an unflattened buffer*: buffers of 2^31 elements or more (flat int32 offsets
    would overflow, and int64 values do not exist in a kernel traced without x64), and buffers of
@@ -70,7 +71,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..indexmap import Atom, Dim, Expr, FloorDiv, Layout, Mod, Piece, Sym
+from ..indexmap import Atom, Dim, Expr, FloorDiv, Layout, Mod, Piece, Sym, all_of, point, row_major_strides
 from .tiling import InBounds, next_pow2
 
 __all__ = ["VTensor", "VRef", "Plan", "compiler_params", "next_pow2", "broadcast_input",
@@ -431,20 +432,6 @@ def _iota(block: Sequence[int], k: int) -> jax.Array:
     return jax.lax.broadcasted_iota(jnp.int32, tuple(block), k)
 
 
-def _all(masks: Sequence[Any]) -> Any:
-    """The conjunction of lane masks; None (all lanes) and static truths drop out. A condition a
-    constant-folding evaluator decided statically arrives as a Python/numpy bool: a static False
-    stays ``False`` (callers broadcast it to the block)."""
-    out = None
-    for m in masks:
-        if m is None or (isinstance(m, (bool, np.bool_)) and m):
-            continue
-        if isinstance(m, (bool, np.bool_)):
-            return False
-        out = m if out is None else out & m
-    return out
-
-
 @dataclass(frozen=True, eq=False)
 class VRef:
     """A VTensor inside a kernel: its static layout, its buffer refs and the symbol values."""
@@ -463,21 +450,15 @@ class VRef:
         :class:`tiling.InBounds` origin, needs none)."""
         proven = tuple(proven) or (False,) * len(origin)
         idx = [jnp.asarray(o, jnp.int32) + _iota(block, k) for k, o in enumerate(origin)]
-        inb = _all([None if ok else
-                    (i < n) if n < b or not isinstance(o, int) or o + b > n else None
-                    for i, n, b, o, ok in zip(idx, self.shape, block, origin, proven)])
-        env: dict[Atom, Any] = {Dim(k): i for k, i in enumerate(idx)}
-        env.update({Sym(k): v.astype(jnp.int32) for k, v in self.syms.items()})
-        return env, inb
+        inb = all_of([None if ok else
+                      (i < n) if n < b or not isinstance(o, int) or o + b > n else None
+                      for i, n, b, o, ok in zip(idx, self.shape, block, origin, proven)])
+        return point(idx, {k: v.astype(jnp.int32) for k, v in self.syms.items()}), inb
 
     def _piece_mask(self, p: Piece, env: dict[Atom, Any], inb: Any, block: Sequence[int]) -> Any:
         """The piece's lanes in this block (None: all). Conditions on runtime symbols alone (a
         concat piece picked by ``pos``) give a scalar: broadcast to the block."""
-        masks = [inb]
-        bounds = p.map.bounds
-        for c in p.where + p.map.conds:
-            masks.append(_cond_mask(c, env, bounds))
-        m = _all(masks)
+        m = all_of([inb, p.holds(env, jnp)])
         return m if m is None or tuple(jnp.shape(m)) == tuple(block) else jnp.broadcast_to(m, tuple(block))
 
     def _strided_index(self, p: Piece, sb: Any, origin: Sequence[Any], block: Sequence[int],
@@ -512,7 +493,7 @@ class VRef:
                                     access[0]).astype(dtype)
         result = jnp.full(block, fill, dtype)
         for r in reversed(layout.fills):   # borders of pads: the first region containing a lane wins
-            rmask = _all([inb, *(_cond_mask(c, env, None) for c in r.where)])
+            rmask = all_of([inb, r.holds(env, jnp)])
             result = jnp.full(block, r.value, dtype) if rmask is None else \
                 jnp.where(rmask, jnp.asarray(r.value, dtype), result)
         for p, acc in zip(layout.pieces, access):
@@ -687,24 +668,16 @@ def _block_strided(p: Piece, origin: Sequence[Any], block: Sequence[int], aligne
     if p.map.conds:
         return None
     for c in p.where:
-        if all(block[d] == 1 for d in _dims_of(c.expr)):
+        if all(block[d] == 1 for d in c.expr.dims()):
             continue
         i = _only_dim(c.expr)
         if i is None or not aligned[i] or c.lo % block[i] or c.hi % block[i]:
             return None
 
-    def scalar(e: Expr) -> Any:   # an expression of block-1 dims and symbols, at the origin
-        v: Any = e.const
-        for a, k in e.terms:
-            if isinstance(a, Dim):
-                x = origin[a.i]
-            elif isinstance(a, Sym):
-                x = syms[a.name].astype(jnp.int32)
-            else:
-                inner = scalar(a.expr)
-                x = _sdiv(inner, a.c) if isinstance(a, FloorDiv) else _srem(inner, a.c)
-            v = v + k * x
-        return v
+    def scalar(a: Atom) -> Any:   # an atom of block-1 dims and symbols: its value at the origin
+        used = a.expr.symbols()
+        at = point(origin, {k: v.astype(jnp.int32) for k, v in syms.items() if k in used})
+        return Expr.of(a).evaluate(at, jnp, p.map.bounds)
 
     sb, starts, used = [], [], set()
     for e in p.map.exprs:
@@ -720,9 +693,8 @@ def _block_strided(p: Piece, origin: Sequence[Any], block: Sequence[int], aligne
             elif isinstance(a, Sym):
                 start = start + k * syms[a.name].astype(jnp.int32)
             else:
-                inner_dims = _dims_of(a.expr)
-                if all(block[d] == 1 for d in inner_dims):
-                    start = start + k * scalar(Expr(((a, 1),), 0))
+                if all(block[d] == 1 for d in a.expr.dims()):
+                    start = start + k * scalar(a)
                     continue
                 i = _dim_plus(a.expr, a.c)
                 if i is None or not aligned[i] or a.c % block[i]:
@@ -743,16 +715,6 @@ def _block_strided(p: Piece, origin: Sequence[Any], block: Sequence[int], aligne
     return tuple(sb), tuple(starts)
 
 
-def _dims_of(e: Expr) -> set[int]:
-    out: set[int] = set()
-    for a, _ in e.terms:
-        if isinstance(a, Dim):
-            out.add(a.i)
-        elif isinstance(a, (FloorDiv, Mod)):
-            out |= _dims_of(a.expr)
-    return out
-
-
 def _unwrap(origin: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[bool, ...]]:
     """(plain origins, which were :class:`tiling.InBounds`)."""
     return (tuple(o.value if isinstance(o, InBounds) else o for o in origin),
@@ -764,11 +726,6 @@ def _is_plus_zero(x: Any) -> bool:
     if not isinstance(x, (bool, int, float, np.integer, np.floating)):
         return False
     return float(x) == 0.0 and math.copysign(1.0, float(x)) > 0
-
-
-def _cond_mask(c: Any, env: dict[Atom, Any], bounds: Any) -> jax.Array:
-    v = c.expr.evaluate(env, jnp, bounds)
-    return (v >= c.lo) & (v < c.hi)
 
 
 def _masked_load(ref: Any, mask: Any) -> jax.Array:
@@ -800,18 +757,15 @@ def _check_index_width(shape: tuple[int, ...], dtype: np.dtype) -> None:
 def _dim_indices(p: Piece, env: dict[Atom, Any], shape: Sequence[int], block: Sequence[int]
                  ) -> tuple[jax.Array, ...]:
     """One int32 index array per buffer dim (each < that dim's size), broadcast to the block."""
-    bounds = p.map.bounds
-    return tuple(jnp.broadcast_to(jnp.asarray(e.evaluate(env, jnp, bounds), jnp.int32), tuple(block))
-                 for e in p.map.exprs)
+    return tuple(jnp.broadcast_to(jnp.asarray(t, jnp.int32), tuple(block)) for t in p.map.targets(env, jnp))
 
 
 def _flat_offsets(p: Piece, env: dict[Atom, Any], shape: Sequence[int], block: Sequence[int]) -> jax.Array:
-    bounds = p.map.bounds
-    strides = [int(np.prod(shape[k + 1:], dtype=np.int64)) for k in range(len(shape))]
-    off: Any = jnp.zeros(tuple(block), jnp.int32)
-    for e, s in zip(p.map.exprs, strides):
-        if s:
-            off = off + e.evaluate(env, jnp, bounds) * s
+    """The block's flat offsets into the flattened buffer (path 2): the algebra's own
+    :meth:`IndexMap.flat_offsets` on the block's int32 lane indices, accumulated from an int32
+    block of zeros (``Plan.build`` flattens only buffers below 2^31 elements, so no lane
+    overflows)."""
+    off = p.map.flat_offsets(env, jnp, row_major_strides(shape), jnp.zeros(tuple(block), jnp.int32))
     return jnp.broadcast_to(off, tuple(block)).astype(jnp.int32)
 
 
@@ -826,12 +780,7 @@ def _box_hit(box: Any, origin: Sequence[Any], block: Sequence[int]) -> Any:
                 return False
             continue
         conds.append((o < hi) & (o + b > lo))
-    if not conds:
-        return None
-    out = conds[0]
-    for c in conds[1:]:
-        out = out & c
-    return out
+    return all_of(conds)
 
 
 def _to_target_order(x: jax.Array, sb: Any, block: Sequence[int], fold_first: bool = False) -> jax.Array:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..graph import Graph
-from ..indexmap import Dim, IndexMap, Layout, NotComposable, Piece, box_conds, const, dim
+from ..indexmap import IndexMap, Layout, NotComposable, Piece, box_conds, const, dim, point
 from ..primitives import Direction, block_safe, is_movement_op
 from . import Decline
 
@@ -287,7 +287,7 @@ def program(graph: Graph, p: IslandPlan) -> Callable[..., Any]:
 
     def f(*blocks: Any) -> Any:
         it = iter(blocks[:n_in])
-        index = {Dim(i): x for i, x in enumerate(blocks[n_in:])}
+        index = point(blocks[n_in:])   # the block's lane indices, where Index steps evaluate
         env: list[Any] = []
         for s in p.steps:
             if isinstance(s, Index):
