@@ -41,6 +41,7 @@ from .kernels.vio import VTensor
 from .primitives import Direction, Role, inplace_operand, role_of
 from .strategy import Resolution, Strategy
 from .templates import TEMPLATES, KernelBuildError, Match, Reject, Step
+from .testing import cross_lower
 
 __all__ = ["lower", "Lowered"]
 
@@ -418,7 +419,6 @@ def triton_failures(closed: Any) -> dict[int, str]:
     """Lower every Pallas kernel of a traced emitted program for CUDA (Triton IR), one by one:
     ``{cluster id: why}`` for those that fail. If every kernel fails with the same error, the
     lowering machinery itself is missing (no CUDA plugin): that is raised, not blamed on clusters."""
-    from .testing import cross_lower
     failures: dict[int, tuple[str, str]] = {}
     eqns = _pallas_eqns(closed.jaxpr)
     for eqn in eqns:
