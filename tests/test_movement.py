@@ -12,7 +12,8 @@ from jax import lax
 
 from vtc_jax.graph import trace
 from vtc_jax.indexmap import Layout, Piece, box_conds
-from vtc_jax.movement import Edge, explain_no_edges, is_movement, rules, static_value
+from vtc_jax.movement import Edge, explain_no_edges, rules, static_value
+from vtc_jax.primitives import is_movement_op
 
 F32 = jnp.float32
 
@@ -54,7 +55,7 @@ def run(fn, *args, primitive=None):
     edges = []
     for op in g.ops:
         es = rules(op, g)
-        assert is_movement(op, g) or not es
+        assert is_movement_op(op, g) or not es
         assert (explain_no_edges(op, g) is None) == bool(es)
         for e in es:
             check_edge(e, g, vals)
@@ -195,7 +196,7 @@ def test_dynamic_update_slice_symbol_range():
 def test_pad_with_runtime_fill_has_no_edge():
     g = trace(lambda x, v: lax.pad(x, v, ((1, 0, 0), (0, 0, 0))), arr(4, 6), np.float32(3))
     (op,) = g.ops
-    assert rules(op, g) == () and is_movement(op, g)  # still data movement, just not removable
+    assert rules(op, g) == () and is_movement_op(op, g)  # still data movement, just not removable
     assert "runtime" in explain_no_edges(op, g)
 
 
@@ -207,7 +208,7 @@ def test_pad_with_runtime_fill_has_no_edge():
 def test_opaque_gather_scatter(fn, args, why):
     g = trace(fn, *args)
     ops = [op for op in g.ops if op.primitive in ("gather", "scatter")]
-    assert ops and all(rules(op, g) == () and is_movement(op, g) for op in ops)
+    assert ops and all(rules(op, g) == () and is_movement_op(op, g) for op in ops)
     assert why in explain_no_edges(ops[0], g)
 
 
@@ -221,7 +222,7 @@ def test_repeat_with_array_repeats_folds_to_a_repeat_gather():
 def test_non_movement_ops():
     g = trace(lambda x: (x + 1).astype(jnp.bfloat16), arr(4, 6))
     for op in g.ops:
-        assert not is_movement(op, g) and explain_no_edges(op, g)
+        assert not is_movement_op(op, g) and explain_no_edges(op, g)
     assert "not a data-movement" in explain_no_edges(g.ops[0], g)
     assert "dtype" in explain_no_edges(g.ops[-1], g)
 
@@ -338,3 +339,4 @@ def test_fig2_qkv_written_through_pieces():
     assert str(lay.pieces[1].map) == f"(d0, d1) -> (0, {s.name}, (d1) floordiv 8 - 4, (d1) mod 8)"
     assert lay.pieces[1].map.restrict(lay.pieces[1].box()).contiguity(4).full  # one 64 B run at pos
     np.testing.assert_array_equal(lay.evaluate(buffers, symbols), vals[qkv])
+

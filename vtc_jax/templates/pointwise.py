@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from ..cluster import Cluster
 from ..graph import Graph
 from ..primitives import Kind, is_movement_op
-from . import Decline, Run, Step, Template, island
+from . import island
+from .base import Decline, Run, Step, Template
 from .stage2 import block_fn, block_supported, broadcast_input, buffers_of, kernel_inputs
 
 __all__ = ["TEMPLATE"]
