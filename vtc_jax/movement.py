@@ -300,6 +300,15 @@ def _device_put(c: _Ctx) -> tuple[Edge, ...]:
                  for e in (c.edge(y, x, c.ident(x)), c.edge(x, y, c.ident(y))))
 
 
+def _sharding_constraint(c: _Ctx) -> tuple[Edge, ...]:
+    """``jax.lax.with_sharding_constraint`` on one device: the identity (XLA drops the annotation),
+    so both sides may live in the other's buffer. Across devices it may reshard: no edge."""
+    devices = getattr(c.p.get("sharding"), "device_set", None)
+    if devices is None or len(devices) != 1:
+        raise NoEdges("sharding_constraint across devices (a resharding)")
+    return _copy(c)
+
+
 def _gather(c: _Ctx) -> tuple[Edge, ...]:
     """``x[..., idx, ...]`` / ``jnp.take`` with static indices forming ``i0 + st*(j // r)``: a
     strided slice (r = 1) or a repeat (r > 1, read side only) along one axis."""
@@ -362,6 +371,7 @@ RULES: dict[str, Callable[[_Ctx], tuple[Edge, ...]]] = {
     "dynamic_update_slice": _dynamic_update_slice, "concatenate": _concatenate, "split": _split,
     "stack": _stack, "unstack": _unstack, "rev": _rev, "pad": _pad, "copy": _copy, "copy_p": _copy,
     "convert_element_type": _convert_element_type, "device_put": _device_put, "gather": _gather,
+    "sharding_constraint": _sharding_constraint,
     **{s: _opaque(f"{s} writes at data-dependent indices") for s in
        ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
         "scatter_min", "scatter-max", "scatter_max", "scatter-sub", "scatter_sub")},

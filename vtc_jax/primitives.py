@@ -10,7 +10,7 @@ enums here too. Stages read this table; none keeps its own list of primitive nam
 
 Adding a movement primitive: a row here plus its rule in :mod:`movement` (``movement.RULES``;
 ``tests/test_primitives.py`` checks the two agree). Nothing else: every other stage asks this
-table.
+table (``tests/test_movement.py``'s ``sharding_constraint`` tests show it).
 """
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def _rows() -> dict[str, PrimInfo]:
         for n in names.split():
             rows[n] = dataclasses.replace(rows[n], **kw)
 
-    add("transpose slice concatenate split rev stack unstack device_put", Role.MOVEMENT)
+    add("transpose slice concatenate split rev stack unstack device_put sharding_constraint", Role.MOVEMENT)
     add("reshape squeeze copy copy_p", Role.MOVEMENT, view=True)
     add("broadcast_in_dim", Role.MOVEMENT, view=True, block_safe=True)   # views when size-preserving
     add("pad", Role.MOVEMENT, data=(0,))
