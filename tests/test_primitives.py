@@ -91,3 +91,10 @@ def test_an_opaque_op_is_not_movement():
     (sc,) = [op for op in g.ops if op.primitive == "scatter-add"]
     assert sc.opaque_reason and primitives.role_of(sc, g) is Role.MOVEMENT
     assert not primitives.is_movement_op(sc, g)
+
+
+def test_f32_math_rows_are_the_kernels_list():
+    """kernels/tiling.py keeps its own F32_MATH_PRIMITIVES until it derives it from the table
+    (``PrimInfo.f32_math``): the two must agree meanwhile."""
+    from vtc_jax.kernels.tiling import F32_MATH_PRIMITIVES
+    assert {n for n, r in primitives.TABLE.items() if r.f32_math} == F32_MATH_PRIMITIVES

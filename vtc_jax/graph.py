@@ -290,10 +290,6 @@ def _hoist_narrowing_casts(raw: list[_RawOp], b: "_Builder", outputs: list[int])
             uses[t] = uses.get(t, 0) + 1
     made = {t: i for i, r in enumerate(raw) for t in r.outputs}
     out = list(raw)
-
-    def commutes(r: _RawOp) -> bool:
-        return _commutes_with_cast(r, b)
-
     changed = True
     while changed:
         changed = False
@@ -302,13 +298,13 @@ def _hoist_narrowing_casts(raw: list[_RawOp], b: "_Builder", outputs: list[int])
                 continue
             t = c.inputs[0]
             i = made.get(t)
-            if i is None or i >= j or uses.get(t, 0) != 1 or t in outputs or not commutes(out[i]):
+            if i is None or i >= j or uses.get(t, 0) != 1 or t in outputs or not _commutes_with_cast(out[i], b):
                 continue
             v = out[i]
             x = v.inputs[0]
-            root = made.get(x)   # through a chain of views, only onto a contraction: after an
-            while root is not None and commutes(out[root]):   # elementwise op the cast is in
-                root = made.get(out[root].inputs[0])          # its cluster already
+            root = made.get(x)   # through a chain of such views, only onto a contraction: after an
+            while root is not None and _commutes_with_cast(out[root], b):   # elementwise op the
+                root = made.get(out[root].inputs[0])                        # cast is in its cluster
             if not _narrows(b.tensors[x][1], b.tensors[c.outputs[0]][1]) or root is None \
                     or out[root].eqn.primitive.name not in CONTRACTION:
                 continue

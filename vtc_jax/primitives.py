@@ -93,6 +93,10 @@ class PrimInfo:
     # The attention matcher reads through it: the scores keep their values (up to rounding) and
     # their axes (casts, copies, reshapes, transposes, broadcasts; templates/attention.py).
     score_view: bool = False
+    # On bf16/f16 operands, computed in f32 and rounded back (XLA's float normalisation: its GPU
+    # backend has no 16-bit transcendental or division); kernels/tiling.f32_math applies it to a
+    # template's stage 2 so that the kernel rounds where jax.jit does.
+    f32_math: bool = False
     # Role.CALL: the params holding the body the tracer inlines (graph.trace), in the order tried.
     # custom_jvp/custom_vjp calls keep only the primal computation (what the forward pass runs).
     call_body: tuple[str, ...] = ()
@@ -152,6 +156,8 @@ def _rows() -> dict[str, PrimInfo]:
          componentwise=True)
     flag("convert_element_type reshape squeeze transpose broadcast_in_dim copy copy_p stop_gradient "
          "reduce_precision", score_view=True)
+    flag("div rem pow atan2 nextafter logistic tanh tan sin cos asin acos atan sinh cosh asinh acosh atanh "
+         "exp exp2 expm1 log log1p sqrt rsqrt cbrt erf erfc erf_inv lgamma digamma", f32_math=True)
     return rows
 
 
