@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,7 +25,7 @@ import numpy as np
 if TYPE_CHECKING:
     from .graph import Graph, Op
 
-__all__ = ["Role", "Kind", "Direction", "EdgeClass", "PrimInfo", "TABLE", "info", "role_of", "cluster_kind",
+__all__ = ["Role", "Kind", "Direction", "EdgeClass", "PrimInfo", "TABLE", "role_of", "cluster_kind",
            "is_movement_op", "is_view", "data_inputs", "inplace_operand", "block_safe",
            "MOVEMENT", "ELEMENTWISE", "REDUCTION", "CONTRACTION", "CALL_LIKE", "CONTROL_FLOW"]
 
@@ -173,12 +174,9 @@ CONTROL_FLOW = frozenset(n for n, r in TABLE.items() if r.role is Role.CONTROL)
 # The kind of cluster a lone op of each role seeds (contractions: their row's contraction_kind).
 # Calls and control flow that reach the graph (not inlined) are opaque, like primitives the table
 # does not know.
-_SEEDS = {Role.MOVEMENT: Kind.MOVEMENT, Role.ELEMENTWISE: Kind.POINTWISE, Role.GENERATOR: Kind.POINTWISE,
-          Role.REDUCTION: Kind.REDUCTION, Role.CALL: Kind.OPAQUE, Role.CONTROL: Kind.OPAQUE}
-
-
-def info(name: str) -> PrimInfo | None:
-    return TABLE.get(name)
+_SEEDS = MappingProxyType({Role.MOVEMENT: Kind.MOVEMENT, Role.ELEMENTWISE: Kind.POINTWISE,
+                           Role.GENERATOR: Kind.POINTWISE, Role.REDUCTION: Kind.REDUCTION,
+                           Role.CALL: Kind.OPAQUE, Role.CONTROL: Kind.OPAQUE})
 
 
 def _same_dtype(op: "Op", graph: "Graph") -> bool:
