@@ -12,9 +12,11 @@ from jax import lax
 
 from vtc_jax.graph import trace
 from vtc_jax.indexmap import Layout, Piece, box_conds
-from vtc_jax.movement import Edge, explain_no_edges, is_movement, rules, static_value
+from vtc_jax.movement import Edge, explain_no_edges, rules, static_value
+from vtc_jax.primitives import is_movement_op
 
 F32 = jnp.float32
+ONE_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
 def _values(g, *args):
@@ -54,7 +56,7 @@ def run(fn, *args, primitive=None):
     edges = []
     for op in g.ops:
         es = rules(op, g)
-        assert is_movement(op, g) or not es
+        assert is_movement_op(op, g) or not es
         assert (explain_no_edges(op, g) is None) == bool(es)
         for e in es:
             check_edge(e, g, vals)
@@ -150,6 +152,8 @@ CASES = {
                            "convert_element_type", [("y0", "x0", R, "I", False), ("x0", "y0", W, "I", False)]),
     "device_put": (lambda x: jax.device_put(x) * 2, (arr(4, 6),), "device_put",
                    [("y0", "x0", R, "I", False), ("x0", "y0", W, "I", False)]),
+    "sharding_constraint": (lambda x: lax.with_sharding_constraint(x, ONE_DEVICE) * 2, (arr(4, 6),),
+                            "sharding_constraint", [("y0", "x0", R, "I", False), ("x0", "y0", W, "I", False)]),
     "take_rows": (lambda x: jnp.take(x, jnp.arange(1, 3), axis=0), (arr(4, 6),), "gather",
                   [("y0", "x0", R, "I", False)]),
     "take_cols": (lambda x: jnp.take(x, jnp.arange(1, 4), axis=1), (arr(4, 6),), "gather",
@@ -195,7 +199,7 @@ def test_dynamic_update_slice_symbol_range():
 def test_pad_with_runtime_fill_has_no_edge():
     g = trace(lambda x, v: lax.pad(x, v, ((1, 0, 0), (0, 0, 0))), arr(4, 6), np.float32(3))
     (op,) = g.ops
-    assert rules(op, g) == () and is_movement(op, g)  # still data movement, just not removable
+    assert rules(op, g) == () and is_movement_op(op, g)  # still data movement, just not removable
     assert "runtime" in explain_no_edges(op, g)
 
 
@@ -207,7 +211,7 @@ def test_pad_with_runtime_fill_has_no_edge():
 def test_opaque_gather_scatter(fn, args, why):
     g = trace(fn, *args)
     ops = [op for op in g.ops if op.primitive in ("gather", "scatter")]
-    assert ops and all(rules(op, g) == () and is_movement(op, g) for op in ops)
+    assert ops and all(rules(op, g) == () and is_movement_op(op, g) for op in ops)
     assert why in explain_no_edges(ops[0], g)
 
 
@@ -221,7 +225,7 @@ def test_repeat_with_array_repeats_folds_to_a_repeat_gather():
 def test_non_movement_ops():
     g = trace(lambda x: (x + 1).astype(jnp.bfloat16), arr(4, 6))
     for op in g.ops:
-        assert not is_movement(op, g) and explain_no_edges(op, g)
+        assert not is_movement_op(op, g) and explain_no_edges(op, g)
     assert "not a data-movement" in explain_no_edges(g.ops[0], g)
     assert "dtype" in explain_no_edges(g.ops[-1], g)
 
@@ -338,3 +342,51 @@ def test_fig2_qkv_written_through_pieces():
     assert str(lay.pieces[1].map) == f"(d0, d1) -> (0, {s.name}, (d1) floordiv 8 - 4, (d1) mod 8)"
     assert lay.pieces[1].map.restrict(lay.pieces[1].box()).contiguity(4).full  # one 64 B run at pos
     np.testing.assert_array_equal(lay.evaluate(buffers, symbols), vals[qkv])
+
+
+# ---- adding a movement primitive: a TABLE row (primitives.py) and a rule (movement.py), nothing else
+
+def test_sharding_constraint_composes_with_its_neighbours():
+    """transpose -> one-device sharding_constraint -> reshape: the read edges composed from the
+    output back to ``x``, evaluated on x's numpy value, equal jax.lax's result (exactly)."""
+    def f(x):
+        return lax.with_sharding_constraint(x.T, ONE_DEVICE).reshape(-1)
+
+    x = np.arange(24, dtype=np.float32).reshape(4, 6) * 0.5 - 3.0
+    g = trace(f, x)
+    assert [op.primitive for op in g.ops] == ["transpose", "sharding_constraint", "reshape"]
+    t, m = g.outputs[0], None
+    while (op := g.producer(t)) is not None:
+        (e,) = [e for e in rules(op, g) if e.src == t and e.direction == R]
+        m, t = e.map if m is None else e.map.compose(m), e.dst
+    assert t == g.inputs[0]
+    got = Layout.physical(t, x.shape).compose(m).evaluate({t: x}, {})
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(f)(x)))
+
+
+def test_sharding_constraint_across_devices_offers_no_edge():
+    import dataclasses
+    from types import SimpleNamespace
+    g = trace(lambda x: lax.with_sharding_constraint(x, ONE_DEVICE), arr(4, 6))
+    (op,) = g.ops
+    two = dataclasses.replace(op, params={**op.params, "sharding": SimpleNamespace(device_set={0, 1})})
+    assert rules(two, g) == () and is_movement_op(two, g) and "resharding" in explain_no_edges(two, g)
+
+
+def test_sharding_constraint_is_eliminated_and_optimize_equals_jit():
+    """End to end: the constraint between a matmul and its consumer is eliminated (one of its two
+    Type I edges taken), and the result equals jax.jit's (f32, Pallas interpret mode, rtol 1e-5)."""
+    import vtc_jax
+
+    def f(x, w):
+        h = lax.with_sharding_constraint(jnp.transpose(x @ w), ONE_DEVICE)
+        return jnp.tanh(h) * 2.0
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((16, 32)), F32)
+    w = jnp.asarray(rng.standard_normal((32, 24)), F32)
+    opt = vtc_jax.optimize(f, backend="interpret")
+    np.testing.assert_allclose(np.asarray(opt(x, w)), np.asarray(jax.jit(f)(x, w)), rtol=1e-5, atol=1e-6)
+    a, _ = opt.last
+    (sc,) = [op.id for op in a.graph.ops if op.primitive == "sharding_constraint"]
+    assert sc in a.strategy.resolution.eliminated

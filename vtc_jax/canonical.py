@@ -48,6 +48,7 @@ import numpy as np
 from jax import lax
 
 from .interpret import interpret
+from .primitives import TABLE
 
 __all__ = ["window_scatter", "whole_update", "speculable_cond", "rewrite", "channels_last", "fold_transposes",
            "split_complex"]
@@ -120,12 +121,11 @@ def whole_update(eqn: jcore.JaxprEqn) -> bool:
             and x.dtype == u.dtype)
 
 
-# what a cond branch may hold to be computed unconditionally: no effects, no work beyond the
-# elementwise kind (a reduction or a dot computed for nothing would cost), no in-place update (a
-# cache written in one branch only must stay a cond: program.py updates it in place)
-_SPECULABLE_ROLES = ("elementwise", "generator")
-_SPECULABLE_MOVES = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
-                               "convert_element_type", "copy", "slice", "concatenate", "pad", "rev"})
+# what a cond branch may hold to be computed unconditionally (``PrimInfo.speculable``): no
+# effects, no work beyond the elementwise kind (a reduction or a dot computed for nothing would
+# cost), no in-place update (a cache written in one branch only must stay a cond: program.py
+# updates it in place)
+_SPECULABLE = frozenset(n for n, r in TABLE.items() if r.speculable)
 
 
 def speculable_cond(eqn: jcore.JaxprEqn) -> bool:
@@ -135,7 +135,6 @@ def speculable_cond(eqn: jcore.JaxprEqn) -> bool:
     mask is one more elementwise step that the attention template fits (a cond in the middle of
     the scores is otherwise opaque and splits the attention into its parts). XLA does the same
     when it converts a small conditional into a select."""
-    from .primitives import TABLE
     if eqn.primitive.name != "cond" or eqn.effects:
         return False
     if any(not hasattr(v.aval, "shape") or not isinstance(v.aval.dtype, np.dtype) for v in eqn.outvars):
@@ -150,9 +149,7 @@ def speculable_cond(eqn: jcore.JaxprEqn) -> bool:
                 if not ok(getattr(inner, "jaxpr", inner)):
                     return False
                 continue
-            info = TABLE.get(e.primitive.name)
-            if info is None or (str(info.role) not in _SPECULABLE_ROLES
-                                and e.primitive.name not in _SPECULABLE_MOVES):
+            if e.primitive.name not in _SPECULABLE:
                 return False
         return True
 
@@ -279,9 +276,10 @@ def fold_transposes(eqn: jcore.JaxprEqn, inner: jcore.JaxprEqn | None) -> tuple[
 # ---- complex arithmetic as pairs of real tensors -------------------------------------------------
 
 _COMPONENT = {np.dtype(np.complex64): np.dtype(np.float32), np.dtype(np.complex128): np.dtype(np.float64)}
-# movement and selection: the same op on both components
-_PAIRWISE = frozenset({"broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "slice", "rev",
-                       "dynamic_slice", "copy", "copy_p", "reduce_precision"})
+# movement and rounding: the same op on both components (``PrimInfo.componentwise``)
+_PAIRWISE = frozenset(n for n, r in TABLE.items() if r.componentwise)
+# calls whose body may be evaluated on pairs in their place (``PrimInfo.plain_call``)
+_PLAIN_CALLS = frozenset(n for n, r in TABLE.items() if r.plain_call)
 
 
 class _Pair:
@@ -371,8 +369,7 @@ def _complex_rule(eqn: Any, ins: list[Any]) -> list[Any] | None:
 def _pairs_rule(e: Any, ins: list[Any]) -> list[Any] | None:
     """One equation of :func:`split_complex`: call bodies holding complex values are evaluated
     on pairs too, complex ops by :func:`_complex_rule`, anything else on whole values."""
-    inner = e.params.get("jaxpr", e.params.get("call_jaxpr")) if e.primitive.name in (
-        "pjit", "jit", "closed_call", "core_call") else None
+    inner = e.params.get("jaxpr", e.params.get("call_jaxpr")) if e.primitive.name in _PLAIN_CALLS else None
     outs = None
     if inner is not None and _has_complex(getattr(inner, "jaxpr", inner)):
         outs = interpret(getattr(inner, "jaxpr", inner), getattr(inner, "consts", ()), ins, _pairs_rule)

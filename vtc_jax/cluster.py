@@ -29,30 +29,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from .graph import Graph, Op, is_extended
-from .primitives import ELEMENTWISE, MOVEMENT, REDUCTION, Kind, Role, info, is_movement_op, role_of
+from .primitives import TABLE, Kind, cluster_kind, is_movement_op
 
-# The vocabulary lives in primitives.py; these names stay for readers of this module.
-MOVEMENT_PRIMITIVES = MOVEMENT      # plus convert_element_type when it keeps the dtype: see is_movement_op
-ELEMENTWISE_PRIMITIVES = ELEMENTWISE
-REDUCTION_PRIMITIVES = REDUCTION
 # Movement ops a reduction cluster may keep inside (the keepdims re-broadcast of a reduced value).
-_INTERNAL_MOVEMENT = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
+_STAT_VIEWS = frozenset(n for n, r in TABLE.items() if r.stat_view)
 GLUE_MAX_ELEMENTS = 32  # "tiny": integer tensors up to this size are index arithmetic, not kernels
 
 
 @dataclass(frozen=True)
 class Cluster:
     id: int
-    kind: Kind  # matmul | attention | pointwise | reduction | conv | movement | glue | opaque (a StrEnum)
+    kind: Kind  # matmul | attention | pointwise | reduction | conv | movement | glue | opaque
     ops: tuple[int, ...]
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     reason: str = ""
-
-
-def is_movement_primitive(name: str) -> bool:
-    """True for primitives that only move data (convert_element_type needs the op: is_movement_op)."""
-    return name in MOVEMENT_PRIMITIVES
 
 
 def _is_glue(op: Op, graph: Graph) -> bool:
@@ -64,25 +55,21 @@ def _is_glue(op: Op, graph: Graph) -> bool:
     return small and (indexy or all(t.shape == () for t in ts))
 
 
-_ROLE_NAMES = {Role.MOVEMENT: "movement", Role.ELEMENTWISE: "elementwise", Role.GENERATOR: "elementwise",
-               Role.REDUCTION: "reduce"}
-
-
-def _role(op: Op, graph: Graph) -> str:
-    """One of matmul, conv, reduce, elementwise, movement, glue, opaque (from primitives.TABLE)."""
+def _role(op: Op, graph: Graph) -> Kind:
+    """The kind of cluster the op seeds (``primitives.cluster_kind``), refined: opaque when the
+    tracer kept it opaque or it is a width-changing bitcast, glue for PRNG-key ops and tiny index
+    arithmetic. Never attention (a pattern of ops, found by :func:`_attention`)."""
     if op.opaque_reason is not None:
-        return "opaque"
+        return Kind.OPAQUE
     if any(is_extended(graph.tensors[t].dtype) for t in (*op.inputs, *op.outputs)):
-        return "glue"  # PRNG-key ops (random_seed/bits/split, slices of key arrays): plain XLA
+        return Kind.GLUE  # PRNG-key ops (random_seed/bits/split, slices of key arrays): plain XLA
     if op.primitive == "bitcast_convert_type" and \
             graph.tensors[op.inputs[0]].shape != graph.tensors[op.outputs[0]].shape:
-        return "opaque"  # a width-changing bitcast adds/drops a minor dim: not elementwise
-    r = role_of(op, graph)
-    if r is None:
-        return "opaque"
-    if r is Role.CONTRACTION:
-        return str(info(op.primitive).contraction_kind)
-    return "glue" if _is_glue(op, graph) else _ROLE_NAMES[r]
+        return Kind.OPAQUE  # a width-changing bitcast adds/drops a minor dim: not elementwise
+    kind = cluster_kind(op, graph)
+    if kind in (Kind.MATMUL, Kind.CONV, Kind.OPAQUE):
+        return kind
+    return Kind.GLUE if _is_glue(op, graph) else kind
 
 
 def _broadcastable(small: tuple[int, ...], big: tuple[int, ...]) -> bool:
@@ -96,7 +83,7 @@ class _Groups:
         self.graph = graph
         self.of: list[int | None] = [None] * len(graph.ops)
         self.members: dict[int, set[int]] = {}
-        self.kind: dict[int, str] = {}
+        self.kind: dict[int, Kind] = {}
         self._next_id = 0
         # consumer op ids of each op, computed once: the cycle check walks them constantly
         self.succ: list[tuple[int, ...]] = [
@@ -105,11 +92,11 @@ class _Groups:
     def free(self, op: int) -> bool:
         return self.of[op] is None
 
-    def new(self, kind: str, ops: set[int]) -> int | None:
+    def new(self, kind: Kind, ops: set[int]) -> int | None:
         """A new group of free `ops`, or None if contracting them would create a cycle."""
         return self.make(kind, ops) if len(ops) == 1 or self._acyclic(ops) else None
 
-    def make(self, kind: str, ops: set[int]) -> int:
+    def make(self, kind: Kind, ops: set[int]) -> int:
         """Unchecked `new`: a single op can never close a cycle."""
         gid = self._next_id
         self._next_id += 1
@@ -166,16 +153,16 @@ class _Groups:
                 if t in g.outputs or any(c.id not in ops for c in g.consumers(t))]
 
 
-def _attention(graph: Graph, roles: list[str], d1: Op) -> set[int] | None:
+def _attention(graph: Graph, roles: list[Kind], d1: Op) -> set[int] | None:
     """Ops of dot -> ... softmax ... -> dot starting at `d1`, if no intermediate escapes."""
     region: set[int] = set()
     dots: set[int] = set()
     stack = [d1]
     while stack:
         for c in (c for t in stack.pop().outputs for c in graph.consumers(t)):
-            if roles[c.id] == "matmul":
+            if roles[c.id] is Kind.MATMUL:
                 dots.add(c.id)
-            elif roles[c.id] in ("elementwise", "reduce", "movement") and c.id not in region:
+            elif roles[c.id] in (Kind.POINTWISE, Kind.REDUCTION, Kind.MOVEMENT) and c.id not in region:
                 region.add(c.id)
                 stack.append(c)
     for d2 in sorted(dots):
@@ -209,7 +196,7 @@ def _small_operand(graph: Graph, t: int, size: int) -> bool:
     return info.const is not None or info.size < size or (p is not None and p.primitive == "broadcast_in_dim")
 
 
-def _grow_epilogue(graph: Graph, roles: list[str], groups: _Groups, gid: int, root: Op) -> None:
+def _grow_epilogue(graph: Graph, roles: list[Kind], groups: _Groups, gid: int, root: Op) -> None:
     """Absorb elementwise consumers of a dot/conv, then shrink back to one escaping tensor."""
     shape = graph.tensors[root.outputs[0]].shape
     size = graph.tensors[root.outputs[0]].size
@@ -219,7 +206,7 @@ def _grow_epilogue(graph: Graph, roles: list[str], groups: _Groups, gid: int, ro
         made = {t for o in groups.members[gid] for t in graph.ops[o].outputs}
         for c in sorted({c.id for t in made for c in graph.consumers(t)}):
             op = graph.ops[c]
-            if (groups.free(c) and roles[c] == "elementwise"
+            if (groups.free(c) and roles[c] is Kind.POINTWISE
                     and all(graph.tensors[t].shape == shape for t in op.outputs)
                     and all(t in made or _small_operand(graph, t, size) for t in op.inputs)):
                 changed |= groups.try_add(gid, c)
@@ -227,7 +214,7 @@ def _grow_epilogue(graph: Graph, roles: list[str], groups: _Groups, gid: int, ro
         groups.remove(gid, max(groups.members[gid] - {root.id}))
 
 
-def _grow_prologue(graph: Graph, roles: list[str], groups: _Groups, gid: int, root: Op) -> None:
+def _grow_prologue(graph: Graph, roles: list[Kind], groups: _Groups, gid: int, root: Op) -> None:
     """Absorb a unary elementwise chain feeding one operand of a dot (EfficientViT's ReLU on q and
     k): the kernel applies it to each loaded tile, so its result never touches memory. Only ops
     whose other operands are scalar constants, that keep shape and dtype, and whose result the
@@ -237,7 +224,7 @@ def _grow_prologue(graph: Graph, roles: list[str], groups: _Groups, gid: int, ro
     for x in root.inputs[:2]:
         while True:
             p = graph.producer(x)
-            if p is None or not groups.free(p.id) or roles[p.id] != "elementwise" or len(p.outputs) != 1:
+            if p is None or not groups.free(p.id) or roles[p.id] is not Kind.POINTWISE or len(p.outputs) != 1:
                 break
             if x in graph.outputs or len(graph.consumers(x)) != 1:
                 break
@@ -255,7 +242,7 @@ def _grow_prologue(graph: Graph, roles: list[str], groups: _Groups, gid: int, ro
             x = big[0]
 
 
-def _grow_reduction(graph: Graph, roles: list[str], groups: _Groups, gid: int, seed: Op) -> None:
+def _grow_reduction(graph: Graph, roles: list[Kind], groups: _Groups, gid: int, seed: Op) -> None:
     """Absorb the row-wise prologue/epilogue of a reduce op (norms, softmax)."""
     domain = graph.tensors[seed.inputs[0]].size
 
@@ -270,14 +257,14 @@ def _grow_reduction(graph: Graph, roles: list[str], groups: _Groups, gid: int, s
         forward = {c.id for t in made for c in graph.consumers(t)}
         for c in sorted(forward):
             op = graph.ops[c]
-            ok = roles[c] in ("elementwise", "reduce") or (
-                op.primitive in _INTERNAL_MOVEMENT and roles[c] == "movement" and set(op.inputs) <= made)
+            ok = roles[c] in (Kind.POINTWISE, Kind.REDUCTION) or (
+                op.primitive in _STAT_VIEWS and roles[c] is Kind.MOVEMENT and set(op.inputs) <= made)
             if groups.free(c) and ok and fits(c):
                 changed |= groups.try_add(gid, c)
         backward = {p.id for o in members for t in graph.ops[o].inputs if (p := graph.producer(t))}
         for p in sorted(backward, reverse=True):
             users = {c.id for t in graph.ops[p].outputs for c in graph.consumers(t)}
-            if (groups.free(p) and roles[p] == "elementwise" and fits(p) and users <= members
+            if (groups.free(p) and roles[p] is Kind.POINTWISE and fits(p) and users <= members
                     and not set(graph.ops[p].outputs) & set(graph.outputs)):
                 changed |= groups.try_add(gid, p)
     _drop_escaping_movement(graph, groups, gid)
@@ -295,9 +282,8 @@ def _drop_escaping_movement(graph: Graph, groups: _Groups, gid: int) -> None:
             groups.remove(gid, o)
 
 
-def _merge_connected(graph: Graph, roles: list[str], groups: _Groups, role: str, kind: str,
-                     same_shape: bool) -> None:
-    """Union producer/consumer pairs of free `role` ops into `kind` groups.
+def _merge_connected(graph: Graph, roles: list[Kind], groups: _Groups, kind: Kind, same_shape: bool) -> None:
+    """Union producer/consumer pairs of free ops of role `kind` into `kind` groups.
 
     With `same_shape`, only pairs whose output shapes are equal or broadcast-compatible merge
     (a pointwise kernel iterates over one index space)."""
@@ -306,12 +292,12 @@ def _merge_connected(graph: Graph, roles: list[str], groups: _Groups, role: str,
         return not same_shape or _broadcastable(sa, sb) or _broadcastable(sb, sa)
 
     for op in graph.ops:
-        if roles[op.id] != role or not groups.free(op.id):
+        if roles[op.id] is not kind or not groups.free(op.id):
             continue
         groups.make(kind, {op.id})
         for p in (graph.producer(t) for t in op.inputs):
             pg = None if p is None else groups.of[p.id]
-            if pg is not None and roles[p.id] == role and groups.kind[pg] == kind and compatible(p, op):
+            if pg is not None and roles[p.id] is kind and groups.kind[pg] is kind and compatible(p, op):
                 groups.try_merge(pg, groups.of[op.id])
 
 
@@ -323,32 +309,32 @@ def cluster(graph: Graph, *, not_attention: frozenset[int] = frozenset()) -> tup
     roles = [_role(op, graph) for op in graph.ops]
     groups = _Groups(graph)
     for op in graph.ops:
-        if roles[op.id] == "matmul" and groups.free(op.id) and op.id not in not_attention:
+        if roles[op.id] is Kind.MATMUL and groups.free(op.id) and op.id not in not_attention:
             ops = _attention(graph, roles, op)
             if ops is not None and all(groups.free(o) for o in ops):
-                groups.new("attention", ops)
+                groups.new(Kind.ATTENTION, ops)
     for op in graph.ops:
-        if roles[op.id] in ("matmul", "conv") and groups.free(op.id):
+        if roles[op.id] in (Kind.MATMUL, Kind.CONV) and groups.free(op.id):
             gid = groups.make(roles[op.id], {op.id})
-            if roles[op.id] == "matmul":
+            if roles[op.id] is Kind.MATMUL:
                 _grow_prologue(graph, roles, groups, gid, op)
             _grow_epilogue(graph, roles, groups, gid, op)
-    while seeds := [op for op in graph.ops if roles[op.id] == "reduce" and groups.free(op.id)]:
-        _grow_reduction(graph, roles, groups, groups.make("reduction", {seeds[0].id}), seeds[0])
-    _merge_connected(graph, roles, groups, "elementwise", "pointwise", same_shape=True)
-    _merge_connected(graph, roles, groups, "glue", "glue", same_shape=False)
+    while seeds := [op for op in graph.ops if roles[op.id] is Kind.REDUCTION and groups.free(op.id)]:
+        _grow_reduction(graph, roles, groups, groups.make(Kind.REDUCTION, {seeds[0].id}), seeds[0])
+    _merge_connected(graph, roles, groups, Kind.POINTWISE, same_shape=True)
+    _merge_connected(graph, roles, groups, Kind.GLUE, same_shape=False)
     for op in graph.ops:
         if groups.free(op.id):
             groups.make(roles[op.id], {op.id})
     return _finalise(graph, groups)
 
 
-def _reason(graph: Graph, kind: str, ops: tuple[int, ...]) -> str:
-    if kind == "glue":
+def _reason(graph: Graph, kind: Kind, ops: tuple[int, ...]) -> str:
+    if kind is Kind.GLUE:
         if any(is_extended(graph.tensors[t].dtype) for o in ops for t in (*graph.ops[o].inputs, *graph.ops[o].outputs)):
             return "PRNG-key ops (and index arithmetic) left to XLA"
         return "scalar index arithmetic left to XLA"
-    if kind == "opaque":
+    if kind is Kind.OPAQUE:
         op = graph.ops[ops[0]]
         return op.opaque_reason or f"unsupported primitive '{op.primitive}' kept opaque"
     return ""
@@ -378,12 +364,9 @@ def _finalise(graph: Graph, groups: _Groups) -> tuple[Cluster, ...]:
         ops = tuple(sorted(groups.members[g]))
         made = {t for o in ops for t in graph.ops[o].outputs}
         inputs = tuple(dict.fromkeys(t for o in ops for t in graph.ops[o].inputs if t not in made))
-        kind = Kind({"elementwise": "pointwise", "reduce": "reduction"}.get(groups.kind[g], groups.kind[g]))
+        kind = groups.kind[g]
         out.append(Cluster(cid, kind, ops, inputs, tuple(groups.escaping(g)), _reason(graph, kind, ops)))
     return tuple(out)
-
-
-_GROUP_KIND = {"pointwise": "elementwise", "reduction": "reduce"}
 
 
 def fuse_islands(graph: Graph, clusters: Sequence[Cluster],
@@ -404,11 +387,10 @@ def fuse_islands(graph: Graph, clusters: Sequence[Cluster],
     ids change when clusters are regrouped)."""
     made_by = {t: c for c in clusters for t in c.outputs}
     by_id = {c.id: c for c in clusters}
-    cl_of_op = {o: c.id for c in clusters for o in c.ops}
     groups = _Groups(graph)
     gid_of: dict[int, int] = {}
     for c in clusters:
-        gid_of[c.id] = groups.make(_GROUP_KIND.get(str(c.kind), str(c.kind)), set(c.ops))
+        gid_of[c.id] = groups.make(Kind(c.kind), set(c.ops))
     left: dict[int, str] = {}
     for members in islands:
         members = set(members)

@@ -22,16 +22,10 @@ import numpy as np
 from jax.tree_util import PyTreeDef
 
 from . import canonical
+from .primitives import CONTRACTION, CONTROL_FLOW, TABLE, Role
 
-# Call-like primitives whose body is spliced into the graph, and the param holding that body.
-# custom_jvp/custom_vjp calls keep only the primal computation (what the forward pass executes).
-INLINED_PRIMITIVES: Mapping[str, tuple[str, ...]] = {
-    "pjit": ("jaxpr",), "jit": ("jaxpr",), "closed_call": ("call_jaxpr",), "core_call": ("call_jaxpr",),
-    "custom_jvp_call": ("call_jaxpr",),
-    "custom_vjp_call": ("call_jaxpr", "fun_jaxpr"), "custom_vjp_call_jaxpr": ("fun_jaxpr", "call_jaxpr"),
-    "remat": ("jaxpr",), "remat2": ("jaxpr",), "checkpoint": ("jaxpr",),
-}
-CONTROL_FLOW_PRIMITIVES = frozenset({"scan", "while", "cond"})
+# program.py still imports this name: it is primitives.CONTROL_FLOW (switch there, then drop it).
+CONTROL_FLOW_PRIMITIVES = CONTROL_FLOW
 
 
 def is_extended(dtype: Any) -> bool:
@@ -205,8 +199,10 @@ class _Builder:
 
 
 def _inlined_body(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, list[Any]] | None:
-    """(jaxpr, consts) of a call-like equation to inline, or None to keep the equation as an op."""
-    for name in INLINED_PRIMITIVES.get(eqn.primitive.name, ()):
+    """(jaxpr, consts) of a call-like equation to inline (its row's ``call_body`` params, tried in
+    order), or None to keep the equation as an op."""
+    row = TABLE.get(eqn.primitive.name)
+    for name in row.call_body if row is not None else ():
         body = eqn.params.get(name)
         if isinstance(body, jcore.ClosedJaxpr):
             body, consts = body.jaxpr, list(body.consts)
@@ -220,14 +216,11 @@ def _inlined_body(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, list[Any]] | None:
 
 def _opaque_reason(eqn: jcore.JaxprEqn) -> str | None:
     name = eqn.primitive.name
-    if name in CONTROL_FLOW_PRIMITIVES:
+    if name in CONTROL_FLOW:
         return f"control flow ({name}) kept opaque"
     if any(True for _ in jcore.jaxprs_in_params(eqn.params)):
         return f"higher-order primitive ({name}) kept opaque"
     return None
-
-
-_SINK_THROUGH = frozenset({"transpose", "reshape", "squeeze", "expand_dims"})
 
 
 def _sink_elementwise(raw: list[_RawOp], b: "_Builder", outputs: list[int]) -> list[_RawOp]:
@@ -241,7 +234,6 @@ def _sink_elementwise(raw: list[_RawOp], b: "_Builder", outputs: list[int]) -> l
     A cast to a narrower dtype is not moved: next to its producer it is that kernel's epilogue
     (the attention's f32 output stored as bf16, half the bytes), where sunk past the head
     transpose it became a lone cast between a Pallas kernel and XLA's GEMM — a launch of its own."""
-    from .primitives import Role, TABLE
     uses: dict[int, int] = {}
     for r in raw:
         for t in r.inputs:
@@ -252,7 +244,7 @@ def _sink_elementwise(raw: list[_RawOp], b: "_Builder", outputs: list[int]) -> l
     while changed:
         changed = False
         for j, m in enumerate(out):
-            if m.eqn.primitive.name not in _SINK_THROUGH or len(m.inputs) != 1 or len(m.outputs) != 1:
+            if not _sinkable(m.eqn.primitive.name) or len(m.inputs) != 1 or len(m.outputs) != 1:
                 continue
             i = made.get(m.inputs[0])
             if i is None or i >= j:
@@ -279,13 +271,10 @@ def _sink_elementwise(raw: list[_RawOp], b: "_Builder", outputs: list[int]) -> l
     return out
 
 
-_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
-
-
 def _hoist_narrowing_casts(raw: list[_RawOp], b: "_Builder", outputs: list[int]) -> list[_RawOp]:
     """``cast(view(x))`` traced as ``view(cast(x))`` for a cast to a narrower dtype whose operand
-    only it reads (views: transpose, reshape, squeeze, expand_dims, a broadcast that adds only
-    size-1 dims): the mirror of :func:`_sink_elementwise` for narrowing casts.
+    only it reads (:func:`_commutes_with_cast`: transpose, reshape, squeeze, a broadcast that adds
+    only size-1 dims): the mirror of :func:`_sink_elementwise` for narrowing casts.
 
     Why: a narrowing cast belongs with the producer — its epilogue stores fewer bytes (the
     attention kernel's bf16 store, ``cluster._attention``). jax's batched matmul at batch 1 puts a
@@ -301,15 +290,6 @@ def _hoist_narrowing_casts(raw: list[_RawOp], b: "_Builder", outputs: list[int])
             uses[t] = uses.get(t, 0) + 1
     made = {t: i for i, r in enumerate(raw) for t in r.outputs}
     out = list(raw)
-
-    def is_view(r: _RawOp) -> bool:
-        name = r.eqn.primitive.name
-        if len(r.inputs) != 1 or len(r.outputs) != 1:
-            return False
-        if name == "broadcast_in_dim":
-            return int(np.prod(b.tensors[r.inputs[0]][0])) == int(np.prod(b.tensors[r.outputs[0]][0]))
-        return name in _SINK_THROUGH
-
     changed = True
     while changed:
         changed = False
@@ -318,15 +298,15 @@ def _hoist_narrowing_casts(raw: list[_RawOp], b: "_Builder", outputs: list[int])
                 continue
             t = c.inputs[0]
             i = made.get(t)
-            if i is None or i >= j or uses.get(t, 0) != 1 or t in outputs or not is_view(out[i]):
+            if i is None or i >= j or uses.get(t, 0) != 1 or t in outputs or not _commutes_with_cast(out[i], b):
                 continue
             v = out[i]
             x = v.inputs[0]
-            root = made.get(x)   # through a chain of views, only onto a contraction: after an
-            while root is not None and is_view(out[root]):   # elementwise op the cast is in
-                root = made.get(out[root].inputs[0])          # its cluster already
+            root = made.get(x)   # through a chain of such views, only onto a contraction: after an
+            while root is not None and _commutes_with_cast(out[root], b):   # elementwise op the
+                root = made.get(out[root].inputs[0])                        # cast is in its cluster
             if not _narrows(b.tensors[x][1], b.tensors[c.outputs[0]][1]) or root is None \
-                    or out[root].eqn.primitive.name not in _CONTRACTIONS:
+                    or out[root].eqn.primitive.name not in CONTRACTION:
                 continue
             cast = b.tensor(jax.ShapeDtypeStruct(b.tensors[x][0], b.tensors[c.outputs[0]][1]))
             out[i] = _RawOp(c.eqn, (x,), (cast,))
@@ -335,6 +315,23 @@ def _hoist_narrowing_casts(raw: list[_RawOp], b: "_Builder", outputs: list[int])
             uses[cast] = 1
             changed = True
     return out
+
+
+def _sinkable(primitive: str) -> bool:
+    """A one-operand rearrangement an elementwise op commutes with (``PrimInfo.sinkable``)."""
+    row = TABLE.get(primitive)
+    return row is not None and row.sinkable
+
+
+def _commutes_with_cast(r: _RawOp, b: "_Builder") -> bool:
+    """A one-operand, one-result rearrangement a cast commutes with: a sinkable primitive, or a
+    broadcast that only adds size-1 dims. (Not :func:`primitives.is_view`, XLA's free bitcasts:
+    a transpose moves data but still commutes with a cast.)"""
+    if len(r.inputs) != 1 or len(r.outputs) != 1:
+        return False
+    if r.eqn.primitive.name == "broadcast_in_dim":
+        return int(np.prod(b.tensors[r.inputs[0]][0])) == int(np.prod(b.tensors[r.outputs[0]][0]))
+    return _sinkable(r.eqn.primitive.name)
 
 
 def _narrows(src: Any, dst: Any) -> bool:

@@ -38,7 +38,7 @@ from .cluster import Cluster
 from .graph import Graph, Op
 from .indexmap import Layout, Piece, point
 from .kernels.vio import VTensor
-from .primitives import Direction, Role, inplace_operand, role_of
+from .primitives import Direction, Kind, Role, inplace_operand, role_of
 from .strategy import Resolution, Strategy
 from .templates import TEMPLATES, KernelBuildError, Match, Reject, Step
 from .testing import cross_lower
@@ -365,7 +365,7 @@ def lower(graph: Graph, clusters: Sequence[Cluster], matches: Mapping[int, Match
     kernels: list[str] = []
     fallbacks: list[str] = []
     for c in clusters:
-        if c.kind == "movement" and all(o in res.eliminated for o in c.ops):
+        if c.kind == Kind.MOVEMENT and all(o in res.eliminated for o in c.ops):
             continue
         touches = any(t in res.layouts for t in (*c.inputs, *c.outputs))
         verdict = matches.get(c.id)
@@ -374,7 +374,7 @@ def lower(graph: Graph, clusters: Sequence[Cluster], matches: Mapping[int, Match
             kernels.append(f"{c.kind} cluster #{c.id} ({', '.join(graph.ops[o].primitive for o in c.ops[:4])}"
                            f"{', ...' if len(c.ops) > 4 else ''})")
             continue
-        if touches and c.kind not in ("movement", "glue"):   # the VTOG pins these: a planning bug
+        if touches and c.kind not in (Kind.MOVEMENT, Kind.GLUE):   # the VTOG pins these: a planning bug
             fallbacks.append(f"{c.kind} cluster #{c.id} reads or writes a virtual tensor but runs in XLA")
         steps.append(_xla_step(graph, c.ops, rewrite))
     gathers: list[str] = []

@@ -27,11 +27,11 @@ from typing import Callable
 import jax
 import numpy as np
 
-from .graph import CONTROL_FLOW_PRIMITIVES, Graph, Op
+from .graph import Graph, Op
 from .indexmap import Expr, IndexMap, Layout, SymInfo, const, sym
-from .primitives import Direction, EdgeClass
+from .primitives import CONTROL_FLOW, Direction, EdgeClass, is_movement_op
 
-__all__ = ["Edge", "rules", "is_movement", "explain_no_edges", "static_value", "RULES"]
+__all__ = ["Edge", "rules", "explain_no_edges", "static_value", "RULES"]
 
 SECTOR_BYTES = 32          # a partially contiguous run covers at least one 32-byte sector
 STATIC_FOLD_LIMIT = 1 << 16  # fold compile-time-constant tensors up to this many elements
@@ -171,7 +171,7 @@ def _fold(t: int, graph: Graph) -> np.ndarray | None:
     if info.const is not None:
         return np.asarray(info.const)
     op = graph.producer(t)
-    if (op is None or info.size > STATIC_FOLD_LIMIT or op.primitive in CONTROL_FLOW_PRIMITIVES
+    if (op is None or info.size > STATIC_FOLD_LIMIT or op.primitive in CONTROL_FLOW
             or any(k in op.primitive for k in ("callback", "rng", "random"))):
         return None
     vals = [static_value(i, graph) for i in op.inputs]
@@ -300,6 +300,15 @@ def _device_put(c: _Ctx) -> tuple[Edge, ...]:
                  for e in (c.edge(y, x, c.ident(x)), c.edge(x, y, c.ident(y))))
 
 
+def _sharding_constraint(c: _Ctx) -> tuple[Edge, ...]:
+    """``jax.lax.with_sharding_constraint`` on one device: the identity (XLA drops the annotation),
+    so both sides may live in the other's buffer. Across devices it may reshard: no edge."""
+    devices = getattr(c.p.get("sharding"), "device_set", None)
+    if devices is None or len(devices) != 1:
+        raise NoEdges("sharding_constraint across devices (a resharding)")
+    return _copy(c)
+
+
 def _gather(c: _Ctx) -> tuple[Edge, ...]:
     """``x[..., idx, ...]`` / ``jnp.take`` with static indices forming ``i0 + st*(j // r)``: a
     strided slice (r = 1) or a repeat (r > 1, read side only) along one axis."""
@@ -362,6 +371,7 @@ RULES: dict[str, Callable[[_Ctx], tuple[Edge, ...]]] = {
     "dynamic_update_slice": _dynamic_update_slice, "concatenate": _concatenate, "split": _split,
     "stack": _stack, "unstack": _unstack, "rev": _rev, "pad": _pad, "copy": _copy, "copy_p": _copy,
     "convert_element_type": _convert_element_type, "device_put": _device_put, "gather": _gather,
+    "sharding_constraint": _sharding_constraint,
     **{s: _opaque(f"{s} writes at data-dependent indices") for s in
        ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
         "scatter_min", "scatter-max", "scatter_max", "scatter-sub", "scatter_sub")},
@@ -372,19 +382,19 @@ RULES: dict[str, Callable[[_Ctx], tuple[Edge, ...]]] = {
 # Public entry points
 # --------------------------------------------------------------------------------------------
 
-def _analyse(op: Op, graph: Graph) -> tuple[tuple[Edge, ...], str | None, bool]:
-    """(edges, why there are none, whether the op is data movement at all)."""
+def _analyse(op: Op, graph: Graph) -> tuple[tuple[Edge, ...], str | None]:
+    """(edges, why there are none)."""
     rule = RULES.get(op.primitive)
     if rule is None:
-        return (), op.opaque_reason or f"{op.primitive} is not a data-movement primitive", False
+        return (), op.opaque_reason or f"{op.primitive} is not a data-movement primitive"
     if op.opaque_reason:
-        return (), op.opaque_reason, False
+        return (), op.opaque_reason
     if any(graph.tensors[t].size == 0 for t in (*op.inputs, *op.outputs)):
-        return (), "empty tensor", True
+        return (), "empty tensor"
     try:
-        return rule(_Ctx(op, graph)), None, True
+        return rule(_Ctx(op, graph)), None
     except NoEdges as e:
-        return (), str(e), not isinstance(e, NotMovement)
+        return (), str(e)
 
 
 def rules(op: Op, graph: Graph) -> tuple[Edge, ...]:
@@ -394,12 +404,10 @@ def rules(op: Op, graph: Graph) -> tuple[Edge, ...]:
 
 def explain_no_edges(op: Op, graph: Graph) -> str | None:
     """Why ``op`` offers no edge (for the report), or None when it offers some."""
-    edges, why, _ = _analyse(op, graph)
+    edges, why = _analyse(op, graph)
     return None if edges else why
 
 
-def is_movement(op: Op, graph: Graph) -> bool:
-    """True for a data-movement op (a primitive with a rule here; a convert only if it keeps the
-    dtype), whether or not it offers edges: gather with runtime indices, scatter and pad with a
-    runtime fill are movement ops VTC leaves in place (``explain_no_edges`` says why)."""
-    return _analyse(op, graph)[2]
+# report.py still calls ``movement.is_movement``: the one definition is primitives.is_movement_op
+# (a rule per movement primitive: tests/test_primitives.py). Switch report.py, then drop this.
+is_movement = is_movement_op

@@ -1,18 +1,23 @@
 """The one vocabulary: what every stage needs to know about a primitive, in one table.
 
-Each row says a primitive's *role* (movement, elementwise, reduction, contraction, generator),
-which operands carry data (the rest are runtime indices), whether XLA runs it as a free view
-(bitcast), which operand its output may alias (an in-place update), and whether a template's
-stage 2 may re-bind it on register blocks. Cluster kinds, edge directions and profitability
-classes are enums here too. Stages read this table; none keeps its own list.
+Each row says a primitive's *role* (movement, elementwise, reduction, contraction, generator, and
+the call-like and control-flow primitives the tracer inlines or keeps opaque), which operands
+carry data (the rest are runtime indices), whether XLA runs it as a free view (bitcast), which
+operand its output may alias (an in-place update), whether a template's stage 2 may re-bind it on
+register blocks, and what each stage may do with it (the boolean fields of :class:`PrimInfo`,
+each documented with the reason). Cluster kinds, edge directions and profitability classes are
+enums here too. Stages read this table; none keeps its own list of primitive names.
 
 Adding a movement primitive: a row here plus its rule in :mod:`movement` (``movement.RULES``;
-``tests/test_primitives.py`` checks the two agree).
+``tests/test_primitives.py`` checks the two agree). Nothing else: every other stage asks this
+table (``tests/test_movement.py``'s ``sharding_constraint`` tests show it).
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -20,9 +25,9 @@ import numpy as np
 if TYPE_CHECKING:
     from .graph import Graph, Op
 
-__all__ = ["Role", "Kind", "Direction", "EdgeClass", "PrimInfo", "TABLE", "info", "role_of",
+__all__ = ["Role", "Kind", "Direction", "EdgeClass", "PrimInfo", "TABLE", "role_of", "cluster_kind",
            "is_movement_op", "is_view", "data_inputs", "inplace_operand", "block_safe",
-           "MOVEMENT", "ELEMENTWISE", "REDUCTION", "CONTRACTION"]
+           "MOVEMENT", "ELEMENTWISE", "REDUCTION", "CONTRACTION", "CALL_LIKE", "CONTROL_FLOW"]
 
 
 class Role(enum.StrEnum):
@@ -31,6 +36,8 @@ class Role(enum.StrEnum):
     GENERATOR = "generator"      # iota: elementwise in shape, but depends on the index
     REDUCTION = "reduction"
     CONTRACTION = "contraction"
+    CALL = "call"                # wraps a body of ordinary ops (jit, custom_jvp_call, remat): inlined
+    CONTROL = "control"          # control flow (scan, while, cond): kept opaque (graph._opaque_reason)
 
 
 class Kind(enum.StrEnum):
@@ -57,6 +64,8 @@ class EdgeClass(enum.StrEnum):
 
 @dataclass(frozen=True)
 class PrimInfo:
+    """One primitive's row. The boolean fields say what a stage may do with an op of it; each is
+    read by one stage, named here so that the stage keeps no name list of its own."""
     name: str
     role: Role
     data: tuple[int, ...] | None = None  # operand positions that carry data (None: all)
@@ -64,6 +73,37 @@ class PrimInfo:
     inplace: int | None = None           # operand the output may alias (dynamic_update_slice: 0)
     block_safe: bool = False             # stage 2 may re-bind it on register blocks
     contraction_kind: Kind | None = None
+    # A pure read of its operand(s) at statically known indices (no runtime index, no scatter):
+    # a pointwise kernel recomputes its value through the index map instead of copying
+    # (templates/island.py).
+    read_only: bool = False
+    # A reshape or broadcast that, inside a reduction cluster, only moves the size-1 statistic
+    # axis (the keepdims re-broadcast): the cluster keeps it (cluster._grow_reduction) and the
+    # row-reduction kernel binds it as the identity on (rows, 1) blocks (templates/reduction.py).
+    stat_view: bool = False
+    # A one-operand rearrangement of the elements: an elementwise op commutes with it, so the
+    # tracer sinks ``f`` below it and hoists a narrowing cast above it (graph._sink_elementwise,
+    # graph._hoist_narrowing_casts).
+    sinkable: bool = False
+    # Cheap enough to compute for nothing, and no in-place update: a ``cond`` whose branches hold
+    # only such ops becomes a ``select_n`` of both branches (canonical.speculable_cond).
+    speculable: bool = False
+    # On a complex value, the same op on the real and the imaginary part gives the parts of the
+    # result (canonical.split_complex: movement and rounding, no arithmetic).
+    componentwise: bool = False
+    # The attention matcher reads through it: the scores keep their values (up to rounding) and
+    # their axes (casts, copies, reshapes, transposes, broadcasts; templates/attention.py).
+    score_view: bool = False
+    # On bf16/f16 operands, computed in f32 and rounded back (XLA's float normalisation: its GPU
+    # backend has no 16-bit transcendental or division); kernels/tiling.f32_math applies it to a
+    # template's stage 2 so that the kernel rounds where jax.jit does.
+    f32_math: bool = False
+    # Role.CALL: the params holding the body the tracer inlines (graph.trace), in the order tried.
+    # custom_jvp/custom_vjp calls keep only the primal computation (what the forward pass runs).
+    call_body: tuple[str, ...] = ()
+    # Role.CALL: nothing but its body (no custom derivative, no rematerialisation policy), so a
+    # rewrite may evaluate the body in its place (canonical.split_complex).
+    plain_call: bool = False
 
 
 def _rows() -> dict[str, PrimInfo]:
@@ -73,7 +113,12 @@ def _rows() -> dict[str, PrimInfo]:
         for n in names.split():
             rows[n] = PrimInfo(n, role, **kw)  # type: ignore[arg-type]
 
-    add("transpose slice concatenate split rev stack unstack device_put", Role.MOVEMENT)
+    def flag(names: str, **kw: bool) -> None:
+        """Set what a stage may do with these (existing) rows; see the fields of PrimInfo."""
+        for n in names.split():
+            rows[n] = dataclasses.replace(rows[n], **kw)
+
+    add("transpose slice concatenate split rev stack unstack device_put sharding_constraint", Role.MOVEMENT)
     add("reshape squeeze copy copy_p", Role.MOVEMENT, view=True)
     add("broadcast_in_dim", Role.MOVEMENT, view=True, block_safe=True)   # views when size-preserving
     add("pad", Role.MOVEMENT, data=(0,))
@@ -88,13 +133,32 @@ def _rows() -> dict[str, PrimInfo]:
         "shift_right_logical shift_right_arithmetic population_count real imag conj "
         "bitcast_convert_type "   # equal widths only (cluster.py keeps width changes opaque)
         "one_minus_square log2",   # jax >= 0.11 (tanh's and asin's derivatives; jnp.log2)
-        Role.ELEMENTWISE, block_safe=True)
+        Role.ELEMENTWISE, block_safe=True, speculable=True)
     # a dtype change is elementwise; the same dtype is a copy (a view): see role_of / is_view
-    add("convert_element_type", Role.ELEMENTWISE, view=True, block_safe=True)
-    add("iota", Role.GENERATOR)
+    add("convert_element_type", Role.ELEMENTWISE, view=True, block_safe=True, speculable=True)
+    add("iota", Role.GENERATOR, speculable=True)
     add("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin", Role.REDUCTION)
     rows["dot_general"] = PrimInfo("dot_general", Role.CONTRACTION, contraction_kind=Kind.MATMUL)
     rows["conv_general_dilated"] = PrimInfo("conv_general_dilated", Role.CONTRACTION, contraction_kind=Kind.CONV)
+    add("pjit jit", Role.CALL, call_body=("jaxpr",), plain_call=True)
+    add("closed_call core_call", Role.CALL, call_body=("call_jaxpr",), plain_call=True)
+    add("custom_jvp_call", Role.CALL, call_body=("call_jaxpr",))
+    add("custom_vjp_call", Role.CALL, call_body=("call_jaxpr", "fun_jaxpr"))
+    add("custom_vjp_call_jaxpr", Role.CALL, call_body=("fun_jaxpr", "call_jaxpr"))
+    add("remat remat2 checkpoint", Role.CALL, call_body=("jaxpr",))
+    add("scan while cond", Role.CONTROL)
+
+    flag("transpose reshape squeeze broadcast_in_dim slice concatenate pad rev copy convert_element_type "
+         "split stack unstack", read_only=True)
+    flag("broadcast_in_dim reshape squeeze", stat_view=True)
+    flag("transpose reshape squeeze", sinkable=True)
+    flag("broadcast_in_dim reshape squeeze transpose copy slice concatenate pad rev", speculable=True)
+    flag("broadcast_in_dim reshape transpose squeeze slice rev dynamic_slice copy copy_p reduce_precision",
+         componentwise=True)
+    flag("convert_element_type reshape squeeze transpose broadcast_in_dim copy copy_p stop_gradient "
+         "reduce_precision", score_view=True)
+    flag("div rem pow atan2 nextafter logistic tanh tan sin cos asin acos atan sinh cosh asinh acosh atanh "
+         "exp exp2 expm1 log log1p sqrt rsqrt cbrt erf erfc erf_inv lgamma digamma", f32_math=True)
     return rows
 
 
@@ -104,10 +168,15 @@ MOVEMENT = frozenset(n for n, r in TABLE.items() if r.role is Role.MOVEMENT)
 ELEMENTWISE = frozenset(n for n, r in TABLE.items() if r.role in (Role.ELEMENTWISE, Role.GENERATOR))
 REDUCTION = frozenset(n for n, r in TABLE.items() if r.role is Role.REDUCTION)
 CONTRACTION = frozenset(n for n, r in TABLE.items() if r.role is Role.CONTRACTION)
+CALL_LIKE = frozenset(n for n, r in TABLE.items() if r.role is Role.CALL)
+CONTROL_FLOW = frozenset(n for n, r in TABLE.items() if r.role is Role.CONTROL)
 
-
-def info(name: str) -> PrimInfo | None:
-    return TABLE.get(name)
+# The kind of cluster a lone op of each role seeds (contractions: their row's contraction_kind).
+# Calls and control flow that reach the graph (not inlined) are opaque, like primitives the table
+# does not know.
+_SEEDS = MappingProxyType({Role.MOVEMENT: Kind.MOVEMENT, Role.ELEMENTWISE: Kind.POINTWISE,
+                           Role.GENERATOR: Kind.POINTWISE, Role.REDUCTION: Kind.REDUCTION,
+                           Role.CALL: Kind.OPAQUE, Role.CONTROL: Kind.OPAQUE})
 
 
 def _same_dtype(op: "Op", graph: "Graph") -> bool:
@@ -128,13 +197,31 @@ def role_of(op: "Op", graph: "Graph") -> Role | None:
     return r.role
 
 
+def cluster_kind(op: "Op", graph: "Graph") -> Kind:
+    """The kind of cluster the op seeds on its own, from its role (``Kind.OPAQUE``: a primitive
+    the table does not know, or a call / control flow the tracer kept). ``cluster._kind`` refines
+    it (glue, opaque reasons); this is the table's part."""
+    r = role_of(op, graph)
+    if r is None:
+        return Kind.OPAQUE
+    if r is Role.CONTRACTION:
+        kind = TABLE[op.primitive].contraction_kind
+        assert kind is not None, op.primitive
+        return kind
+    return _SEEDS[r]
+
+
 def is_movement_op(op: "Op", graph: "Graph") -> bool:
-    return role_of(op, graph) is Role.MOVEMENT
+    """The op only moves data: a movement primitive, or a convert that keeps the dtype (a copy),
+    that the tracer did not keep opaque (a ``scatter-add`` with its combiner jaxpr is opaque).
+    The one definition: whether it offers VTOG edges is ``movement.rules``' business (a gather at
+    runtime indices is movement that offers none, ``movement.explain_no_edges`` says why)."""
+    return op.opaque_reason is None and role_of(op, graph) is Role.MOVEMENT
 
 
 def is_view(op: "Op", graph: "Graph") -> bool:
-    """XLA runs the op as a free bitcast: reshape (without ``dimensions``), squeeze, expand_dims,
-    copy, a size-preserving broadcast, a convert that keeps the dtype. The one definition."""
+    """XLA runs the op as a free bitcast: reshape (without ``dimensions``), squeeze, copy, a
+    size-preserving broadcast, a convert that keeps the dtype. The one definition."""
     r = TABLE.get(op.primitive)
     if r is None or not r.view:
         return False

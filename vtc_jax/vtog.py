@@ -31,14 +31,14 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .cluster import Cluster
+from .graph import Graph, Op
 from .movement import Edge
-from .primitives import inplace_operand
-
-if TYPE_CHECKING:  # only for annotations: vtog must be importable without tracing anything
-    from .cluster import Cluster
-    from .graph import Graph, Op
+from .movement import rules as movement_rules
+from .primitives import Kind, inplace_operand
+from .templates import Match, match_all
 
 __all__ = ["VTOG", "build_vtog", "build_vtog_from_edges", "boxes_overlap", "box_volume", "piece_group"]
 
@@ -182,12 +182,12 @@ def piece_group(vtog: VTOG, i: int) -> tuple[int, ...]:
     return (i,)
 
 
-def xla_pin_reason(c: "Cluster", why: str) -> str:
+def xla_pin_reason(c: Cluster, why: str) -> str:
     """The pin reason of a tensor touching a compute cluster no template took."""
     return f"touches {c.kind} cluster #{c.id}, which runs in XLA: {why}"
 
 
-def pinned_tensors(graph: "Graph", clusters: Sequence["Cluster"],
+def pinned_tensors(graph: Graph, clusters: Sequence[Cluster],
                    matches: Mapping[int, Any]) -> dict[int, str]:
     """Tensors that must stay physical, each with the reason (first reason wins).
 
@@ -198,7 +198,6 @@ def pinned_tensors(graph: "Graph", clusters: Sequence["Cluster"],
     XLA cannot read or write through a map, and a kernel that will not exist must not be
     planned for.
     """
-    from .templates import Match
     reasons: dict[int, str] = {}
     for t in graph.inputs:
         reasons.setdefault(t, "graph input")
@@ -210,7 +209,7 @@ def pinned_tensors(graph: "Graph", clusters: Sequence["Cluster"],
         if info.const is not None:
             reasons.setdefault(info.id, "compile-time constant")
     for c in clusters:
-        if c.kind == "movement" or isinstance(matches.get(c.id), Match):
+        if c.kind == Kind.MOVEMENT or isinstance(matches.get(c.id), Match):
             continue
         verdict = matches.get(c.id)
         if verdict is not None:
@@ -222,7 +221,7 @@ def pinned_tensors(graph: "Graph", clusters: Sequence["Cluster"],
     return reasons
 
 
-def _inplace_problem(e: Edge, op: "Op", graph: "Graph", candidates: Sequence[Edge],
+def _inplace_problem(e: Edge, op: Op, graph: Graph, candidates: Sequence[Edge],
                      order: Mapping[int, int]) -> str | None:
     """Why the in-place edge ``out ⇢ operand`` of ``op`` is illegal, or None when it is legal.
 
@@ -253,8 +252,8 @@ def _inplace_problem(e: Edge, op: "Op", graph: "Graph", candidates: Sequence[Edg
     return None
 
 
-def build_vtog(graph: "Graph", clusters: Sequence["Cluster"],
-               rules: Callable[["Op", "Graph"], Sequence[Edge]] | None = None,
+def build_vtog(graph: Graph, clusters: Sequence[Cluster],
+               rules: Callable[[Op, Graph], Sequence[Edge]] | None = None,
                matches: Mapping[int, Any] | None = None) -> VTOG:
     """Algorithm 1: every tensor is a node; every movement op contributes its rule edges.
 
@@ -266,14 +265,12 @@ def build_vtog(graph: "Graph", clusters: Sequence["Cluster"],
     (``templates.match_all``; computed here when not given).
     """
     if rules is None:
-        from .movement import rules as rules_fn
-        rules = rules_fn
+        rules = movement_rules
     if matches is None:
-        from .templates import match_all
         matches = match_all(graph, clusters)
     reasons = pinned_tensors(graph, clusters, matches)
     order = {oid: pos for pos, c in enumerate(clusters) for oid in c.ops}
-    movement_ops = [oid for c in clusters if c.kind == "movement" for oid in c.ops]
+    movement_ops = [oid for c in clusters if c.kind == Kind.MOVEMENT for oid in c.ops]
     candidates: list[Edge] = []
     for oid in sorted(movement_ops):
         op = graph.ops[oid]
@@ -294,15 +291,3 @@ def build_vtog(graph: "Graph", clusters: Sequence["Cluster"],
     shapes = {t.id: tuple(t.shape) for t in graph.tensors}
     return build_vtog_from_edges(range(len(graph.tensors)), edges, physical=reasons.keys(),
                                  reasons=reasons, shapes=shapes, dropped=dropped)
-
-
-def describe(vtog: VTOG, names: Mapping[int, str] | None = None) -> Any:
-    """Plain-data summary (for reports/JSON): edges and conflicts with readable tensor names."""
-    nm = (lambda t: (names or {}).get(t, f"t{t}"))
-    return {
-        "edges": [dict(i=i, src=nm(e.src), dst=nm(e.dst), op=e.op, primitive=e.primitive,
-                       direction=e.direction, klass=e.klass, box=[list(b) for b in e.box], note=e.note)
-                  for i, e in enumerate(vtog.edges)],
-        "conflicts": sorted(vtog.conflicts),
-        "physical": {nm(t): vtog.reasons.get(t, "") for t in sorted(vtog.physical)},
-    }

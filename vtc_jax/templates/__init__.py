@@ -20,8 +20,7 @@ Kernel modules are imported lazily (inside ``build``): analysis never pays for P
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -29,65 +28,15 @@ import numpy as np
 from ..cluster import Cluster
 from ..graph import Graph
 from ..primitives import Kind
+from . import attention, contraction, pointwise, reduction
+from .base import Decline, KernelBuildError, Match, Reject, Run, Step, Template
 
 __all__ = ["Match", "Reject", "Decline", "Template", "TEMPLATES", "Run", "Step", "match_all",
            "dtype_problem", "KernelBuildError"]
 
 
-class Run(Protocol):
-    """What a step sees of the emitted program's state (``lower._Run``)."""
-    def value(self, t: int) -> Any: ...
-    def vtensor(self, t: int) -> Any: ...
-    def out_vtensor(self, t: int) -> Any: ...
-    def written(self, t: int, out: Any, buffers: Sequence[Any]) -> None: ...
-
-
-Step = Callable[[Run], None]
-
-
-class Decline(Exception):
-    """Raised by a matcher: the template does not serve this cluster (the message says why)."""
-
-
-class KernelBuildError(Exception):
-    """A template's kernel could not be built, traced or lowered for one cluster."""
-
-    def __init__(self, cluster: int, kind: str, primitives: Sequence[str], cause: BaseException) -> None:
-        self.cluster, self.kind, self.primitives, self.cause = cluster, kind, tuple(primitives), cause
-        super().__init__(f"{kind} cluster #{cluster} ({', '.join(self.primitives[:6])}"
-                         f"{', ...' if len(self.primitives) > 6 else ''}): "
-                         f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
-
-
-@dataclass(frozen=True)
-class Match:
-    cluster: int
-    kind: Kind
-    detail: Any = None
-
-
-@dataclass(frozen=True)
-class Reject:
-    cluster: int
-    kind: Kind
-    reason: str
-
-
-@dataclass(frozen=True)
-class Template:
-    kind: Kind
-    library: bool
-    match: Callable[[Graph, Cluster], Any]
-    build: Callable[[Graph, Cluster, Any, str], Step]
-
-
-def _templates() -> dict[Kind, Template]:
-    from . import attention, contraction, pointwise, reduction
-    return {t.kind: t for t in (contraction.MATMUL, contraction.CONV, pointwise.TEMPLATE,
-                                attention.TEMPLATE, reduction.TEMPLATE)}
-
-
-TEMPLATES: Mapping[Kind, Template] = _templates()
+TEMPLATES: Mapping[Kind, Template] = {t.kind: t for t in (
+    contraction.MATMUL, contraction.CONV, pointwise.TEMPLATE, attention.TEMPLATE, reduction.TEMPLATE)}
 # cluster kinds that are not computations: nothing to match
 _NOT_COMPUTE = frozenset({Kind.MOVEMENT, Kind.GLUE, Kind.OPAQUE})
 

@@ -58,8 +58,8 @@ import numpy as np
 
 from ..cluster import Cluster
 from ..graph import Graph
-from ..primitives import Kind
-from . import Decline, Run, Step, Template
+from ..primitives import TABLE, Kind
+from .base import Decline, Run, Step, Template
 from .stage2 import buffers_of
 
 __all__ = ["TEMPLATE", "NEG_BOUND", "DECODE_MAX_ROWS"]
@@ -67,8 +67,7 @@ __all__ = ["TEMPLATE", "NEG_BOUND", "DECODE_MAX_ROWS"]
 NEG_BOUND = -1e4          # a mask value at or below this is -inf for the kernels
 DECODE_MAX_ROWS = 16      # query rows per batch·head the decode kernel takes (one MIN_DOT tile)
 _MAX_PROBE_ELEMS = 1 << 22
-_VIEWS = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims", "transpose",
-                    "broadcast_in_dim", "copy", "copy_p", "stop_gradient", "reduce_precision"})
+_VIEWS = frozenset(n for n, r in TABLE.items() if r.score_view)
 
 
 @dataclass(frozen=True)

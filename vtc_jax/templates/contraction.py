@@ -12,10 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from ..cluster import Cluster
 from ..graph import Graph
 from ..primitives import Kind
-from . import Decline, Run, Step, Template
+from .base import Decline, Run, Step, Template
 from .stage2 import block_fn, block_supported, broadcast_input, buffers_of, kernel_inputs
 
 __all__ = ["MATMUL", "CONV"]
@@ -61,9 +65,6 @@ def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
 
 
 def _keeps_zero(graph: Graph, chain: tuple[int, ...], base: int, x: int) -> bool:
-    import jax.numpy as jnp
-    import numpy as np
-    import jax
     f = block_fn(graph, chain, [base], [x])
     with jax.ensure_compile_time_eval():   # matched while jit traces the program: evaluate now
         return bool(np.asarray(f(jnp.zeros((), graph.tensors[base].dtype))) == 0)

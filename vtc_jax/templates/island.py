@@ -37,16 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..graph import Graph
-from ..indexmap import IndexMap, Layout, NotComposable, Piece, box_conds, const, dim, point
-from ..primitives import Direction, block_safe, is_movement_op
-from . import Decline
+from ..indexmap import Dim, IndexMap, Layout, NotComposable, Piece, box_conds, const, dim, point
+from ..primitives import TABLE, Direction, block_safe, is_movement_op
+from .base import Decline
 
 __all__ = ["IslandPlan", "Load", "Mask", "Index", "Apply", "Select", "Fill", "plan", "program", "leaf_vtensor"]
 
 # movement primitives whose value is a pure read of their operand(s): what a kernel can recompute
-READ_ONLY = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "slice",
-                       "concatenate", "pad", "rev", "copy", "convert_element_type", "split", "stack",
-                       "unstack"})
+READ_ONLY = frozenset(n for n, r in TABLE.items() if r.read_only)
 
 
 @dataclass(frozen=True)

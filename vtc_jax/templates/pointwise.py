@@ -10,7 +10,10 @@ from dataclasses import dataclass
 from ..cluster import Cluster
 from ..graph import Graph
 from ..primitives import Kind, is_movement_op
-from . import Decline, Run, Step, Template, island
+from .island import IslandPlan, Load, leaf_vtensor
+from .island import plan as island_plan
+from .island import program as island_program
+from .base import Decline, Run, Step, Template
 from .stage2 import block_fn, block_supported, broadcast_input, buffers_of, kernel_inputs
 
 __all__ = ["TEMPLATE"]
@@ -25,7 +28,7 @@ class PointwiseMatch:
     shape: tuple[int, ...]
     inputs: tuple[int, ...]       # kernel inputs, in the cluster's order (iota outputs last)
     iotas: tuple[int, ...] = ()   # iota ops computed in XLA before the kernel (position tables)
-    island: island.IslandPlan | None = None   # movement inside the cluster: its recompute plan
+    island: IslandPlan | None = None   # movement inside the cluster: its recompute plan
 
 
 def _match(graph: Graph, c: Cluster) -> PointwiseMatch:
@@ -34,8 +37,8 @@ def _match(graph: Graph, c: Cluster) -> PointwiseMatch:
         raise Decline("outputs of different shapes")
     shape = shapes.pop()
     if any(is_movement_op(graph.ops[o], graph) for o in c.ops):   # an island: iotas in registers
-        p = island.plan(graph, c.ops, kernel_inputs(graph, c), c.outputs)
-        loaded = tuple(dict.fromkeys(s.tensor for s in p.inputs if isinstance(s, island.Load)))
+        p = island_plan(graph, c.ops, kernel_inputs(graph, c), c.outputs)
+        loaded = tuple(dict.fromkeys(s.tensor for s in p.inputs if isinstance(s, Load)))
         return PointwiseMatch(shape, loaded, (), p)
     size = max(1, graph.tensors[c.outputs[0]].size)
     iotas = tuple(o for o in c.ops if graph.ops[o].primitive == "iota")
@@ -57,10 +60,10 @@ def _build(graph: Graph, c: Cluster, m: PointwiseMatch, backend: str) -> Step:
         return run.vtensor(t) if op is None else op.prim.bind(**op.params)
 
     if m.island is not None:
-        fn = island.program(graph, m.island)
+        fn = island_program(graph, m.island)
 
         def inputs(run: Run) -> list[object]:
-            return [island.leaf_vtensor(load(run, s.tensor) if isinstance(s, island.Load) else None, s)
+            return [leaf_vtensor(load(run, s.tensor) if isinstance(s, Load) else None, s)
                     for s in m.island.inputs]
     else:
         fn = block_fn(graph, [o for o in c.ops if o not in m.iotas], m.inputs, c.outputs)

@@ -6,7 +6,7 @@ op reduces the same single axis of the same row space ``S``; every other tensor 
 without keepdims). Reduce ops are grouped into passes by dependency (a centred variance needs the
 mean first); each pass's prologue, the epilogue (row outputs) and the reduced outputs re-bind the
 cluster's own primitives on blocks, with the view ops that only move the size-1 statistic axis
-(keepdims broadcast, reshape, squeeze, expand_dims) as identities: in block space a statistic is
+(keepdims broadcast, reshape, squeeze) as identities: in block space a statistic is
 already ``(rows, 1)``. Math stays in the program's dtypes (``upcast=False``: the kernel
 accumulates in whatever dtype the traced reduce does).
 """
@@ -17,14 +17,15 @@ from typing import Any, Callable, Sequence
 
 from ..cluster import Cluster
 from ..graph import Graph
-from ..primitives import Kind, Role, block_safe, role_of
-from . import Decline, Run, Step, Template
-from .stage2 import buffers_of, const_value, kernel_inputs
+from ..primitives import TABLE, Kind, Role, block_safe, role_of
+from .base import Decline, Run, Step, Template
+from .stage2 import broadcast_input, buffers_of, const_value, kernel_inputs
 
 __all__ = ["TEMPLATE"]
 
 _COMBINE = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
-_STAT_VIEWS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
+# the views that only move the size-1 statistic axis: identities in block space (PrimInfo.stat_view)
+_STAT_VIEWS = frozenset(n for n, r in TABLE.items() if r.stat_view)
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,6 @@ def _build(graph: Graph, c: Cluster, m: ReductionMatch, backend: str) -> Step:
     outs_t = (*m.row_outputs, *m.red_outputs)
     dtypes = [graph.tensors[t].dtype for t in outs_t]
 
-    from .stage2 import broadcast_input
     s, merged, a0 = m.shape, m.merged, m.axes[0]
     kmerged = merged[:a0] + (1,) + merged[a0 + 1:]
 
