@@ -23,12 +23,11 @@ os.environ.setdefault("JAX_TRACEBACK_FILTERING", "off")  # so a lowering failure
 import argparse
 import math
 import functools
-import importlib.util
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND = "JAX_PLATFORMS=cpu python benchmarks/kernels.py"

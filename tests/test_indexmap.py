@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
-from vtc_jax.indexmap import (Dim, Expr, IndexMap, Layout, NotComposable, SymInfo, all_of, conds_mask, const, dim,
+from vtc_jax.indexmap import (Dim, IndexMap, Layout, NotComposable, SymInfo, all_of, conds_mask, const, dim,
                               point, row_major_strides, sym)
 
 MAX_ELEMS = 2000

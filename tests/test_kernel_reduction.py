@@ -5,7 +5,6 @@ cast to the output dtype) AND a CUDA cross-lowering that must contain Triton IR.
 """
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import lax
 

@@ -65,7 +65,7 @@ def test_what_a_stage_may_do_is_a_field_of_the_row():
     from vtc_jax.templates import attention, island, reduction
     assert cluster._STAT_VIEWS == reduction._STAT_VIEWS == having("stat_view")
     assert island.READ_ONLY == having("read_only") and attention._VIEWS == having("score_view")
-    assert canonical._PAIRWISE == having("componentwise") and graph.CONTROL_FLOW_PRIMITIVES == primitives.CONTROL_FLOW
+    assert canonical._PAIRWISE == having("componentwise") and graph.CONTROL_FLOW == primitives.CONTROL_FLOW
 
 
 def test_cluster_kind_of_each_role():

@@ -1,5 +1,4 @@
 """vtc_jax.testing on a tiny Pallas Triton kernel (add one to (64,) blocks)."""
-import functools
 
 import jax
 import jax.numpy as jnp

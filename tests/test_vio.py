@@ -219,7 +219,7 @@ def test_load_fill_on_masked_lanes(view, fill):
 # --------------------------------------------------------------------------------------------
 
 from vtc_jax.kernels import vio as _vio  # noqa: E402
-from vtc_jax.testing import cross_lower, triton_ir_text  # noqa: E402
+from vtc_jax.testing import triton_ir_text  # noqa: E402
 
 
 @pytest.mark.parametrize("name,layout", [

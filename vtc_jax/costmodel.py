@@ -70,7 +70,7 @@ from .cluster import cluster
 from .indexmap import Dim, FloorDiv, Layout, Mod
 from .kernels import tiling
 from .movement import Edge
-from .primitives import Kind, data_inputs, inplace_operand, is_view
+from .primitives import Kind, data_inputs
 from .vtog import VTOG, box_volume, piece_group
 from .xla import LIBRARY_KINDS, Facts
 

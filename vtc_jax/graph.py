@@ -24,9 +24,6 @@ from jax.tree_util import PyTreeDef
 from . import canonical
 from .primitives import CONTRACTION, CONTROL_FLOW, TABLE, Role
 
-# program.py still imports this name: it is primitives.CONTROL_FLOW (switch there, then drop it).
-CONTROL_FLOW_PRIMITIVES = CONTROL_FLOW
-
 
 def is_extended(dtype: Any) -> bool:
     """True for jax's extended dtypes (PRNG key types such as ``key<fry>``, ``key<rbg>``).

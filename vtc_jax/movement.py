@@ -29,7 +29,7 @@ import numpy as np
 
 from .graph import Graph, Op
 from .indexmap import Expr, IndexMap, Layout, SymInfo, const, sym
-from .primitives import CONTROL_FLOW, Direction, EdgeClass, is_movement_op
+from .primitives import CONTROL_FLOW, Direction, EdgeClass
 
 __all__ = ["Edge", "rules", "explain_no_edges", "static_value", "RULES"]
 
@@ -406,8 +406,3 @@ def explain_no_edges(op: Op, graph: Graph) -> str | None:
     """Why ``op`` offers no edge (for the report), or None when it offers some."""
     edges, why = _analyse(op, graph)
     return None if edges else why
-
-
-# report.py still calls ``movement.is_movement``: the one definition is primitives.is_movement_op
-# (a rule per movement primitive: tests/test_primitives.py). Switch report.py, then drop this.
-is_movement = is_movement_op

@@ -18,8 +18,9 @@ from jax.extend.core import Literal
 
 from .analysis import Analysis, analyze
 from .compat import scan_counts
-from .graph import CONTROL_FLOW_PRIMITIVES, Op
+from .graph import Op
 from .lower import Lowered, lower, triton_failures
+from .primitives import CONTROL_FLOW
 from .templates import KernelBuildError
 
 __all__ = ["BuildOptions", "build", "optimize_body", "MAX_BUILD_ATTEMPTS"]
@@ -90,7 +91,7 @@ def _optimize_closed(closed: Any, opts: BuildOptions) -> Any | None:
 def optimize_body(op: Op, opts: BuildOptions) -> Callable[..., Sequence[Any]] | None:
     """An implementation of a control-flow op (``impl(*input values) -> output values``) with
     its body (bodies) optimised, or None to keep the op as traced."""
-    if op.primitive not in CONTROL_FLOW_PRIMITIVES:
+    if op.primitive not in CONTROL_FLOW:
         return None
     p = dict(op.params)
     try:

@@ -24,7 +24,7 @@ from typing import Any
 
 from .cluster import Cluster
 from .graph import Graph
-from .primitives import Kind, data_inputs, inplace_operand, is_view
+from .primitives import TABLE, Kind, data_inputs, inplace_operand, is_view
 from .templates import TEMPLATES, Match
 
 __all__ = ["Facts", "LIBRARY_KINDS", "CAST_ONLY", "pointwise_islands", "xla_fuses", "xla_plain"]
@@ -83,8 +83,8 @@ class Facts:
 
 # Primitives a pointwise cluster may consist of and still be "only a cast": XLA fuses such a cluster
 # into whatever fusion produces or consumes its tensors, so a kernel of its own is a pure loss.
-CAST_ONLY = frozenset({"convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
-                        "expand_dims", "copy", "copy_p"})
+# (the table's free-view rows: a cast, a broadcast, a reshape, a squeeze, a copy)
+CAST_ONLY = frozenset(n for n, r in TABLE.items() if r.view)
 
 
 def pointwise_islands(graph: Graph, clusters: Sequence[Cluster],

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..graph import Graph
-from ..indexmap import Dim, IndexMap, Layout, NotComposable, Piece, box_conds, const, dim, point
+from ..indexmap import IndexMap, Layout, NotComposable, Piece, box_conds, const, dim, point
 from ..primitives import TABLE, Direction, block_safe, is_movement_op
 from .base import Decline
 
