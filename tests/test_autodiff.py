@@ -127,12 +127,12 @@ def test_grad_with_donated_forward_and_whole_fallback(monkeypatch):
     x, w = _args()
     f = vtc_jax.optimize(fn, backend="interpret", donate_argnums=0)
     check_same(f(jnp.array(x), w), jax.jit(fn)(x, w))
-    import vtc_jax.lower as lower_mod
+    import vtc_jax.program as program   # the build loop's lowering step
 
     def boom(*a, **k):
         raise RuntimeError("synthetic lowering failure")
 
-    monkeypatch.setattr(lower_mod, "lower", boom)
+    monkeypatch.setattr(program, "lower", boom)
     g = vtc_jax.optimize(fn, backend="interpret")
     with pytest.warns(vtc_jax.VTCFallbackWarning, match="synthetic"):
         got = jax.grad(_loss(g), argnums=(0, 1))(x, w)

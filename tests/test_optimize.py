@@ -239,12 +239,12 @@ def test_fallback_warns_once_naming_the_primitive_and_strict_raises():
 
 
 def test_whole_rewrite_failure_falls_back_to_jit(monkeypatch):
-    import vtc_jax.lower as lower_mod
+    import vtc_jax.program as program   # the build loop's lowering step
 
     def boom(*a, **k):
         raise RuntimeError("synthetic lowering failure")
 
-    monkeypatch.setattr(lower_mod, "lower", boom)
+    monkeypatch.setattr(program, "lower", boom)
     f = vtc_jax.optimize(lambda x: jnp.transpose(x) + 1, backend="interpret")
     x = jnp.arange(6.0).reshape(2, 3)
     with pytest.warns(vtc_jax.VTCFallbackWarning, match="synthetic lowering failure"):
