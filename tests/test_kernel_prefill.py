@@ -105,7 +105,7 @@ def test_runtime_kv_len_and_default_blocks():
 
 def test_bad_arguments():
     q, k = rand((1, 8, 16)), rand((1, 8, 16))
-    with pytest.raises(ValueError, match="powers of two"):
+    with pytest.raises(ValueError, match="power of two"):
         prefill_attention(q, k, k, block_q=24)
     with pytest.raises(ValueError, match="not both"):
         prefill_attention(q, k, k, causal=True, kv_len=3)
