@@ -311,6 +311,54 @@ def test_default_num_splits():
     assert default_num_splits(1, 1 << 20, 64) == 64   # capped
 
 
+def test_sm_count_is_the_kernels_one_constant():
+    """The split count, the matmul's split-K waves and the cost model all size against
+    ``tiling.NUM_SMS`` (an H100 SXM's 132 SMs)."""
+    from vtc_jax.kernels import attention, tiling
+    assert tiling.NUM_SMS == 132 and attention.NUM_SMS is tiling.NUM_SMS
+    assert tiling.gemm_config(16, 4096, 4096).sms == tiling.NUM_SMS
+    assert default_num_splits(tiling.NUM_SMS, 4096, 64) == 1
+
+
+def test_launch_heuristics():
+    """AttentionConfig.decode / .prefill: the defaults the offline tests compile without spills."""
+    from vtc_jax.kernels.flash import SMEM_BUDGET, AttentionConfig
+    bf16, f32 = np.dtype(jnp.bfloat16), np.dtype(np.float32)
+    assert AttentionConfig.decode(4, 4096, 128, 128, bf16) == AttentionConfig(16, 64, 8, 3)
+    assert AttentionConfig.decode(4, 4096, 128, 128, f32) == AttentionConfig(16, 64, 8, 1)
+    assert AttentionConfig.decode(32, 40, 64, 64, bf16) == AttentionConfig(32, 64, 8, 3)
+    assert AttentionConfig.decode(1, 20, 16, 16, bf16).block_k == 32     # capped at next_pow2(T)
+    assert AttentionConfig.prefill(8192, 2048, 128, 128, bf16) == AttentionConfig(64, 64, 4, 2)
+    assert AttentionConfig.prefill(2048, 1024, 256, 256, bf16) == AttentionConfig(64, 64, 8, 2)
+    assert AttentionConfig.prefill(20, 2048, 128, 128, f32) == AttentionConfig(32, 64, 4, 1)
+    # staged K/V blocks over the shared-memory budget: the key block is halved
+    bk = AttentionConfig.fit_block_k(64, 4096, 256, 256, f32, 2)
+    assert bk == 32 and 2 * bk * 512 * 4 <= SMEM_BUDGET
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["scalar", "per_sequence"])
+def test_runtime_position_is_an_int32_operand(per_row):
+    """A runtime pos reaches the kernel as an operand of its own, a (1,) or (B,) int32 array (no
+    scalar prefetch on Triton; no runtime symbol riding on q), alongside q's own symbols."""
+    from vtc_jax.testing import cross_lower
+    b, h, g, d, t = 3, 2, 2, 32, 64
+    S = jax.ShapeDtypeStruct
+    f = lambda q, kc, vc, p: decode_attention(q, cache_view(kc), cache_view(vc), pos=p,  # noqa: E731
+                                              num_splits=1, backend="triton")
+    text = cross_lower(f, S((b, h, g, d), jnp.float32), S((b, t, h, d), jnp.float32),
+                       S((b, t, h, d), jnp.float32), S((b,) if per_row else (), jnp.int32)).text
+    kernels, _ = module_facts(text)
+    assert len(kernels) == 1 and kernels[0][-1] == ((b,) if per_row else (1,)), kernels
+    # the kernel's bound and a runtime symbol of q's layout are separate operands
+    q = VTensor(Layout.physical(0, (b, h, g, d)), jnp.float32, (rand((b, h, g, d)),), (("__vtc_attn_len", 7),))
+    kc, vc = rand((b, t, h, d), seed=1), rand((b, t, h, d), seed=2)
+    pos = jnp.asarray([5, 20, 63], jnp.int32) if per_row else jnp.int32(20)
+    got = decode_attention(q, cache_view(kc), cache_view(vc), pos=pos, block_k=16)
+    want = [ref_attention(q.buffers[0][i:i + 1], from_cache(kc)[i:i + 1], from_cache(vc)[i:i + 1],
+                          hi=int(pos[i] if per_row else pos) + 1) for i in range(b)]
+    np.testing.assert_allclose(got, jnp.concatenate(want), rtol=1e-5, atol=1e-5)
+
+
 def test_bad_arguments():
     q, k = rand((1, 1, 1, 16)), rand((1, 1, 8, 16))
     with pytest.raises(ValueError, match="power of two"):

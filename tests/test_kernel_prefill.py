@@ -103,9 +103,28 @@ def test_runtime_kv_len_and_default_blocks():
     check_kernel(call, lambda q, k, v, n: ref_prefill(q, k, v, kv_len=int(n)), args, **F32)
 
 
+def test_runtime_offset_is_an_int32_operand():
+    """A runtime q_offset / kv_len is the kernel's own (1,) int32 operand (read with one scalar
+    load), not a symbol on q; a vector of them is refused (one bound for all sequences)."""
+    from vtc_jax.testing import cross_lower
+    S = jax.ShapeDtypeStruct
+    sds = (S((2, 40, 32), jnp.float32), S((2, 50, 32), jnp.float32), S((2, 50, 32), jnp.float32),
+           S((), jnp.int32))
+    for kw in ("q_offset", "kv_len"):
+        f = lambda q, k, v, x, kw=kw: prefill_attention(  # noqa: E731
+            q, k, v, causal=kw == "q_offset", backend="triton", **{kw: x})
+        calls = [ln for ln in cross_lower(f, *sds).text.splitlines() if "__gpu$xla.gpu.triton" in ln]
+        assert len(calls) == 1 and "tensor<1xi32>" in calls[0].rsplit(":", 1)[-1], kw
+    q, k = rand((2, 8, 16)), rand((2, 8, 16))
+    with pytest.raises(ValueError, match="q_offset must be a scalar"):
+        prefill_attention(q, k, k, causal=True, q_offset=jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="kv_len must be a scalar"):
+        prefill_attention(q, k, k, kv_len=jnp.zeros((2,), jnp.int32))
+
+
 def test_bad_arguments():
     q, k = rand((1, 8, 16)), rand((1, 8, 16))
-    with pytest.raises(ValueError, match="powers of two"):
+    with pytest.raises(ValueError, match="power of two"):
         prefill_attention(q, k, k, block_q=24)
     with pytest.raises(ValueError, match="not both"):
         prefill_attention(q, k, k, causal=True, kv_len=3)

@@ -27,6 +27,7 @@ def examples() -> Iterator[tuple[str, Callable[..., Any], tuple]]:
     from vtc_jax.kernels.attention import decode_attention
     from vtc_jax.kernels.matmul import matmul
     from vtc_jax.kernels.pointwise import pointwise
+    from vtc_jax.kernels.prefill_attention import prefill_attention
     from vtc_jax.kernels.reduction import rms_norm, softmax
     from vtc_jax.kernels.vio import VTensor
 
@@ -87,6 +88,22 @@ def examples() -> Iterator[tuple[str, Callable[..., Any], tuple]]:
     # continuous batching: one position per sequence, a (B,) operand
     yield (f"decode_attention_bf16_from_cache_per_sequence_pos_B{B}_H{HKV}_G{G}_T{T}_D{DH}", attn_cache,
            (S((B, HKV, G, DH), bf16), S((B, T, HKV, DH), bf16), S((B, T, HKV, DH), bf16), S((B,), i32)))
+
+    # prefill attention, GQA G = 4 folded into the query rows (M = G * S): a causal 2k prompt, and
+    # a 512-token chunk at a runtime cache offset (the kernel's int32 bound operand)
+    S_PRE, CHUNK = 2048, 512
+
+    def prefill(q: Any, k: Any, v: Any, *, backend: str) -> Any:
+        return prefill_attention(q, k, v, causal=True, seq_len=S_PRE, backend=backend)
+
+    def prefill_chunk(q: Any, k: Any, v: Any, off: Any, *, backend: str) -> Any:
+        return prefill_attention(q, k, v, causal=True, q_offset=off, seq_len=CHUNK, backend=backend)
+
+    Z = HKV
+    yield (f"prefill_attention_bf16_causal_Z{Z}_G{G}_S{S_PRE}_D{DH}", prefill,
+           (S((Z, G * S_PRE, DH), bf16), S((Z, S_PRE, DH), bf16), S((Z, S_PRE, DH), bf16)))
+    yield (f"prefill_attention_bf16_chunk_at_runtime_offset_Z{Z}_G{G}_S{CHUNK}_T{T}_D{DH}", prefill_chunk,
+           (S((Z, G * CHUNK, DH), bf16), S((Z, T, DH), bf16), S((Z, T, DH), bf16), S((), i32)))
 
     # pointwise
     def silu_mul(g: Any, u: Any, *, backend: str) -> Any:

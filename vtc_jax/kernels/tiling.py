@@ -31,11 +31,16 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-__all__ = ["MIN_DOT_BLOCK", "DECODE_MAX_M", "H100_SMS", "GemmConfig", "gemm_config", "next_pow2", "cdiv", "check_pow2", "choose_block", "choose_blocks",
+__all__ = ["MIN_DOT_BLOCK", "NUM_SMS", "DECODE_MAX_M", "H100_SMS", "GemmConfig", "gemm_config", "next_pow2", "cdiv", "check_pow2", "choose_block", "choose_blocks",
            "split_block", "Group", "InBounds", "program_id", "grid_origin", "fori", "dot_config", "f32_math",
            "F32_MATH_PRIMITIVES"]
 
 MIN_DOT_BLOCK = 16  # tt.dot needs M, N, K >= 16 (and K >= 16 for 16-bit types in the front end)
+NUM_SMS = 132
+"""Streaming multiprocessors of the target GPU, an H100 SXM (132 SMs; the PCIe card has 114). The
+one definition every template sizes its grid against (decode attention's split count, the matmul's
+split-K waves) and the cost model's ``GPU.sms`` default: no GPU is queried, the kernels are planned
+for this card."""
 _TARGET = 2048      # elements per elementwise block (fits 4 warps comfortably for a few live values)
 _MAX_1D = 1024      # elementwise block of a rank-1 tensor
 
@@ -218,7 +223,7 @@ def dot_config(compute_dtype: Any, precision: Any = None) -> tuple[Any, np.dtype
 # --------------------------------------------------------------------------------------------
 
 DECODE_MAX_M = 64          # M (flattened lhs free size) up to this is "decode-shaped"
-H100_SMS = 132             # streaming multiprocessors of an H100 SXM
+H100_SMS = NUM_SMS         # the SM count under the name the matmul tests import
 _DECODE_WAVES = 2          # split-K until the grid fills this many waves of SMs ...
 _DECODE_B_TILE = 16384     # ... streaming weight tiles of about this many bytes (bk x bn)
 _DECODE_STAGES = 4         # pipeline depth of the decode path (3 tiles in flight per CTA)
@@ -262,7 +267,7 @@ class GemmConfig:
     num_stages: int
     a_itemsize: int = 2
     b_itemsize: int = 2
-    sms: int = H100_SMS
+    sms: int = NUM_SMS
 
     @property
     def m_tiles(self) -> int:
@@ -321,7 +326,7 @@ class GemmConfig:
 def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, b_itemsize: int = 2,
                 block_m: int = 64, block_n: int = 64, block_k: int | None = None,
                 num_warps: int = 4, num_stages: int | None = None, split_k: int | None = None,
-                sms: int = H100_SMS) -> GemmConfig:
+                sms: int = NUM_SMS) -> GemmConfig:
     """The launch the matmul template uses for these sizes (``None`` = the template's choice).
 
     Why two regimes: a prefill-sized GEMM (``m > DECODE_MAX_M``) has enough output tiles to fill

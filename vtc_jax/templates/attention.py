@@ -853,35 +853,35 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
                 (0,) * 5, (B, hk, 1) + tuple(x.shape[2:])).reshape((B, hk) + tuple(x.shape[2:]))
             return VTensor(lay, x.dtype, x.buffers, x.symbols)
 
-        base: Any = m.hi_const
+        # The valid keys' end, hi_const [+ pos] (+ the query position when causal), handed to the
+        # kernels as their own bound arguments: a static int, or the runtime int32 scalar / (B,)
+        # vector ``pos`` shifted by a static amount (the kernels take it as an int32 operand).
         pos: Any = None
         if m.hi_scalar is not None:   # one scalar, or one per sequence (B,)
             pos = jnp.asarray(run.value(m.hi_scalar), jnp.int32).reshape((B,) if m.per_row else ())
-            base = pos + m.hi_const
+
+        def end_minus(c: int) -> Any:
+            """``hi_const + pos - c``: a static int, or ``pos`` shifted (no op when it cancels)."""
+            if pos is None:
+                return int(m.hi_const) - c
+            return pos if m.hi_const == c else pos + (m.hi_const - c)
+
+        kw: dict[str, Any] = {} if m.window is None else {"window": m.window}
         if m.decode:
             from ..kernels.attention import decode_attention
-            kw: dict[str, Any] = {}
-            if m.hi_scalar is not None:
-                if m.hi_const == 1:     # keys t <= pos: the decode kernel's own form
-                    kw["pos"] = pos
-                else:
-                    kw["kv_len"] = base
-            elif m.hi_const < T or m.window is not None:   # a window counts from the unclamped end
-                kw["kv_len"] = int(m.hi_const)
-            if m.window is not None:
-                kw["window"] = m.window
+            if m.hi_scalar is not None and m.hi_const == 1:
+                kw["pos"] = pos       # keys t <= pos: the decode kernel's own form
+            elif m.hi_scalar is not None or m.hi_const < T or m.window is not None:
+                kw["kv_len"] = end_minus(0)   # a window counts from the unclamped end
             res = decode_attention(re(q, (B, hk, g * R, D)), per_group(k), per_group(v),
                                    sm_scale=m.scale, soft_cap=m.soft_cap, out=re(out, (B, hk, g * R, Dv)),
                                    backend=backend, empty_rows=m.empty_rows, **kw)
         else:
             from ..kernels.prefill_attention import prefill_attention
-            kw = {}
             if m.causal:
-                kw.update(causal=True, q_offset=base - 1)
+                kw.update(causal=True, q_offset=end_minus(1))
             elif m.hi_scalar is not None or m.hi_const < T or m.window is not None:
-                kw["kv_len"] = base if m.hi_scalar is not None else int(m.hi_const)
-            if m.window is not None:
-                kw["window"] = m.window
+                kw["kv_len"] = end_minus(0)
             res = prefill_attention(re(q, (B * hk, g * R, D)), re(per_group(k), (B * hk, T, D)),
                                     re(per_group(v), (B * hk, T, Dv)), seq_len=m.seq, sm_scale=m.scale,
                                     soft_cap=m.soft_cap, out=re(out, (B * hk, g * R, Dv)),

@@ -1,0 +1,286 @@
+"""What the decode and prefill attention templates share: launch heuristics, the valid-key bound,
+the flash step and the empty-row pass.
+
+* :class:`AttentionConfig`: query block, key block, warps and pipeline stages of an attention
+  kernel, with the two heuristics (:meth:`AttentionConfig.decode`, :meth:`AttentionConfig.prefill`)
+  and the shared-memory fit of the key block, each with the measurement behind it.
+* :class:`KeyEnd` / :func:`key_end`: where the valid keys end — a static int, or a runtime int32
+  operand (one scalar, or one per sequence) plus a static offset — and :func:`read_end`, the
+  kernel's read of that operand. Pallas' Triton backend has no scalar prefetch: a runtime scalar
+  reaches the kernel as a small int32 array (``(1,)``, or ``(B,)`` per sequence) passed as an
+  ordinary operand and read with one scalar load.
+* :class:`Flash`: the static parameters of the online softmax (scale, soft-cap, dot precision,
+  what a row with no valid key outputs) and its two loops: :meth:`Flash.loop`, the flash step over
+  a run of K/V blocks, and :meth:`Flash.empty_pass`, the pass over every key at jax's masked value
+  for rows with none valid. The kernels differ only in how a program finds its rows, its run of
+  blocks and its K/V blocks (a ``load_kv(t0)`` closure over its vio refs).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .tiling import MIN_DOT_BLOCK, dot_config, next_pow2
+from .vio import VRef
+
+__all__ = ["AttentionConfig", "Flash", "KeyEnd", "SMEM_BUDGET", "NEG", "key_end", "read_end",
+           "softmax_block", "empty_rows_mode", "masked_scores", "normalise", "int32_where"]
+
+SMEM_BUDGET = 128 * 1024  # bytes of staged K/V blocks; sm_90 allows 227 KiB, sm_80 163 KiB per block
+NEG = -1e30               # initial running max: finite, so exp(m_prev - m_next) is never inf - inf
+
+LoadKV = Callable[[Any], tuple[jax.Array, jax.Array]]   # key origin t0 -> (K block, V block)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tiles and Triton launch parameters of one attention kernel.
+
+    ``block_q``: query rows per program (decode: the q tile's padded G rows); ``block_k``: keys per
+    K/V block; ``num_warps``, ``num_stages``: Triton's launch configuration (``num_stages - 1`` K/V
+    blocks are in flight while one is consumed). Readings are ptxas on sm_90 (the kernel tests'
+    offline tests, ``benchmarks/kernels.md``).
+    """
+    block_q: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    @classmethod
+    def decode(cls, G: int, T: int, Dp: int, Dvp: int, compute: np.dtype, *, block_k: int = 64,
+               num_warps: int | None = None, num_stages: int | None = None) -> "AttentionConfig":
+        """The decode kernel's launch.
+
+        * ``block_q = max(16, next_pow2(G))``: the G query heads of a KV head are the rows of one
+          ``tt.dot`` tile (M >= 16).
+        * 8 warps: compiles without spills for bf16 Llama-3 (G = 4, D = 128) and MHA (D = 128);
+          4 warps spill there.
+        * 3 stages for 16-bit inputs: at 2 the PTX waits ``cp.async.wait_group 0`` in the loop (the
+          next K/V block is only requested once the current one has landed), at 3 ``wait_group 2``
+          (one K/V block pair in flight while the current one is consumed), at 64 registers and
+          72 KB of shared memory (B = 16 and 1, G = 4, D = 128; 4 stages: 104 KB). 1 stage for
+          f32, whose IEEE dots need the registers a second stage would take (255 registers and
+          spills at 2 stages, 88 and none at 1, block_k 64).
+        * ``block_k`` 64, fitted by :meth:`fit_block_k`.
+        """
+        stages = (1 if compute.itemsize >= 4 else 3) if num_stages is None else num_stages
+        return cls(block_q=max(MIN_DOT_BLOCK, next_pow2(G)),
+                   block_k=cls.fit_block_k(block_k, T, Dp, Dvp, compute, stages),
+                   num_warps=8 if num_warps is None else num_warps, num_stages=stages)
+
+    @classmethod
+    def prefill(cls, M: int, T: int, Dp: int, Dvp: int, compute: np.dtype, *, block_q: int = 64,
+                block_k: int = 64, num_warps: int | None = None,
+                num_stages: int | None = None) -> "AttentionConfig":
+        """The prefill kernel's launch.
+
+        * ``block_q`` 64 query rows (capped at the padded M), ``block_k`` 64 (:meth:`fit_block_k`).
+        * 4 warps, 8 for head dims > 128: bf16, blocks 64x64: 234 registers and no spills at
+          D = 128 with 4 warps; D = 256 spills with 4 warps, none with 8.
+        * 2 stages for 16-bit inputs, 1 for f32 (IEEE-f32 dots spill at D = 128 in every setting
+          tried: f32 is a correctness configuration).
+        """
+        stages = (1 if compute.itemsize >= 4 else 2) if num_stages is None else num_stages
+        warps = (8 if max(Dp, Dvp) > 128 else 4) if num_warps is None else num_warps
+        return cls(block_q=min(block_q, max(MIN_DOT_BLOCK, next_pow2(M))),
+                   block_k=cls.fit_block_k(block_k, T, Dp, Dvp, compute, stages),
+                   num_warps=warps, num_stages=stages)
+
+    @staticmethod
+    def fit_block_k(block_k: int, T: int, Dp: int, Dvp: int, compute: np.dtype, num_stages: int) -> int:
+        """``block_k`` capped at ``max(16, next_pow2(T))`` and halved while Triton's staged K and V
+        blocks (``num_stages`` deep) exceed :data:`SMEM_BUDGET`, so the kernel also *loads* on the
+        device (f32 with D = 256, say): shared memory is only checked at load time."""
+        bk = min(block_k, max(MIN_DOT_BLOCK, next_pow2(T)))
+        while bk > MIN_DOT_BLOCK and max(num_stages, 1) * bk * (Dp + Dvp) * compute.itemsize > SMEM_BUDGET:
+            bk //= 2
+        return bk
+
+
+# --------------------------------------------------------------------------------------------
+# The end of the valid keys: static, or a runtime operand
+# --------------------------------------------------------------------------------------------
+
+def _is_static_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class KeyEnd:
+    """Where the valid keys end, *unclamped* (a sliding window starts ``window`` keys before it, as
+    jax's ``t > pos - window`` does for ``pos >= T``): ``static``, or (``static`` None) the kernel's
+    int32 end operand plus ``offset`` — ``pos + 1`` or ``kv_len + 0`` — one value for every
+    sequence, or one per sequence (``per_row``: a ``(B,)`` operand, program ``b`` reads element b)."""
+    static: int | None
+    offset: int = 0
+    per_row: bool = False
+
+
+def key_end(pos: Any, kv_len: Any, T: int) -> tuple[KeyEnd, jax.Array | None]:
+    """The valid keys' end for a ``pos`` (keys ``t <= pos``) or a ``kv_len`` (keys ``t < kv_len``),
+    each a static int or a runtime scalar / ``(B,)`` vector; neither: all T keys. Returns the
+    :class:`KeyEnd` and, for a runtime one, the int32 operand ``(1,)`` or ``(B,)`` the kernel reads
+    with :func:`read_end`."""
+    for x, offset in ((pos, 1), (kv_len, 0)):
+        if x is None:
+            continue
+        if _is_static_int(x):
+            return KeyEnd(int(x) + offset), None
+        per_row = jnp.ndim(x) == 1
+        return KeyEnd(None, offset, per_row), jnp.asarray(x, jnp.int32).reshape(-1)
+    return KeyEnd(T), None
+
+
+def read_end(end: KeyEnd, operand: VRef | None, row: Any = 0) -> Any:
+    """Inside a kernel: the unclamped end of the valid keys, a Python int or an int32 scalar —
+    element ``row`` of the end operand (one scalar load of the physical int32 array, as JAX's Pallas
+    GPU ops read their lengths) plus the static offset."""
+    if end.static is not None:
+        return end.static
+    (ref,) = operand.refs
+    return ref[row if end.per_row else 0] + end.offset
+
+
+# --------------------------------------------------------------------------------------------
+# The flash step and the empty-row pass
+# --------------------------------------------------------------------------------------------
+
+def softmax_block(qt: jax.Array, kb: jax.Array, vb: jax.Array, valid: jax.Array, carry: tuple, *,
+                  scale: float, soft_cap: float | None, compute: Any, precision: Any,
+                  transform: Any = None) -> tuple:
+    """Stage 2 of both attention kernels: fold one K/V block into the running (max, sum, acc)
+    of the online softmax, in f32; lanes not ``valid`` score ``-inf``; ``transform`` (the
+    empty-row pass, :func:`masked_scores`) rewrites the scores of the valid lanes first."""
+    m_prev, l_prev, acc_prev = carry
+    sc = jnp.dot(qt, kb.T, preferred_element_type=jnp.float32, precision=precision)
+    sc = sc * scale
+    if soft_cap is not None:
+        sc = soft_cap * jnp.tanh(sc / soft_cap)
+    if transform is not None:
+        sc = transform(sc)
+    sc = jnp.where(valid, sc, -jnp.inf)
+    m_next = jnp.maximum(m_prev, sc.max(axis=1))
+    corr = jnp.exp(m_prev - m_next)
+    p = jnp.exp(sc - m_next[:, None])
+    l_next = l_prev * corr + p.sum(axis=1)
+    pv = jnp.dot(p.astype(compute), vb, preferred_element_type=jnp.float32, precision=precision)
+    return m_next, l_next, acc_prev * corr[:, None] + pv
+
+
+def empty_rows_mode(empty_rows: Any) -> tuple[bool, tuple | None]:
+    """``(empty_nan, empty_fill)`` for the kernels' ``empty_rows`` argument: what a query row with
+    no valid key outputs (a position < 0, say), to equal what jax computes for the program's mask:
+
+    * ``"zero"``: 0 (only for programs where no such row can happen);
+    * ``"nan"``: NaN — the softmax of a row of ``-inf`` (every mask fills ``-inf``);
+    * ``("fill", v)``: the masked lanes hold ``v`` (``jnp.where(m, s, finfo.min)``): the softmax of
+      equal values, the mean of V over all T keys;
+    * ``("bias", b, f)``: the masked lanes hold ``(s / f + b) * f`` (an additive bias ``b`` applied
+      before a scaling by ``f``: ``(s + where(m, 0, -1e9)) / sqrt(d)``), computed as jax does.
+    """
+    if empty_rows in ("zero", "nan"):
+        return empty_rows == "nan", None
+    if isinstance(empty_rows, tuple) and ((len(empty_rows) == 2 and empty_rows[0] == "fill") or
+                                          (len(empty_rows) == 3 and empty_rows[0] == "bias")):
+        return False, (empty_rows[0], *map(float, empty_rows[1:]))
+    raise ValueError(f"empty_rows must be 'zero', 'nan', ('fill', v) or ('bias', b, f); got {empty_rows!r}")
+
+
+def masked_scores(fill: tuple) -> Any:
+    """The score transform of a row with no valid key: every lane holds jax's masked value,
+    shifted by a constant (the softmax is shift-invariant, and the kernels' running max starts at
+    -1e30, above ``finfo.min``): equal values become 0; a bias lane ``fl(s / f + b) * f`` less
+    ``b * f``, a subtraction Sterbenz's lemma makes exact, so the rounding of ``s + b`` that jax's
+    row depends on is kept."""
+    if fill[0] == "fill":
+        return jnp.zeros_like
+    _, b, f = fill
+    # the shift is written as a function of ``sc`` (``sc * 0``, not folded for floats) so that no
+    # simplifier rewrites ``(x + c) - c`` to ``x`` (XLA's does, in interpret mode)
+    return lambda sc: (sc / f + b) * f - ((sc * 0.0) / f + b) * f
+
+
+def normalise(acc: jax.Array, l: jax.Array, empty_nan: bool) -> jax.Array:
+    """``acc / l`` per row; a row with no valid key (``l == 0``) is 0, or NaN where the program's
+    mask is ``-inf`` (``jax.nn.softmax`` of an all ``-inf`` row is NaN)."""
+    o = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    return jnp.where((l > 0)[:, None], o, jnp.nan) if empty_nan else o
+
+
+def int32_where(cond: Any, a: Any, b: Any) -> jax.Array:
+    """``where(cond, a, b)`` with both branches int32 arrays: a weak-typed Python int branch lowers
+    to an ``arith.select`` with an i1 operand that MLIR's verifier (and XLA's Triton) rejects."""
+    return jnp.where(cond, jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+
+
+@dataclass(frozen=True)
+class Flash:
+    """Static parameters of the online softmax shared by the attention kernels: ``T`` keys in
+    blocks of ``block_k``; scores ``cap * tanh(q·kᵀ·scale / cap)`` with dots at ``precision`` over
+    ``compute`` operands (f32: ``HIGHEST``, IEEE f32 as interpret mode computes; 16-bit inputs keep
+    scores and accumulators in f32 and round the probabilities to V's dtype for the P·V dot); a row
+    with no valid key outputs 0, NaN (``empty_nan``) or jax's softmax of its masked scores
+    (``empty_fill``, :func:`empty_rows_mode`)."""
+    T: int
+    block_k: int
+    scale: float
+    soft_cap: float | None
+    compute: np.dtype
+    precision: Any
+    empty_nan: bool = False
+    empty_fill: tuple | None = None
+
+    @classmethod
+    def of(cls, T: int, block_k: int, D: int, compute: np.dtype, *, sm_scale: float | None,
+           soft_cap: float | None, empty_rows: Any) -> "Flash":
+        """``sm_scale`` defaults to ``1/sqrt(D)``; ``empty_rows`` as :func:`empty_rows_mode`."""
+        empty_nan, empty_fill = empty_rows_mode(empty_rows)
+        return cls(T=T, block_k=block_k, scale=float(1.0 / math.sqrt(D) if sm_scale is None else sm_scale),
+                   soft_cap=None if soft_cap is None else float(soft_cap), compute=compute,
+                   precision=dot_config(compute)[0], empty_nan=empty_nan, empty_fill=empty_fill)
+
+    def init(self, rows: int, dvp: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The running (max, sum, acc) of ``rows`` query rows before any key."""
+        return (jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
+                jnp.zeros((rows, dvp), jnp.float32))
+
+    def loop(self, qt: jax.Array, load_kv: LoadKV, j0: Any, j1: Any, carry: tuple, *, hi: Any,
+             lo: Any = None) -> tuple:
+        """The flash step over K/V blocks ``[j0, j1)``: keys ``lo <= t < hi`` valid (``hi``/``lo``
+        scalars or per-row ``(rows, 1)`` columns; ``lo`` None: no lower bound)."""
+        def valid(t: jax.Array) -> jax.Array:
+            v = t < hi
+            return v if lo is None else v & (t >= lo)
+        return lax.fori_loop(j0, j1, self._step(qt, load_kv, valid, None), carry)
+
+    def empty_pass(self, qt: jax.Array, load_kv: LoadKV, u0: Any, u1: Any, carry: tuple) -> tuple:
+        """Blocks ``[u0, u1)`` of every key ``t < T`` at jax's masked value (:func:`masked_scores`):
+        the softmax of a row with no valid key under a finite mask. The caller makes the loop
+        empty unless its block has such a row (no ``reduce_or`` in Triton: a select on the bound)."""
+        return lax.fori_loop(u0, u1, self._step(qt, load_kv, lambda t: t < self.T,
+                                                masked_scores(self.empty_fill)), carry)
+
+    def _step(self, qt: jax.Array, load_kv: LoadKV, valid: Callable[[jax.Array], jax.Array],
+              transform: Any) -> Callable[[Any, tuple], tuple]:
+        lanes = lax.broadcasted_iota(jnp.int32, (1, self.block_k), 1)
+
+        def step(j: Any, carry: tuple) -> tuple:
+            t0 = j * self.block_k
+            kb, vb = load_kv(t0)        # stage 1: one K and one V block
+            return softmax_block(qt, kb, vb, valid(lanes + t0), carry, scale=self.scale,
+                                 soft_cap=self.soft_cap, compute=self.compute,
+                                 precision=self.precision, transform=transform)
+        return step
+
+    def normalise(self, acc: jax.Array, l: jax.Array) -> jax.Array:
+        return normalise(acc, l, self.empty_nan)
