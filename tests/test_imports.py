@@ -23,7 +23,7 @@ STAGES: tuple[str, ...] = (
     "movement", "cluster",
     # the kernels library (Pallas code generation; imports only the algebra)
     "kernels.tiling", "kernels.vio", "kernels.matmul", "kernels.conv", "kernels.pointwise",
-    "kernels.reduction", "kernels.attention", "kernels.flash", "kernels.prefill_attention",
+    "kernels.reduction", "kernels.flash", "kernels.attention", "kernels.prefill_attention",
     "kernels.catalog", "kernels",
     # templates: verdicts on clusters and the adapters that build kernels
     "templates.base", "templates.stage2", "templates.island", "templates.contraction",

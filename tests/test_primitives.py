@@ -94,7 +94,6 @@ def test_an_opaque_op_is_not_movement():
 
 
 def test_f32_math_rows_are_the_kernels_list():
-    """kernels/tiling.py keeps its own F32_MATH_PRIMITIVES until it derives it from the table
-    (``PrimInfo.f32_math``): the two must agree meanwhile."""
+    """kernels/tiling.py derives F32_MATH_PRIMITIVES from the table (``PrimInfo.f32_math``)."""
     from vtc_jax.kernels.tiling import F32_MATH_PRIMITIVES
     assert {n for n, r in primitives.TABLE.items() if r.f32_math} == F32_MATH_PRIMITIVES

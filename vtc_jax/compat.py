@@ -27,6 +27,8 @@ JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in re.findall(r"\d+", jax.__ve
 # The GPU lowered for when none is attached: what jax <= 0.10 assumed (compute capability 9.0).
 CPU_LOWERING_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
 CPU_LOWERING_CORES = 132
+"""The H100 SXM's SM count: the one figure for the abstract device, XLA's deviceless target
+(``offline.H100_TARGET_CONFIG``) and the kernels' grid heuristics (``kernels.tiling.NUM_SMS``)."""
 
 _JAX_TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 

@@ -98,7 +98,7 @@ class GPU:
     launch_overhead: float     # s
     peak_flops_bf16: float     # flop / s, dense
     peak_flops_f32: float      # flop / s, non-tensor-core
-    sms: int = tiling.H100_SMS     # streaming multiprocessors (only decode GEMMs use it)
+    sms: int = tiling.NUM_SMS      # streaming multiprocessors (only decode GEMMs use it)
     hbm_latency: float = 0.8e-6    # s, a load's round trip under load: Little's law for bandwidth
     # per-SM limits on resident CTAs (Hopper, CUDA occupancy calculator): registers, shared memory
     # (228 KB, 1 KB of it reserved per CTA), threads, CTAs

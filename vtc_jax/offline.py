@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from .compat import cuda_lowering
+from .compat import CPU_LOWERING_CORES, cuda_lowering
 from .testing import LoweredModule, exported_for_ir
 
 # Shared memory per block (opt-in maximum), bytes. Only checked by the driver at load time.
@@ -56,7 +56,7 @@ gpu_device_info {
   shared_memory_per_block_optin: 232448
   shared_memory_per_core: 233472
   threads_per_core_limit: 2048
-  core_count: 132
+  core_count: %d
   fpus_per_core: 128
   block_dim_limit_x: 2147483647
   block_dim_limit_y: 65535
@@ -71,7 +71,7 @@ gpu_device_info {
 platform_name: "CUDA"
 dnn_version_info { major: 9 minor: 1 patch: 0 }
 device_description_str: "NVIDIA H100 80GB HBM3"
-"""
+""" % CPU_LOWERING_CORES
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,16 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-__all__ = ["MIN_DOT_BLOCK", "NUM_SMS", "DECODE_MAX_M", "H100_SMS", "GemmConfig", "gemm_config", "next_pow2", "cdiv", "check_pow2", "choose_block", "choose_blocks",
+from ..compat import CPU_LOWERING_CORES
+from ..interpret import interpret
+from ..primitives import CALL_LIKE, TABLE
+
+__all__ = ["MIN_DOT_BLOCK", "NUM_SMS", "DECODE_MAX_M", "GemmConfig", "gemm_config", "next_pow2", "cdiv", "check_pow2", "choose_block", "choose_blocks",
            "split_block", "Group", "InBounds", "program_id", "grid_origin", "fori", "dot_config", "f32_math",
            "F32_MATH_PRIMITIVES"]
 
 MIN_DOT_BLOCK = 16  # tt.dot needs M, N, K >= 16 (and K >= 16 for 16-bit types in the front end)
-NUM_SMS = 132
+NUM_SMS = CPU_LOWERING_CORES
 """Streaming multiprocessors of the target GPU, an H100 SXM (132 SMs; the PCIe card has 114). The
 one definition every template sizes its grid against (decode attention's split count, the matmul's
 split-K waves) and the cost model's ``GPU.sms`` default: no GPU is queried, the kernels are planned
@@ -223,7 +227,6 @@ def dot_config(compute_dtype: Any, precision: Any = None) -> tuple[Any, np.dtype
 # --------------------------------------------------------------------------------------------
 
 DECODE_MAX_M = 64          # M (flattened lhs free size) up to this is "decode-shaped"
-H100_SMS = NUM_SMS         # the SM count under the name the matmul tests import
 _DECODE_WAVES = 2          # split-K until the grid fills this many waves of SMs ...
 _DECODE_B_TILE = 16384     # ... streaming weight tiles of about this many bytes (bk x bn)
 _DECODE_STAGES = 4         # pipeline depth of the decode path (3 tiles in flight per CTA)
@@ -384,12 +387,9 @@ def normalize_split(k_tiles: int, split_k: int) -> int:
 # 16-bit math
 # --------------------------------------------------------------------------------------------
 
-# Primitives computed in f32 (inputs upcast, result rounded back) when they see 16-bit floats.
-F32_MATH_PRIMITIVES = frozenset({
-    "div", "rem", "pow", "atan2", "nextafter", "logistic", "tanh", "tan", "sin", "cos", "asin",
-    "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "exp", "exp2", "expm1", "log",
-    "log1p", "sqrt", "rsqrt", "cbrt", "erf", "erfc", "erf_inv", "lgamma", "digamma",
-})
+# Primitives computed in f32 (inputs upcast, result rounded back) when they see 16-bit floats:
+# the primitive table's ``f32_math`` rows.
+F32_MATH_PRIMITIVES = frozenset(n for n, r in TABLE.items() if r.f32_math)
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 
@@ -404,16 +404,12 @@ def f32_math(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-_CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-          "custom_vjp_call_jaxpr", "remat", "checkpoint")
-
-
 def _f32_rule(eqn: Any, invals: list[Any]) -> list[Any] | None:
     """One equation of :func:`f32_math`: call bodies inlined, :data:`F32_MATH_PRIMITIVES` on
     16-bit operands computed in f32 and rounded back, anything else re-bound (None)."""
     inner = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr")
                   if isinstance(eqn.params.get(k), jcore.ClosedJaxpr)), None)
-    if inner is not None and eqn.primitive.name in _CALLS:
+    if inner is not None and eqn.primitive.name in CALL_LIKE:
         return _eval_f32_math(inner.jaxpr, inner.consts, invals)
     if eqn.primitive.name in F32_MATH_PRIMITIVES and any(
             np.dtype(v.aval.dtype) in _LOW for v in eqn.invars if hasattr(v.aval, "dtype")):
@@ -427,5 +423,4 @@ def _f32_rule(eqn: Any, invals: list[Any]) -> list[Any] | None:
 
 
 def _eval_f32_math(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-    from ..interpret import interpret
     return interpret(jaxpr, consts, args, _f32_rule)

@@ -49,7 +49,6 @@ kernels read K/V through their layouts and the group size is read off the layout
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
