@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .indexmap import all_of
 from .interpret import interpret
 from .primitives import TABLE
 
@@ -105,8 +106,7 @@ def _as_update(x: Any, idx: Any, upd: Any, *, window: tuple[int, ...], indexed: 
              for d, (n, w) in enumerate(zip(x.shape, window))]
     new = upd.reshape(window)
     if guarded:
-        fits = functools.reduce(jnp.logical_and, [(raw[d] >= 0) & (raw[d] <= x.shape[d] - window[d])
-                                                  for d in indexed])
+        fits = all_of([(raw[d] >= 0) & (raw[d] <= x.shape[d] - window[d]) for d in indexed])
         new = lax.select_n(fits, lax.dynamic_slice(x, start, window), new)   # scalar predicate
     return lax.dynamic_update_slice(x, new, start)
 

@@ -181,7 +181,7 @@ class _Eval:
             val = xs[0].reshape(new)
         elif p == "transpose":
             val = np.transpose(xs[0], op.params["permutation"])
-        elif p in ("reshape", "squeeze", "expand_dims"):
+        elif p in ("reshape", "squeeze"):
             x, old = xs[0], ins[0].shape
             if [n for n in old if n != 1] == [n for n in shape if n != 1]:
                 kept = iter(x.shape[i] for i, n in enumerate(old) if n != 1)
