@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -418,14 +418,18 @@ def all_of(masks: Iterable[Any]) -> Any:
     return out
 
 
-def conds_mask(conds: Iterable[Cond], at: Point, xp: Any = np, bounds: Bounds | None = None) -> Any:
+def conds_mask(conds: Iterable[Cond], at: Point, xp: Any = np, bounds: Bounds | None = None,
+               given: Any = None) -> Any:
     """Where every ``lo <= expr < hi`` of ``conds`` holds at ``at`` (None: no conditions).
     ``bounds`` let non-negative floordiv/mod use truncating division under jax (see
-    :meth:`Expr.evaluate`)."""
+    :meth:`Expr.evaluate`). ``given``: a mask already known (a kernel block's in-bounds lanes),
+    joined first and in the same chain — one flat conjunction, which is what the kernels emitted
+    before this helper existed (regrouping the ``and``s changed ptxas's register allocation: a
+    depthwise conv went from 32 to 45 registers)."""
     def one(c: Cond) -> Any:
         v = c.expr.evaluate(at, xp, bounds)
         return (v >= c.lo) & (v < c.hi)
-    return all_of(one(c) for c in conds)
+    return all_of([given, *(one(c) for c in conds)])
 
 
 @dataclass(frozen=True)
@@ -628,10 +632,12 @@ class IndexMap(Movements):
         return self._movement([hi - lo for lo, hi in box], [dim(i) + lo for i, (lo, _) in enumerate(box)])
 
     # -- evaluation ---------------------------------------------------------------------------
-    def targets(self, at: Point, xp: Any = np) -> tuple[Any, ...]:
-        """The target index of every target dim at the point ``at`` (see :func:`point`)."""
+    def targets(self, at: Point, xp: Any = np, each: Callable[[Any], Any] | None = None) -> tuple[Any, ...]:
+        """The target index of every target dim at the point ``at`` (see :func:`point`).
+        ``each`` is applied to each index as soon as it is computed (a kernel broadcasting it to
+        its block: the emitted ops stay in per-dim order, which ptxas's allocation is sensitive to)."""
         b = self.bounds
-        return tuple(e.evaluate(at, xp, b) for e in self.exprs)
+        return tuple(e.evaluate(at, xp, b) if each is None else each(e.evaluate(at, xp, b)) for e in self.exprs)
 
     def valid(self, at: Point, xp: Any = np) -> Any:
         """Where the map's own conditions (a ``pad``'s mask) hold at ``at``; None: everywhere."""
@@ -785,11 +791,11 @@ class Piece:
     map: IndexMap
     where: tuple[Cond, ...] = ()
 
-    def holds(self, at: Point, xp: Any = np) -> Any:
+    def holds(self, at: Point, xp: Any = np, given: Any = None) -> Any:
         """Where this piece holds a valid element at ``at``: its membership and its map's own
-        conditions (both may involve runtime symbols; a symbol-only condition gives a scalar).
-        None: everywhere."""
-        return conds_mask(self.where + self.map.conds, at, xp, self.map.bounds)
+        conditions (both may involve runtime symbols; a symbol-only condition gives a scalar),
+        and ``given`` (see :func:`conds_mask`). None: everywhere."""
+        return conds_mask(self.where + self.map.conds, at, xp, self.map.bounds, given)
 
     def box(self) -> tuple[tuple[int, int], ...] | None:
         """The membership as a static box, when it is one (the common concat/split case)."""
@@ -807,9 +813,9 @@ class FillRegion:
     where: tuple[Cond, ...]
     value: float
 
-    def holds(self, at: Point, xp: Any = np) -> Any:
-        """Where the region holds at ``at``; None: everywhere."""
-        return conds_mask(self.where, at, xp)
+    def holds(self, at: Point, xp: Any = np, given: Any = None) -> Any:
+        """Where the region holds at ``at`` (and ``given``, see :func:`conds_mask`); None: everywhere."""
+        return conds_mask(self.where, at, xp, None, given)
 
 
 @dataclass(frozen=True)

@@ -458,7 +458,7 @@ class VRef:
     def _piece_mask(self, p: Piece, env: dict[Atom, Any], inb: Any, block: Sequence[int]) -> Any:
         """The piece's lanes in this block (None: all). Conditions on runtime symbols alone (a
         concat piece picked by ``pos``) give a scalar: broadcast to the block."""
-        m = all_of([inb, p.holds(env, jnp)])
+        m = p.holds(env, jnp, given=inb)
         return m if m is None or tuple(jnp.shape(m)) == tuple(block) else jnp.broadcast_to(m, tuple(block))
 
     def _strided_index(self, p: Piece, sb: Any, origin: Sequence[Any], block: Sequence[int],
@@ -493,7 +493,7 @@ class VRef:
                                     access[0]).astype(dtype)
         result = jnp.full(block, fill, dtype)
         for r in reversed(layout.fills):   # borders of pads: the first region containing a lane wins
-            rmask = all_of([inb, r.holds(env, jnp)])
+            rmask = r.holds(env, jnp, given=inb)
             result = jnp.full(block, r.value, dtype) if rmask is None else \
                 jnp.where(rmask, jnp.asarray(r.value, dtype), result)
         for p, acc in zip(layout.pieces, access):
@@ -757,7 +757,7 @@ def _check_index_width(shape: tuple[int, ...], dtype: np.dtype) -> None:
 def _dim_indices(p: Piece, env: dict[Atom, Any], shape: Sequence[int], block: Sequence[int]
                  ) -> tuple[jax.Array, ...]:
     """One int32 index array per buffer dim (each < that dim's size), broadcast to the block."""
-    return tuple(jnp.broadcast_to(jnp.asarray(t, jnp.int32), tuple(block)) for t in p.map.targets(env, jnp))
+    return p.map.targets(env, jnp, each=lambda t: jnp.broadcast_to(jnp.asarray(t, jnp.int32), tuple(block)))
 
 
 def _flat_offsets(p: Piece, env: dict[Atom, Any], shape: Sequence[int], block: Sequence[int]) -> jax.Array:
