@@ -73,7 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .flash import (AttentionConfig, Flash, KeyEnd, NEG, SMEM_BUDGET, empty_rows_mode, int32_where,
+from .flash import (AttentionConfig, Flash, KeyEnd, NEG, SMEM_BUDGET, Planned, empty_rows_mode, int32_where,
                     key_end, masked_scores, normalise, read_end, softmax_block)
 from .tiling import MIN_DOT_BLOCK, NUM_SMS, check_pow2, next_pow2, program_id
 from .vio import Plan, VTensor, output, pack_results
@@ -109,7 +109,7 @@ def _fold_rows(x: jax.Array, g: int, gs: int) -> jax.Array:
 
 
 @dataclass(frozen=True)
-class _Cfg:
+class _Cfg(Planned):
     """The decode kernels' static configuration (see the module docstring)."""
     B: int
     H: int
@@ -126,16 +126,8 @@ class _Cfg:
     flash: Flash
 
     @property
-    def T(self) -> int:
-        return self.flash.T
-
-    @property
     def Gp(self) -> int:
         return self.launch.block_q
-
-    @property
-    def bk(self) -> int:
-        return self.launch.block_k
 
 
 def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = None,

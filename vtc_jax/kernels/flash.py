@@ -29,7 +29,7 @@ from jax import lax
 from .tiling import MIN_DOT_BLOCK, dot_config, next_pow2
 from .vio import VRef
 
-__all__ = ["AttentionConfig", "Flash", "KeyEnd", "SMEM_BUDGET", "NEG", "key_end", "read_end",
+__all__ = ["AttentionConfig", "Flash", "KeyEnd", "Planned", "SMEM_BUDGET", "NEG", "key_end", "read_end",
            "softmax_block", "empty_rows_mode", "masked_scores", "normalise", "int32_where"]
 
 SMEM_BUDGET = 128 * 1024  # bytes of staged K/V blocks; sm_90 allows 227 KiB, sm_80 163 KiB per block
@@ -284,3 +284,18 @@ class Flash:
 
     def normalise(self, acc: jax.Array, l: jax.Array) -> jax.Array:
         return normalise(acc, l, self.empty_nan)
+
+
+class Planned:
+    """What a kernel's plan (``_Cfg``) reads off its launch and flash step: the key length and the
+    K/V block. A mixin for the decode and the prefill plans, which hold ``launch`` and ``flash``."""
+    launch: AttentionConfig
+    flash: Flash
+
+    @property
+    def T(self) -> int:
+        return self.flash.T
+
+    @property
+    def bk(self) -> int:
+        return self.launch.block_k

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .flash import AttentionConfig, Flash, KeyEnd, int32_where, key_end, read_end
+from .flash import AttentionConfig, Flash, KeyEnd, Planned, int32_where, key_end, read_end
 from .tiling import MIN_DOT_BLOCK, cdiv, check_pow2, next_pow2, program_id
 from .vio import Plan, VTensor, output, pack_results
 
@@ -61,7 +61,7 @@ __all__ = ["prefill_attention"]
 
 
 @dataclass(frozen=True)
-class _Cfg:
+class _Cfg(Planned):
     """The prefill kernel's static configuration (see the module docstring)."""
     Z: int
     M: int
@@ -77,16 +77,8 @@ class _Cfg:
     flash: Flash
 
     @property
-    def T(self) -> int:
-        return self.flash.T
-
-    @property
     def bq(self) -> int:
         return self.launch.block_q
-
-    @property
-    def bk(self) -> int:
-        return self.launch.block_k
 
 
 def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset: Any = 0,

@@ -35,7 +35,8 @@ from ..compat import CPU_LOWERING_CORES
 from ..interpret import interpret
 from ..primitives import CALL_LIKE, TABLE
 
-__all__ = ["MIN_DOT_BLOCK", "NUM_SMS", "DECODE_MAX_M", "GemmConfig", "gemm_config", "next_pow2", "cdiv", "check_pow2", "choose_block", "choose_blocks",
+__all__ = ["MIN_DOT_BLOCK", "NUM_SMS", "DECODE_MAX_M", "GemmConfig", "gemm_config", "next_pow2", "cdiv",
+           "check_pow2", "choose_block", "choose_blocks",
            "split_block", "Group", "InBounds", "program_id", "grid_origin", "fori", "dot_config", "f32_math",
            "F32_MATH_PRIMITIVES"]
 

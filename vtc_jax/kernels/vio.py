@@ -46,8 +46,9 @@ How a piece is accessed (cheapest first)
 2. *General*: the buffer is passed flattened (a free bitcast in XLA) and the block's flat offsets
    are the map's own ``IndexMap.flat_offsets`` evaluated on the block's int32 lane indices (``//``
    and ``%`` only where simplification could not remove them) — a masked gather/scatter. Lane
-   masks are ``Piece.holds`` / ``FillRegion.holds`` on the same lanes, joined by ``all_of``. Masked-off scatter lanes point past the end of the buffer, because the
-   interpreter writes the old value back on masked lanes and would clobber element 0.
+   masks are ``Piece.holds`` / ``FillRegion.holds`` on the same lanes, the block's in-bounds mask
+   first in the one chain of ``all_of``. Masked-off scatter lanes point past the end of the buffer,
+   because the interpreter writes the old value back on masked lanes and would clobber element 0.
 3. *General, on an unflattened buffer*: buffers of 2^31 elements or more (flat int32 offsets
    would overflow, and int64 values do not exist in a kernel traced without x64), and buffers of
    merge-shaped pieces whose block at hand does not make a window (path 1 serves the others). The
