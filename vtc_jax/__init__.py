@@ -6,8 +6,8 @@ index maps that the neighbouring Pallas kernels read and write through. ``explai
 reports what it would do, without running anything.
 """
 from . import compat  # noqa: F401  (jax-version shims; filters jax's Pallas Triton deprecation)
-from .api import Optimized, VTCError, VTCFallbackWarning, explain, optimize
+from .api import Optimized, VTCError, VTCFallbackWarning, VTCNotice, explain, optimize
 from .report import Report
 
-__all__ = ["optimize", "explain", "Optimized", "Report", "VTCError", "VTCFallbackWarning"]
+__all__ = ["optimize", "explain", "Optimized", "Report", "VTCError", "VTCFallbackWarning", "VTCNotice"]
 __version__ = "0.1.0"

@@ -11,13 +11,13 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-import warnings
 from typing import Any, Callable, Sequence
 
 import jax
 
 from .analysis import analyze, cost_model_for, positions
 from .autodiff import with_original_derivatives
+from .compat import warn
 from .program import BuildOptions, build
 from .report import Report, build_report, fallback_messages
 
@@ -122,6 +122,11 @@ def explain(fn: Callable[..., Any] | None = None, *, static_argnums: int | Seque
 # optimize
 # --------------------------------------------------------------------------------------------
 
+class VTCNotice(UserWarning):
+    """Information, not a fallback (no GPU here: the kernels run in the Pallas interpreter). Not a
+    :class:`VTCFallbackWarning`, so turning fallbacks into errors does not trip on it."""
+
+
 class VTCFallbackWarning(UserWarning):
     """Part (or all) of a function runs as plain XLA instead of through VTC's kernels."""
 
@@ -165,7 +170,7 @@ class Optimized:
         self._rejected: dict[int, str] = {}   # clusters whose kernel failed to build (latest trace)
         if backend == "auto" and self.backend == "interpret":
             self._warn("no GPU: Pallas kernels run in interpret mode (correct, slow); "
-                       "use backend='triton' to lower them for CUDA")
+                       "use backend='triton' to lower them for CUDA", VTCNotice)
         functools.update_wrapper(self, fn)
 
         def impl(*args: Any, **kwargs: Any) -> Any:
@@ -179,10 +184,11 @@ class Optimized:
         self._jitted = jax.jit(impl, static_argnums=self._static[0], static_argnames=self._static[1],
                                donate_argnums=self._donate[0], donate_argnames=self._donate[1])
 
-    def _warn(self, msg: str) -> None:
+    def _warn(self, msg: str, category: type[Warning] | None = None) -> None:
+        """Say ``msg`` once, located at the user's call (``compat.warn``)."""
         if msg not in self._said:
             self._said.add(msg)
-            warnings.warn(f"vtc_jax: {msg}", VTCFallbackWarning, stacklevel=3)
+            warn(f"vtc_jax: {msg}", category or VTCFallbackWarning)
 
     def _fallback(self, msg: str, exc: BaseException | None = None) -> None:
         if self.strict:

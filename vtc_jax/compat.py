@@ -12,11 +12,18 @@
   GPU kernels lower through it, so importing vtc_jax filters exactly that message and
   ``triton_backend_notice()`` says it once per process in vtc_jax's words
   (:class:`TritonBackendDeprecation`). Interpret mode never warns.
+* **Where a warning points.** vtc_jax warns from deep inside jax's tracing (a fallback is found
+  while ``jax.jit`` traces the user's function); :func:`warn` gives each warning the user's own
+  line as its location — the first frame outside vtc_jax, jax and the standard library — which
+  ``warnings.warn``'s ``skip_file_prefixes`` does only from Python 3.12 on.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import sys
+import sysconfig
 import warnings
 from typing import Any, Iterator
 
@@ -79,6 +86,23 @@ def cuda_lowering() -> Iterator[None]:
 _said = False
 
 
+def _package_dir(module: Any) -> str:
+    return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+
+
+_INTERNAL_FILES = (os.path.dirname(os.path.abspath(__file__)) + os.sep, _package_dir(jax),
+                   os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep, "<frozen ")
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` located at the user's call: the first frame (outward from the caller)
+    whose file is not vtc_jax's, jax's or the standard library's (see the module docstring)."""
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_FILES):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
 def triton_backend_notice() -> None:
     """Say once per process, in vtc_jax's words, that jax deprecates the Pallas Triton backend (only
     on jax versions that deprecate it). Call where vtc_jax builds or lowers a Triton kernel."""
@@ -86,11 +110,11 @@ def triton_backend_notice() -> None:
     if _said or JAX_VERSION < (0, 11):
         return
     _said = True
-    warnings.warn(
+    warn(
         f"vtc_jax: jax {jax.__version__} deprecates the Pallas Triton backend that vtc_jax's GPU "
         "kernels lower through (upstream points to Mosaic GPU or jax-triton). On this jax they "
         "still lower, compile and run unchanged; vtc_jax hides jax's per-kernel "
-        "DeprecationWarning and says it only here.", TritonBackendDeprecation, stacklevel=3)
+        "DeprecationWarning and says it only here.", TritonBackendDeprecation)
 
 
 def quiet_jax_triton_deprecation() -> None:

@@ -1,0 +1,47 @@
+"""Where vtc_jax's warnings point and what they are: the user's own line, and a notice that is not
+a fallback (so ``warnings.simplefilter("error", VTCFallbackWarning)`` only trips on fallbacks)."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vtc_jax
+
+
+def test_the_no_gpu_notice_is_not_a_fallback_and_points_at_the_caller():
+    if jax.default_backend() == "gpu":
+        pytest.skip("the notice is said only without a GPU")
+    assert not issubclass(vtc_jax.VTCNotice, vtc_jax.VTCFallbackWarning)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        warnings.simplefilter("error", vtc_jax.VTCFallbackWarning)   # fallbacks as errors: no error here
+        f = vtc_jax.optimize(lambda x: jnp.transpose(x) + 1.0)
+    notices = [w for w in rec if issubclass(w.category, vtc_jax.VTCNotice)]
+    assert len(notices) == 1 and "interpret mode" in str(notices[0].message)
+    assert notices[0].filename == __file__
+    x = jnp.arange(6.0).reshape(2, 3)
+    np.testing.assert_array_equal(f(x), jnp.transpose(x) + 1.0)
+
+
+def test_a_fallback_found_while_jax_traces_points_at_the_users_call():
+    """The fallback is found inside jax.jit's trace, many frames below the call: its location is
+    the line that called the optimised function."""
+    def fn(x, i):
+        return jnp.transpose(x).at[i].add(1.0) * 2.0   # scatter-add: opaque, its movement stays
+
+    f = vtc_jax.optimize(fn, backend="interpret")
+    x, i = jnp.arange(12.0).reshape(3, 4), jnp.array([0, 2])
+    with pytest.warns(vtc_jax.VTCFallbackWarning, match="scatter-add") as rec:
+        line = _lineno() + 1
+        out = f(x, i)
+    hits = [w for w in rec if issubclass(w.category, vtc_jax.VTCFallbackWarning)]
+    assert all(w.filename == __file__ for w in hits), [(w.filename, w.lineno) for w in hits]
+    assert any(w.lineno == line for w in hits)
+    np.testing.assert_array_equal(out, jax.jit(fn)(x, i))
+
+
+def _lineno() -> int:
+    import inspect
+    return inspect.currentframe().f_back.f_lineno
