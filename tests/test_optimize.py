@@ -287,3 +287,21 @@ def test_user_errors_are_not_swallowed():
     f = vtc_jax.optimize(lambda x, y: jnp.dot(x, y), backend="interpret")
     with pytest.raises(TypeError, match="dot_general requires contracting dimensions to have the same shape"):
         f(jnp.ones((2, 3)), jnp.ones((4, 5)))
+
+
+@pytest.mark.parametrize("fn, shapes", [
+    (lambda a, b: (a.T @ b) + 1.0, ((0, 16), (0, 8))),        # empty contraction: a matrix of ones
+    (lambda a, b: jnp.transpose(a) @ b, ((16, 0), (16, 8))),   # empty result
+    (lambda x: jnp.transpose(x).reshape(-1) * 2.0, ((0, 4),)),
+])
+def test_zero_size_operands_are_xlas_by_choice(fn, shapes):
+    """A cluster touching a tensor with no elements is left to XLA with a reason (no kernel, no
+    fallback warning, no whole-rewrite failure: the cost model once divided by the empty K)."""
+    args = [jnp.ones(s, jnp.float32) for s in shapes]
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        out = vtc_jax.optimize(fn, backend="interpret")(*args)
+    assert not [w for w in rec if issubclass(w.category, vtc_jax.VTCFallbackWarning)], [str(w.message) for w in rec]
+    np.testing.assert_array_equal(out, jax.jit(fn)(*args))
+    reasons = [why for _, _, why in vtc_jax.explain(fn)(*args).templates]
+    assert reasons and all("has no elements" in why for why in reasons), reasons

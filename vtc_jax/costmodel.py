@@ -201,7 +201,8 @@ DECODE_MAX_M = 64   # a GEMM with at most this many rows streams its weights: ba
 
 
 def _gemm_shape(graph: "Graph", c: "Cluster") -> tuple[int, int, int, int, int, int] | None:
-    """``(batch, m, n, k, lhs itemsize, rhs itemsize)`` of a matmul cluster's dot (None if none)."""
+    """``(batch, m, n, k, lhs itemsize, rhs itemsize)`` of a matmul cluster's dot (None if none,
+    or if the dot is empty: a zero-size GEMM has no launch to price)."""
     op = next((graph.ops[o] for o in c.ops if graph.ops[o].primitive == "dot_general"), None)
     if op is None:
         return None
@@ -211,6 +212,8 @@ def _gemm_shape(graph: "Graph", c: "Cluster") -> tuple[int, int, int, int, int, 
     k = math.prod(lhs.shape[d] for d in lc)
     m = math.prod(s for d, s in enumerate(lhs.shape) if d not in lc and d not in lb)
     n = math.prod(s for d, s in enumerate(rhs.shape) if d not in rc and d not in rb)
+    if 0 in (batch, m, n, k):
+        return None
     return batch, m, n, k, lhs.dtype.itemsize, rhs.dtype.itemsize
 
 

@@ -13,7 +13,8 @@ compute cluster with its verdict (:class:`~vtc_jax.templates.Match`, or
    merged into one cluster (``cluster.fuse_islands``) when one kernel can serve them; an island its
    template cannot plan stays its parts;
 5. **XLA verdicts** (``xla.xla_fuses``): pointwise work XLA fuses better is rejected with the
-   reason, recorded in ``xla_fused`` (XLA's by choice, not a fallback).
+   reason, recorded in ``xla_fused`` (XLA's by choice, not a fallback); so is a cluster touching a
+   tensor with no elements (``templates.empty_problem``: nothing for a kernel to do).
 
 This module is the only caller of ``match_all`` and ``fuse_islands``. Later stages read the
 verdicts (the VTOG pins every tensor of a rejected cluster physical; lowering builds kernels for
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from .cluster import Cluster, cluster, fuse_islands
 from .graph import Graph
 from .primitives import Kind, is_movement_op
-from .templates import Match, Reject, match_all
+from .templates import Match, Reject, empty_problem, match_all
 from .xla import pointwise_islands, xla_fuses
 
 __all__ = ["Selection", "select"]
@@ -65,10 +66,12 @@ def select(graph: Graph, rejected: Mapping[int, str] | None = None, *, xla_fusio
     if declined:
         clusters = cluster(graph, not_attention=frozenset(o for o, _ in declined))
         verdicts = match_all(graph, clusters, rejected)
-    if not xla_fusion:
-        return Selection(clusters, verdicts, declined)
-    clusters, verdicts, not_fused = _fuse_islands(graph, clusters, verdicts, rejected)
-    fused = xla_fuses(graph, clusters, verdicts, not_fused)
+    fused: dict[int, str] = {}
+    if xla_fusion:
+        clusters, verdicts, not_fused = _fuse_islands(graph, clusters, verdicts, rejected)
+        fused = xla_fuses(graph, clusters, verdicts, not_fused)
+    fused.update({c.id: why for c in clusters if isinstance(verdicts.get(c.id), Match)
+                  for why in [empty_problem(graph, c)] if why is not None})
     kinds = {c.id: c.kind for c in clusters}
     verdicts = {**verdicts, **{k: Reject(k, Kind(kinds[k]), why) for k, why in fused.items()}}
     return Selection(clusters, verdicts, declined, frozenset(fused))

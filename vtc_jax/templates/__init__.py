@@ -32,7 +32,7 @@ from . import attention, contraction, pointwise, reduction
 from .base import Decline, KernelBuildError, Match, Reject, Run, Step, Template
 
 __all__ = ["Match", "Reject", "Decline", "Template", "TEMPLATES", "Run", "Step", "match_all",
-           "dtype_problem", "KernelBuildError"]
+           "dtype_problem", "empty_problem", "KernelBuildError"]
 
 
 TEMPLATES: Mapping[Kind, Template] = {t.kind: t for t in (
@@ -62,6 +62,19 @@ def dtype_problem(graph: Graph, c: Cluster) -> str | None:
             if any(d.name.startswith(p) for p in _NO_TRITON) or not (
                     d == np.bool_ or jnp.issubdtype(d, jnp.floating) or jnp.issubdtype(d, jnp.integer)):
                 return f"t{t} is {d.name}: no Pallas Triton lowering for this dtype"
+    return None
+
+
+def empty_problem(graph: Graph, c: Cluster) -> str | None:
+    """Why ``c`` is no kernel's business: it touches a tensor with no elements (None: none does).
+    Such a cluster computes nothing (or only a fill); a Pallas grid of zero programs and block
+    sizes derived from a zero extent are not worth special cases, so XLA runs it (read by
+    ``selection.select``, which leaves it to XLA by choice: no fallback warning)."""
+    for oid in c.ops:
+        op = graph.ops[oid]
+        for t in (*op.inputs, *op.outputs):
+            if graph.tensors[t].size == 0:
+                return f"t{t} has no elements (shape {graph.tensors[t].shape}): nothing for a kernel to do"
     return None
 
 
