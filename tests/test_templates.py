@@ -260,3 +260,17 @@ def test_widening_cast_before_a_dot_is_the_matmul_prologue():
         mod = cross_lower(vtc_jax.optimize(f, backend="triton"), *args)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=2e-2, atol=2e-2)
     assert any(k.name.startswith("vtc_matmul") for k in mod.triton_kernels)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.int8])
+def test_integer_dots_are_declined_by_the_matcher_not_at_build(dtype):
+    """An integer matmul is the matcher's decline (explain() says so before anything is built),
+    not a kernel that fails to build; the program stays equal to jax.jit."""
+    f = lambda a, b: (a.T @ b) + 1   # noqa: E731
+    a = jnp.arange(32 * 16, dtype=jnp.int32).reshape(32, 16).astype(dtype) % 7
+    b = jnp.arange(32 * 8, dtype=jnp.int32).reshape(32, 8).astype(dtype) % 5
+    (verdict,) = [why for _, kind, why in vtc_jax.explain(f)(a, b).templates if kind == "matmul"]
+    assert "floating operands only" in verdict and "failed to build" not in verdict
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        np.testing.assert_array_equal(vtc_jax.optimize(f, backend="interpret")(a, b), jax.jit(f)(a, b))

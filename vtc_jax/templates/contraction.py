@@ -52,6 +52,11 @@ def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
         if primitive == "conv_general_dilated" and op.params.get("batch_group_count", 1) != 1:
             raise Decline("batch_group_count != 1")
         (lhs, pa), (rhs, pb) = (_prologue(graph, c, x) for x in op.inputs[:2])
+        for t in dict.fromkeys((lhs, rhs, *op.inputs[:2])):   # what the kernel loads and what it dots
+            dt = np.dtype(graph.tensors[t].dtype)
+            if not jnp.issubdtype(dt, jnp.floating):
+                raise Decline(f"{primitive} of {dt.name} operands: the kernel's dot takes floating "
+                              "operands only (integer and boolean dots run in XLA)")
         rest = tuple(o for o in c.ops if o != op.id and o not in pa and o not in pb)
         why = block_supported(graph, rest + pa + pb)
         if why:
