@@ -18,12 +18,24 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .graph import Graph, Op
+
+class Op(Protocol):
+    """What the table's helpers read of an op (``graph.Op`` has it): the vocabulary sits below
+    the trace, so it names the shape it needs instead of importing the tracer's types."""
+    primitive: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    params: Mapping[str, Any]
+    opaque_reason: str | None
+
+
+class Graph(Protocol):
+    """What the table's helpers read of a graph: its tensors (``dtype``, ``size``) by id."""
+    tensors: Sequence[Any]
 
 __all__ = ["Role", "Kind", "Direction", "EdgeClass", "PrimInfo", "TABLE", "role_of", "cluster_kind",
            "is_movement_op", "is_view", "data_inputs", "inplace_operand", "block_safe",
@@ -179,7 +191,7 @@ _SEEDS = MappingProxyType({Role.MOVEMENT: Kind.MOVEMENT, Role.ELEMENTWISE: Kind.
                            Role.CALL: Kind.OPAQUE, Role.CONTROL: Kind.OPAQUE})
 
 
-def _same_dtype(op: "Op", graph: "Graph") -> bool:
+def _same_dtype(op: Op, graph: Graph) -> bool:
     a, b = graph.tensors[op.inputs[0]].dtype, graph.tensors[op.outputs[0]].dtype
     try:
         return np.dtype(a) == np.dtype(b)
@@ -187,7 +199,7 @@ def _same_dtype(op: "Op", graph: "Graph") -> bool:
         return a == b
 
 
-def role_of(op: "Op", graph: "Graph") -> Role | None:
+def role_of(op: Op, graph: Graph) -> Role | None:
     """The op's role (None: not in the table). A convert that keeps the dtype is movement (a copy)."""
     r = TABLE.get(op.primitive)
     if r is None:
@@ -197,7 +209,7 @@ def role_of(op: "Op", graph: "Graph") -> Role | None:
     return r.role
 
 
-def cluster_kind(op: "Op", graph: "Graph") -> Kind:
+def cluster_kind(op: Op, graph: Graph) -> Kind:
     """The kind of cluster the op seeds on its own, from its role (``Kind.OPAQUE``: a primitive
     the table does not know, or a call / control flow the tracer kept). ``cluster._kind`` refines
     it (glue, opaque reasons); this is the table's part."""
@@ -211,7 +223,7 @@ def cluster_kind(op: "Op", graph: "Graph") -> Kind:
     return _SEEDS[r]
 
 
-def is_movement_op(op: "Op", graph: "Graph") -> bool:
+def is_movement_op(op: Op, graph: Graph) -> bool:
     """The op only moves data: a movement primitive, or a convert that keeps the dtype (a copy),
     that the tracer did not keep opaque (a ``scatter-add`` with its combiner jaxpr is opaque).
     The one definition: whether it offers VTOG edges is ``movement.rules``' business (a gather at
@@ -219,7 +231,7 @@ def is_movement_op(op: "Op", graph: "Graph") -> bool:
     return op.opaque_reason is None and role_of(op, graph) is Role.MOVEMENT
 
 
-def is_view(op: "Op", graph: "Graph") -> bool:
+def is_view(op: Op, graph: Graph) -> bool:
     """XLA runs the op as a free bitcast: reshape (without ``dimensions``), squeeze, copy, a
     size-preserving broadcast, a convert that keeps the dtype. The one definition."""
     r = TABLE.get(op.primitive)
@@ -234,7 +246,7 @@ def is_view(op: "Op", graph: "Graph") -> bool:
     return True
 
 
-def data_inputs(op: "Op") -> tuple[int, ...]:
+def data_inputs(op: Op) -> tuple[int, ...]:
     """The operands that carry data (not dynamic start indices, gather indices or pad values)."""
     r = TABLE.get(op.primitive)
     if r is None or r.data is None:
