@@ -47,10 +47,6 @@ class Selection:
     declined: tuple[tuple[int, str], ...] = ()
     xla_fused: frozenset[int] = frozenset()
 
-    def kernels(self) -> tuple[Cluster, ...]:
-        """The clusters that become kernels (a Match)."""
-        return tuple(c for c in self.clusters if isinstance(self.verdicts.get(c.id), Match))
-
 
 def select(graph: Graph, rejected: Mapping[int, str] | None = None, *, xla_fusion: bool = True) -> Selection:
     """Cluster ``graph`` and give each compute cluster its verdict (see the module docstring).
