@@ -62,7 +62,7 @@ def test_bodies_are_optimised_and_equal_jit(fn, extra):
     args = _args() + tuple(jnp.asarray(e) for e in extra)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        opt = vtc_jax.optimize(fn, backend="interpret")
+        opt = vtc_jax.optimize(fn, backend="interpret", guard=None)
         out = opt(*args)
     check_close(out, jax.jit(fn)(*args))
     assert opt._build.bodies, "the control-flow body was not optimised"
@@ -76,7 +76,7 @@ def test_scan_body_lowered_for_cuda_has_no_transposes():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
         # the recursion is what is tested: every cluster may be a kernel (xla_fusion=False; by
         # default the tanh/add island is left to XLA, which fuses the transposes itself)
-        opt = cross_lower(vtc_jax.optimize(scan_layers, backend="triton",
+        opt = cross_lower(vtc_jax.optimize(scan_layers, backend="triton", guard=None,
                                            cost_model=CostModel(xla_fusion=False)), *args)
     base = cross_lower(jax.jit(scan_layers), *args)
     assert base.text.count("stablehlo.transpose") >= 2
@@ -90,7 +90,7 @@ def test_unoptimisable_body_is_kept_as_traced():
     def f(x):
         return lax.fori_loop(0, 3, lambda i, h: h * 2.0 + i, x)
     x = jnp.arange(4.0)
-    opt = vtc_jax.optimize(f, backend="interpret")
+    opt = vtc_jax.optimize(f, backend="interpret", guard=None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
         np.testing.assert_array_equal(opt(x), jax.jit(f)(x))
@@ -115,7 +115,7 @@ def test_scanned_llama_with_donated_stacked_caches_equals_jit(fn_name):
     ref = jax.jit(fn)(*args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-        opt = vtc_jax.optimize(fn, backend="interpret", donate_argnums=(2, 3))
+        opt = vtc_jax.optimize(fn, backend="interpret", guard=None, donate_argnums=(2, 3))
         out = opt(args[0], args[1], jnp.array(args[2]), jnp.array(args[3]), args[4])
     check_close(out, ref, rtol=1e-5)
     assert opt._build.bodies
@@ -136,7 +136,7 @@ def test_scanned_llama_paper_size_leaves_no_movement_and_no_cache_copy(batch):
         # By default the M = 16 projections stay XLA's GEMMs and XLA copies each layer's weight
         # slice for them (loop_dynamic_slice_fusion, as plain jit does) — see BENCHMARKS.md
         model = CostModel(xla_fusion=False, decode_loss=False)
-        opt = cross_lower(vtc_jax.optimize(LS.step, backend="triton", donate_argnums=(2, 3),
+        opt = cross_lower(vtc_jax.optimize(LS.step, backend="triton", guard=None, donate_argnums=(2, 3),
                                            cost_model=model), *args)
     base = cross_lower(jax.jit(LS.step, donate_argnums=(2, 3)), *args)
     assert base.movement_into_consumers()
@@ -150,7 +150,7 @@ def test_scanned_llama_paper_size_leaves_no_movement_and_no_cache_copy(batch):
     # nothing of the stacked caches moves
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-        dflt = cross_lower(vtc_jax.optimize(LS.step, backend="triton", donate_argnums=(2, 3)), *args)
+        dflt = cross_lower(vtc_jax.optimize(LS.step, backend="triton", guard=None, donate_argnums=(2, 3)), *args)
     assert dflt.movement_into_consumers() == []
     for op in ("stablehlo.transpose", "stablehlo.concatenate", "stablehlo.dynamic_update_slice",
                "stablehlo.gather", "stablehlo.scatter"):
@@ -170,7 +170,7 @@ def test_generation_loop_around_the_layer_scan_paper_size():
     base = cross_lower(jax.jit(LS.generate, donate_argnums=(2, 3)), *args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-        opt = cross_lower(vtc_jax.optimize(LS.generate, backend="triton", donate_argnums=(2, 3)), *args)
+        opt = cross_lower(vtc_jax.optimize(LS.generate, backend="triton", guard=None, donate_argnums=(2, 3)), *args)
     for op in ("transpose", "concatenate", "slice", "dynamic_update_slice", "gather", "scatter"):
         assert opt.text.count(f"stablehlo.{op} ") == 0, op
     assert base.text.count("stablehlo.transpose ") > 0 and base.text.count("stablehlo.dynamic_update_slice ") > 0
@@ -191,7 +191,7 @@ def test_32_scanned_layers_analyse_once_per_body():
     args = LS.example_args("paper", batch=16, layers=32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-        opt = vtc_jax.optimize(LS.step, backend="interpret", donate_argnums=(2, 3))
+        opt = vtc_jax.optimize(LS.step, backend="interpret", guard=None, donate_argnums=(2, 3))
         t0 = time.process_time()
         opt.trace(*args)
         cpu = time.process_time() - t0
@@ -210,7 +210,7 @@ def test_scanned_gemma_with_cond_alternation_equals_jit():
     ref = jax.jit(GS.step)(*args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-        opt = vtc_jax.optimize(GS.step, backend="interpret", donate_argnums=(2, 3))
+        opt = vtc_jax.optimize(GS.step, backend="interpret", guard=None, donate_argnums=(2, 3))
         out = opt(args[0], args[1], jnp.array(args[2]), jnp.array(args[3]), args[4])
     check_close(out, ref, rtol=2e-2 if args[1].dtype == jnp.bfloat16 else 1e-5)
     assert any(b.startswith("cond") for b in opt._build.bodies), opt._build.bodies
@@ -232,12 +232,12 @@ def test_scanned_gemma_cond_writes_the_stacked_cache_in_place():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
         # every cluster a kernel candidate (the recursion is what is tested, as above)
-        opt = vtc_jax.optimize(GS.step, backend="triton", donate_argnums=(2, 3),
+        opt = vtc_jax.optimize(GS.step, backend="triton", guard=None, donate_argnums=(2, 3),
                                cost_model=CostModel(xla_fusion=False, decode_loss=False))
         mod = cross_lower(opt, *args)
         # the default model too: RoPE is one fused kernel per rotated tensor (cluster.fuse_islands)
         # that writes the K row into the stacked cache; the attention reads the caches through maps
-        dflt = cross_lower(vtc_jax.optimize(GS.step, backend="triton", donate_argnums=(2, 3)), *args)
+        dflt = cross_lower(vtc_jax.optimize(GS.step, backend="triton", guard=None, donate_argnums=(2, 3)), *args)
     for op in ("stablehlo.dynamic_update_slice", "stablehlo.concatenate", "stablehlo.gather",
                "stablehlo.scatter", "stablehlo.transpose"):
         assert mod.text.count(op) == 0, op

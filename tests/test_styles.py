@@ -83,6 +83,6 @@ def test_style_cross_lowers_for_cuda(name):
     step, args = _case(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-        module = cross_lower(vtc_jax.optimize(step, backend="triton"), *args)
+        module = cross_lower(vtc_jax.optimize(step, backend="triton", guard=None), *args)
     if name != "int_and_bool_outputs":   # argmax, a reshape and a cumsum: nothing for a kernel
         assert module.triton_kernels, "no Pallas kernel in the CUDA module"

@@ -29,7 +29,7 @@ def _rand(*shapes, seed=0, dtype=jnp.float32):
 def _run(f, *args, **kw):
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        opt = vtc_jax.optimize(f, backend="interpret", **kw)
+        opt = vtc_jax.optimize(f, backend="interpret", guard=None, **kw)
         out = opt(*args)
     msgs = [str(w.message) for w in rec if issubclass(w.category, vtc_jax.VTCFallbackWarning)]
     return opt, out, [m for m in msgs if "interpret mode" not in m]
@@ -51,7 +51,7 @@ def check_no_elementwise_gather(opt, *args):
     assert lowered.gathers == [], lowered.gathers
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-        tri = vtc_jax.optimize(opt.fn, backend="triton")
+        tri = vtc_jax.optimize(opt.fn, backend="triton", guard=None)
         text = cross_lower(tri, *args).text
     base = cross_lower(jax.jit(opt.fn), *args).text
     for op in ("stablehlo.gather", "stablehlo.scatter"):
@@ -155,7 +155,7 @@ def test_kernel_build_failure_falls_back_per_cluster(monkeypatch):
     assert any("synthetic kernel failure" in m and "pointwise cluster" in m for m in msgs), msgs
     check_no_elementwise_gather(opt, *args)
     with pytest.raises(vtc_jax.VTCError, match="synthetic kernel failure"):
-        vtc_jax.optimize(f, backend="interpret", strict=True)(*args)
+        vtc_jax.optimize(f, backend="interpret", guard=None, strict=True)(*args)
 
 
 def test_complex_rope_between_projections_stays_xla_for_that_part():
@@ -256,8 +256,8 @@ def test_widening_cast_before_a_dot_is_the_matmul_prologue():
     assert casts and all(of[o].kind == "matmul" for o in casts), [(o, of[o].kind) for o in casts]
     with warnings.catch_warnings():   # both operands' prologues checked for 0 -> 0 under jit's trace
         warnings.simplefilter("error", vtc_jax.VTCFallbackWarning)
-        out, ref = vtc_jax.optimize(f, backend="interpret")(*args), jax.jit(f)(*args)
-        mod = cross_lower(vtc_jax.optimize(f, backend="triton"), *args)
+        out, ref = vtc_jax.optimize(f, backend="interpret", guard=None)(*args), jax.jit(f)(*args)
+        mod = cross_lower(vtc_jax.optimize(f, backend="triton", guard=None), *args)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=2e-2, atol=2e-2)
     assert any(k.name.startswith("vtc_matmul") for k in mod.triton_kernels)
 
@@ -273,4 +273,4 @@ def test_integer_dots_are_declined_by_the_matcher_not_at_build(dtype):
     assert "floating operands only" in verdict and "failed to build" not in verdict
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-        np.testing.assert_array_equal(vtc_jax.optimize(f, backend="interpret")(a, b), jax.jit(f)(a, b))
+        np.testing.assert_array_equal(vtc_jax.optimize(f, backend="interpret", guard=None)(a, b), jax.jit(f)(a, b))

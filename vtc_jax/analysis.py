@@ -42,6 +42,7 @@ class Analysis:
     donated: frozenset[int] = frozenset()
     declined: tuple[tuple[int, str], ...] = ()   # (first dot op, why) of attention regions no template took
     xla_fused: frozenset[int] = frozenset()      # clusters left to XLA by choice (xla.xla_fuses), not a fallback
+    guard: tuple[str, ...] = ()                  # what the guard decided (program.build): kept, undid, plain jit
 
 
 def cost_model_for(cost_model: Any, objective: str, gpu: str | None) -> Any:

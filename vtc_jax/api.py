@@ -18,6 +18,7 @@ import jax
 from .analysis import analyze, cost_model_for, positions
 from .autodiff import with_original_derivatives
 from .compat import warn
+from .guard import GUARDS, UNDONE
 from .program import BuildOptions, build
 from .report import Report, build_report, fallback_messages
 
@@ -82,16 +83,20 @@ def _dynamic_donation(args: tuple, kwargs: dict, static_argnums: Sequence[int], 
 def explain(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence[int] = (),
             static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
             objective: str = "latency", gpu: str | None = None, cost_model: Any = None,
-            donate_argnames: str | Sequence[str] = ()) -> Any:
+            donate_argnames: str | Sequence[str] = (), guard: str | None = None) -> Any:
     """``explain(fn)(*args, **kwargs) -> Report``: what VTC would do to ``fn``, without running it.
 
     Arguments may be arrays or ``jax.ShapeDtypeStruct`` (paper-size models analyse without
-    allocating). Usable as ``explain(fn)`` or ``explain(objective="memory")(fn)``.
+    allocating). Usable as ``explain(fn)`` or ``explain(objective="memory")(fn)``. With ``guard``
+    ("model", "compile"), the program is also built (kernels traced, not run) and priced against
+    plain jit as ``optimize`` does: the report lists what the guard undid and why
+    (``Optimized.explain`` passes the guard ``optimize`` was given).
     """
     if fn is None:
         return functools.partial(explain, static_argnums=static_argnums, static_argnames=static_argnames,
                                  donate_argnums=donate_argnums, objective=objective, gpu=gpu,
-                                 cost_model=cost_model, donate_argnames=donate_argnames)
+                                 cost_model=cost_model, donate_argnames=donate_argnames, guard=guard)
+    _check_guard(guard)
     if not callable(fn):
         raise TypeError(f"explain requires a callable, got {fn!r} of type {type(fn).__name__}")
     nums, names = resolve_argnums(fn, static_argnums, static_argnames)
@@ -102,8 +107,15 @@ def explain(fn: Callable[..., Any] | None = None, *, static_argnums: int | Seque
         f, a, k = _split_static(fn, args, kwargs, nums, names)
         dyn_nums, dyn_names = _dynamic_donation(args, kwargs, nums, names, dnums, dnames)
         try:
-            analysis = analyze(f, a, k, cost_model=cost_model, objective=objective, gpu=gpu,
-                               donate_argnums=dyn_nums, donate_argnames=dyn_names)
+            if guard is None:
+                analysis = analyze(f, a, k, cost_model=cost_model, objective=objective, gpu=gpu,
+                                   donate_argnums=dyn_nums, donate_argnames=dyn_names)
+            else:   # built and guarded as optimize would, with the kernels traced for the interpreter
+                abstract_a, abstract_k = jax.tree_util.tree_map(_abstract, (a, k))
+                opts = BuildOptions("interpret", False, dict(objective=objective, cost_model=cost_model, gpu=gpu),
+                                    lambda msg: None, VTCError, guard=guard)
+                analysis, _, _ = build(f, abstract_a, abstract_k, jax.tree_util.tree_leaves((abstract_a, abstract_k)),
+                                       donate=dyn_nums, donate_names=dyn_names, opts=opts, rejected={})
             return build_report(getattr(fn, "__name__", repr(fn)), analysis)
         except VTCError:
             raise
@@ -121,6 +133,11 @@ def explain(fn: Callable[..., Any] | None = None, *, static_argnums: int | Seque
 # --------------------------------------------------------------------------------------------
 # optimize
 # --------------------------------------------------------------------------------------------
+
+def _check_guard(guard: Any) -> None:
+    if guard not in GUARDS:
+        raise ValueError(f"guard must be one of {GUARDS}, got {guard!r}")
+
 
 class VTCNotice(UserWarning):
     """Information, not a fallback (no GPU here: the kernels run in the Pallas interpreter). Not a
@@ -158,19 +175,24 @@ class Optimized:
 
     def __init__(self, fn: Callable[..., Any], *, static_argnums: Sequence[int], static_argnames: Sequence[str],
                  donate_argnums: Sequence[int], backend: str, objective: str, cost_model: Any,
-                 strict: bool, gpu: str | None, donate_argnames: Sequence[str] = ()) -> None:
+                 strict: bool, gpu: str | None, donate_argnames: Sequence[str] = (),
+                 guard: str | None = "model") -> None:
         self.fn = fn
         self._static = resolve_argnums(fn, static_argnums or None, static_argnames or None)
         self._donate = resolve_argnums(fn, donate_argnums or None, donate_argnames or None)
         self._opts = dict(objective=objective, cost_model=cost_model, gpu=gpu)
         self.backend = _resolve_backend(backend)
         self.strict = strict
+        self.guard = guard
         self._said: set[str] = set()
         self.last: Any = None   # (Analysis, Lowered) of the latest trace, for inspection
         self._rejected: dict[int, str] = {}   # clusters whose kernel failed to build (latest trace)
         if backend == "auto" and self.backend == "interpret":
             self._warn("no GPU: Pallas kernels run in interpret mode (correct, slow); "
                        "use backend='triton' to lower them for CUDA", VTCNotice)
+        if guard == "measure" and jax.default_backend() != "gpu":
+            self._warn("guard='measure' needs a GPU to time on; the guard compiles both programs for the "
+                       "target with XLA instead (guard='compile')", VTCNotice)
         functools.update_wrapper(self, fn)
 
         def impl(*args: Any, **kwargs: Any) -> Any:
@@ -212,7 +234,8 @@ class Optimized:
                            f"({type(exc).__name__}: {exc}); running it as plain XLA", exc)
             return f(*a, **k)
         self.last = (analysis, lowered)
-        for msg in fallback_messages(analysis, frozenset(self._rejected), self._build.bodies):
+        failed = frozenset(c for c, why in self._rejected.items() if not why.startswith(UNDONE))
+        for msg in fallback_messages(analysis, failed, self._build.bodies):
             self._fallback(msg)
         for why in lowered.fallbacks:
             self._fallback(why)
@@ -227,7 +250,7 @@ class Optimized:
         control-flow bodies optimised recursively)."""
         abstract_a, abstract_k = jax.tree_util.tree_map(_abstract, (a, k))
         self._rejected = {}
-        self._build = BuildOptions(self.backend, self.strict, self._opts, self._fallback, VTCError)
+        self._build = BuildOptions(self.backend, self.strict, self._opts, self._fallback, VTCError, guard=self.guard)
         return build(f, abstract_a, abstract_k, flat, donate=donate[0], donate_names=donate[1], opts=self._build,
                      rejected=self._rejected)
 
@@ -250,7 +273,7 @@ class Optimized:
 
     def explain(self, *args: Any, **kwargs: Any) -> Report:
         return explain(self.fn, static_argnums=self._static[0], static_argnames=self._static[1],
-                       donate_argnums=self._donate[0], donate_argnames=self._donate[1],
+                       donate_argnums=self._donate[0], donate_argnames=self._donate[1], guard=self.guard,
                        **self._opts)(*args, **kwargs)
 
 
@@ -258,25 +281,34 @@ def optimize(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequ
              static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
              backend: str = "auto", objective: str = "latency", cost_model: Any = None,
              strict: bool = False, gpu: str | None = None,
-             donate_argnames: str | Sequence[str] = ()) -> Any:
+             donate_argnames: str | Sequence[str] = (), guard: str | None = "model") -> Any:
     """Compile ``fn`` with VTC: like ``jax.jit(fn)``, with data movement turned into index maps.
 
     Use as ``@optimize`` or ``@optimize(donate_argnums=2, ...)``. Static and donated arguments
     follow ``jax.jit``: by number or by name, the other read off ``fn``'s signature. ``backend``: "auto" (Triton on a
     GPU, the Pallas interpreter elsewhere), "triton" (lower for CUDA even on a CPU machine, e.g. to
     export) or "interpret". ``strict=True`` raises where VTC would fall back to plain XLA.
+
+    ``guard`` decides whether the plan is kept (never slower than ``jax.jit``): the emitted program
+    is priced against plain jit — ``"model"`` (default) by the model of XLA (``xla.xla_program``:
+    milliseconds per trace), ``"compile"`` by compiling both with XLA for the target (deviceless
+    for an H100 without a GPU: seconds per trace), ``"measure"`` by timing both on the GPU (the
+    compile where there is none), ``None`` not at all. Kernels that lose are undone cluster by
+    cluster; if the program still loses, it runs as plain ``jax.jit(fn)``. ``explain()`` says what
+    the guard did. A guard's undo is a choice, not a fallback: no warning.
     """
     opts = dict(static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums,
                 backend=backend, objective=objective, cost_model=cost_model, strict=strict,
-                gpu=gpu, donate_argnames=donate_argnames)
+                gpu=gpu, donate_argnames=donate_argnames, guard=guard)
     if fn is None:
         return functools.partial(optimize, **opts)
     if not callable(fn):
         raise TypeError(f"optimize requires a callable, got {fn!r} of type {type(fn).__name__}")
     as_tuple = lambda x, t: (x,) if isinstance(x, t) else tuple(x)
     _resolve_backend(backend)
+    _check_guard(guard)
     cost_model_for(cost_model, objective, gpu)
     return Optimized(fn, static_argnums=as_tuple(static_argnums, int), static_argnames=as_tuple(static_argnames, str),
                      donate_argnums=as_tuple(donate_argnums, int), donate_argnames=as_tuple(donate_argnames, str),
                      backend=backend, objective=objective,
-                     cost_model=cost_model, strict=strict, gpu=gpu)
+                     cost_model=cost_model, strict=strict, gpu=gpu, guard=guard)

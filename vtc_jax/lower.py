@@ -38,7 +38,7 @@ from .cluster import Cluster
 from .graph import Graph, Op
 from .indexmap import Layout, Piece, point
 from .kernels.vio import VTensor
-from .primitives import Direction, Kind, Role, inplace_operand, role_of
+from .primitives import CALL_LIKE, KERNEL_CALLS, Direction, Kind, Role, inplace_operand, role_of
 from .strategy import Resolution, Strategy
 from .templates import TEMPLATES, KernelBuildError, Match, Reject, Step
 from .testing import cross_lower
@@ -404,6 +404,23 @@ def _pallas_eqns(jaxpr: Any) -> list[Any]:
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
                     out.extend(_pallas_eqns(inner))
+    return out
+
+
+def kernel_clusters(jaxpr: Any) -> list[int | None]:
+    """The cluster id of each Pallas kernel the program launches itself, in program order: the
+    kernels of its equations and of the calls the tracer inlines (``jit``), not of control-flow
+    bodies (those are built, and guarded, on their own)."""
+    out: list[int | None] = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in KERNEL_CALLS:
+            out.append(_cluster_of(eqn))
+        elif eqn.primitive.name in CALL_LIKE:
+            for v in eqn.params.values():
+                inner = getattr(v, "jaxpr", v)
+                if hasattr(inner, "eqns"):
+                    out.extend(kernel_clusters(inner))
+                    break
     return out
 
 

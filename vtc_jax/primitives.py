@@ -38,8 +38,8 @@ class Graph(Protocol):
     tensors: Sequence[Any]
 
 __all__ = ["Role", "Kind", "Direction", "EdgeClass", "PrimInfo", "TABLE", "role_of", "cluster_kind",
-           "is_movement_op", "is_view", "data_inputs", "inplace_operand", "block_safe",
-           "MOVEMENT", "ELEMENTWISE", "REDUCTION", "CONTRACTION", "CALL_LIKE", "CONTROL_FLOW"]
+           "is_movement_op", "is_view", "data_inputs", "inplace_operand", "kernel_aliases", "block_safe",
+           "MOVEMENT", "ELEMENTWISE", "REDUCTION", "CONTRACTION", "CALL_LIKE", "CONTROL_FLOW", "KERNEL_CALLS"]
 
 
 class Role(enum.StrEnum):
@@ -50,6 +50,7 @@ class Role(enum.StrEnum):
     CONTRACTION = "contraction"
     CALL = "call"                # wraps a body of ordinary ops (jit, custom_jvp_call, remat): inlined
     CONTROL = "control"          # control flow (scan, while, cond): kept opaque (graph._opaque_reason)
+    KERNEL = "kernel"            # a compiled kernel (pallas_call): XLA's opaque custom call, nothing fuses across it
 
 
 class Kind(enum.StrEnum):
@@ -159,6 +160,7 @@ def _rows() -> dict[str, PrimInfo]:
     add("custom_vjp_call_jaxpr", Role.CALL, call_body=("fun_jaxpr", "call_jaxpr"))
     add("remat remat2 checkpoint", Role.CALL, call_body=("jaxpr",))
     add("scan while cond", Role.CONTROL)
+    add("pallas_call triton_kernel_call", Role.KERNEL)
 
     flag("transpose reshape squeeze broadcast_in_dim slice concatenate pad rev copy convert_element_type "
          "split stack unstack", read_only=True)
@@ -182,13 +184,14 @@ REDUCTION = frozenset(n for n, r in TABLE.items() if r.role is Role.REDUCTION)
 CONTRACTION = frozenset(n for n, r in TABLE.items() if r.role is Role.CONTRACTION)
 CALL_LIKE = frozenset(n for n, r in TABLE.items() if r.role is Role.CALL)
 CONTROL_FLOW = frozenset(n for n, r in TABLE.items() if r.role is Role.CONTROL)
+KERNEL_CALLS = frozenset(n for n, r in TABLE.items() if r.role is Role.KERNEL)
 
 # The kind of cluster a lone op of each role seeds (contractions: their row's contraction_kind).
 # Calls and control flow that reach the graph (not inlined) are opaque, like primitives the table
 # does not know.
 _SEEDS = MappingProxyType({Role.MOVEMENT: Kind.MOVEMENT, Role.ELEMENTWISE: Kind.POINTWISE,
                            Role.GENERATOR: Kind.POINTWISE, Role.REDUCTION: Kind.REDUCTION,
-                           Role.CALL: Kind.OPAQUE, Role.CONTROL: Kind.OPAQUE})
+                           Role.CALL: Kind.OPAQUE, Role.CONTROL: Kind.OPAQUE, Role.KERNEL: Kind.OPAQUE})
 
 
 def _same_dtype(op: Op, graph: Graph) -> bool:
@@ -258,6 +261,15 @@ def inplace_operand(primitive: str) -> int | None:
     """Position of the operand whose buffer the output may be (an in-place update), if any."""
     r = TABLE.get(primitive)
     return None if r is None else r.inplace
+
+
+def kernel_aliases(op: Op) -> dict[int, int]:
+    """``{output position: operand position}`` of a kernel call's in-place outputs (Pallas's
+    ``input_output_aliases``): XLA hands the kernel the operand's buffer as that output, so the
+    kernel neither reads it whole nor writes a new one (it touches what it stores)."""
+    if TABLE.get(op.primitive) is None or TABLE[op.primitive].role is not Role.KERNEL:
+        return {}
+    return {int(o): int(i) for i, o in op.params.get("input_output_aliases", ())}
 
 
 def block_safe(primitive: str) -> bool:

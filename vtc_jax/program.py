@@ -9,6 +9,7 @@ re-bound with the optimised body. A body that cannot be optimised keeps its orig
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -16,16 +17,22 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
-from .analysis import Analysis, analyze
-from .compat import scan_counts
+from . import guard
+from .analysis import Analysis, analyze, cost_model_for
+from .compat import cuda_lowering, scan_counts
+from .costmodel import GPU, GPUS
 from .graph import Op
-from .lower import Lowered, lower, triton_failures
+from .guard import MiB
+from .lower import Lowered, kernel_clusters, lower, triton_failures
 from .primitives import CONTROL_FLOW
 from .templates import KernelBuildError
 
 __all__ = ["BuildOptions", "build", "optimize_body", "MAX_BUILD_ATTEMPTS"]
 
 MAX_BUILD_ATTEMPTS = 6   # re-plans after kernel build failures before giving up on the whole rewrite
+
+
+MAX_GUARD_STEPS = 4      # re-plans with the guard's worst kernels undone before running plain jit
 
 
 @dataclass
@@ -36,6 +43,8 @@ class BuildOptions:
     warn: Callable[[str], None]
     error: type[Exception]                           # VTCError (raised in strict mode)
     bodies: list[str] = field(default_factory=list)  # control-flow bodies optimised (for reports)
+    guard: str | None = "model"                      # guard.GUARDS: how the plan is priced against jit
+    function: Callable[..., Any] | None = None       # the function being built (the guard compiles it plainly)
 
 
 def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequence[Any], *,
@@ -45,7 +54,9 @@ def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequ
     ShapeDtypeStructs). ``rejected`` collects the clusters whose kernels failed to build; they go
     back into the analysis (``selection.select``) as an input, which re-plans without them."""
     graph = None
-    for _ in range(MAX_BUILD_ATTEMPTS):
+    undone: list[str] = []
+    guard_steps = 0
+    for _ in range(MAX_BUILD_ATTEMPTS + MAX_GUARD_STEPS):
         analysis = analyze(f, abstract_a, abstract_k, donate_argnums=donate, donate_argnames=donate_names,
                            rejected=rejected, graph=graph,
                            **opts.analysis)
@@ -67,8 +78,101 @@ def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequ
                     raise opts.error(f"kernels failed to lower for CUDA: {bad}")
                 rejected.update({c: f"its kernel failed to lower for CUDA ({why})" for c, why in bad.items()})
                 continue
-        return analysis, lowered, closed
+        if opts.guard is None or not kernel_clusters(closed.jaxpr):
+            return _noted(analysis, undone), lowered, closed
+        verdict = _price(analysis, closed, dataclasses.replace(opts, function=f))
+        if verdict.loses is None:
+            undone.append(f"kept: VTC's program {verdict.seconds_vtc * 1e6:,.1f} µs, "
+                          f"{verdict.vtc.buffers / MiB:,.1f} MiB of buffers against jit's "
+                          f"{verdict.seconds_plain * 1e6:,.1f} µs, {verdict.plain.buffers / MiB:,.1f} MiB "
+                          f"(by the {verdict.by})")
+            return _noted(analysis, undone), lowered, closed
+        picks = _worst(analysis, closed, verdict, opts) if guard_steps < MAX_GUARD_STEPS else []
+        if picks:
+            guard_steps += 1
+            for cid, loss, what in picks:
+                rejected[cid] = (f"{guard.UNDONE}: its kernel costs {loss * 1e6:,.2f} µs more than "
+                                 f"XLA's fusions of the same ops ({what}); VTC's program lost ({verdict.loses})")
+            undone.append(f"undid {len(picks)} kernel(s) ({', '.join(f'#{c}' for c, _, _ in picks)}): "
+                          f"VTC's program lost ({verdict.loses})")
+            continue
+        undone.append(f"{guard.PLAIN}: VTC's program still loses ({verdict.loses}), by the {verdict.by}")
+        return _plain(f, _noted(analysis, undone), flat)
     raise RuntimeError(f"kernels kept failing to build after {MAX_BUILD_ATTEMPTS} attempts: {rejected}")
+
+
+class GuardedBody(Exception):
+    """A control-flow body the guard keeps as plain XLA (it is priced no faster with kernels)."""
+
+
+def _noted(analysis: Analysis, notes: Sequence[str]) -> Analysis:
+    return dataclasses.replace(analysis, guard=tuple(notes)) if notes else analysis
+
+
+def _gpu(opts: BuildOptions) -> GPU:
+    return getattr(cost_model_for(opts.analysis.get("cost_model"), opts.analysis.get("objective", "latency"),
+                                  opts.analysis.get("gpu")), "gpu", GPUS["h100-sxm"])
+
+
+def _price(analysis: Analysis, closed: Any, opts: BuildOptions) -> guard.Verdict:
+    """The guard's verdict on the emitted program (``opts.guard``: by the model of XLA, or by
+    XLA's own compile / a timing, see :mod:`vtc_jax.guard`)."""
+    gpu = _gpu(opts)
+    plain = guard.price_plain(analysis.graph, analysis.donated)
+    vtc = guard.price_emitted(analysis.graph, guard.emitted_graph(closed), analysis.donated)
+    if opts.guard == "model":
+        return guard.judge(plain, vtc, gpu)
+    if opts.guard == "measure" and jax.default_backend() == "gpu":
+        return guard.measured(plain, vtc, _flat_plain(opts.function, analysis), _run_closed(closed),
+                              closed, _donated_positions(analysis), gpu)
+    program = closed
+    if opts.backend != "triton":   # price the kernels XLA would compile, not the interpreter's loops
+        lowered = lower(analysis.graph, analysis.clusters, analysis.matches, analysis.strategy, backend="triton",
+                        rewrite=lambda op: optimize_body(op, dataclasses.replace(opts, backend="triton", guard=None)))
+        with cuda_lowering():
+            program = jax.make_jaxpr(lowered.fn)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                                                    for v in closed.jaxpr.invars])
+    return guard.compiled(plain, vtc, _flat_plain(opts.function, analysis), _run_closed(program), closed,
+                          _donated_positions(analysis), gpu)
+
+
+def _flat_plain(f: Callable[..., Any], analysis: Analysis) -> Callable[..., tuple[Any, ...]]:
+    """``f`` flat in and out: what plain ``jax.jit(f)`` runs."""
+    def fn(*xs: Any) -> tuple[Any, ...]:
+        a, k = jax.tree_util.tree_unflatten(analysis.graph.in_tree, xs)
+        return tuple(jax.tree_util.tree_leaves(f(*a, **k)))
+    return fn
+
+
+def _run_closed(closed: Any) -> Callable[..., Any]:
+    return lambda *xs: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *xs)
+
+
+def _donated_positions(analysis: Analysis) -> tuple[int, ...]:
+    return tuple(i for i, t in enumerate(analysis.graph.inputs) if t in analysis.donated)
+
+
+def _worst(analysis: Analysis, closed: Any, verdict: guard.Verdict, opts: BuildOptions) -> list[tuple[int, float, str]]:
+    """The kernels to undo: the worst by :func:`guard.blame`, until what they lose covers VTC's
+    deficit in time (at least one; all that lose anything when the program loses on memory)."""
+    ranked = guard.blame(analysis.graph, analysis.clusters, verdict.plain, guard.emitted_graph(closed),
+                         verdict.vtc, kernel_clusters(closed.jaxpr), _gpu(opts))
+    deficit = verdict.seconds_vtc - verdict.seconds_plain
+    if verdict.vtc.buffers > verdict.plain.buffers or deficit <= 0:
+        return ranked
+    picks, total = [], 0.0
+    for item in ranked:
+        picks.append(item)
+        total += item[1]
+        if total >= deficit:
+            break
+    return picks
+
+
+def _plain(f: Callable[..., Any], analysis: Analysis, flat: Sequence[Any]) -> tuple[Analysis, Lowered, Any]:
+    """``f`` itself, flat in and out (what plain ``jax.jit(f)`` runs): the guard's last word."""
+    fn = _flat_plain(f, analysis)
+    return analysis, Lowered(fn, (), ()), jax.make_jaxpr(fn)(*flat)
 
 
 def _optimize_closed(closed: Any, opts: BuildOptions) -> Any | None:
@@ -80,7 +184,9 @@ def _optimize_closed(closed: Any, opts: BuildOptions) -> Any | None:
         return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *xs)
 
     nested = len(opts.bodies)
-    _, lowered, new = build(fn, tuple(sds), {}, sds, donate=(), opts=opts, rejected={})
+    analysis, lowered, new = build(fn, tuple(sds), {}, sds, donate=(), opts=opts, rejected={})
+    if analysis.guard and (analysis.guard[-1].startswith(guard.PLAIN) or not lowered.kernels):
+        raise GuardedBody(analysis.guard[-1])
     if not lowered.kernels and len(opts.bodies) == nested:   # no kernel here nor in a nested body
         return None
     if [(a.shape, a.dtype) for a in new.out_avals] != [(a.shape, a.dtype) for a in closed.out_avals]:
@@ -114,6 +220,9 @@ def optimize_body(op: Op, opts: BuildOptions) -> Callable[..., Sequence[Any]] | 
             if all(b is None for b in branches):
                 return None
             p["branches"] = tuple(b if b is not None else old for b, old in zip(branches, p["branches"]))
+    except GuardedBody:   # the guard chose plain XLA for the body: a decision, not a fallback
+        opts.bodies.append(f"{op.primitive} #{op.id}")
+        return None
     except Exception as exc:  # noqa: BLE001 - the body stays as traced
         if opts.strict:
             raise opts.error(f"the body of {op.primitive} #{op.id} could not be optimised: {exc}") from exc

@@ -18,6 +18,7 @@ from .accounting import modeled_bytes
 from .analysis import Analysis
 from .cluster import Cluster
 from .graph import Graph
+from .guard import UNDONE
 from .primitives import Kind, data_inputs, is_movement_op
 from .strategy import Strategy
 from .templates import Match, Reject
@@ -59,6 +60,7 @@ class Report:
     analysis_seconds: float
     opaque: tuple[tuple[str, str], ...] = ()     # (primitive, reason) for ops left to XLA unanalysed
     templates: tuple[tuple[int, str, str], ...] = ()   # (cluster, kind, "kernel" | why it runs in XLA)
+    guard: tuple[str, ...] = ()     # what the guard decided against plain jit (explain(guard=...), optimize)
 
     @property
     def eliminated(self) -> tuple[MovementInfo, ...]:
@@ -108,6 +110,8 @@ class Report:
                              [[f"#{c}" if c >= 0 else "-", k, why] for c, k, why in self.templates])]
         if self.opaque:
             lines += ["", "Left to XLA without analysis"] + [f"  {p}: {r}" for p, r in self.opaque]
+        if self.guard:
+            lines += ["", "The guard (the emitted program priced against plain jax.jit)"] + [f"  {x}" for x in self.guard]
         return "\n".join(lines)
 
     # -- machine-readable ---------------------------------------------------------------------
@@ -135,6 +139,7 @@ class Report:
             "modeled": {k: int(getattr(self.modeled, k)) for k in self.modeled.__dataclass_fields__},
             "opaque": [list(p) for p in self.opaque],
             "templates": [{"cluster": c, "kind": k, "template": why} for c, k, why in self.templates],
+            "guard": list(self.guard),
         }
 
     def to_json(self, **kwargs: Any) -> str:
@@ -223,7 +228,8 @@ def build_report(name: str, a: Analysis) -> Report:
                       for cid, m in sorted(a.matches.items()))
     templates += tuple((-1, Kind.ATTENTION.value, f"region from dot #{op}: {why}; clustered as its parts instead")
                        for op, why in a.declined)
-    return Report(name, g, a.clusters, v, s, tuple(infos), modeled, a.seconds, opaque, templates=templates)
+    return Report(name, g, a.clusters, v, s, tuple(infos), modeled, a.seconds, opaque, templates=templates,
+                  guard=a.guard)
 
 
 def _stuck(v: VTOG, op: Any) -> list[str]:
@@ -273,6 +279,8 @@ def fallback_messages(a: Analysis, always: frozenset[int] = frozenset(),
     for c in a.clusters:   # a rejection matters where data movement next to the cluster still runs
         verdict = a.matches.get(c.id)
         if c.id in a.xla_fused:   # XLA's by choice: not a fallback
+            continue
+        if isinstance(verdict, Reject) and verdict.reason.startswith(UNDONE):   # the guard's choice
             continue
         if isinstance(verdict, Reject) and (c.id in always or set((*c.inputs, *c.outputs)) & kept_tensors):
             by_reason.setdefault((c.kind, verdict.reason), []).append(c)

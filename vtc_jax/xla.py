@@ -20,16 +20,22 @@ and one set of facts now serve both. Everything here is a model read off XLA's c
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .cluster import Cluster
 from .graph import Graph
-from .primitives import TABLE, Kind, data_inputs, inplace_operand, is_view
+from .primitives import KERNEL_CALLS, TABLE, Kind, data_inputs, inplace_operand, is_view, kernel_aliases
 from .templates import TEMPLATES, Match
 
-__all__ = ["Facts", "LIBRARY_KINDS", "CAST_ONLY", "pointwise_islands", "xla_fuses", "xla_plain"]
+__all__ = ["Facts", "LIBRARY_KINDS", "CAST_ONLY", "Fusion", "Price", "pointwise_islands", "xla_fuses", "xla_plain",
+           "xla_program"]
 
 LIBRARY_KINDS = frozenset(k for k, t in TEMPLATES.items() if t.library)   # XLA calls cuBLAS / cuDNN
+# A row this long or shorter is reduced and normalised in one fusion (one block per row); a longer
+# one is a reduction fusion writing the statistic plus a loop fusion applying it (read off the
+# compiles: Llama's 64-wide rows at test size fuse, its 4,096-wide ones do not).
+SHORT_ROW = 1024
 
 
 class Facts:
@@ -253,17 +259,56 @@ def xla_fuses(graph: Graph, clusters: Sequence[Cluster], matches: Mapping[int, A
     return out
 
 
-def xla_plain(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] = ()) -> dict[str, int]:
-    """Launches and HBM bytes of plain ``jax.jit`` as XLA's GPU pipeline fuses it (a model).
+@dataclass(frozen=True)
+class Fusion:
+    """One launch group of the modelled program: the clusters (positions) XLA runs together."""
+    clusters: tuple[int, ...]
+    what: str            # "loop", "gemm", "conv", "reduction", "kernel", "copy", "update", "layout", ...
+    launches: int
+    bytes: int
 
-    Why a second baseline: ``bytes_baseline``/``kernels_baseline`` charge every movement op and
-    every cluster a kernel — an upper bound that XLA's H100 compile beats by 2–6× (BENCHMARKS.md),
-    so a saving measured against it is mostly movement XLA never materialises. The rules, each
-    read off XLA's compiled programs (``benchmarks/compiled.json``):
+
+@dataclass(frozen=True)
+class Price:
+    """What XLA makes of a program, modelled: launches, HBM bytes (the compile's buffer-level
+    definition: every buffer a launch reads plus every buffer it writes, a buffer updated in place
+    charged only what is written) and buffer memory (arguments + outputs + the peak of the
+    temporaries live at once − donated inputs aliased to outputs), with the launch groups."""
+    launches: int
+    bytes: int
+    buffers: int
+    fusions: tuple[Fusion, ...] = ()
+
+    def seconds(self, bandwidth: float, launch_overhead: float) -> float:
+        """The roofline time the guard compares: bytes at HBM bandwidth plus a fixed cost per launch."""
+        return self.bytes / bandwidth + self.launches * launch_overhead
+
+
+def xla_plain(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] = ()) -> dict[str, int]:
+    """Launches and HBM bytes of plain ``jax.jit`` (:func:`xla_program`), as ``Report.modeled`` keys."""
+    p = xla_program(graph, clusters, donated)
+    return {"kernels_xla": p.launches, "bytes_xla": p.bytes}
+
+
+def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] = ()) -> Price:
+    """Launches, HBM bytes and buffers of a program as XLA's GPU pipeline fuses it (a model): plain
+    ``jax.jit(fn)`` on ``fn``'s graph, and the program VTC emits on *its* graph, where each Pallas
+    kernel is a kernel call (``Role.KERNEL``) — one model prices both sides of the guard.
+
+    Why a model of the compile and not the unfused bound: ``bytes_baseline``/``kernels_baseline``
+    charge every movement op and every cluster a kernel — an upper bound that XLA's H100 compile
+    beats by 2–6× (BENCHMARKS.md). The rules, each read off XLA's compiled programs
+    (``benchmarks/compiled.json``, ``benchmarks/guard.py``):
 
     * **movement fuses into its consumer**: a transpose / slice / concat / broadcast / reshape /
       pad costs no launch; the fusion reading it reads its source (a broadcast: its small input,
       a slice: what it keeps). It costs a launch and a write only where it is a program output.
+    * **a kernel call fuses with nothing**: XLA cannot look inside a custom call, so movement
+      feeding one is materialised (a bitcast excepted): fused into the producing loop fusion as
+      one more output, or a copy of its own; scalar index arithmetic feeding kernels is one
+      small loop fusion; a cast or prologue never folds into it. The kernel reads every buffer
+      it is given, whole, and writes every output, except those aliased to an operand
+      (``input_output_aliases``: in place).
     * **dynamic_update_slice is in place**: one launch writing the update (plus a copy of the
       operand where XLA must keep it: not donated, or read later).
     * **element-wise work fuses**: pointwise clusters joined directly or through movement are one
@@ -277,12 +322,15 @@ def xla_plain(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] 
       depthwise); movement in front of a conv (a split half, a concat) is materialised.
     * **attention left to XLA**: one fusion per reduction (the M=1 dots become reductions) and one
       element-wise fusion between each pair, ``2 n - 1``; each writes its intermediate once.
+    * **buffers**: arguments and outputs (a donated input aliased to an output counted once) plus
+      the peak of the materialised intermediates, each live from its group to its last reader.
     """
     ctx = Facts(graph, clusters, donated)
     _data = data_inputs
     g, cl = graph, ctx.clusters
     outs = set(g.outputs)
     kind = [Kind(c.kind) for c in cl]
+    call = [bool(c.ops) and all(g.ops[o].primitive in KERNEL_CALLS for o in c.ops) for c in cl]
     parent = list(range(len(cl)))
 
     def find(k: int) -> int:
@@ -319,6 +367,18 @@ def xla_plain(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] 
                 found.add(k)
         return found
 
+    # movement and glue that a kernel call reads (directly): XLA materialises them
+    feeds_call: set[int] = set()
+    for k, c in enumerate(cl):
+        if call[k]:
+            for t in c.inputs:
+                p = ctx.producer.get(t)
+                if p is not None and fused_movement(p):
+                    feeds_call.add(p)
+
+    def bitcasts_only(k: int) -> bool:
+        return kind[k] == Kind.MOVEMENT and all(ctx.bitcast.get(o) for o in cl[k].ops)
+
     for k, c in enumerate(cl):   # pointwise islands: one loop fusion
         if kind[k] != Kind.POINTWISE:
             continue
@@ -326,19 +386,40 @@ def xla_plain(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] 
             for p in producers_through_movement(t, set()):
                 if kind[p] == Kind.POINTWISE:
                     parent[find(p)] = find(k)
-    for k, c in enumerate(cl):   # folded into the consumer: lone casts, prologues of reductions/updates
-        if kind[k] != Kind.POINTWISE or any(t in outs for t in c.outputs):
+    islands: dict[int, list[int]] = {}
+    for k in range(len(cl)):
+        if kind[k] == Kind.POINTWISE:
+            islands.setdefault(find(k), []).append(k)
+    for members in islands.values():   # folded into the consumer: lone casts, prologues of reductions/updates
+        if any(t in outs for m in members for t in cl[m].outputs):
             continue
-        users = set().union(*[consumers_through_movement(t, set()) for t in c.outputs] or [set()])
-        users = {u for u in users if find(u) != find(k)}
-        cast = all(g.ops[o].primitive in CAST_ONLY for o in c.ops)
-        if users and (cast or all(kind[u] == Kind.REDUCTION or is_dus(u) for u in users)) and len(users) == 1:
-            parent[find(k)] = find(next(iter(users)))
+        users = set().union(*[consumers_through_movement(t, set()) for m in members for t in cl[m].outputs]
+                            or [set()])
+        users = {find(u) for u in users if find(u) != find(members[0])}
+        cast = all(g.ops[o].primitive in CAST_ONLY for m in members for o in cl[m].ops)
+        if len(users) == 1 and not any(call[u] for u in users) and (
+                cast or all(kind[u] == Kind.REDUCTION or is_dus(u) for u in users)):
+            parent[find(members[0])] = find(next(iter(users)))
+    # movement a kernel call reads: one more output of the loop fusion that produces its source
+    # (XLA's multi-output fusion), or a copy of its own
+    materialised: set[int] = set()
+    for k in sorted(feeds_call):
+        if kind[k] == Kind.GLUE or bitcasts_only(k):
+            continue
+        srcs = {p for o in cl[k].ops for x in _data(g.ops[o]) for p in producers_through_movement(x, set())}
+        host = [p for p in srcs if kind[p] in (Kind.POINTWISE, Kind.REDUCTION) and not call[p]]
+        if len(srcs) == 1 and host:
+            parent[find(k)] = find(host[0])
+        else:
+            materialised.add(k)
+    glue_calls = sorted(k for k in feeds_call if kind[k] == Kind.GLUE)
+    for k in glue_calls[1:]:   # scalar index arithmetic for kernels: one multi-output loop fusion
+        parent[find(k)] = find(glue_calls[0])
 
     def read_bytes(t: int, seen: set[int]) -> int:
         """Bytes a fusion reads for ``t``: through fused movement, what its sources hold."""
         k = ctx.producer.get(t)
-        if k is None or not fused_movement(k) or k in seen:
+        if k is None or not fused_movement(k) or k in seen or k in materialised or find(k) != k and k in feeds_call:
             return ctx.nbytes[t]
         seen.add(k)
         src = sum(read_bytes(x, seen) for o in cl[k].ops for x in _data(g.ops[o]))
@@ -362,28 +443,69 @@ def xla_plain(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] 
             return set()
         return set().union(*[_inputs_behind(x) for o in cl[k].ops for x in _data(g.ops[o])] or [set()])
 
-    launches, nbytes = 0, 0
+    def buffer_of(t: int) -> int:
+        """The buffer ``t`` lives in: through bitcasts, its source's."""
+        k = ctx.producer.get(t)
+        while k is not None and bitcasts_only(k) and find(k) == k and k not in materialised:
+            srcs = [x for o in cl[k].ops for x in _data(g.ops[o])]
+            if len(srcs) != 1:
+                break
+            t = srcs[0]
+            k = ctx.producer.get(t)
+        return t
+
+    fusions: list[Fusion] = []
+    written: dict[int, int] = {}     # materialised tensor -> group position that writes it
+
+    def add(members: Sequence[int], what: str, n: int, nbytes: int, made: Iterable[int] = ()) -> None:
+        fusions.append(Fusion(tuple(members), what, int(n), int(nbytes)))
+        for t in made:
+            written[t] = len(fusions) - 1
+
     groups: dict[int, list[int]] = {}
     for k in range(len(cl)):
         groups.setdefault(find(k), []).append(k)
     for members in groups.values():
         head = members[0]
+        if len(members) == 1 and call[head]:
+            nbytes, made = 0, []
+            for o in cl[head].ops:
+                op = g.ops[o]
+                alias = kernel_aliases(op)
+                aliased = set(alias.values())
+                seen: set[int] = set()
+                for j, x in enumerate(op.inputs):
+                    b = buffer_of(x)
+                    if j not in aliased and b not in seen:
+                        seen.add(b)
+                        nbytes += ctx.nbytes[x]
+                for j, y in enumerate(op.outputs):
+                    if j not in alias:
+                        nbytes += ctx.nbytes[y]
+                        made.append(y)
+            add(members, "kernel", len(cl[head].ops), nbytes, made)
+            continue
+        if len(members) == 1 and head in materialised:
+            nbytes = sum(ctx.nbytes[t] + read_bytes(x, set()) for o in cl[head].ops
+                         for t, x in zip(g.ops[o].outputs, _data(g.ops[o])[:1]))
+            add(members, "copy", 1, nbytes, cl[head].outputs)
+            continue
         if len(members) == 1 and fused_movement(head):
             if kind[head] == Kind.MOVEMENT:
                 for o in cl[head].ops:
                     op = g.ops[o]
                     if any(t in outs for t in op.outputs) and not ctx.bitcast.get(o):
-                        launches += 1
-                        nbytes += sum(ctx.nbytes[t] for t in op.outputs) + sum(read_bytes(x, set()) for x in _data(op))
+                        add(members, "copy", 1, sum(ctx.nbytes[t] for t in op.outputs)
+                            + sum(read_bytes(x, set()) for x in _data(op)), op.outputs)
             continue
         if len(members) == 1 and is_dus(head):
-            launches += 1
-            nbytes += sum(ctx.base.get(o, 0) for o in cl[head].ops)
+            add(members, "update", 1, sum(ctx.base.get(o, 0) for o in cl[head].ops), cl[head].outputs)
             continue
         inside = {t for m in members for t in cl[m].outputs}
         ins = {t for m in members for t in cl[m].inputs if t not in inside}
         out = {t for m in members for t in cl[m].outputs
                if t in outs or any(find(u) != find(m) for u in ctx.users.get(t, ()))}
+        nbytes = 0
         n = 1
         for m in members:
             if kind[m] != Kind.CONV:
@@ -401,6 +523,15 @@ def xla_plain(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] 
             for x in (x for o in dots for x in g.ops[o].inputs[:2] if x in made_in):
                 n += 1
                 nbytes += 2 * ctx.nbytes[x]
+        for m in members:   # a norm: XLA's reduction fusion writes the statistic, and applying
+            if kind[m] != Kind.REDUCTION:   # it to the rows is a loop fusion of its own (reading them again)
+                continue
+            reds = [g.ops[o] for o in cl[m].ops if g.ops[o].primitive.startswith("reduce_")]
+            row = max((g.tensors[x].size // max(1, g.tensors[r.outputs[0]].size) for r in reds for x in _data(r)),
+                      default=0)
+            if row > SHORT_ROW and any(g.tensors[t].size > g.tensors[reds[-1].outputs[0]].size for t in cl[m].outputs):
+                n += 1
+                nbytes += sum(read_bytes(x, set()) for x in _data(reds[-1]))
         if any(kind[m] == Kind.ATTENTION for m in members):
             red = [o for m in members for o in cl[m].ops
                    if g.ops[o].primitive == "dot_general" or g.ops[o].primitive.startswith("reduce_")]
@@ -413,8 +544,10 @@ def xla_plain(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] 
                     ins.discard(op.inputs[0])
                     nbytes += ctx.nbytes[op.inputs[1]] + (ctx.base.get(o, 0) - 2 * ctx.nbytes[op.inputs[1]])
             out = {t for t in out if not any(is_dus(m) and t in cl[m].outputs for m in members)}
-        launches += n
+        what = next((str(kind[m]) for m in members if kind[m] not in (Kind.POINTWISE, Kind.MOVEMENT, Kind.GLUE)),
+                    "loop")
         nbytes += sum(read_bytes(t, set()) for t in ins) + sum(ctx.nbytes[t] for t in out)
+        add(members, what, n, nbytes, out)
     convs = [k for k in range(len(cl)) if kind[k] == Kind.CONV]
     if convs:   # cuDNN runs NHWC: each NCHW program input a conv reads, and each output a conv
         # produces, is transposed once (one launch reading and writing it)
@@ -423,21 +556,21 @@ def xla_plain(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] 
         srcs = {x for t in lhs if read_src_is_input(t) for x in _inputs_behind(t)}
         made = {t for t in outs if len(g.tensors[t].shape) >= 3
                 and any(kind[p] == Kind.CONV for p in producers_through_movement(t, set()))}
-        launches += len(srcs) + len(made)
-        nbytes += sum(2 * ctx.nbytes[t] for t in srcs | made)
+        if srcs | made:
+            add((), "layout", len(srcs) + len(made), sum(2 * ctx.nbytes[t] for t in srcs | made))
         # a conv reads a buffer: movement (a split half, a concat) in front of it is materialised
         # by one fusion, unless it only reshapes or reads a program input (the layout transpose
         # above does it)
         fed = set()
         for t in lhs:
             p = ctx.producer.get(t)
-            if p is None or kind[p] != Kind.MOVEMENT or is_dus(p) or t in fed:
+            if p is None or kind[p] != Kind.MOVEMENT or is_dus(p) or t in fed or p in materialised:
                 continue
             if all(ctx.bitcast.get(o) for o in cl[p].ops) or _inputs_behind(t) & inputs:
                 continue
             fed.add(t)
-        launches += len(fed)
-        nbytes += sum(read_bytes(t, set()) + ctx.nbytes[t] for t in fed)
+        if fed:
+            add((), "copy", len(fed), sum(read_bytes(t, set()) + ctx.nbytes[t] for t in fed), fed)
         # filters are OIHW; cuDNN wants them transposed (free for 1x1 and depthwise filters)
         for k in convs:
             for o in cl[k].ops:
@@ -446,6 +579,49 @@ def xla_plain(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] 
                     continue
                 shape = g.tensors[op.inputs[1]].shape
                 if len(shape) == 4 and shape[0] > 1 and shape[1] > 1 and shape[2] * shape[3] > 1:
-                    launches += 1
-                    nbytes += 2 * ctx.nbytes[op.inputs[1]]
-    return {"kernels_xla": int(launches), "bytes_xla": int(nbytes)}
+                    add((k,), "layout", 1, 2 * ctx.nbytes[op.inputs[1]])
+    return Price(sum(f.launches for f in fusions), sum(f.bytes for f in fusions),
+                 _buffers(ctx, fusions, written), tuple(fusions))
+
+
+def _buffers(ctx: Facts, fusions: Sequence[Fusion], written: Mapping[int, int]) -> int:
+    """Arguments + outputs + the peak of the intermediates XLA materialises (each from the launch
+    group that writes it to the last group that reads it, groups in program order) − donated
+    inputs whose buffer an output takes over (XLA's buffer assignment, modelled)."""
+    g = ctx.graph
+    args = {t: ctx.nbytes[t] for t in g.inputs}
+    results = {t: ctx.nbytes[t] for t in g.outputs if t not in args}
+    def donated_source(t: int, depth: int = 0) -> bool:
+        """``t`` is a donated input's buffer: through bitcasts, in-place updates and kernel calls
+        that write into an operand (``input_output_aliases``)."""
+        if t in ctx.donated:
+            return True
+        op = g.producer(t)
+        if op is None or depth > 64:
+            return False
+        if ctx.bitcast.get(op.id) or (op.id in ctx.dus_copy and not ctx.dus_copy[op.id]):
+            return donated_source(op.inputs[0], depth + 1)
+        alias = kernel_aliases(op)
+        j = op.outputs.index(t)
+        return j in alias and donated_source(op.inputs[alias[j]], depth + 1)
+
+    for t in list(results):
+        if donated_source(t):
+            results.pop(t)
+    order = {id(f): min(f.clusters, default=len(ctx.clusters)) for f in fusions}
+    group_of_cluster = {k: i for i, f in enumerate(fusions) for k in f.clusters}
+    start: dict[int, int] = {}
+    end: dict[int, int] = {}
+    for t, i in written.items():
+        if t in args or t in g.outputs:
+            continue
+        first = order[id(fusions[i])]
+        last = max((order[id(fusions[group_of_cluster[u]])] for u in ctx.users.get(t, ())
+                    if u in group_of_cluster), default=first)
+        start[t], end[t] = first, max(first, last)
+    peak = live = 0
+    for pos in sorted({*start.values(), *end.values()}):
+        live += sum(ctx.nbytes[t] for t, s in start.items() if s == pos)
+        peak = max(peak, live)
+        live -= sum(ctx.nbytes[t] for t, e in end.items() if e == pos)
+    return int(sum(args.values()) + sum(results.values()) + peak)

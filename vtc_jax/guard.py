@@ -1,0 +1,180 @@
+"""The guard: VTC's plan is kept only where it pays against plain ``jax.jit``.
+
+A drop-in replacement for ``jax.jit`` must never lose. The greedy prices edges one at a time with
+a local model; what XLA then does with the whole program — which movement it materialises next to
+an opaque Pallas call, which scalars it must compute for a kernel, which fusions a kernel splits —
+only shows in the program VTC emits. So the guard prices *that program*, after lowering, with the
+one model of XLA (:func:`xla.xla_program`: the emitted jaxpr traced back into a graph, each Pallas
+kernel a kernel call that fuses with nothing), against the same model of plain ``jax.jit(fn)``,
+and compares a roofline time (bytes at HBM bandwidth + a fixed cost per launch) and buffer memory.
+
+Why price the emitted program and not the plan: the launches a template emits (split-K and its
+reduce, the decode attention's split and combine), the producers that die because a kernel
+recomputes them (RoPE tables, masks), and the scalars XLA must materialise for the kernels are all
+facts of the lowered program; modelling them from the plan counted up to +47% more launches than
+XLA's compile showed. The emitted program has them by construction.
+
+Where VTC loses, :func:`blame` ranks the kernel clusters by what each costs in VTC's program
+beyond what XLA's fusions of the same ops cost in jit's, and the build loop (``program.build``)
+undoes the worst ones (they go back to the selection as ``rejected``, with the reason) until the
+program no longer loses; if it still does, the function runs as plain ``jax.jit``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+
+from .cluster import cluster
+from .costmodel import GPU, GPUS
+from .graph import Graph, trace
+from .offline import compile_program
+from .primitives import KERNEL_CALLS, is_movement_op
+from .xla import Price, xla_program
+
+__all__ = ["GUARDS", "PLAIN", "UNDONE", "Verdict", "price_plain", "price_emitted", "emitted_graph", "judge", "blame", "compiled", "measured", "MiB"]
+
+GUARDS = ("model", "compile", "measure", None)
+PLAIN = "plain jax.jit"          # how the guard's note starts when the whole program runs as jit
+UNDONE = "undone by the guard"   # how a cluster's verdict starts when the guard gave it back to XLA
+MiB = 2 ** 20
+# Buffer memory within this fraction of jit's counts as equal: the model of XLA's buffer assignment
+# is within a few per cent of the compile on the examples (BENCHMARKS.md), and a 0.05% difference
+# (a scalar buffer) is not worth giving up a plan that saves launches and bytes.
+MEMORY_SLACK = 0.01
+MEMORY_SLACK_BYTES = 64 * 1024   # and so is a few scalars' worth on a tiny program
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The guard's comparison of one emitted program with plain jit (``loses``: why not kept)."""
+    plain: Price
+    vtc: Price
+    seconds_plain: float
+    seconds_vtc: float
+    loses: str | None
+    by: str = "model"        # "model" (xla.xla_program) or "compile" (XLA's deviceless compile)
+
+
+def price_plain(graph: Graph, donated: frozenset[int]) -> Price:
+    """Plain ``jax.jit`` of the traced function, as XLA fuses it (modelled)."""
+    return xla_program(graph, cluster(graph), donated)
+
+
+def emitted_graph(closed: Any) -> Graph:
+    """The program VTC emits, traced back into a graph (each Pallas kernel one kernel-call op)."""
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    return trace(lambda *xs: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *xs), *avals)
+
+
+def price_emitted(graph: Graph, emitted: Graph, donated: frozenset[int]) -> Price:
+    """The emitted program as XLA fuses it around its kernel calls (modelled). ``donated`` are
+    tensor ids of ``graph``'s inputs; the emitted program takes the same flat inputs."""
+    don = frozenset(emitted.inputs[graph.inputs.index(t)] for t in donated if t in graph.inputs)
+    return xla_program(emitted, cluster(emitted), don)
+
+
+def judge(plain: Price, vtc: Price, gpu: GPU = GPUS["h100-sxm"], by: str = "model") -> Verdict:
+    """Compare the two prices: VTC loses on a longer roofline time or on more buffer memory."""
+    tp = plain.seconds(gpu.hbm_bandwidth, gpu.launch_overhead)
+    tv = vtc.seconds(gpu.hbm_bandwidth, gpu.launch_overhead)
+    why = []
+    if tv > tp:
+        why.append(f"{tv * 1e6:,.1f} µs against jit's {tp * 1e6:,.1f} µs ({vtc.launches} launches and "
+                   f"{vtc.bytes / MiB:,.1f} MiB against {plain.launches} and {plain.bytes / MiB:,.1f} MiB, "
+                   f"{gpu.name})")
+    if vtc.buffers > plain.buffers * (1 + MEMORY_SLACK) + MEMORY_SLACK_BYTES:
+        why.append(f"{vtc.buffers / MiB:,.1f} MiB of buffers against jit's {plain.buffers / MiB:,.1f} MiB")
+    return Verdict(plain, vtc, tp, tv, "; ".join(why) or None, by)
+
+
+def blame(graph: Graph, clusters: Sequence[Any], plain: Price, emitted: Graph, vtc: Price,
+          kernel_clusters: Sequence[int | None], gpu: GPU = GPUS["h100-sxm"]) -> list[tuple[int, float, str]]:
+    """``[(cluster id, seconds lost, why)]`` of the kernel clusters that cost more in VTC's program
+    than XLA's fusions of the same ops cost in jit's, worst first.
+
+    ``kernel_clusters``: the cluster id of each kernel call of ``emitted``, in program order (from
+    the lowering's name stack). A kernel is charged its own launches and bytes plus the copies XLA
+    makes to feed it (movement materialised in front of it); jit is charged, for each of its
+    fusions, the share of that fusion's ops that belong to the cluster."""
+    sec = lambda f: f.bytes / gpu.hbm_bandwidth + f.launches * gpu.launch_overhead  # noqa: E731
+    calls = [op for op in emitted.ops if op.primitive in KERNEL_CALLS]
+    if len(calls) != len(kernel_clusters):
+        return []
+    owner = {op.id: cid for op, cid in zip(calls, kernel_clusters) if cid is not None}
+    vcl = cluster(emitted)
+    cost: dict[int, float] = {}
+    what: dict[int, list[str]] = {}
+    readers: dict[int, set[int]] = {}   # tensor -> clusters whose kernels read it
+    for op in calls:
+        if op.id in owner:
+            for t in op.inputs:
+                readers.setdefault(t, set()).add(owner[op.id])
+    for f in vtc.fusions:
+        ops = [o for k in f.clusters for o in vcl[k].ops]
+        mine = {owner[o] for o in ops if o in owner}
+        if not mine and f.what == "copy":
+            made = {t for k in f.clusters for t in vcl[k].outputs}
+            mine = set().union(*(readers.get(t, set()) for t in made)) if made else set()
+        for cid in mine:
+            cost[cid] = cost.get(cid, 0.0) + sec(f) / len(mine)
+            what.setdefault(cid, []).append(f"{f.what} {f.bytes / MiB:,.2f} MiB")
+    by_id = {c.id: c for c in clusters}
+    pcl = cluster(graph)
+    for f in plain.fusions:
+        ops = {o for k in f.clusters for o in pcl[k].ops if not is_movement_op(graph.ops[o], graph)}
+        if not ops:
+            continue
+        for cid in cost:
+            share = len(ops & set(by_id[cid].ops)) / len(ops) if cid in by_id else 0.0
+            if share:
+                cost[cid] -= share * sec(f)
+    out = [(cid, loss, ", ".join(what.get(cid, ()))) for cid, loss in cost.items() if loss > 0]
+    return sorted(out, key=lambda x: -x[1])
+
+
+def _abstract_inputs(closed: Any) -> list[Any]:
+    return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+
+
+def compiled(plain: Price, vtc: Price, plain_fn: Any, vtc_fn: Any, closed: Any, donate: tuple[int, ...],
+             gpu: GPU = GPUS["h100-sxm"]) -> Verdict:
+    """The verdict by XLA's own compile for the target (deviceless for an H100 when there is no GPU,
+    ``offline.compile_program``): launches, buffer bytes and buffer assignment of both programs.
+    The modelled prices' launch groups are kept for :func:`blame`."""
+    args = _abstract_inputs(closed)
+    cj = compile_program(jax.jit(plain_fn, donate_argnums=donate), *args, kernels=False)
+    cv = compile_program(jax.jit(vtc_fn, donate_argnums=donate), *args, kernels=False)
+    as_price = lambda c, m: Price(len(c.launches), c.bytes, c.memory["total"], m.fusions)  # noqa: E731
+    v = judge(as_price(cj, plain), as_price(cv, vtc), gpu, by="compile")
+    return v
+
+
+def measured(plain: Price, vtc: Price, plain_fn: Any, vtc_fn: Any, closed: Any, donate: tuple[int, ...],
+             gpu: GPU = GPUS["h100-sxm"], repeats: int = 20) -> Verdict:
+    """The verdict by timing both programs on this GPU (median of ``repeats`` after a warm-up, on
+    zero-filled inputs of the call's shapes) and by their compiled buffer assignment."""
+    import statistics
+    import time
+
+    import jax.numpy as jnp
+    args = _abstract_inputs(closed)
+    seconds, mem = [], []
+    for fn in (plain_fn, vtc_fn):
+        exe = jax.jit(fn).lower(*args).compile()
+        mem.append(int(exe.memory_analysis().temp_size_in_bytes))
+        vals = [jnp.zeros(a.shape, a.dtype) for a in args]
+        jax.block_until_ready(exe(*vals))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(exe(*vals))
+            times.append(time.perf_counter() - t0)
+        seconds.append(statistics.median(times))
+    why = []
+    if seconds[1] > seconds[0]:
+        why.append(f"{seconds[1] * 1e6:,.1f} µs against jit's {seconds[0] * 1e6:,.1f} µs (timed)")
+    if mem[1] > mem[0]:
+        why.append(f"{mem[1] / MiB:,.1f} MiB of temporaries against jit's {mem[0] / MiB:,.1f} MiB")
+    return Verdict(plain, vtc, seconds[0], seconds[1], "; ".join(why) or None, "measure")
