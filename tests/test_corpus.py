@@ -46,14 +46,26 @@ def _copy(tree):
     return jax.tree.map(one, tree)
 
 
-def _exact(out, ref):
-    """Integer, boolean (and key) leaves exactly; float leaves by check_close's tolerances."""
+def _exact(out, ref, low_precision=False):
+    """Integer, boolean (and key) leaves exactly; float leaves by check_close's tolerances — or,
+    for a program computing in bf16/f16 (``low_precision``), every float leaf at bf16's 2e-2 of
+    its largest magnitude: an f32 gradient of a bf16 model carries the bf16 rounding of the
+    activations it came from (a kernel rounding one intermediate differently moves it by ~1%)."""
     out, ref = _unkey(out), _unkey(ref)
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
         assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
         if not jnp.issubdtype(b.dtype, jnp.inexact):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    check_close(out, ref)
+        elif low_precision:
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            assert np.max(np.abs(a - b), initial=0.0) <= 2e-2 * max(np.max(np.abs(b), initial=0.0), 1e-30)
+    if not low_precision:
+        check_close(out, ref)
+
+
+def _low_precision(args):
+    return any(jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize < 4
+               for x in jax.tree.leaves(args) if hasattr(x, "dtype") and not _is_key(x))
 
 
 def _params(table, slow=frozenset()):
@@ -75,7 +87,7 @@ def test_corpus_matches_jit(name, record_property):
         opt = vtc_jax.optimize(e.step, backend="interpret", donate_argnums=e.donate_argnums)
         out = opt(*_copy(e.args))
     assert jax.tree.structure(out) == jax.tree.structure(ref)
-    _exact(out, ref)
+    _exact(out, ref, _low_precision(e.args))
     fallbacks = [str(w.message) for w in caught if issubclass(w.category, vtc_jax.VTCFallbackWarning)]
     record_property("fallbacks", fallbacks)
 

@@ -33,7 +33,7 @@ from .offline import compile_program
 from .primitives import KERNEL_CALLS, is_movement_op
 from .xla import Price, xla_program
 
-__all__ = ["GUARDS", "PLAIN", "UNDONE", "Verdict", "price_plain", "price_emitted", "emitted_graph", "judge", "blame", "compiled", "measured", "MiB"]
+__all__ = ["GUARDS", "PLAIN", "UNDONE", "Verdict", "price_plain", "price_emitted", "emitted_graph", "judge", "clear", "blame", "compiled", "measured", "MiB"]
 
 GUARDS = ("model", "compile", "measure", None)
 PLAIN = "plain jax.jit"          # how the guard's note starts when the whole program runs as jit
@@ -44,6 +44,8 @@ MiB = 2 ** 20
 # (a scalar buffer) is not worth giving up a plan that saves launches and bytes.
 MEMORY_SLACK = 0.01
 MEMORY_SLACK_BYTES = 64 * 1024   # and so is a few scalars' worth on a tiny program
+TIME_TRUST = 0.25     # the model decides alone only on a win larger than this (see clear())
+MEMORY_TRUST = 0.20
 
 
 @dataclass(frozen=True)
@@ -138,13 +140,26 @@ def _abstract_inputs(closed: Any) -> list[Any]:
     return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
 
 
+def clear(v: Verdict) -> bool:
+    """The model shows VTC winning by more than its own error: a roofline time at most
+    ``1 - TIME_TRUST`` of jit's and buffers at most ``1 - MEMORY_TRUST`` of jit's. Anything closer
+    is decided by XLA's compile (``benchmarks/guard.py`` has the model's error on the corpus: up
+    to tens of per cent on bytes, several launches, and buffer memory it cannot see)."""
+    return (v.loses is None and v.seconds_vtc <= (1 - TIME_TRUST) * v.seconds_plain
+            and v.vtc.buffers <= (1 - MEMORY_TRUST) * v.plain.buffers)
+
+
 def compiled(plain: Price, vtc: Price, plain_fn: Any, vtc_fn: Any, closed: Any, donate: tuple[int, ...],
-             gpu: GPU = GPUS["h100-sxm"]) -> Verdict:
+             gpu: GPU = GPUS["h100-sxm"], cache: dict[str, Any] | None = None) -> Verdict:
     """The verdict by XLA's own compile for the target (deviceless for an H100 when there is no GPU,
     ``offline.compile_program``): launches, buffer bytes and buffer assignment of both programs.
-    The modelled prices' launch groups are kept for :func:`blame`."""
+    The modelled prices' launch groups are kept for :func:`blame`. ``cache["jit"]`` holds the plain
+    program's compile between the guard's steps (it does not change)."""
     args = _abstract_inputs(closed)
-    cj = compile_program(jax.jit(plain_fn, donate_argnums=donate), *args, kernels=False)
+    cache = {} if cache is None else cache
+    if "jit" not in cache:
+        cache["jit"] = compile_program(jax.jit(plain_fn, donate_argnums=donate), *args, kernels=False)
+    cj = cache["jit"]
     cv = compile_program(jax.jit(vtc_fn, donate_argnums=donate), *args, kernels=False)
     as_price = lambda c, m: Price(len(c.launches), c.bytes, c.memory["total"], m.fusions)  # noqa: E731
     v = judge(as_price(cj, plain), as_price(cv, vtc), gpu, by="compile")

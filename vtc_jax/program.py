@@ -56,6 +56,7 @@ def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequ
     graph = None
     undone: list[str] = []
     guard_steps = 0
+    compiled: dict[str, Any] = {}   # the guard's compile of plain jit, made once
     for _ in range(MAX_BUILD_ATTEMPTS + MAX_GUARD_STEPS):
         analysis = analyze(f, abstract_a, abstract_k, donate_argnums=donate, donate_argnames=donate_names,
                            rejected=rejected, graph=graph,
@@ -80,7 +81,7 @@ def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequ
                 continue
         if opts.guard is None or not kernel_clusters(closed.jaxpr):
             return _noted(analysis, undone), lowered, closed
-        verdict = _price(analysis, closed, dataclasses.replace(opts, function=f))
+        verdict = _price(analysis, closed, dataclasses.replace(opts, function=f), compiled)
         if verdict.loses is None:
             undone.append(f"kept: VTC's program {verdict.seconds_vtc * 1e6:,.1f} µs, "
                           f"{verdict.vtc.buffers / MiB:,.1f} MiB of buffers against jit's "
@@ -114,26 +115,36 @@ def _gpu(opts: BuildOptions) -> GPU:
                                   opts.analysis.get("gpu")), "gpu", GPUS["h100-sxm"])
 
 
-def _price(analysis: Analysis, closed: Any, opts: BuildOptions) -> guard.Verdict:
-    """The guard's verdict on the emitted program (``opts.guard``: by the model of XLA, or by
-    XLA's own compile / a timing, see :mod:`vtc_jax.guard`)."""
+def _price(analysis: Analysis, closed: Any, opts: BuildOptions, cache: dict[str, Any]) -> guard.Verdict:
+    """The guard's verdict on the emitted program (``opts.guard``: by the model of XLA — confirmed
+    by XLA's compile where the model shows no clear win —, by the compile, or by a timing; see
+    :mod:`vtc_jax.guard`). ``cache`` keeps the plain program's compile across the guard's steps."""
     gpu = _gpu(opts)
     plain = guard.price_plain(analysis.graph, analysis.donated)
     vtc = guard.price_emitted(analysis.graph, guard.emitted_graph(closed), analysis.donated)
-    if opts.guard == "model":
-        return guard.judge(plain, vtc, gpu)
+    model = guard.judge(plain, vtc, gpu)
+    if opts.guard == "model" and (guard.clear(model) or cache.get("no_compile")):
+        return model
     if opts.guard == "measure" and jax.default_backend() == "gpu":
         return guard.measured(plain, vtc, _flat_plain(opts.function, analysis), _run_closed(closed),
                               closed, _donated_positions(analysis), gpu)
-    program = closed
-    if opts.backend != "triton":   # price the kernels XLA would compile, not the interpreter's loops
-        lowered = lower(analysis.graph, analysis.clusters, analysis.matches, analysis.strategy, backend="triton",
-                        rewrite=lambda op: optimize_body(op, dataclasses.replace(opts, backend="triton", guard=None)))
-        with cuda_lowering():
-            program = jax.make_jaxpr(lowered.fn)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                                                    for v in closed.jaxpr.invars])
-    return guard.compiled(plain, vtc, _flat_plain(opts.function, analysis), _run_closed(program), closed,
-                          _donated_positions(analysis), gpu)
+    try:
+        program = closed
+        if opts.backend != "triton":   # price the kernels XLA would compile, not the interpreter's loops
+            lowered = lower(analysis.graph, analysis.clusters, analysis.matches, analysis.strategy,
+                            backend="triton", rewrite=lambda op: optimize_body(
+                                op, dataclasses.replace(opts, backend="triton", guard=None)))
+            with cuda_lowering():
+                program = jax.make_jaxpr(lowered.fn)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                                                        for v in closed.jaxpr.invars])
+        return guard.compiled(plain, vtc, _flat_plain(opts.function, analysis), _run_closed(program), closed,
+                              _donated_positions(analysis), gpu, cache)
+    except Exception as exc:  # noqa: BLE001 - XLA cannot compile for the target here (no CUDA plugin)
+        if opts.guard != "model":
+            opts.warn(f"the guard could not compile for the target ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); it priced by the model of XLA")
+        cache["no_compile"] = True
+        return model
 
 
 def _flat_plain(f: Callable[..., Any], analysis: Analysis) -> Callable[..., tuple[Any, ...]]:

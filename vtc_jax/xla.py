@@ -379,6 +379,19 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     def bitcasts_only(k: int) -> bool:
         return kind[k] == Kind.MOVEMENT and all(ctx.bitcast.get(o) for o in cl[k].ops)
 
+    inputs = set(g.inputs)
+
+    def buffer_root(t: int) -> int:
+        """Through bitcasts, the tensor whose buffer ``t`` is."""
+        k = ctx.producer.get(t)
+        while k is not None and bitcasts_only(k):
+            srcs = [x for o in cl[k].ops for x in _data(g.ops[o])]
+            if len(srcs) != 1:
+                break
+            t = srcs[0]
+            k = ctx.producer.get(t)
+        return t
+
     for k, c in enumerate(cl):   # pointwise islands: one loop fusion
         if kind[k] != Kind.POINTWISE:
             continue
@@ -412,9 +425,43 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             parent[find(k)] = find(host[0])
         else:
             materialised.add(k)
-    glue_calls = sorted(k for k in feeds_call if kind[k] == Kind.GLUE)
-    for k in glue_calls[1:]:   # scalar index arithmetic for kernels: one multi-output loop fusion
-        parent[find(k)] = find(glue_calls[0])
+    # scalar index arithmetic a kernel reads: a loop fusion per distinct computation (XLA's CSE
+    # merges the same clamp of ``pos`` made for several kernels); broadcasts and reshapes of a
+    # scalar are bitcasts of it (no launch)
+    glue_launch: dict[tuple, int] = {}
+    for k in sorted(feeds_call):
+        if kind[k] != Kind.GLUE:
+            continue
+        sig = tuple((g.ops[o].primitive, tuple(x for x in g.ops[o].inputs if x in inputs or ctx.producer.get(x) is None))
+                    for o in cl[k].ops if not is_view(g.ops[o], g) and g.ops[o].primitive not in CAST_ONLY)
+        if not sig:
+            continue
+        if sig in glue_launch:
+            parent[find(k)] = find(glue_launch[sig])
+        else:
+            glue_launch[sig] = k
+    glue_launches = {find(k) for k in glue_launch.values()}
+    # sibling GEMMs: dots reading one activation with weights passed in (Q, K and V projections)
+    # are one GEMM (XLA's dot merger); a kernel call reading one of the results then reads a
+    # slice XLA must copy out of the merged buffer
+    siblings: dict[tuple, list[int]] = {}
+    for k, c in enumerate(cl):
+        dots = [g.ops[o] for o in c.ops if g.ops[o].primitive == "dot_general"]
+        if kind[k] != Kind.MATMUL or len(dots) != 1 or any(
+                g.ops[o].primitive not in ("dot_general", *CAST_ONLY) for o in c.ops):
+            continue
+        d = dots[0]
+        if d.inputs[1] not in inputs:
+            continue
+        key = (buffer_root(d.inputs[0]), str(d.params.get("dimension_numbers")), len(g.tensors[d.inputs[1]].shape),
+               str(g.tensors[d.inputs[1]].dtype))
+        siblings.setdefault(key, []).append(k)
+    merged: set[int] = set()
+    for members in siblings.values():
+        if len(members) > 1:
+            merged.update(members)
+            for k in members[1:]:
+                parent[find(k)] = find(members[0])
 
     def read_bytes(t: int, seen: set[int]) -> int:
         """Bytes a fusion reads for ``t``: through fused movement, what its sources hold."""
@@ -424,8 +471,6 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         seen.add(k)
         src = sum(read_bytes(x, seen) for o in cl[k].ops for x in _data(g.ops[o]))
         return min(ctx.nbytes[t], src) if kind[k] != Kind.GLUE else 0
-
-    inputs = set(g.inputs)
 
     def read_src_is_input(t: int) -> bool:
         """``t`` is (a movement op's view of) a program input with more than one dimension."""
@@ -467,6 +512,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         groups.setdefault(find(k), []).append(k)
     for members in groups.values():
         head = members[0]
+        if find(head) in glue_launches:
+            add(members, "loop", 1, sum(ctx.nbytes[t] for m in members for t in cl[m].outputs))
+            continue
         if len(members) == 1 and call[head]:
             nbytes, made = 0, []
             for o in cl[head].ops:
@@ -548,6 +596,10 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     "loop")
         nbytes += sum(read_bytes(t, set()) for t in ins) + sum(ctx.nbytes[t] for t in out)
         add(members, what, n, nbytes, out)
+    for k in sorted(merged):   # a merged GEMM's result read by a kernel call: a slice copied out
+        for t in cl[k].outputs:
+            if any(call[u] for u in consumers_through_movement(t, set())):
+                add((k,), "copy", 1, 2 * ctx.nbytes[t], (t,))
     convs = [k for k in range(len(cl)) if kind[k] == Kind.CONV]
     if convs:   # cuDNN runs NHWC: each NCHW program input a conv reads, and each output a conv
         # produces, is transposed once (one launch reading and writing it)
