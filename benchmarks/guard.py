@@ -3,6 +3,7 @@
 
     JAX_PLATFORMS=cpu python benchmarks/guard.py            # rewrites the "guard" block of BENCHMARKS.md
     JAX_PLATFORMS=cpu python benchmarks/guard.py --only gemma   # some programs, printed, nothing written
+    JAX_PLATFORMS=cpu python benchmarks/guard.py --dry          # all, printed, nothing written
 
 The corpus: the examples at batch 1 and 16 (``examples/``), the zoo (``tests/zoo``: pure-JAX Llama,
 flax Gemma, prefill, vision) and the corpus of styles unlike the zoo's (``tests/zoo/corpus.py``:
@@ -169,6 +170,7 @@ def render(rows: dict[str, dict[str, Any]], info: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default="", help="substring of program names; prints, writes nothing")
+    p.add_argument("--dry", action="store_true", help="print the block, write nothing")
     ns = p.parse_args()
     rows: dict[str, dict[str, Any]] = {}
     for name, (step, args, donate) in corpus().items():
@@ -183,7 +185,7 @@ def main() -> None:
     info = (f"Python {platform.python_version()}, jax {jax.__version__}, on {platform.machine()} "
             f"({os.cpu_count()} cores), no GPU.")
     text = render(rows, info)
-    if ns.only:
+    if ns.only or ns.dry:
         print(text)
         return
     bench = ROOT / "BENCHMARKS.md"

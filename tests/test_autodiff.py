@@ -48,7 +48,7 @@ def _no_fallback():
 
 @pytest.fixture(scope="module")
 def opt():
-    return vtc_jax.optimize(fn, backend="interpret", strict=True)
+    return vtc_jax.optimize(fn, backend="interpret", guard=None, strict=True)
 
 
 TRANSFORMS = {
@@ -86,7 +86,7 @@ def test_optimize_of_vmapped_fn():
     x, w = _args()
     vf = jax.vmap(fn, in_axes=(0, None))
     xs = jnp.stack([x, 3 * x])
-    f = vtc_jax.optimize(vf, backend="interpret", strict=True)
+    f = vtc_jax.optimize(vf, backend="interpret", guard=None, strict=True)
     check_same(f(xs, w), jax.jit(vf)(xs, w))
     check_same(jax.grad(_loss(f), argnums=(0, 1))(xs, w), jax.grad(_loss(jax.jit(vf)), argnums=(0, 1))(xs, w))
 
@@ -105,7 +105,7 @@ def test_jit_conventions_under_autodiff():
     params = {"w": w, "b": jnp.linspace(-1, 1, 16)}
     n, mask, key = jnp.int32(3), x > 0, jax.random.key(1)
     kw = dict(static_argnums=0, static_argnames="mode")
-    f, ref = vtc_jax.optimize(g, backend="interpret", strict=True, **kw), jax.jit(g, **kw)
+    f, ref = vtc_jax.optimize(g, backend="interpret", guard=None, strict=True, **kw), jax.jit(g, **kw)
 
     def loss(h):
         return lambda p, x, n: jnp.sum(h(0.5, p, x, n, mask=mask, mode="tanh", key=key)["y"] ** 2)
@@ -125,7 +125,7 @@ def test_jit_conventions_under_autodiff():
 def test_grad_with_donated_forward_and_whole_fallback(monkeypatch):
     """Donation keeps working for the plain call; if the rewrite fails, grad is jax's own."""
     x, w = _args()
-    f = vtc_jax.optimize(fn, backend="interpret", donate_argnums=0)
+    f = vtc_jax.optimize(fn, backend="interpret", guard=None, donate_argnums=0)
     check_same(f(jnp.array(x), w), jax.jit(fn)(x, w))
     import vtc_jax.program as program   # the build loop's lowering step
 
@@ -133,7 +133,7 @@ def test_grad_with_donated_forward_and_whole_fallback(monkeypatch):
         raise RuntimeError("synthetic lowering failure")
 
     monkeypatch.setattr(program, "lower", boom)
-    g = vtc_jax.optimize(fn, backend="interpret")
+    g = vtc_jax.optimize(fn, backend="interpret", guard=None)
     with pytest.warns(vtc_jax.VTCFallbackWarning, match="synthetic"):
         got = jax.grad(_loss(g), argnums=(0, 1))(x, w)
     check_same(got, jax.grad(_loss(jax.jit(fn)), argnums=(0, 1))(x, w))
@@ -150,6 +150,6 @@ def test_custom_vjp_inside_fn_keeps_its_rule():
         return jnp.transpose(clip_grad(x @ w) * 3.0)
 
     x, w = _args()
-    f = vtc_jax.optimize(h, backend="interpret", strict=True)
+    f = vtc_jax.optimize(h, backend="interpret", guard=None, strict=True)
     grads = lambda g: jax.grad(_loss(g), argnums=(0, 1))(x, w)
     check_same(grads(f), grads(jax.jit(h)))

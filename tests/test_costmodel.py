@@ -403,7 +403,7 @@ def test_xla_fuses_a_pointwise_island_joined_by_movement():
     pw = {c.id for c in cl if c.kind == "pointwise"}
     assert len(pw) == 3 and set(fused) == pw, (pw, fused)
     assert all("loop fusion" in why for why in fused.values())
-    f = vtc_jax.optimize(_rope, backend="interpret")
+    f = vtc_jax.optimize(_rope, backend="interpret", guard=None)
     np.testing.assert_array_equal(np.asarray(f(x, cos, sin), np.float32),
                                   np.asarray(jax.jit(_rope)(x, cos, sin), np.float32))
     a, lowered = f.last
@@ -679,3 +679,38 @@ def test_effvit_reads_k_and_v_through_maps_at_paper_size():
     kt = [op for op in inner if op.primitive == "transpose" and len(g.tensors[op.outputs[0]].shape) == 4
           and g.tensors[op.outputs[0]].shape[-1] < g.tensors[op.outputs[0]].shape[-2]]
     assert kt and all(e.direction == Direction.READ for op in kt for e in a.strategy.points_to(op.outputs[0]))
+
+
+def test_xla_program_merges_sibling_gemms_and_norms_over_long_rows():
+    """Q, K and V projections of one activation with weights passed in are one GEMM launch (XLA's
+    dot merger), reading the activation once; an RMSNorm over 4,096-wide rows is a reduction plus
+    a loop fusion applying it (over 64-wide rows, one fusion)."""
+    from vtc_jax.xla import xla_program
+    x = jnp.ones((4, 256))
+    ws = [jnp.ones((256, n)) for n in (256, 64, 64)]
+    g = trace(lambda x, a, b, c: (x @ a, x @ b, x @ c), x, *ws)
+    p = xla_program(g, cluster(g))
+    gemm = [f for f in p.fusions if f.what == "matmul"]
+    assert len(gemm) == 1 and gemm[0].launches == 1, p.fusions
+    assert gemm[0].bytes == 4 * (4 * 256 + 256 * 384 + 4 * 384), gemm[0]
+
+    def norm(x, w):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * w
+    for width, launches in ((4096, 2), (64, 1)):
+        g = trace(norm, jnp.ones((8, width)), jnp.ones((width,)))
+        assert xla_program(g, cluster(g)).launches == launches, width
+
+
+def test_guard_trusts_the_model_only_on_a_clear_win():
+    """``guard.clear``: the model decides alone only when VTC wins by more than its error."""
+    from vtc_jax import guard
+    from vtc_jax.xla import Price
+    jit = Price(10, 100 << 20, 200 << 20)
+    assert guard.clear(guard.judge(jit, Price(4, 40 << 20, 90 << 20)))
+    assert not guard.clear(guard.judge(jit, Price(9, 95 << 20, 90 << 20)))      # a narrow win: compile decides
+    assert not guard.clear(guard.judge(jit, Price(4, 40 << 20, 150 << 20)))     # memory not clearly lower
+    assert guard.judge(jit, Price(4, 40 << 20, 201 << 20)).loses is None       # within the model's slack
+    assert guard.judge(jit, Price(4, 40 << 20, 201 << 20), by="compile").loses  # the compile: exact
+    lost = guard.judge(jit, Price(12, 100 << 20, 200 << 20))
+    assert lost.loses and "µs" in lost.loses and not guard.clear(lost)
+    assert "buffers" in guard.judge(jit, Price(4, 40 << 20, 300 << 20)).loses

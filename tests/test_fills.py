@@ -27,7 +27,7 @@ def _args(seed: int = 0):
 def _optimized(f, *args):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-        opt = vtc_jax.optimize(f, backend="interpret")
+        opt = vtc_jax.optimize(f, backend="interpret", guard=None)
         return opt, opt(*args)
 
 

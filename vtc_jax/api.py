@@ -18,7 +18,7 @@ import jax
 from .analysis import analyze, cost_model_for, positions
 from .autodiff import with_original_derivatives
 from .compat import warn
-from .guard import GUARDS, UNDONE
+from .guard import GUARDS, PLAIN, UNDONE
 from .program import BuildOptions, build
 from .report import Report, build_report, fallback_messages
 
@@ -234,6 +234,8 @@ class Optimized:
                            f"({type(exc).__name__}: {exc}); running it as plain XLA", exc)
             return f(*a, **k)
         self.last = (analysis, lowered)
+        if analysis.guard and analysis.guard[-1].startswith(PLAIN):   # the guard's last word: jax.jit's own program
+            return f(*a, **k)
         failed = frozenset(c for c, why in self._rejected.items() if not why.startswith(UNDONE))
         for msg in fallback_messages(analysis, failed, self._build.bodies):
             self._fallback(msg)

@@ -45,7 +45,7 @@ MiB = 2 ** 20
 MEMORY_SLACK = 0.01
 MEMORY_SLACK_BYTES = 64 * 1024   # and so is a few scalars' worth on a tiny program
 TIME_TRUST = 0.25     # the model decides alone only on a win larger than this (see clear())
-MEMORY_TRUST = 0.20
+MEMORY_TRUST = 0.50   # buffers: the model misses what XLA's buffer assignment keeps (DenseNet: -6% modelled, +7% compiled)
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,8 @@ def price_emitted(graph: Graph, emitted: Graph, donated: frozenset[int]) -> Pric
 
 
 def judge(plain: Price, vtc: Price, gpu: GPU = GPUS["h100-sxm"], by: str = "model") -> Verdict:
-    """Compare the two prices: VTC loses on a longer roofline time or on more buffer memory."""
+    """Compare the two prices: VTC loses on a longer roofline time or on more buffer memory (by
+    the model, beyond its slack; by the compile, by a single byte)."""
     tp = plain.seconds(gpu.hbm_bandwidth, gpu.launch_overhead)
     tv = vtc.seconds(gpu.hbm_bandwidth, gpu.launch_overhead)
     why = []
@@ -86,7 +87,8 @@ def judge(plain: Price, vtc: Price, gpu: GPU = GPUS["h100-sxm"], by: str = "mode
         why.append(f"{tv * 1e6:,.1f} µs against jit's {tp * 1e6:,.1f} µs ({vtc.launches} launches and "
                    f"{vtc.bytes / MiB:,.1f} MiB against {plain.launches} and {plain.bytes / MiB:,.1f} MiB, "
                    f"{gpu.name})")
-    if vtc.buffers > plain.buffers * (1 + MEMORY_SLACK) + MEMORY_SLACK_BYTES:
+    slack = (plain.buffers * MEMORY_SLACK + MEMORY_SLACK_BYTES) if by == "model" else 0
+    if vtc.buffers > plain.buffers + slack:
         why.append(f"{vtc.buffers / MiB:,.1f} MiB of buffers against jit's {plain.buffers / MiB:,.1f} MiB")
     return Verdict(plain, vtc, tp, tv, "; ".join(why) or None, by)
 
