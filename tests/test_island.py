@@ -279,3 +279,18 @@ def test_random_islands_equal_jit(moves, pos):
     assert all(why == "kernel" for _, kind, why in rep.templates if kind == "pointwise"), rep.templates
     assert rep.strategy.resolution.executed == (), (moves, rep.strategy.resolution.executed)
     _close(_optimize(step, donate_argnums=(1,))(*[jnp.array(a) for a in args]), jax.jit(step)(*args))
+
+
+def test_an_island_that_would_recompute_too_much_is_declined(monkeypatch):
+    """An island asking for more values than ``island.MAX_VALUES`` (an associative scan's slice/pad
+    tree at 2,048 steps asked for ~10,000: 20 s of analysis) is declined with the reason, and the
+    program still equals jax.jit. Shown on RoPE with the budget lowered to a few values."""
+    from vtc_jax.templates import Reject, island
+    monkeypatch.setattr(island, "MAX_VALUES", 4)
+    args = _rope_args()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rep = vtc_jax.explain(rope_step)(*args)
+    why = [w for _, _, w in rep.templates if f"more than {island.MAX_VALUES} values" in w]
+    assert why, rep.templates
+    _close(_optimize(rope_step)(*args), jax.jit(rope_step)(*args))

@@ -185,6 +185,12 @@ def _table_ops(graph: Graph, t: int) -> set[int] | None:
     return found
 
 
+# Values one island may recompute (distinct (tensor, index map) pairs). Each one costs index-map
+# compositions at analysis time and registers in the kernel; Mamba's associative scan over 2,048
+# steps asked for ~10,000 (20 s of analysis, tests/zoo/corpus.py) where RoPE needs a few dozen.
+MAX_VALUES = 1024
+
+
 def plan(graph: Graph, ops: Sequence[int], inputs: Sequence[int], outputs: Sequence[int]) -> IslandPlan:
     """The straight-line program of a pointwise cluster whose ops include movement (see module
     docstring). Raises :class:`Decline` for what it cannot recompute."""
@@ -209,12 +215,18 @@ def plan(graph: Graph, ops: Sequence[int], inputs: Sequence[int], outputs: Seque
             steps.append(step)
         return memo[key]
 
+    visits = [0]
+
     def value(t: int, m: IndexMap, depth: int = 0) -> int:
         if depth > 200:
             raise Decline("movement chain inside the cluster too deep")
         key = ("v", t, m)
         if key in memo:
             return memo[key]
+        visits[0] += 1
+        if visits[0] > MAX_VALUES:
+            raise Decline(f"recomputing the movement inside the cluster takes more than {MAX_VALUES} values "
+                          "(an associative scan's slice/pad tree): XLA's fusions do it once")
         if t in leaves or t not in made:
             c = _scalar_const(graph, t)
             if c is not None:
