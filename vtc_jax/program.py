@@ -21,7 +21,7 @@ from . import guard
 from .analysis import Analysis, analyze, cost_model_for
 from .compat import cuda_lowering, scan_counts
 from .costmodel import GPU, GPUS
-from .graph import Op
+from .graph import Graph, Op
 from .guard import MiB
 from .lower import Lowered, kernel_clusters, lower, triton_failures
 from .primitives import CONTROL_FLOW
@@ -81,14 +81,15 @@ def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequ
                 continue
         if opts.guard is None or not kernel_clusters(closed.jaxpr):
             return _noted(analysis, undone), lowered, closed
-        verdict = _price(analysis, closed, dataclasses.replace(opts, function=f), compiled)
+        emitted = guard.emitted_graph(closed)   # traced once: priced, and blamed if it loses
+        verdict = _price(analysis, closed, emitted, dataclasses.replace(opts, function=f), compiled)
         if verdict.loses is None:
             undone.append(f"kept: VTC's program {verdict.seconds_vtc * 1e6:,.1f} µs, "
                           f"{verdict.vtc.buffers / MiB:,.1f} MiB of buffers against jit's "
                           f"{verdict.seconds_plain * 1e6:,.1f} µs, {verdict.plain.buffers / MiB:,.1f} MiB "
                           f"(by the {verdict.by})")
             return _noted(analysis, undone), lowered, closed
-        picks = _worst(analysis, closed, verdict, opts) if guard_steps < MAX_GUARD_STEPS else []
+        picks = _worst(analysis, closed, emitted, verdict, opts) if guard_steps < MAX_GUARD_STEPS else []
         if picks:
             guard_steps += 1
             for cid, loss, what in picks:
@@ -115,13 +116,14 @@ def _gpu(opts: BuildOptions) -> GPU:
                                   opts.analysis.get("gpu")), "gpu", GPUS["h100-sxm"])
 
 
-def _price(analysis: Analysis, closed: Any, opts: BuildOptions, cache: dict[str, Any]) -> guard.Verdict:
+def _price(analysis: Analysis, closed: Any, emitted: Graph, opts: BuildOptions,
+           cache: dict[str, Any]) -> guard.Verdict:
     """The guard's verdict on the emitted program (``opts.guard``: by the model of XLA — confirmed
     by XLA's compile where the model shows no clear win —, by the compile, or by a timing; see
     :mod:`vtc_jax.guard`). ``cache`` keeps the plain program's compile across the guard's steps."""
     gpu = _gpu(opts)
     plain = guard.price_plain(analysis.graph, analysis.donated)
-    vtc = guard.price_emitted(analysis.graph, guard.emitted_graph(closed), analysis.donated)
+    vtc = guard.price_emitted(analysis.graph, emitted, analysis.donated)
     model = guard.judge(plain, vtc, gpu)
     if opts.guard == "model" and (guard.clear(model) or cache.get("no_compile")):
         return model
@@ -163,10 +165,11 @@ def _donated_positions(analysis: Analysis) -> tuple[int, ...]:
     return tuple(i for i, t in enumerate(analysis.graph.inputs) if t in analysis.donated)
 
 
-def _worst(analysis: Analysis, closed: Any, verdict: guard.Verdict, opts: BuildOptions) -> list[tuple[int, float, str]]:
+def _worst(analysis: Analysis, closed: Any, emitted: Graph, verdict: guard.Verdict,
+           opts: BuildOptions) -> list[tuple[int, float, str]]:
     """The kernels to undo: the worst by :func:`guard.blame`, until what they lose covers VTC's
     deficit in time (at least one; all that lose anything when the program loses on memory)."""
-    ranked = guard.blame(analysis.graph, analysis.clusters, verdict.plain, guard.emitted_graph(closed),
+    ranked = guard.blame(analysis.graph, analysis.clusters, verdict.plain, emitted,
                          verdict.vtc, kernel_clusters(closed.jaxpr), _gpu(opts))
     deficit = verdict.seconds_vtc - verdict.seconds_plain
     if verdict.vtc.buffers > verdict.plain.buffers or deficit <= 0:

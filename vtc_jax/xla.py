@@ -381,10 +381,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
 
     inputs = set(g.inputs)
 
-    def buffer_root(t: int) -> int:
-        """Through bitcasts, the tensor whose buffer ``t`` is."""
+    materialised: set[int] = set()   # movement a kernel call reads that XLA writes out (below)
+
+    def buffer_of(t: int) -> int:
+        """The buffer ``t`` lives in: through bitcasts XLA leaves as views, its source's."""
         k = ctx.producer.get(t)
-        while k is not None and bitcasts_only(k):
+        while k is not None and bitcasts_only(k) and find(k) == k and k not in materialised:
             srcs = [x for o in cl[k].ops for x in _data(g.ops[o])]
             if len(srcs) != 1:
                 break
@@ -415,7 +417,6 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             parent[find(members[0])] = find(next(iter(users)))
     # movement a kernel call reads: one more output of the loop fusion that produces its source
     # (XLA's multi-output fusion), or a copy of its own
-    materialised: set[int] = set()
     for k in sorted(feeds_call):
         if kind[k] == Kind.GLUE or bitcasts_only(k):
             continue
@@ -453,7 +454,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         d = dots[0]
         if d.inputs[1] not in inputs:
             continue
-        key = (buffer_root(d.inputs[0]), str(d.params.get("dimension_numbers")), len(g.tensors[d.inputs[1]].shape),
+        key = (buffer_of(d.inputs[0]), str(d.params.get("dimension_numbers")), len(g.tensors[d.inputs[1]].shape),
                str(g.tensors[d.inputs[1]].dtype))
         siblings.setdefault(key, []).append(k)
     merged: set[int] = set()
@@ -487,17 +488,6 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         if k is None or not fused_movement(k):
             return set()
         return set().union(*[_inputs_behind(x) for o in cl[k].ops for x in _data(g.ops[o])] or [set()])
-
-    def buffer_of(t: int) -> int:
-        """The buffer ``t`` lives in: through bitcasts, its source's."""
-        k = ctx.producer.get(t)
-        while k is not None and bitcasts_only(k) and find(k) == k and k not in materialised:
-            srcs = [x for o in cl[k].ops for x in _data(g.ops[o])]
-            if len(srcs) != 1:
-                break
-            t = srcs[0]
-            k = ctx.producer.get(t)
-        return t
 
     fusions: list[Fusion] = []
     written: dict[int, int] = {}     # materialised tensor -> group position that writes it
