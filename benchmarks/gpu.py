@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Measured latency and peak memory on a GPU (verification ladder, rung 4). Not run in CI.
 
-    python benchmarks/gpu.py [--runs 50] [--warmup 5] [--out gpu.md]
+    python benchmarks/gpu.py [--runs 50] [--warmup 5] [--out gpu.md] [--jsonl rows.jsonl] [--deadline S]
+    python benchmarks/gpu.py --corpus [--only a,b] --jsonl corpus.jsonl   # the guard's 44 programs
+    python benchmarks/gpu.py --render rows.jsonl [--info "where, how"]   # the table, no GPU needed
 
 On a machine whose default jax backend is a GPU: for each workload of ``examples/`` × batch {1, 16}
 at paper size, ``vtc_jax.optimize(step)`` vs ``jax.jit(step)`` (cache arguments donated in both),
@@ -16,6 +18,14 @@ and for the Llama-3 decode-attention part alone, also versus Pallas' own GPU dec
   were allocated`` = what the program itself needed; plus XLA's ``compiled.memory_analysis()``
   temporary bytes where available;
 * correctness: the VTC output against ``jax.jit``'s on the same inputs (max relative error).
+
+``--corpus`` times ``benchmarks/guard.py``'s corpus instead (jit, VTC guarded, and VTC unguarded
+where the guard changed the plan), in one process, with XLA's compiled temporary bytes and jit's
+output against itself (nondeterministic programs, degenerate inputs). ``--jsonl`` appends each
+row as it is measured, so a run cut short by ``--deadline`` or a time limit keeps what finished.
+The driver does not open the GPU itself (each measurement has its own process and its own
+peak), and hands its subprocesses the user's ``JAX_PLATFORMS`` (``benchmarks/accounting.py``
+defaults it to cpu for its static work: inherited, the subprocesses found no GPU).
 
 Inputs are random (normal × 0.05 for floats, ``--pos`` for integer scalars such as the decode
 position). On a machine without a GPU it prints "no GPU: nothing measured (this script only runs on
@@ -33,7 +43,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 HERE = Path(__file__).resolve().parent
+# benchmarks/accounting.py defaults JAX_PLATFORMS to cpu for its own static work; the measurement
+# subprocesses must see the platforms the user started with.
+USER_PLATFORMS = os.environ.get("JAX_PLATFORMS")
+SLOWER = 1.05   # a median this much above jit's counts as slower (run-to-run spread is a few per cent)
 NO_GPU = "no GPU: nothing measured (this script only runs on a GPU)"
 VARIANTS = ("jit", "vtc")
 ATTN_VARIANTS = ("jit", "vtc", "pallas_gqa")
@@ -54,6 +70,14 @@ def has_gpu() -> bool:
         return False
 
 
+def has_gpu_elsewhere() -> bool:
+    """Whether a GPU is usable, asked of a child process: the driver does not open the GPU itself
+    (a GPU in exclusive-process compute mode would refuse every measurement subprocess)."""
+    code = "import jax; print(jax.default_backend())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return proc.stdout.strip().splitlines()[-1:] == ["gpu"]
+
+
 # --------------------------------------------------------------------------------------------
 # Inputs and programs
 # --------------------------------------------------------------------------------------------
@@ -72,6 +96,9 @@ def materialise(tree: Any, pos: int, seed: int = 0) -> Any:
             out.append((jax.random.normal(k, x.shape, jnp.float32) * 0.05).astype(x.dtype))
         elif jnp.issubdtype(x.dtype, jnp.integer):
             out.append(jnp.full(x.shape, pos if x.shape == () else 0, x.dtype))
+        elif jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            n = max(1, int(np.prod(x.shape)))
+            out.append(jax.random.split(jax.random.key(seed), n).reshape(x.shape))
         else:
             out.append(jnp.zeros(x.shape, x.dtype))
     return jax.block_until_ready(jax.tree.unflatten(treedef, out))
@@ -186,12 +213,138 @@ def measure(kind: str, name: str, batch: int, variant: str, *, runs: int, warmup
     res["peak_bytes_in_use"] = st.get("peak_bytes_in_use")
     res["program_peak_bytes"] = (st["peak_bytes_in_use"] - before
                                  if st.get("peak_bytes_in_use") is not None and before is not None else None)
+    if getattr(fn, "last", None):
+        res["guard"] = list(fn.last[0].guard)
     if variant != "jit":
         try:
             res["max_rel_err_vs_jit"] = _max_rel(fn(*fresh()), ref(*fresh()))
         except Exception as exc:  # noqa: BLE001
             res["max_rel_err_vs_jit"] = f"{type(exc).__name__}: {exc}"[:200]
     return res
+
+
+# --------------------------------------------------------------------------------------------
+# The guard's corpus, timed (one process: compile-time memory, not allocator peaks)
+# --------------------------------------------------------------------------------------------
+
+def _timed(fn: Callable, args: tuple, donate: tuple[int, ...], runs: int, warmup: int) -> list[float]:
+    import jax
+
+    def fresh() -> tuple:
+        return tuple(jax.tree.map(lambda x: x.copy(), a) if i in donate else a for i, a in enumerate(args))
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*fresh()))
+    times = []
+    for _ in range(runs):
+        a = jax.block_until_ready(fresh())
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*a))
+        times.append(time.perf_counter() - t0)
+    return sorted(times)
+
+
+def measure_corpus(ns: argparse.Namespace) -> list[dict[str, Any]]:
+    """``benchmarks/guard.py``'s 44 programs on this GPU: jit, VTC as the greedy planned it
+    (``guard=None``) and VTC guarded (the default), each timed (median of ``--runs``) and compiled
+    for its temporary bytes; the VTC outputs checked against jit's. The unguarded plan is timed only
+    where the guard changed it."""
+    import jax
+    import vtc_jax
+    if str(HERE.parent) not in sys.path:
+        sys.path.insert(0, str(HERE.parent))
+    import guard as corpus_bench
+    progs = corpus_bench.corpus()
+    if ns.only:   # in the order the substrings are given
+        progs = {k: progs[k] for s in ns.only.split(",") for k in progs if s in k}
+    results, start = [], time.monotonic()
+    for name, (step, make_args, donate) in progs.items():
+        if ns.deadline is not None and time.monotonic() - start > ns.deadline:
+            print(f"deadline of {ns.deadline:.0f} s reached: {name} and later not measured", flush=True)
+            break
+        row: dict[str, Any] = {"kind": "corpus", "name": name}
+        try:
+            args = materialise(tuple(make_args()), ns.pos)
+            fns = {"jit": jax.jit(step, donate_argnums=donate),
+                   "vtc": vtc_jax.optimize(step, donate_argnums=donate)}
+            outs = {}
+            for key in ("jit", "vtc", "raw"):
+                if key == "raw":
+                    if all(g.startswith("kept") for g in row.get("guard", ())):
+                        break        # the guard kept the plan whole: raw is vtc
+                    fns["raw"] = vtc_jax.optimize(step, donate_argnums=donate, guard=None)
+                fn = fns[key]
+                t0 = time.perf_counter()
+                fresh = tuple(jax.tree.map(lambda x: x.copy(), a) if i in donate else a for i, a in enumerate(args))
+                outs[key] = jax.block_until_ready(fn(*fresh))
+                first = time.perf_counter() - t0
+                if key == "vtc":
+                    rep = fn.last[0] if getattr(fn, "last", None) else None
+                    row["guard"] = list(rep.guard) if rep is not None else []
+                try:
+                    ma = fn.lower(*args).compile().memory_analysis()
+                    temp = int(ma.temp_size_in_bytes) if ma is not None else None
+                except Exception:  # noqa: BLE001 - memory_analysis is optional
+                    temp = None
+                t = _timed(fn, args, donate, ns.runs, ns.warmup)
+                row[key] = {"median_ms": 1e3 * statistics.median(t), "p10_ms": 1e3 * t[len(t) // 10],
+                            "p90_ms": 1e3 * t[min(len(t) - 1, (9 * len(t)) // 10)], "temp_bytes": temp,
+                            "first_call_s": first}
+                if key == "jit":   # jit against itself: nondeterministic programs (a scatter with
+                    # repeated indices) and degenerate inputs (non-finite outputs) show here
+                    again = fns["jit"](*tuple(jax.tree.map(lambda x: x.copy(), a) if i in donate else a
+                                              for i, a in enumerate(args)))
+                    row["jit"]["jit_vs_itself"] = _max_rel(again, outs["jit"])
+                    row["jit"]["finite"] = all(bool(jax.numpy.isfinite(jax.numpy.asarray(x, jax.numpy.float32)).all())
+                                               for x in jax.tree.leaves(outs["jit"]))
+                else:
+                    row[key]["max_rel_err_vs_jit"] = _max_rel(outs[key], outs["jit"])
+        except Exception as exc:  # noqa: BLE001 - one program's failure is a row, not the end
+            row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        if ns.jsonl:
+            with open(ns.jsonl, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    return results
+
+
+def render_corpus(rows: list[dict[str, Any]], info: str) -> str:
+    """The markdown table of :func:`measure_corpus`'s rows (``--render FILE.jsonl``)."""
+    MiB = 2 ** 20
+    ok = [r for r in rows if "error" not in r]
+    slower = lambda r, k: r[k]["median_ms"] > SLOWER * r["jit"]["median_ms"]  # noqa: E731
+    lose_raw = [r["name"] for r in ok if slower(r, "raw" if "raw" in r else "vtc")]
+    lose = [r["name"] for r in ok if slower(r, "vtc")]
+    lines = [f"{info}", "",
+             f"* {len(ok)} of {len(rows)} programs measured"
+             + (f" ({', '.join(r['name'] + ': ' + r['error'].splitlines()[0][:80] for r in rows if 'error' in r)})"
+                if len(ok) < len(rows) else "") + ".",
+             f"* Unguarded (`guard=None`), VTC is more than {100 * (SLOWER - 1):.0f}% slower than jit on "
+             f"{len(lose_raw)} of {len(ok)}: {', '.join(lose_raw) or 'none'}.",
+             f"* Guarded (the default), on {len(lose)} of {len(ok)}: {', '.join(lose) or 'none'}.", "",
+             "| program | jit ms | VTC ms (speed-up) | VTC unguarded ms (speed-up) | XLA temp MiB, jit → VTC |"
+             " max rel err vs jit (jit vs itself) | what the guard did |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | error | | | | | {r['error'].splitlines()[0][:120]} |")
+            continue
+        j, v = r["jit"], r["vtc"]
+        raw = r.get("raw", v)
+        sp = lambda x: f"{x['median_ms']:.3f} ({j['median_ms'] / x['median_ms']:.2f}×)"  # noqa: E731
+        bold = lambda x, k: f"**{x}**" if slower(r, k) else x  # noqa: E731
+        temp = lambda x: "-" if x.get("temp_bytes") is None else f"{x['temp_bytes'] / MiB:,.0f}"  # noqa: E731
+        err = v.get("max_rel_err_vs_jit")
+        self_err = j.get("jit_vs_itself")
+        err_s = f"{err:.1e}" if isinstance(err, float) else str(err)
+        if self_err is not None:
+            err_s += f" ({self_err:.1e}{'' if j.get('finite', True) else ', non-finite'})"
+        g = "; ".join(x.split(":")[0] for x in r.get("guard", [])) or "-"
+        lines.append(f"| {r['name']} | {j['median_ms']:.3f} | {bold(sp(v), 'vtc')} | "
+                     f"{bold(sp(raw), 'raw' if 'raw' in r else 'vtc')}{'' if 'raw' in r else ' (same)'} | "
+                     f"{temp(j)} → {temp(v)} | {err_s} | {g} |")
+    return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,6 +355,9 @@ def _run_one(kind: str, name: str, batch: int, variant: str, ns: argparse.Namesp
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", kind, name, str(batch), variant,
            "--runs", str(ns.runs), "--warmup", str(ns.warmup), "--pos", str(ns.pos)]
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env.pop("JAX_PLATFORMS", None)
+    if USER_PLATFORMS is not None:
+        env["JAX_PLATFORMS"] = USER_PLATFORMS
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=ns.timeout)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
@@ -219,30 +375,37 @@ def _fmt(x: Any, scale: float = 1.0, digits: int = 3) -> str:
     return f"{x / scale:,.{digits}f}"
 
 
-def render(results: list[dict[str, Any]], ns: argparse.Namespace, device: str) -> str:
+def render(results: list[dict[str, Any]], ns: argparse.Namespace, device: str, where: str | None = None) -> str:
+    """The examples' table. ``where``: the line saying where and how it was measured (default:
+    this machine, now — the driver's own run)."""
     acc = _accounting()
-    info = acc.machine_info()
     MiB = 2 ** 20
-    lines = ["# GPU measurements", "", "```sh", "python benchmarks/gpu.py", "```",
-             "", f"{info['date']}, {device}; host {info['cpu']}; jax {info['jax']}, jaxlib {info['jaxlib']}, "
-             f"vtc_jax {info['vtc_jax']} (git {info['commit']}). Median of {ns.runs} timed calls after {ns.warmup} "
-             "warm-up calls; peak = `memory_stats()['peak_bytes_in_use']` in a fresh process per row, *program* = "
-             "peak minus the bytes in use once the inputs existed. **Measured.**", ""]
+    if where is None:
+        info = acc.machine_info()
+        where = (f"{info['date']}, {device}; host {info['cpu']}; jax {info['jax']}, jaxlib {info['jaxlib']}, "
+                 f"vtc_jax {info['vtc_jax']} (git {info['commit']}). Median of {ns.runs} timed calls after "
+                 f"{ns.warmup} warm-up calls.")
+    lines = [where + " Peak = `memory_stats()['peak_bytes_in_use']` in a fresh process per row, *program* = "
+             "peak minus the bytes in use once the inputs existed: it includes what XLA's GEMM / conv autotuner "
+             "allocated while compiling on the first call, so *XLA temp* (the compiled program's own temporary "
+             "buffers, `memory_analysis()`) is the figure to compare. **Measured.**", ""]
     rows = []
     base = {(r["kind"], r["name"], r["batch"]): r for r in results if r.get("variant") == "jit" and "error" not in r}
     for r in results:
         if "error" in r:
-            rows.append([r["name"], r["batch"], r["variant"], "error", "", "", "", "", r["error"]])
+            rows.append([r["name"], r["batch"], r["variant"], "error", "", "", "", "", "", r["error"]])
             continue
         b = base.get((r["kind"], r["name"], r["batch"]))
         speed = f"{b['median_ms'] / r['median_ms']:.2f}×" if b and r["variant"] != "jit" else ""
         rows.append([r["name"], r["batch"], r["variant"], _fmt(r["median_ms"]),
                      f"{_fmt(r['p10_ms'])}–{_fmt(r['p90_ms'])}", speed,
                      _fmt(r.get("peak_bytes_in_use"), MiB, 1), _fmt(r.get("program_peak_bytes"), MiB, 1),
+                     _fmt(r.get("xla_temp_bytes"), MiB, 1),
                      _fmt(r.get("max_rel_err_vs_jit"), 1, 2) if not isinstance(r.get("max_rel_err_vs_jit"), float)
                      else f"{r['max_rel_err_vs_jit']:.2e}"])
     lines.append(acc._md_table(["workload", "batch", "variant", "median ms", "p10–p90 ms", "speed-up vs jit",
-                                "peak MiB", "program peak MiB", "max rel err vs jit"], rows, "lrlrrrrrr"))
+                                "peak MiB", "program peak MiB", "XLA temp MiB", "max rel err vs jit"], rows,
+                               "lrlrrrrrrr"))
     return "\n".join(lines) + "\n"
 
 
@@ -256,15 +419,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-attention", action="store_true", help="skip the decode-attention comparison")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement subprocess")
     p.add_argument("--out", default=None, help="also write the markdown table here")
+    p.add_argument("--jsonl", default=None, help="append each result here as it is measured (survives a kill)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds after which no new measurement starts (the table holds what finished)")
+    p.add_argument("--corpus", action="store_true", help="time the guard's 44-program corpus instead")
+    p.add_argument("--only", default=None, help="with --corpus: comma-separated name substrings, measured in this order")
+    p.add_argument("--render", default=None, metavar="JSONL",
+                   help="print the markdown table of a run's --jsonl file (no GPU needed)")
+    p.add_argument("--info", default="", help="with --render: the line saying where and how it was measured")
     p.add_argument("--one", nargs=4, metavar=("KIND", "NAME", "BATCH", "VARIANT"), help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
 
-    if not has_gpu():
-        print(NO_GPU)
+    if ns.render:
+        rows = [json.loads(line) for line in Path(ns.render).read_text().splitlines() if line.strip()]
+        corpus = [r for r in rows if r.get("kind") == "corpus"]
+        print(render_corpus(corpus, ns.info) if corpus else render(rows, ns, "", where=ns.info))
         return 0
     if ns.one:
         kind, name, batch, variant = ns.one
+        if not has_gpu():
+            try:
+                import jax
+                why = f"backend {jax.default_backend()}, {jax.devices()}"
+                jax.devices("gpu")
+            except Exception as exc:  # noqa: BLE001 - the reason goes into the row
+                why = f"{type(exc).__name__}: {exc}"
+            print(json.dumps({"kind": kind, "name": name, "batch": int(batch), "variant": variant,
+                              "error": f"no GPU in the measurement process ({why})"[:400]}))
+            return 0
         print(json.dumps(measure(kind, name, int(batch), variant, runs=ns.runs, warmup=ns.warmup, pos=ns.pos)))
+        return 0
+
+    if ns.corpus:
+        if not has_gpu():
+            print(NO_GPU)
+            return 0
+        measure_corpus(ns)
+        return 0
+    if not has_gpu_elsewhere():
+        print(NO_GPU)
         return 0
 
     import jax
@@ -282,11 +475,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not ns.no_attention and acc.load_example("llama3_decode") is not None:
         jobs += [("attention", "llama3_attention", b, v) for b in batches for v in ATTN_VARIANTS]
     results = []
+    start = time.monotonic()
     for job in tqdm(jobs, desc="measurements", unit="run"):
+        if ns.deadline is not None and time.monotonic() - start > ns.deadline:
+            tqdm.write(f"deadline of {ns.deadline:.0f} s reached: {job} and later not measured")
+            break
         results.append(_run_one(*job, ns))
         r = results[-1]
+        if ns.jsonl:
+            with open(ns.jsonl, "a") as f:
+                f.write(json.dumps(r) + "\n")
         tqdm.write(f"{job}: " + (r["error"] if "error" in r else f"{r['median_ms']:.3f} ms"))
-    text = render(results, ns, jax.devices()[0].device_kind)
+    device = next((r["device"] for r in results if "device" in r), "GPU")
+    text = render(results, ns, device)
     print(text)
     if ns.out:
         Path(ns.out).write_text(text)

@@ -108,3 +108,64 @@ def test_model_prices_a_kernel_call_as_a_barrier_with_in_place_outputs():
     assert copy.bytes == 2 * nbytes and kern.bytes == nbytes, p.fusions   # the buffer is in place
     assert p.buffers == 2 * nbytes + nbytes   # x and buf, plus the transposed copy; the output is buf
     np.testing.assert_allclose(jax.jit(fn2)(x, buf), x.T + buf)
+
+
+def test_math_on_a_slower_engine_loses_even_with_fewer_bytes():
+    """The roofline's flop term (measured on an H100: our conv kernels ran 3–16× slower than
+    cuDNN on programs the bytes-and-launches roofline called wins). A VTC program that moves
+    fewer bytes in fewer launches but runs a convolution's 50 GFLOP on the conv template loses
+    to jit running them on cuDNN; with no flops in either it wins."""
+    from vtc_jax.costmodel import GPUS
+    from vtc_jax.guard import judge
+    from vtc_jax.xla import Fusion, Price
+    h100 = GPUS["h100-sxm"]
+    flops = 50 * 10 ** 9
+    plain = Price(3, 400 * 2 ** 20, 10, (Fusion((0,), "conv", 1, 200 * 2 ** 20, flops, "xla", "tf32"),))
+    vtc = Price(1, 200 * 2 ** 20, 10, (Fusion((0,), "kernel", 1, 200 * 2 ** 20, flops, "conv", "tf32"),))
+    v = judge(plain, vtc, h100)
+    assert v.loses and "math beyond the bytes" in v.loses
+    assert v.seconds_vtc == pytest.approx(200 * 2 ** 20 / h100.hbm_bandwidth + 2e-6
+                                          + flops / h100.flop_rate("conv", "tf32") - 200 * 2 ** 20 / h100.hbm_bandwidth)
+    no_math = lambda p: Price(p.launches, p.bytes, p.buffers)  # noqa: E731
+    assert judge(no_math(plain), no_math(vtc), h100).loses is None
+
+
+def test_guard_prices_a_template_conv_by_its_math():
+    """YOLO11's C3k2 block (f32, batch 16 at small size) with the conv template's math modelled as
+    fast as cuDNN's, so the greedy takes convolutions into kernels: each kernel call of the
+    emitted program carries its cluster's flops (guard.kernel_math) on the conv engine at TF32 (the
+    op's default precision), and the plain program's cuDNN calls carry the same flops on XLA's."""
+    import dataclasses
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import yolo11_c3k2 as Y
+    from vtc_jax import guard
+    from vtc_jax.costmodel import CostModel
+    from vtc_jax.lower import kernel_clusters
+    from vtc_jax.program import BuildOptions, build
+    from vtc_jax.xla import op_flops
+
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tuple(Y.example_args("small", batch=16)))
+    opts = BuildOptions("interpret", False, {"cost_model": CostModel(math_loss=False)}, lambda m: None,
+                        RuntimeError, guard=None)
+    a, _, closed = build(Y.step, args, {}, jax.tree.leaves(args), donate=(), opts=opts, rejected={})
+    g = a.graph
+    total = sum(op_flops(op, g) for op in g.ops)
+    plain = guard.price_plain(g, a.donated)
+    assert total > 0 and sum(f.flops for f in plain.fusions) == total
+    assert {f.engine for f in plain.fusions if f.flops} == {"xla"}
+    math = guard.kernel_math(g, a.clusters, kernel_clusters(closed.jaxpr))
+    convs = [m for m in math if m[1] == "conv" and m[0]]
+    assert convs and all(m[2] == "tf32" for m in convs), math
+    vtc = guard.price_emitted(g, guard.emitted_graph(closed), a.donated, math)
+    in_kernels = sum(f.flops for f in vtc.fusions if f.engine == "conv")
+    assert in_kernels == sum(m[0] for m in convs)
+    assert sum(f.flops for f in vtc.fusions) == total      # nothing counted twice, nothing lost
+    assert vtc.compute_seconds(guard.GPUS["h100-sxm"]) > plain.compute_seconds(guard.GPUS["h100-sxm"])
+    # by default the greedy prices that math itself: fewer convolutions go into kernels
+    a2, _, closed2 = build(Y.step, args, {}, jax.tree.leaves(args), donate=(), opts=dataclasses.replace(opts, analysis={}),
+                           rejected={})
+    math2 = guard.kernel_math(a2.graph, a2.clusters, kernel_clusters(closed2.jaxpr))
+    assert sum(m[0] for m in math2 if m[1] == "conv") <= in_kernels

@@ -5,9 +5,10 @@ cross-lowered for CUDA (Triton IR must come out). Shapes are small and deliberat
 (T = 100, D = 48 / 96, G = 3) so every mask is exercised.
 
 Reference: ``softmax(mask(cap(q·kᵀ·scale)))·v`` in f32 numpy, cast to the output dtype.
-Tolerances: f32 inputs run both in-kernel dots at ``precision=HIGHEST`` (IEEE f32 on the GPU, exact in
-interpret mode); only the summation order and the online-softmax rescaling differ: rtol = atol =
-1e-5. bf16 inputs: scores and accumulators are f32, but the probabilities are rounded to bf16 for the
+Tolerances: interpret mode computes both f32 dots exactly at every precision (on the GPU they
+follow the ``precision`` argument, ``tests/test_precision.py``: TF32 at jax's default, IEEE at
+``HIGHEST``); only the summation order and the online-softmax rescaling differ: rtol = atol = 1e-5.
+bf16 inputs: scores and accumulators are f32, but the probabilities are rounded to bf16 for the
 P·V dot (flash attention) and the output is one bf16 rounding (2^-8 relative): rtol = atol = 2e-2.
 """
 import functools

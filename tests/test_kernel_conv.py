@@ -4,8 +4,9 @@ Every kernel case goes through ``check_kernel``: interpret mode against ``lax.co
 *and* a CUDA cross-lowering that must contain Triton IR. Shapes are small and deliberately ragged
 (3, 5, 12, 48 channels / pixels) so that every block has masked lanes.
 
-Tolerances: f32 convs use ``precision=HIGHEST`` in the kernel (IEEE f32, exact in interpret mode)
-and the reference is lax at HIGHEST: only the summation order differs, rtol = atol = 1e-4. bf16
+Tolerances: interpret mode computes f32 dots exactly at every precision (on the GPU the kernel
+follows the conv's precision, ``tests/test_precision.py``) and the reference is lax at HIGHEST:
+only the summation order differs, rtol = atol = 1e-4. bf16
 operands accumulate in f32 (bf16 products are exact in f32); the bf16 output is one rounding of that
 sum, and two f32 sums may round to neighbouring bf16 values: rtol = atol = 2e-2 (one bf16 ulp is
 2^-7 relative).

@@ -4,8 +4,9 @@ Every case goes through ``check_kernel``: it runs in interpret mode against a ``
 cross-lowers for CUDA, asserting Triton IR comes out (interpret mode alone accepts things that do
 not lower). Shapes are small and deliberately not multiples of the blocks (masks).
 
-Tolerances: f32 operands use ``precision=HIGHEST`` in the kernel (IEEE f32 on the GPU, exact in
-interpret mode), so only the summation order differs from XLA's: rtol = atol = 1e-5. bf16/f16
+Tolerances: interpret mode computes f32 dots exactly at every precision (on the GPU the kernel
+follows the op's precision, ``tests/test_precision.py``: TF32 at jax's default, IEEE at ``HIGHEST``)
+and the reference is lax at ``HIGHEST``, so only the summation order differs: rtol = atol = 1e-5. bf16/f16
 operands accumulate in f32 (products of 16-bit floats are exact in f32); a 16-bit *output* is one
 rounding of that f32 sum, and the two f32 sums may round to neighbouring 16-bit values: rtol = atol
 = 2e-2 (2^-7 relative is one bf16 ulp). A 16-bit-in, f32-out case keeps 1e-5.

@@ -4,7 +4,8 @@ Every case goes through ``check_kernel``: interpret mode against an f32 numpy re
 cross-lowered for CUDA (Triton IR must come out). Shapes are small and ragged (M = 40 rows,
 T = 50 keys, D = 24) so the row, key and head-dim masks of vio are all exercised.
 
-Tolerances as for the decode kernel: f32 dots at ``precision=HIGHEST`` (rtol = atol = 1e-5);
+Tolerances as for the decode kernel: f32 dots exact in interpret mode at every precision
+(rtol = atol = 1e-5);
 bf16 rounds the probabilities for P·V and the output once (2e-2).
 """
 import functools

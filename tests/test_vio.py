@@ -176,9 +176,10 @@ def test_tiling_helpers():
     origin, n = tiling.grid_origin((5, 300), (1, 128), 7)
     assert n == 15 and origin == (2, 128)
     assert tiling.fori(1, lambda i, c: c + i + 1, 0) == 1     # one trip: no loop
-    prec, acc = tiling.dot_config(np.float32)
-    assert prec == jax.lax.Precision.HIGHEST and acc == np.float32
-    assert tiling.dot_config(jnp.bfloat16) == (None, np.float32)
+    prec, acc = tiling.dot_precision(None, np.float32)       # jax's default: TF32 on the GPU
+    assert prec == jax.lax.Precision.DEFAULT and acc == np.float32
+    assert tiling.dot_precision(jax.lax.Precision.HIGHEST, np.float32)[0] == jax.lax.Precision.HIGHEST
+    assert tiling.dot_precision(None, jnp.bfloat16) == (None, np.float32)
     assert tiling.program_id(0, 1) == 0
 
 

@@ -110,9 +110,10 @@ def explain(fn: Callable[..., Any] | None = None, *, static_argnums: int | Seque
             if guard is None:
                 analysis = analyze(f, a, k, cost_model=cost_model, objective=objective, gpu=gpu,
                                    donate_argnums=dyn_nums, donate_argnames=dyn_names)
-            else:   # built and guarded as optimize would, with the kernels traced for the interpreter
+            else:   # built and guarded as optimize would (Triton kernels on a GPU: a timing guard times them)
                 abstract_a, abstract_k = jax.tree_util.tree_map(_abstract, (a, k))
-                opts = BuildOptions("interpret", False, dict(objective=objective, cost_model=cost_model, gpu=gpu),
+                backend = "triton" if jax.default_backend() == "gpu" else "interpret"
+                opts = BuildOptions(backend, False, dict(objective=objective, cost_model=cost_model, gpu=gpu),
                                     lambda msg: None, VTCError, guard=guard)
                 analysis, _, _ = build(f, abstract_a, abstract_k, jax.tree_util.tree_leaves((abstract_a, abstract_k)),
                                        donate=dyn_nums, donate_names=dyn_names, opts=opts, rejected={})

@@ -32,8 +32,9 @@ tensors whose layout changes), so one evaluation costs a few map compositions, n
   moves a whole 32-byte sector (8×), a 48-byte run two sectors (1.33×), full contiguity 1×. This
   is what makes Type II edges (paper §4.3) cost something and Type I free.
 * **Library loss.** A matmul / conv cluster that touches a virtual tensor becomes a Pallas kernel
-  instead of a cuBLAS / cuDNN call: ``(1 - library_efficiency) · flops / peak_flops(dtype)``,
-  charged once per cluster (on the first edge that makes it touch a virtual tensor). A decode
+  instead of a cuBLAS / cuDNN call: ``flops / rate(template, its math) - flops / rate(XLA, its
+  math)`` (:meth:`GPU.flop_rate`, :data:`ENGINE_EFFICIENCY`: what each engine was measured to
+  achieve on an H100 — our conv kernels reach a tenth of cuDNN), charged once per cluster (on the first edge that makes it touch a virtual tensor). A decode
   GEMM (``m ≤ 64``) is bandwidth-bound, so its loss is the larger of that and
   :func:`decode_gemm_loss` (the template's bandwidth from its loads in flight vs XLA's at HBM
   bandwidth): the greedy keeps XLA's GEMM unless the template's launch streams as fast.
@@ -72,17 +73,18 @@ from .kernels import tiling
 from .movement import Edge
 from .primitives import Kind, data_inputs
 from .vtog import VTOG, box_volume, piece_group
-from .xla import LIBRARY_KINDS, Facts
+from .xla import LIBRARY_KINDS, Facts, math_class, op_flops
 
 if TYPE_CHECKING:
     from .cluster import Cluster
     from .graph import Graph, Op
     from .strategy import Strategy
 
-__all__ = ["GPU", "GPUS", "CostModel", "BoundCostModel", "Context", "Cost", "cluster_cost", "strategy_oracles",
+__all__ = ["GPU", "GPUS", "ENGINE_EFFICIENCY", "ENGINE_OF_KIND", "cluster_math", "CostModel", "BoundCostModel", "Context", "Cost", "cluster_cost", "strategy_oracles",
            "access_penalty", "piece_penalty", "decode_gemm_loss"]
 
 INF = float("inf")
+ENGINE_OF_KIND = {Kind.MATMUL: "matmul", Kind.CONV: "conv", Kind.ATTENTION: "attention"}   # template of a cluster kind
 TILE = 64                                               # block extent a kernel coalesces along
 
 
@@ -116,6 +118,38 @@ class GPU:
 
     def peak_flops(self, dtype: Any) -> float:
         return self.peak_flops_f32 if np.dtype(dtype).itemsize >= 4 else self.peak_flops_bf16
+
+    def class_peak(self, math: str) -> float:
+        """Dense peak of one of :data:`xla.MATH_CLASSES` (TF32 tensor cores: half the bf16 peak)."""
+        return {"bf16": self.peak_flops_bf16, "tf32": self.peak_flops_bf16 / 2}.get(math, self.peak_flops_f32)
+
+    def flop_rate(self, engine: str, math: str) -> float:
+        """Flops per second that ``engine`` ("xla", or a Pallas template: "matmul", "conv",
+        "attention") achieves in ``math`` (:data:`ENGINE_EFFICIENCY` × the class's peak)."""
+        eff = ENGINE_EFFICIENCY.get((engine, math), ENGINE_EFFICIENCY.get((engine, "bf16"), 0.05))
+        return eff * self.class_peak(math or "ieee")
+
+
+# Fraction of the math class's dense peak each engine achieves on the GEMMs and convolutions of
+# this project's programs. Measured where a figure is given: H100 SXM, `benchmarks/gpu.py --corpus`
+# (BENCHMARKS.md, "Measured on an H100"; rows in benchmarks/measured/), whole-program flops over
+# the median time of the program with those kernels — a lower bound on the engine (the rest of the
+# program ran in that time too), which is the side to err on: the guard then prefers XLA. Assumed
+# where none is given.
+ENGINE_EFFICIENCY: Mapping[tuple[str, str], float] = {
+    ("xla", "bf16"): 0.70,        # measured: GShard MoE expert einsums, 692 TFLOP/s
+    ("xla", "tf32"): 0.60,        # measured ≥ 0.31 (f32 U-Net convs via cuDNN: 154 TFLOP/s whole program)
+    ("xla", "ieee"): 0.80,        # assumed (cuBLAS SGEMM)
+    ("matmul", "bf16"): 0.30,     # assumed (decode GEMMs are bandwidth-bound: decode_gemm_loss prices them)
+    ("matmul", "tf32"): 0.03,     # measured: EfficientViT's attention GEMMs at batch 16, 15 TFLOP/s
+    ("matmul", "ieee"): 0.15,     # measured: the same with IEEE dots, 10 TFLOP/s
+    ("conv", "bf16"): 0.014,      # measured: the zoo's bf16 C3k2, 14 TFLOP/s against cuDNN's 82
+    ("conv", "tf32"): 0.017,      # measured: ESPCN 8.6, U-Net 16–46 TFLOP/s (cuDNN: 33–154)
+    ("conv", "ieee"): 0.05,       # measured: ConvNeXt 3.4, ESPCN 4.2 TFLOP/s (IEEE f32 FMAs; depthwise always)
+    ("attention", "bf16"): 0.30,  # assumed (flash-style kernels; decode attention is bandwidth-bound)
+    ("attention", "tf32"): 0.03,  # assumed: the matmul template's measured TF32 figure
+    ("attention", "ieee"): 0.15,
+}
 
 
 GPUS: Mapping[str, GPU] = {
@@ -254,18 +288,15 @@ def decode_gemm_loss(gpu: GPU, batch: int, m: int, n: int, k: int, a_itemsize: i
     return max(0.0, template - xla)
 
 
-def _flops(op: "Op", graph: "Graph") -> int:
-    out = graph.tensors[op.outputs[0]]
-    if op.primitive == "dot_general":
-        (lc, _), _ = op.params["dimension_numbers"]
-        lhs = graph.tensors[op.inputs[0]].shape
-        return 2 * out.size * math.prod(lhs[d] for d in lc)
-    if op.primitive == "conv_general_dilated":
-        rhs = graph.tensors[op.inputs[1]].shape
-        dn = op.params.get("dimension_numbers")
-        o = dn.rhs_spec[0] if dn is not None and hasattr(dn, "rhs_spec") else 0
-        return 2 * out.size * math.prod(rhs) // max(1, rhs[o])
-    return 0
+def cluster_math(graph: "Graph", c: "Cluster") -> tuple[str, str]:
+    """(XLA's math class, the Pallas kernel's) for a GEMM / conv cluster. Both follow the op's
+    precision (``kernels.tiling.dot_precision``: f32 at jax's default on TF32 tensor cores), except
+    a depthwise convolution's kernel, which has no dot (exact f32 FMAs on the CUDA cores)."""
+    op = next((graph.ops[o] for o in c.ops if op_flops(graph.ops[o], graph)), graph.ops[c.ops[0]])
+    dtype = graph.tensors[op.inputs[0]].dtype if op.inputs else np.float32
+    xla = math_class(dtype, op.params.get("precision"))
+    depthwise = op.primitive == "conv_general_dilated" and op.params.get("feature_group_count", 1) > 1
+    return xla, ("ieee" if depthwise and xla != "bf16" else xla)
 
 
 class Context(Facts):
@@ -275,10 +306,9 @@ class Context(Facts):
                  donated: Iterable[int] = ()) -> None:
         super().__init__(graph, clusters, donated)
         self.vtog = vtog
-        self.flops = {k: sum(_flops(graph.ops[o], graph) for o in c.ops)
+        self.flops = {k: sum(op_flops(graph.ops[o], graph) for o in c.ops)
                       for k, c in enumerate(self.clusters) if c.kind in LIBRARY_KINDS}
-        self.flop_dtype = {k: graph.tensors[graph.ops[c.ops[0]].outputs[0]].dtype
-                           for k, c in enumerate(self.clusters) if c.kind in LIBRARY_KINDS}
+        self.math = {k: cluster_math(graph, c) for k, c in enumerate(self.clusters) if k in self.flops}
         self.gemm = {k: g for k, c in enumerate(self.clusters) if c.kind == Kind.MATMUL
                      for g in [_gemm_shape(graph, c)] if g is not None}
         self.edge_bytes: list[int] = []
@@ -461,9 +491,9 @@ class CostModel:
     """Analytical ``w(e)`` (see the module docstring). ``objective``: "latency" (s) or "memory" (B)."""
     gpu: GPU = GPUS["h100-sxm"]
     objective: str = "latency"
-    library_efficiency: float = 0.85
     xla_fusion: bool = True   # leave to XLA the pointwise clusters it fuses better (xla_fuses)
     decode_loss: bool = True  # charge decode GEMMs decode_gemm_loss (off: the template streams as fast)
+    math_loss: bool = True    # charge a template's math at its measured rate (off: as fast as XLA's library)
 
     def __post_init__(self) -> None:
         if self.objective not in ("latency", "memory"):
@@ -491,10 +521,14 @@ class CostModel:
         return cost.eff / self.gpu.hbm_bandwidth + cost.launches * self.gpu.launch_overhead + cost.extra
 
     def _lib_loss(self, ctx: Context) -> Callable[[int], float]:
-        loss = 1.0 - self.library_efficiency
+        gpu = self.gpu
 
         def lib(k: int) -> float:
-            compute = loss * ctx.flops.get(k, 0) / self.gpu.peak_flops(ctx.flop_dtype.get(k, np.float32))
+            flops = ctx.flops.get(k, 0)
+            xla, kernel = ctx.math.get(k, ("ieee", "ieee"))
+            engine = ENGINE_OF_KIND.get(ctx.clusters[k].kind, "matmul")
+            compute = (max(0.0, flops / gpu.flop_rate(engine, kernel) - flops / gpu.flop_rate("xla", xla))
+                       if self.math_loss else 0.0)
             g = ctx.gemm.get(k)
             return compute if g is None or not self.decode_loss else max(compute, decode_gemm_loss(self.gpu, *g))
         return lib

@@ -27,13 +27,13 @@ from typing import Any, Sequence
 import jax
 
 from .cluster import cluster
-from .costmodel import GPU, GPUS
+from .costmodel import ENGINE_OF_KIND, GPU, GPUS, cluster_math
 from .graph import Graph, trace
 from .offline import compile_program
 from .primitives import KERNEL_CALLS, is_movement_op
-from .xla import Price, xla_program
+from .xla import Price, op_flops, xla_program
 
-__all__ = ["GUARDS", "PLAIN", "UNDONE", "Verdict", "price_plain", "price_emitted", "emitted_graph", "judge", "clear", "blame", "compiled", "measured", "MiB"]
+__all__ = ["GUARDS", "PLAIN", "UNDONE", "Verdict", "price_plain", "price_emitted", "kernel_math", "emitted_graph", "judge", "clear", "blame", "compiled", "measured", "MiB"]
 
 GUARDS = ("model", "compile", "measure", None)
 PLAIN = "plain jax.jit"          # how the guard's note starts when the whole program runs as jit
@@ -70,22 +70,43 @@ def emitted_graph(closed: Any) -> Graph:
     return trace(lambda *xs: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *xs), *avals)
 
 
-def price_emitted(graph: Graph, emitted: Graph, donated: frozenset[int]) -> Price:
+def kernel_math(graph: Graph, clusters: Sequence[Any], kernel_clusters: Sequence[int | None]) -> list[tuple[int, str, str]]:
+    """``(flops, template, math class)`` of each kernel call of the emitted program, in program
+    order (``kernel_clusters``: the cluster each call came from): the flops of the dots and
+    convolutions of the cluster it replaces, charged to the cluster's first call (a split-K reduce
+    or an attention combine does none of them)."""
+    by_id = {c.id: c for c in clusters}
+    out, seen = [], set()
+    for cid in kernel_clusters:
+        c = by_id.get(cid) if cid is not None else None
+        if c is None or cid in seen:
+            out.append((0, "xla", ""))
+            continue
+        seen.add(cid)
+        flops = sum(op_flops(graph.ops[o], graph) for o in c.ops)
+        out.append((flops, ENGINE_OF_KIND.get(c.kind, str(c.kind)), cluster_math(graph, c)[1] if flops else ""))
+    return out
+
+
+def price_emitted(graph: Graph, emitted: Graph, donated: frozenset[int],
+                  math: Sequence[tuple[int, str, str]] = ()) -> Price:
     """The emitted program as XLA fuses it around its kernel calls (modelled). ``donated`` are
-    tensor ids of ``graph``'s inputs; the emitted program takes the same flat inputs."""
+    tensor ids of ``graph``'s inputs; the emitted program takes the same flat inputs; ``math`` is
+    :func:`kernel_math` of its kernel calls."""
     don = frozenset(emitted.inputs[graph.inputs.index(t)] for t in donated if t in graph.inputs)
-    return xla_program(emitted, cluster(emitted), don)
+    return xla_program(emitted, cluster(emitted), don, math)
 
 
 def judge(plain: Price, vtc: Price, gpu: GPU = GPUS["h100-sxm"], by: str = "model") -> Verdict:
     """Compare the two prices: VTC loses on a longer roofline time or on more buffer memory (by
     the model, beyond its slack; by the compile, by a single byte)."""
-    tp = plain.seconds(gpu.hbm_bandwidth, gpu.launch_overhead)
-    tv = vtc.seconds(gpu.hbm_bandwidth, gpu.launch_overhead)
+    tp, tv = plain.seconds(gpu), vtc.seconds(gpu)
     why = []
     if tv > tp:
+        cp, cv = plain.compute_seconds(gpu), vtc.compute_seconds(gpu)
+        math = f", math beyond the bytes {cv * 1e6:,.1f} µs against {cp * 1e6:,.1f} µs" if cp or cv else ""
         why.append(f"{tv * 1e6:,.1f} µs against jit's {tp * 1e6:,.1f} µs ({vtc.launches} launches and "
-                   f"{vtc.bytes / MiB:,.1f} MiB against {plain.launches} and {plain.bytes / MiB:,.1f} MiB, "
+                   f"{vtc.bytes / MiB:,.1f} MiB against {plain.launches} and {plain.bytes / MiB:,.1f} MiB{math}, "
                    f"{gpu.name})")
     slack = (plain.buffers * MEMORY_SLACK + MEMORY_SLACK_BYTES) if by == "model" else 0
     if vtc.buffers > plain.buffers + slack:
@@ -102,7 +123,8 @@ def blame(graph: Graph, clusters: Sequence[Any], plain: Price, emitted: Graph, v
     the lowering's name stack). A kernel is charged its own launches and bytes plus the copies XLA
     makes to feed it (movement materialised in front of it); jit is charged, for each of its
     fusions, the share of that fusion's ops that belong to the cluster."""
-    sec = lambda f: f.bytes / gpu.hbm_bandwidth + f.launches * gpu.launch_overhead  # noqa: E731
+    sec = lambda f: (max(f.bytes / gpu.hbm_bandwidth, f.flops / gpu.flop_rate(f.engine, f.math) if f.flops else 0.0)  # noqa: E731
+                     + f.launches * gpu.launch_overhead)
     calls = [op for op in emitted.ops if op.primitive in KERNEL_CALLS]
     if len(calls) != len(kernel_clusters):
         return []

@@ -24,6 +24,7 @@ kernels come from ``vtc_jax.testing.cross_lower`` modules, which are compiled wh
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -514,12 +515,14 @@ def compile_program(fn: Callable, *args: Any, kernels: bool = True, donate_argnu
                     **kwargs: Any) -> CompiledProgram:
     """Compile ``fn`` (a function, a ``jax.jit`` object or a ``vtc_jax.optimize`` object) for an
     H100 with XLA, deviceless; ``args``/``kwargs`` are arrays or ``ShapeDtypeStruct`` pytrees.
+    On a machine with a GPU, for that GPU (the deviceless topology is for machines without one).
 
     A plain function is wrapped in ``jax.jit(fn, donate_argnums=donate_argnums)``. With ``kernels``
     the PTX XLA emits is assembled by ``ptxas -v`` for per-kernel resources."""
     import jax
 
-    sharding = jax.sharding.SingleDeviceSharding(h100_device())
+    local = jax.default_backend() == "gpu"
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0] if local else h100_device())
     args = jax.tree.map(lambda x: _sds(x, sharding), args)
     kwargs = jax.tree.map(lambda x: _sds(x, sharding), kwargs)
     target = fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums)
@@ -543,7 +546,7 @@ def compile_program(fn: Callable, *args: Any, kernels: bool = True, donate_argnu
             if nvvm.is_dir():
                 (cuda / "nvvm").symlink_to(nvvm)
             options.update(xla_gpu_cuda_data_dir=str(cuda), xla_gpu_enable_libnvptxcompiler=False)
-        with cuda_lowering(), warnings.catch_warnings():
+        with (contextlib.nullcontext() if local else cuda_lowering()), warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=DeprecationWarning)
             compiled = target.lower(*args, **kwargs).compile(compiler_options=options)
         hlo_files = sorted(dump.glob("*after_optimizations.txt"))

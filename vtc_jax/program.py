@@ -123,10 +123,13 @@ def _price(analysis: Analysis, closed: Any, emitted: Graph, opts: BuildOptions,
     :mod:`vtc_jax.guard`). ``cache`` keeps the plain program's compile across the guard's steps."""
     gpu = _gpu(opts)
     plain = guard.price_plain(analysis.graph, analysis.donated)
-    vtc = guard.price_emitted(analysis.graph, emitted, analysis.donated)
+    vtc = guard.price_emitted(analysis.graph, emitted, analysis.donated,
+                              guard.kernel_math(analysis.graph, analysis.clusters, kernel_clusters(closed.jaxpr)))
     model = guard.judge(plain, vtc, gpu)
-    if opts.guard == "model" and (guard.clear(model) or cache.get("no_compile")):
+    if opts.guard == "model" and guard.clear(model):
         return model
+    if opts.guard == "model" and cache.get("no_compile"):   # say why the compile did not decide
+        return dataclasses.replace(model, by=f"model (XLA's compile for the target failed: {cache['no_compile']})")
     if opts.guard == "measure" and jax.default_backend() == "gpu":
         return guard.measured(plain, vtc, _flat_plain(opts.function, analysis), _run_closed(closed),
                               closed, _donated_positions(analysis), gpu)
@@ -142,11 +145,11 @@ def _price(analysis: Analysis, closed: Any, emitted: Graph, opts: BuildOptions,
         return guard.compiled(plain, vtc, _flat_plain(opts.function, analysis), _run_closed(program), closed,
                               _donated_positions(analysis), gpu, cache)
     except Exception as exc:  # noqa: BLE001 - XLA cannot compile for the target here (no CUDA plugin)
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         if opts.guard != "model":
-            opts.warn(f"the guard could not compile for the target ({type(exc).__name__}: "
-                      f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); it priced by the model of XLA")
-        cache["no_compile"] = True
-        return model
+            opts.warn(f"the guard could not compile for the target ({why}); it priced by the model of XLA")
+        cache["no_compile"] = why
+        return dataclasses.replace(model, by=f"model (XLA's compile for the target failed: {why})")
 
 
 def _flat_plain(f: Callable[..., Any], analysis: Analysis) -> Callable[..., tuple[Any, ...]]:

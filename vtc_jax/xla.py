@@ -19,17 +19,22 @@ and one set of facts now serve both. Everything here is a model read off XLA's c
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+from jax import lax
+
 from .cluster import Cluster
 from .graph import Graph
+from .kernels.tiling import resolve_precision
 from .primitives import KERNEL_CALLS, TABLE, Kind, data_inputs, inplace_operand, is_view, kernel_aliases
 from .templates import TEMPLATES, Match
 
-__all__ = ["Facts", "LIBRARY_KINDS", "CAST_ONLY", "Fusion", "Price", "pointwise_islands", "xla_fuses", "xla_plain",
-           "xla_program"]
+__all__ = ["Facts", "LIBRARY_KINDS", "CAST_ONLY", "MATH_CLASSES", "Fusion", "Price", "op_flops", "math_class",
+           "pointwise_islands", "xla_fuses", "xla_plain", "xla_program"]
 
 LIBRARY_KINDS = frozenset(k for k, t in TEMPLATES.items() if t.library)   # XLA calls cuBLAS / cuDNN
 # A row this long or shorter is reduced and normalised in one fusion (one block per row); a longer
@@ -259,13 +264,60 @@ def xla_fuses(graph: Graph, clusters: Sequence[Cluster], matches: Mapping[int, A
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# Math: the flops of a dot / convolution and the units that run them
+# --------------------------------------------------------------------------------------------
+
+# How a GPU runs a dot's multiply-adds: 16-bit tensor cores ("bf16", f16 too), f32 operands on
+# TF32 tensor cores ("tf32": XLA's default for f32 on Ampere and later), or IEEE f32 FMAs on the
+# CUDA cores ("ieee": ``Precision.HIGHEST``). Throughput differs by up to 15x between them.
+MATH_CLASSES = ("bf16", "tf32", "ieee")
+
+
+def op_flops(op: Any, graph: Graph) -> int:
+    """Multiply-adds × 2 of a ``dot_general`` or ``conv_general_dilated`` (0 for anything else)."""
+    out = graph.tensors[op.outputs[0]]
+    if op.primitive == "dot_general":
+        (lc, _), _ = op.params["dimension_numbers"]
+        lhs = graph.tensors[op.inputs[0]].shape
+        return 2 * out.size * math.prod(lhs[d] for d in lc)
+    if op.primitive == "conv_general_dilated":
+        rhs = graph.tensors[op.inputs[1]].shape
+        dn = op.params.get("dimension_numbers")
+        o = dn.rhs_spec[0] if dn is not None and hasattr(dn, "rhs_spec") else 0
+        return 2 * out.size * math.prod(rhs) // max(1, rhs[o])
+    return 0
+
+
+def math_class(dtype: Any, precision: Any) -> str:
+    """The :data:`MATH_CLASSES` entry a dot of ``dtype`` operands runs in at ``precision`` (an op's
+    param, resolved as XLA and the kernels resolve it: :func:`kernels.tiling.resolve_precision`):
+    16-bit types on tensor cores; f32 on TF32 tensor cores unless it resolves to ``HIGHEST`` or an
+    f32 algorithm."""
+    if np.dtype(dtype).itemsize < 4:
+        return "bf16"
+    p = resolve_precision(precision)
+    if p == lax.Precision.HIGHEST or "F32_F32_F32" in str(p):
+        return "ieee"
+    return "tf32"
+
+
+def _op_math(op: Any, graph: Graph) -> str:
+    return math_class(graph.tensors[op.inputs[0]].dtype, op.params.get("precision"))
+
+
 @dataclass(frozen=True)
 class Fusion:
-    """One launch group of the modelled program: the clusters (positions) XLA runs together."""
+    """One launch group of the modelled program: the clusters (positions) XLA runs together, and
+    the math it does (``flops`` on ``engine`` — "xla" for XLA's GEMMs / cuDNN, a template name
+    for a Pallas kernel — in ``math``, one of :data:`MATH_CLASSES`)."""
     clusters: tuple[int, ...]
     what: str            # "loop", "gemm", "conv", "reduction", "kernel", "copy", "update", "layout", ...
     launches: int
     bytes: int
+    flops: int = 0
+    engine: str = "xla"
+    math: str = ""
 
 
 @dataclass(frozen=True)
@@ -279,9 +331,17 @@ class Price:
     buffers: int
     fusions: tuple[Fusion, ...] = ()
 
-    def seconds(self, bandwidth: float, launch_overhead: float) -> float:
-        """The roofline time the guard compares: bytes at HBM bandwidth plus a fixed cost per launch."""
-        return self.bytes / bandwidth + self.launches * launch_overhead
+    def compute_seconds(self, gpu: Any) -> float:
+        """What math adds to the memory time: each launch group runs for the longer of its bytes at
+        HBM bandwidth and its flops at what its engine achieves (``gpu.flop_rate``); the excess
+        over the bytes is the math's share."""
+        return sum(max(0.0, f.flops / gpu.flop_rate(f.engine, f.math) - f.bytes / gpu.hbm_bandwidth)
+                   for f in self.fusions if f.flops)
+
+    def seconds(self, gpu: Any) -> float:
+        """The roofline time the guard compares: bytes at HBM bandwidth, a fixed cost per launch,
+        and the time the compute-bound launch groups take beyond their bytes."""
+        return self.bytes / gpu.hbm_bandwidth + self.launches * gpu.launch_overhead + self.compute_seconds(gpu)
 
 
 def xla_plain(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] = ()) -> dict[str, int]:
@@ -290,7 +350,8 @@ def xla_plain(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] 
     return {"kernels_xla": p.launches, "bytes_xla": p.bytes}
 
 
-def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] = ()) -> Price:
+def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] = (),
+                kernel_math: Sequence[tuple[int, str, str]] = ()) -> Price:
     """Launches, HBM bytes and buffers of a program as XLA's GPU pipeline fuses it (a model): plain
     ``jax.jit(fn)`` on ``fn``'s graph, and the program VTC emits on *its* graph, where each Pallas
     kernel is a kernel call (``Role.KERNEL``) — one model prices both sides of the guard.
@@ -324,6 +385,10 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
       element-wise fusion between each pair, ``2 n - 1``; each writes its intermediate once.
     * **buffers**: arguments and outputs (a donated input aliased to an output counted once) plus
       the peak of the materialised intermediates, each live from its group to its last reader.
+    * **math**: each group carries the flops of its dots and convolutions, on XLA's engines in
+      the class its precision gives (:func:`math_class`); a kernel call carries what
+      ``kernel_math`` says of it (``(flops, template, class)`` per kernel call, in program order:
+      the caller knows what each kernel replaced). :meth:`Price.seconds` turns them into time.
     """
     ctx = Facts(graph, clusters, donated)
     _data = data_inputs
@@ -492,8 +557,21 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     fusions: list[Fusion] = []
     written: dict[int, int] = {}     # materialised tensor -> group position that writes it
 
+    call_ops = [op.id for op in g.ops if op.primitive in KERNEL_CALLS]
+    call_math = dict(zip(call_ops, kernel_math)) if len(kernel_math) == len(call_ops) else {}
+
     def add(members: Sequence[int], what: str, n: int, nbytes: int, made: Iterable[int] = ()) -> None:
-        fusions.append(Fusion(tuple(members), what, int(n), int(nbytes)))
+        # copies and layout transposes charged to a GEMM / conv cluster do none of its math
+        ops = [g.ops[o] for m in members for o in cl[m].ops] if what not in ("copy", "layout") else []
+        flops, engine, cls = 0, "xla", ""
+        for op in ops:
+            if op.id in call_math:
+                f, engine, cls = call_math[op.id]
+                flops += f
+            elif op_flops(op, g):
+                flops += op_flops(op, g)
+                cls = cls or _op_math(op, g)
+        fusions.append(Fusion(tuple(members), what, int(n), int(nbytes), int(flops), engine, cls))
         for t in made:
             written[t] = len(fusions) - 1
 

@@ -43,10 +43,12 @@ Power-of-two tiles everywhere, masked by vio: ``Gp = max(16, next_pow2(G))`` row
 is folded from Gp to Gs rows in registers: a masked reshape-sum, since value slices do not lower
 on Triton), so a G = 1 output is never addressed with a block wider than its size-1 dim.
 
-f32 inputs use ``precision=HIGHEST`` in both dots (IEEE f32 on the GPU: the algorithm interpret mode
-runs, not TF32). 16-bit inputs: scores and accumulators are f32, the probabilities are rounded to
-the V dtype for the second dot (standard flash attention). f32 is a correctness configuration: the
-IEEE-f32 (FMA) dots spill at D = 128 in every block/warp setting tried; bf16 is the fast path.
+Both dots compute at ``precision``, the replaced program's (:func:`.tiling.dot_precision`, as XLA
+on the GPU): f32 inputs at jax's default precision run on TF32 tensor cores, at ``HIGHEST`` as IEEE
+f32 (interpret mode computes exact f32 either way). 16-bit inputs: scores and accumulators are
+f32, the probabilities are rounded to the V dtype for the second dot (standard flash attention).
+At ``HIGHEST`` f32 is a correctness configuration: the IEEE-f32 (FMA) dots spill at D = 128 in
+every block/warp setting tried; bf16 is the fast path.
 
 Launch configuration (:meth:`.flash.AttentionConfig.decode`, with the sm_90 readings behind
 it): 8 warps, ``block_k`` 64, 3 stages for 16-bit inputs (one K/V block pair in flight while the
@@ -135,7 +137,7 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
                      window: int | None = None, out: VTensor | None = None, block_k: int = 64,
                      num_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, backend: str = "interpret",
-                     empty_rows: Any = "zero") -> Any:
+                     empty_rows: Any = "zero", precision: Any = None) -> Any:
     """Single-token (decode) attention ``softmax(mask(cap(q·kᵀ·scale)))·v`` per query head.
 
     q: logical (B, Hkv, G, D); k: (B, Hkv, T, D); v: (B, Hkv, T, Dv) — :class:`vio.VTensor` or
@@ -159,6 +161,9 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         :meth:`.flash.AttentionConfig.decode` (8 warps; 3 stages for 16-bit inputs, 1 for f32).
     backend: "interpret" (CPU) or "triton".
     empty_rows: what a row with no valid key outputs (:func:`empty_rows_mode`).
+    precision: of both dots, with ``lax.dot_general``'s meaning (None:
+        ``jax_default_matmul_precision``, else ``DEFAULT``: TF32 for f32 on the GPU; ``HIGHEST``:
+        IEEE f32), resolved by :func:`.tiling.dot_precision`.
 
     Returns like :func:`vtc_jax.kernels.matmul.matmul`: the array for a fresh/one-buffer output,
     else the tuple of ``out``'s physical buffers.
@@ -172,7 +177,7 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         raise ValueError(f"per-sequence positions must have shape ({B},), got {end_operand.shape}")
     cfg = _config(q, k, v, end, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                   num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
-                  empty_rows=empty_rows)
+                  empty_rows=empty_rows, precision=precision)
     return _launch(cfg, q, k, v, out, end_operand, backend=backend)
 
 
@@ -201,7 +206,7 @@ def _check(q: VTensor, k: VTensor, v: VTensor, *, block_k: int, pos: Any, kv_len
 def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, block_k: int,
             num_warps: int | None, num_stages: int | None, num_splits: int | None,
             sm_scale: float | None, soft_cap: float | None, window: int | None,
-            empty_rows: Any) -> _Cfg:
+            empty_rows: Any, precision: Any) -> _Cfg:
     """Tiles, launch and split count (see the module docstring)."""
     B, H, G, D = q.shape
     T, Dv = k.shape[2], v.shape[3]
@@ -215,7 +220,7 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, block_k: int,
     return _Cfg(B=B, H=H, G=G, D=D, Dv=Dv, Gs=next_pow2(G), Dp=Dp, Dvp=Dvp, S=S,
                 window=None if window is None else int(window), end=end, launch=launch,
                 flash=Flash.of(T, bk, D, compute, sm_scale=sm_scale, soft_cap=soft_cap,
-                               empty_rows=empty_rows))
+                               empty_rows=empty_rows, precision=precision))
 
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any, *,

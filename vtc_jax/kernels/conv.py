@@ -51,7 +51,7 @@ import numpy as np
 from jax import lax
 
 from ..indexmap import IndexMap, Layout, dim
-from .tiling import Group, cdiv, check_pow2, choose_blocks, dot_config, fori, next_pow2, program_id, split_block
+from .tiling import Group, cdiv, check_pow2, choose_blocks, dot_precision, fori, next_pow2, program_id, split_block
 from .vio import Plan, VTensor, epilogue_input, output, pack_results
 
 __all__ = ["conv", "conv_views"]
@@ -211,7 +211,7 @@ def _plan(g: ConvGeometry, compute_dtype: np.dtype, store_dtype: np.dtype, preci
           epilogue: Callable[..., jax.Array] | None, block_m: int, block_n: int, block_k: int,
           num_warps: int) -> _Config:
     """Blocks and grid: (bm, bn) output tiles; the dot path splits ``bk`` over (K.., Cg)."""
-    precision, acc_dtype = dot_config(compute_dtype, precision)
+    precision, acc_dtype = dot_precision(precision, compute_dtype)
     if g.depthwise:
         bm = min(block_m, max(16, next_pow2(g.m)))
         bn = min(block_n, max(16, next_pow2(g.oc)))
@@ -309,8 +309,11 @@ def conv(x: Any, w: Any, *, window_strides: Sequence[int], padding: Any,
         or arrays broadcast to it by numpy rules: a channel bias is ``(OC,)`` for NHWC outputs and
         ``(OC, 1, 1)`` for NCHW ones).
     preferred_element_type: result dtype when ``out`` is None (default: the promoted input dtype).
-    precision: in-kernel dot precision; None means ``HIGHEST`` for f32 (IEEE f32 on the GPU, as in
-        interpret mode), pass ``DEFAULT`` for TF32 tensor cores. The depthwise path is f32 FMAs.
+    precision: the replaced convolution's ``precision`` param, with lax's meaning (None:
+        ``jax_default_matmul_precision``, else ``DEFAULT``); the in-kernel dot follows it as XLA
+        does on the GPU (:func:`tiling.dot_precision`): f32 at ``DEFAULT``/``HIGH`` on TF32 tensor
+        cores, at ``HIGHEST`` IEEE f32. The depthwise path has no dot: f32 FMAs at any level (as
+        exact as ``HIGHEST``). Interpret mode computes exact f32 at every level.
     block_m/n/k: caps (powers of two >= 16) on the output-rows, output-channels and K blocks; the
         effective block is ``max(16, next_pow2(size))`` capped here (depthwise: no K block).
     backend: "interpret" (CPU) or "triton".
@@ -339,7 +342,7 @@ def conv(x: Any, w: Any, *, window_strides: Sequence[int], padding: Any,
 
     cfg = _plan(g, compute_dtype, out.dtype, precision, epilogue, block_m, block_n, block_k, num_warps)
     kernel, name = (_depthwise_kernel, "vtc_conv_depthwise") if g.depthwise else (_conv_kernel, "vtc_conv")
-    if num_stages is None:  # f32 dots need the registers a second pipeline stage takes (spills)
+    if num_stages is None:  # IEEE f32 dots need the registers a 2nd stage takes (spills); TF32 unmeasured
         num_stages = 1 if np.dtype(compute_dtype).itemsize >= 4 else 2
     plan = Plan.build([a, b, *extras], [y])
     bufs = plan.call(functools.partial(kernel, cfg), grid=cfg.grid, backend=backend,

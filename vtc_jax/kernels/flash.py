@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .tiling import MIN_DOT_BLOCK, dot_config, next_pow2
+from .tiling import MIN_DOT_BLOCK, dot_precision, next_pow2
 from .vio import VRef
 
 __all__ = ["AttentionConfig", "Flash", "KeyEnd", "Planned", "SMEM_BUDGET", "NEG", "key_end", "read_end",
@@ -69,8 +69,9 @@ class AttentionConfig:
           next K/V block is only requested once the current one has landed), at 3 ``wait_group 2``
           (one K/V block pair in flight while the current one is consumed), at 64 registers and
           72 KB of shared memory (B = 16 and 1, G = 4, D = 128; 4 stages: 104 KB). 1 stage for
-          f32, whose IEEE dots need the registers a second stage would take (255 registers and
-          spills at 2 stages, 88 and none at 1, block_k 64).
+          f32: measured with IEEE dots (``HIGHEST``), which need the registers a second stage
+          would take (255 registers and spills at 2 stages, 88 and none at 1, block_k 64); kept
+          for f32 at TF32 (jax's default precision) until that is measured.
         * ``block_k`` 64, fitted by :meth:`fit_block_k`.
         """
         stages = (1 if compute.itemsize >= 4 else 3) if num_stages is None else num_stages
@@ -87,8 +88,8 @@ class AttentionConfig:
         * ``block_q`` 64 query rows (capped at the padded M), ``block_k`` 64 (:meth:`fit_block_k`).
         * 4 warps, 8 for head dims > 128: bf16, blocks 64x64: 234 registers and no spills at
           D = 128 with 4 warps; D = 256 spills with 4 warps, none with 8.
-        * 2 stages for 16-bit inputs, 1 for f32 (IEEE-f32 dots spill at D = 128 in every setting
-          tried: f32 is a correctness configuration).
+        * 2 stages for 16-bit inputs, 1 for f32 (IEEE-f32 dots, ``HIGHEST``, spill at D = 128 in
+          every setting tried; kept for f32 at TF32, jax's default precision, until measured).
         """
         stages = (1 if compute.itemsize >= 4 else 2) if num_stages is None else num_stages
         warps = (8 if max(Dp, Dvp) > 128 else 4) if num_warps is None else num_warps
@@ -226,9 +227,10 @@ def int32_where(cond: Any, a: Any, b: Any) -> jax.Array:
 @dataclass(frozen=True)
 class Flash:
     """Static parameters of the online softmax shared by the attention kernels: ``T`` keys in
-    blocks of ``block_k``; scores ``cap * tanh(q·kᵀ·scale / cap)`` with dots at ``precision`` over
-    ``compute`` operands (f32: ``HIGHEST``, IEEE f32 as interpret mode computes; 16-bit inputs keep
-    scores and accumulators in f32 and round the probabilities to V's dtype for the P·V dot); a row
+    blocks of ``block_k``; scores ``cap * tanh(q·kᵀ·scale / cap)`` with both dots at ``precision``
+    over ``compute`` operands (:func:`tiling.dot_precision` of the replaced dots' precision: f32 at
+    jax's default on TF32 tensor cores, at ``HIGHEST`` IEEE f32; 16-bit inputs keep scores and
+    accumulators in f32 and round the probabilities to V's dtype for the P·V dot); a row
     with no valid key outputs 0, NaN (``empty_nan``) or jax's softmax of its masked scores
     (``empty_fill``, :func:`empty_rows_mode`)."""
     T: int
@@ -242,12 +244,13 @@ class Flash:
 
     @classmethod
     def of(cls, T: int, block_k: int, D: int, compute: np.dtype, *, sm_scale: float | None,
-           soft_cap: float | None, empty_rows: Any) -> "Flash":
-        """``sm_scale`` defaults to ``1/sqrt(D)``; ``empty_rows`` as :func:`empty_rows_mode`."""
+           soft_cap: float | None, empty_rows: Any, precision: Any = None) -> "Flash":
+        """``sm_scale`` defaults to ``1/sqrt(D)``; ``empty_rows`` as :func:`empty_rows_mode`;
+        ``precision``: the replaced dots' (lax's meaning, resolved by :func:`tiling.dot_precision`)."""
         empty_nan, empty_fill = empty_rows_mode(empty_rows)
         return cls(T=T, block_k=block_k, scale=float(1.0 / math.sqrt(D) if sm_scale is None else sm_scale),
                    soft_cap=None if soft_cap is None else float(soft_cap), compute=compute,
-                   precision=dot_config(compute)[0], empty_nan=empty_nan, empty_fill=empty_fill)
+                   precision=dot_precision(precision, compute)[0], empty_nan=empty_nan, empty_fill=empty_fill)
 
     def init(self, rows: int, dvp: int) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The running (max, sum, acc) of ``rows`` query rows before any key."""

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from .tiling import (MIN_DOT_BLOCK, GemmConfig, Group, InBounds, check_pow2, choose_blocks, dot_config, fori,
+from .tiling import (MIN_DOT_BLOCK, GemmConfig, Group, InBounds, check_pow2, choose_blocks, dot_precision, fori,
                      gemm_config, normalize_split, program_id, split_block)
 from .vio import Plan, VTensor, epilogue_input, output, pack_results
 
@@ -203,7 +203,7 @@ def _plan(a: VTensor, b: VTensor, dimension_numbers: Any, out: VTensor | None,
         "K": Group(k_sizes, split_block(k_sizes, bk)),
     }
     nm = len(lf)
-    precision, acc_dtype = dot_config(compute_dtype, precision)
+    precision, acc_dtype = dot_precision(precision, compute_dtype)
     cfg = _Config(
         groups,
         _Operand.of(len(a.shape), {"B": lb, "M": lf, "K": lc}),
@@ -329,9 +329,11 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
         computed but never stored. With split-K it runs once, on the full sum.
     preferred_element_type: result dtype when ``out`` is None (default: the promoted input dtype,
         as ``lax.dot_general``); accumulation is f32 regardless for 16/32-bit floats.
-    precision: in-kernel dot precision. None means ``HIGHEST`` for f32 operands (IEEE f32 FMA on
-        the GPU, as exact as interpret mode; only the summation order differs); pass the original dot_general's
-        precision (``DEFAULT``: TF32 tensor cores on Ampere+) to match XLA's own GPU numerics.
+    precision: the replaced ``dot_general``'s ``precision`` param, with ``lax.dot_general``'s
+        meaning (None: ``jax_default_matmul_precision``, else ``DEFAULT``); the in-kernel dot
+        follows it as XLA does on the GPU (:func:`tiling.dot_precision`): f32 operands at
+        ``DEFAULT``/``HIGH`` run on TF32 tensor cores, at ``HIGHEST`` as IEEE f32 FMAs. Interpret
+        mode computes exact f32 at every level.
     block_m/n/k: caps on the block of each group (powers of two >= 16); the effective block is
         ``max(16, next_pow2(group size))`` capped here (see :func:`choose_blocks`). ``block_k``,
         ``num_stages`` and ``split_k`` None: :func:`tiling.gemm_config`'s choice (32 / 3 / 1 for

@@ -32,8 +32,10 @@ the masked scores by a second pass over all keys, run only by a block that has s
 
 Power-of-two tiles: ``bq``, ``bk`` >= 16 (``tt.dot``), ``Dp = max(16, next_pow2(D))``; vio masks
 the ragged edges (rows ``>= M`` read 0 and are not stored, keys ``>= T`` are masked by ``hi``).
-f32 inputs use ``precision=HIGHEST`` (IEEE f32 dots, what interpret mode computes); 16-bit inputs
-keep scores/accumulators in f32 and round the probabilities to V's dtype for the P·V dot.
+Both dots compute at ``precision``, the replaced program's (:func:`.tiling.dot_precision`, as XLA
+on the GPU: f32 at jax's default on TF32 tensor cores, at ``HIGHEST`` IEEE f32; interpret mode
+computes exact f32 either way); 16-bit inputs keep scores/accumulators in f32 and round the
+probabilities to V's dtype for the P·V dot.
 
 Layers, as :mod:`.attention` and JAX's Pallas GPU ops: :func:`prefill_attention` (checks the
 arguments, plans the :class:`_Cfg`) -> :func:`_launch` (grid, ``Plan.build(...).call``) ->
@@ -86,7 +88,8 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
                       sm_scale: float | None = None, soft_cap: float | None = None,
                       out: VTensor | None = None, block_q: int = 64, block_k: int = 64,
                       num_warps: int | None = None, num_stages: int | None = None,
-                      backend: str = "interpret", empty_rows: Any = "zero") -> Any:
+                      backend: str = "interpret", empty_rows: Any = "zero",
+                      precision: Any = None) -> Any:
     """Flash attention ``softmax(mask(cap(q·kᵀ·scale)))·v`` for many query rows.
 
     q: logical (Z, M, D); k: (Z, T, D); v: (Z, T, Dv) — VTensors or arrays.
@@ -103,6 +106,9 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
     num_warps, num_stages: default :meth:`.flash.AttentionConfig.prefill` (4 warps, 8 for head
         dims > 128; 2 stages for 16-bit inputs, 1 for f32).
     empty_rows: what a row with no valid key outputs (:func:`.flash.empty_rows_mode`).
+    precision: of both dots, with ``lax.dot_general``'s meaning (None:
+        ``jax_default_matmul_precision``, else ``DEFAULT``: TF32 for f32 on the GPU; ``HIGHEST``:
+        IEEE f32), resolved by :func:`.tiling.dot_precision`.
 
     Returns the array for a fresh/one-buffer output, else the tuple of ``out``'s buffers.
     """
@@ -114,7 +120,7 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
     end, end_operand = key_end(q_offset if causal else None, kv_len, k.shape[1])
     cfg = _config(q, k, v, end, causal=causal, window=window, seq_len=seq_len, sm_scale=sm_scale,
                   soft_cap=soft_cap, block_q=block_q, block_k=block_k, num_warps=num_warps,
-                  num_stages=num_stages, empty_rows=empty_rows)
+                  num_stages=num_stages, empty_rows=empty_rows, precision=precision)
     return _launch(cfg, q, k, v, out, end_operand, backend=backend)
 
 
@@ -149,7 +155,7 @@ def _check(q: VTensor, k: VTensor, v: VTensor, *, block_q: int, block_k: int,
 def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, causal: bool,
             window: int | None, seq_len: int | None, sm_scale: float | None,
             soft_cap: float | None, block_q: int, block_k: int, num_warps: int | None,
-            num_stages: int | None, empty_rows: Any) -> _Cfg:
+            num_stages: int | None, empty_rows: Any, precision: Any) -> _Cfg:
     """Tiles and launch (:meth:`.flash.AttentionConfig.prefill`) and the flash parameters."""
     Z, M, D = q.shape
     T, Dv = k.shape[1], v.shape[2]
@@ -160,7 +166,8 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, causal: bool,
     return _Cfg(Z=Z, M=M, S=M if seq_len is None else int(seq_len), D=D, Dv=Dv, Dp=Dp, Dvp=Dvp,
                 causal=bool(causal), window=None if window is None else int(window), end=end,
                 launch=launch, flash=Flash.of(T, launch.block_k, D, compute, sm_scale=sm_scale,
-                                              soft_cap=soft_cap, empty_rows=empty_rows))
+                                              soft_cap=soft_cap, empty_rows=empty_rows,
+                                              precision=precision))
 
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any, *,

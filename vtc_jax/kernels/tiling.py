@@ -11,7 +11,10 @@ static configuration, a launch building the grid, and a thin public wrapper.
 * Grids and loops: :func:`cdiv`, :func:`program_id` (the Python int 0 on a size-1 grid axis, so
   vio sees a static origin), :func:`grid_origin` (a 1-D grid over blocks), :func:`fori` (a loop
   that is just the body when it runs once).
-* Dots: :func:`dot_config` (precision and accumulator dtype of the in-kernel ``tt.dot``);
+* Dots: :func:`dot_precision` (precision and accumulator dtype of the in-kernel ``tt.dot``, from
+  the precision of the op the kernel replaces: TF32 tensor cores for f32 at jax's default, IEEE at
+  ``HIGHEST``, as XLA on the GPU), :func:`resolve_precision`, :func:`precision_unsupported`,
+  :func:`more_precise`;
   :func:`gemm_config` / :class:`GemmConfig`: the launch shape of the matmul template (blocks,
   pipeline depth, split-K) and what it implies — grid, waves, tiles in flight, bytes per CTA. A
   pure function of sizes and dtypes, so the cost model can read the same numbers the kernel uses.
@@ -37,7 +40,8 @@ from ..primitives import CALL_LIKE, TABLE
 
 __all__ = ["MIN_DOT_BLOCK", "NUM_SMS", "DECODE_MAX_M", "GemmConfig", "gemm_config", "next_pow2", "cdiv",
            "check_pow2", "choose_block", "choose_blocks",
-           "split_block", "Group", "InBounds", "program_id", "grid_origin", "fori", "dot_config", "f32_math",
+           "split_block", "Group", "InBounds", "program_id", "grid_origin", "fori", "dot_precision",
+           "resolve_precision", "precision_unsupported", "more_precise", "TRITON_DOT_ALGORITHMS", "f32_math",
            "F32_MATH_PRIMITIVES"]
 
 MIN_DOT_BLOCK = 16  # tt.dot needs M, N, K >= 16 (and K >= 16 for 16-bit types in the front end)
@@ -211,16 +215,115 @@ def fori(n: int, step: Callable[[Any, Any], Any], init: Any) -> Any:
 # Dots
 # --------------------------------------------------------------------------------------------
 
-def dot_config(compute_dtype: Any, precision: Any = None) -> tuple[Any, np.dtype]:
-    """(precision, accumulator dtype) of an in-kernel dot over ``compute_dtype`` operands.
+TRITON_DOT_ALGORITHMS = frozenset({
+    lax.DotAlgorithmPreset.F16_F16_F16, lax.DotAlgorithmPreset.F16_F16_F32,
+    lax.DotAlgorithmPreset.BF16_BF16_BF16, lax.DotAlgorithmPreset.BF16_BF16_F32,
+    lax.DotAlgorithmPreset.BF16_BF16_F32_X3, lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
+    lax.DotAlgorithmPreset.BF16_BF16_F32_X9, lax.DotAlgorithmPreset.TF32_TF32_F32,
+    lax.DotAlgorithmPreset.TF32_TF32_F32_X3, lax.DotAlgorithmPreset.F32_F32_F32})
+"""The ``lax.DotAlgorithmPreset`` values Pallas' Triton lowering of ``dot_general`` runs (jax 0.10.2
+… 0.12, ``_dot_general_lowering``); FP8, F64 and custom ``lax.DotAlgorithm`` values it refuses, so
+an op asking for one stays in XLA (:func:`precision_unsupported`)."""
 
-    ``precision`` None means ``HIGHEST`` for f32 operands (IEEE f32 FMA on the GPU, as exact as
-    interpret mode; ``DEFAULT`` would be TF32); the accumulator is f32 for 16/32-bit floats.
+
+def resolve_precision(precision: Any) -> Any:
+    """What an op's ``precision`` param computes at on the GPU: a ``lax.Precision`` level or a
+    ``lax.DotAlgorithmPreset`` (or a custom ``lax.DotAlgorithm``, passed through).
+
+    ``precision`` is any value a ``dot_general`` / ``conv_general_dilated`` param or ``lax.dot``
+    takes: None, a level, a pair of levels, a preset, or their names. None resolves against
+    ``jax_default_matmul_precision`` *now*: a kernel is planned while its program is lowered, so this
+    is the setting the lowering runs under — what ``lax.canonicalize_precision`` does when jax
+    traces a dot, and the reason an op whose param is None (traced with no setting) still follows a
+    ``jax.default_matmul_precision(...)`` context around the lowering. Unset, it is ``DEFAULT``.
+    Strings map as jax maps them (``"tensorfloat32"`` is ``HIGH``, ``"float32"`` ``HIGHEST``,
+    ``"bfloat16"`` ``DEFAULT``, other names are presets). A pair resolves to its more precise level:
+    XLA's GPU backend allows TF32 only when neither operand asks for ``HIGHEST``, while Triton's
+    lowering would take TF32 as soon as one does. The preset ``DEFAULT`` is "no algorithm": the
+    level ``DEFAULT``.
+    """
+    if precision is None:
+        precision = jax.config.jax_default_matmul_precision
+        if precision is None:
+            return lax.Precision.DEFAULT
+    if isinstance(precision, str):
+        try:
+            return lax.Precision(precision)
+        except ValueError:
+            return resolve_precision(lax.DotAlgorithmPreset[precision])
+    if isinstance(precision, lax.DotAlgorithm):   # a NamedTuple: not a pair of levels
+        return precision
+    if isinstance(precision, (tuple, list)):
+        return max((resolve_precision(p) for p in precision), key=lambda p: p.value)
+    if precision == lax.DotAlgorithmPreset.DEFAULT:
+        return lax.Precision.DEFAULT
+    return precision
+
+
+def precision_unsupported(precision: Any) -> str | None:
+    """Why an in-kernel dot cannot compute at ``precision`` (an op's param, as
+    :func:`resolve_precision` takes it), or None when it can: a template declines such an op."""
+    p = resolve_precision(precision)
+    if isinstance(p, lax.Precision) or p in TRITON_DOT_ALGORITHMS:
+        return None
+    return f"dot algorithm {p} (Pallas' Triton dot runs levels and the presets of TRITON_DOT_ALGORITHMS)"
+
+
+def native_precision(precision: Any, dtype: Any) -> Any:
+    """``precision`` with a preset that only restates what a dot of ``dtype`` operands does anyway
+    — ``BF16_BF16_F32`` on bf16, ``F16_F16_F32`` on f16: the operands' own type on tensor cores,
+    f32 accumulation — replaced by the level ``DEFAULT``. ``jax.nn.dot_product_attention`` puts
+    ``BF16_BF16_F32`` on its q·kᵀ and nothing on its p·v: the two dots compute alike."""
+    native = {np.dtype(jnp.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32,
+              np.dtype(jnp.float16): lax.DotAlgorithmPreset.F16_F16_F32}.get(np.dtype(dtype))
+    return lax.Precision.DEFAULT if native is not None and precision == native else precision
+
+
+def more_precise(a: Any, b: Any) -> Any:
+    """One precision for a kernel whose dots replace two ops (attention's q·kᵀ and p·v): the ops'
+    own, unresolved, when the params are equal (so a None still follows the setting the kernel is
+    built under); else the resolved one when they resolve alike, else the more precise level
+    (never less exact than either op asked for). Two different presets, or a preset and a level,
+    have no order: ValueError."""
+    if a == b:
+        return a
+    ra, rb = resolve_precision(a), resolve_precision(b)
+    if ra == rb:
+        return ra
+    if isinstance(ra, lax.Precision) and isinstance(rb, lax.Precision):
+        return max(ra, rb, key=lambda p: p.value)
+    raise ValueError(f"the dots compute at {ra} and {rb}: no one precision for both")
+
+
+def dot_precision(precision: Any, compute_dtype: Any) -> tuple[Any, np.dtype]:
+    """(precision, accumulator dtype) of an in-kernel dot over ``compute_dtype`` operands that
+    replaces an op with ``precision`` (its ``dot_general`` / ``conv_general_dilated`` param, None
+    when the caller has none): the one rule every kernel's ``tt.dot`` follows, so a kernel computes
+    as XLA computes the op it replaces on the GPU.
+
+    f32 operands: the level :func:`resolve_precision` gives, which Pallas' Triton lowering maps as
+    XLA's GPU backend does — ``DEFAULT`` and ``HIGH`` to TF32 tensor cores (``inputPrecision =
+    tf32``; XLA also runs ``HIGH`` as TF32 on NVIDIA GPUs), ``HIGHEST`` to IEEE f32 FMAs. So an f32
+    program at jax's default precision gets the tensor cores ``jax.jit`` gets, and ``HIGHEST`` (on
+    the op, or ``jax.default_matmul_precision("highest")``) stays exact. 16-bit operands: None — the
+    tensor cores at the operands' own type, whatever the level (a level only affects f32, in XLA
+    too). A ``lax.DotAlgorithmPreset`` is passed to the dot as is, for any operand type (the
+    lowering casts the operands to the preset's input type). Interpret mode on the CPU computes
+    every level as exact f32 (XLA's CPU dot ignores the level), so its numbers do not change.
+
+    The accumulator is f32 for 16/32-bit floats: the dot's result dtype, which the kernels also
+    sum their K tiles in (a preset's own accumulation type applies within one tile's ``tt.dot``).
+    Raises NotImplementedError for what :func:`precision_unsupported` names.
     """
     compute_dtype = np.dtype(compute_dtype)
-    if precision is None and compute_dtype == np.float32:
-        precision = lax.Precision.HIGHEST
-    return precision, np.dtype(jnp.float32) if compute_dtype.itemsize <= 4 else compute_dtype
+    acc = np.dtype(jnp.float32) if compute_dtype.itemsize <= 4 else compute_dtype
+    why = precision_unsupported(precision)
+    if why:
+        raise NotImplementedError(why)
+    p = resolve_precision(precision)
+    if isinstance(p, lax.DotAlgorithmPreset):
+        return p, acc
+    return (p if compute_dtype == np.float32 else None), acc
 
 
 # --------------------------------------------------------------------------------------------

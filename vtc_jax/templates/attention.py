@@ -46,6 +46,9 @@ GQA heads folded in) runs ``kernels.attention.decode_attention``; everything els
 causal or not, and a window whose end can pass T) ``kernels.prefill_attention.prefill_attention``. GQA is not a parameter: both
 kernels read K/V through their layouts and the group size is read off the layout
 (:func:`_group_size`: a head index that does not appear in K's map is a repeat).
+
+Both kernel dots compute at the program's dots' ``precision`` (:func:`_precision`): f32 attention at
+jax's default precision runs on TF32 tensor cores as ``jax.jit``'s does, at ``HIGHEST`` IEEE f32.
 """
 from __future__ import annotations
 
@@ -57,6 +60,7 @@ import numpy as np
 
 from ..cluster import Cluster
 from ..graph import Graph
+from ..kernels.tiling import more_precise, native_precision, precision_unsupported
 from ..primitives import TABLE, Kind
 from .base import Decline, Run, Step, Template
 from .stage2 import buffers_of
@@ -96,6 +100,8 @@ class _AttnMatch:
                                 # "uniform" (one finite fill value: jax averages V), "zero" (never
                                 # happens: no probe found such a row)
     per_row: bool = False       # hi_scalar is a vector: one position per sequence (decode only)
+    precision: Any = None       # of both kernel dots: the two dots' param (the more precise one
+                                # when they differ, :func:`kernels.tiling.more_precise`)
 
     @property
     def kernel(self) -> str:
@@ -757,8 +763,26 @@ def _family(S: int, T: int, causal: bool, base: int, w: int | None) -> np.ndarra
     return valid
 
 
+def _precision(graph: Graph, d1: Any, d2: Any) -> Any:
+    """The precision both kernel dots compute at: the two dots' own (resolved when the kernel is
+    built, as XLA's GPU backend runs them: f32 on TF32 at jax's default, IEEE at ``HIGHEST``; a
+    preset that restates the operands' own 16-bit type is the default), the more precise one when
+    they differ; declined where Pallas' Triton dot has no such algorithm or two different
+    algorithms have no order."""
+    ps = tuple(native_precision(d.params.get("precision"), graph.tensors[d.inputs[0]].dtype) for d in (d1, d2))
+    for p in ps:
+        why = precision_unsupported(p)
+        if why:
+            raise Decline(why)
+    try:
+        return more_precise(*ps)
+    except ValueError as exc:
+        raise Decline(str(exc)) from None
+
+
 def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     a = _analyse(graph, c)
+    precision = _precision(graph, a["d1"], a["d2"])
     st = a["st"]
     dims = _dims(graph, a)
     d1 = a["d1"]
@@ -804,7 +828,7 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
         S = rows
     return _AttnMatch(q, k, v, c.outputs[0], q_perm, k_perm, v_perm, out_perm, batch, rows, S, T, D, Dv,
                       float(scale), None if cap is None else float(cap), causal, int(hi_c), hi_x,
-                      None if window is None else int(window), decode, empty_rows, per_row)
+                      None if window is None else int(window), decode, empty_rows, per_row, precision)
 
 
 # --------------------------------------------------------------------------------------------
@@ -874,7 +898,7 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
                 kw["kv_len"] = end_minus(0)   # a window counts from the unclamped end
             res = decode_attention(re(q, (B, hk, g * R, D)), per_group(k), per_group(v),
                                    sm_scale=m.scale, soft_cap=m.soft_cap, out=re(out, (B, hk, g * R, Dv)),
-                                   backend=backend, empty_rows=m.empty_rows, **kw)
+                                   backend=backend, empty_rows=m.empty_rows, precision=m.precision, **kw)
         else:
             from ..kernels.prefill_attention import prefill_attention
             if m.causal:
@@ -884,7 +908,8 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
             res = prefill_attention(re(q, (B * hk, g * R, D)), re(per_group(k), (B * hk, T, D)),
                                     re(per_group(v), (B * hk, T, Dv)), seq_len=m.seq, sm_scale=m.scale,
                                     soft_cap=m.soft_cap, out=re(out, (B * hk, g * R, Dv)),
-                                    backend=backend, empty_rows=m.empty_rows, **kw)
+                                    backend=backend, empty_rows=m.empty_rows, precision=m.precision,
+                                    **kw)
         run.written(m.out, out0, buffers_of(res))
 
     return step

@@ -6,6 +6,11 @@ The epilogue is the cluster's other primitives re-bound on the accumulator tile
 dtype — what the traced program's dot returns — so a bf16 epilogue sees bf16 values and bf16
 literals, exactly like ``jax.jit``; 16-bit math runs op by op in f32 (``f32_math``), XLA's own
 float normalisation.
+
+The kernel's dot computes at the op's own ``precision`` param (resolved against
+``jax_default_matmul_precision`` when the kernel is built, :func:`kernels.tiling.dot_precision`):
+an f32 dot at jax's default runs on TF32 tensor cores as ``jax.jit``'s does, one at ``HIGHEST`` is
+IEEE f32. An op asking for an algorithm Pallas' Triton dot lacks (FP8, F64) stays in XLA.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import numpy as np
 
 from ..cluster import Cluster
 from ..graph import Graph
+from ..kernels.tiling import precision_unsupported
 from ..primitives import Kind
 from .base import Decline, Run, Step, Template
 from .stage2 import block_fn, block_supported, broadcast_input, buffers_of, kernel_inputs
@@ -51,6 +57,9 @@ def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
         op = graph.ops[found[0]]
         if primitive == "conv_general_dilated" and op.params.get("batch_group_count", 1) != 1:
             raise Decline("batch_group_count != 1")
+        why = precision_unsupported(op.params.get("precision"))
+        if why:
+            raise Decline(why)
         (lhs, pa), (rhs, pb) = (_prologue(graph, c, x) for x in op.inputs[:2])
         for t in dict.fromkeys((lhs, rhs, *op.inputs[:2])):   # what the kernel loads and what it dots
             dt = np.dtype(graph.tensors[t].dtype)
@@ -104,7 +113,8 @@ def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, Contrac
 def _matmul(a: Any, b: Any, p: Mapping[str, Any], backend: str, **kw: Any) -> Any:
     from ..kernels.matmul import matmul
     return matmul(a, b, dimension_numbers=p["dimension_numbers"],
-                  preferred_element_type=p.get("preferred_element_type"), backend=backend, **kw)
+                  preferred_element_type=p.get("preferred_element_type"), precision=p.get("precision"),
+                  backend=backend, **kw)
 
 
 def _conv(x: Any, w: Any, p: Mapping[str, Any], backend: str, **kw: Any) -> Any:
@@ -112,7 +122,8 @@ def _conv(x: Any, w: Any, p: Mapping[str, Any], backend: str, **kw: Any) -> Any:
     return conv(x, w, window_strides=p["window_strides"], padding=p["padding"],
                 lhs_dilation=p.get("lhs_dilation"), rhs_dilation=p.get("rhs_dilation"),
                 dimension_numbers=p["dimension_numbers"], feature_group_count=p["feature_group_count"],
-                preferred_element_type=p.get("preferred_element_type"), backend=backend, **kw)
+                preferred_element_type=p.get("preferred_element_type"), precision=p.get("precision"),
+                backend=backend, **kw)
 
 
 MATMUL = Template(Kind.MATMUL, library=True, match=_match("dot_general"), build=_build(_matmul))
