@@ -80,7 +80,7 @@ if TYPE_CHECKING:
     from .graph import Graph, Op
     from .strategy import Strategy
 
-__all__ = ["GPU", "GPUS", "ENGINE_EFFICIENCY", "ENGINE_OF_KIND", "cluster_math", "CostModel", "BoundCostModel", "Context", "Cost", "cluster_cost", "strategy_oracles",
+__all__ = ["GPU", "GPUS", "ENGINE_EFFICIENCY", "ENGINE_OF_KIND", "cluster_math", "kernel_flops", "CostModel", "BoundCostModel", "Context", "Cost", "cluster_cost", "strategy_oracles",
            "access_penalty", "piece_penalty", "decode_gemm_loss"]
 
 INF = float("inf")
@@ -141,13 +141,15 @@ ENGINE_EFFICIENCY: Mapping[tuple[str, str], float] = {
     ("xla", "tf32"): 0.60,        # measured ≥ 0.31 (f32 U-Net convs via cuDNN: 154 TFLOP/s whole program)
     ("xla", "ieee"): 0.80,        # assumed (cuBLAS SGEMM)
     ("matmul", "bf16"): 0.30,     # assumed (decode GEMMs are bandwidth-bound: decode_gemm_loss prices them)
-    ("matmul", "tf32"): 0.03,     # measured: EfficientViT's attention GEMMs at batch 16, 15 TFLOP/s
+    ("matmul", "tf32"): 0.15,     # measured ≥ 0.13: Mamba's projections (with the program around them);
+    #                               EfficientViT's per-head products reached 0.03 of peak: their tiles are
+    #                               mostly padding (kernel_flops counts the padded tiles)
     ("matmul", "ieee"): 0.15,     # measured: the same with IEEE dots, 10 TFLOP/s
     ("conv", "bf16"): 0.014,      # measured: the zoo's bf16 C3k2, 14 TFLOP/s against cuDNN's 82
     ("conv", "tf32"): 0.017,      # measured: ESPCN 8.6, U-Net 16–46 TFLOP/s (cuDNN: 33–154)
     ("conv", "ieee"): 0.05,       # measured: ConvNeXt 3.4, ESPCN 4.2 TFLOP/s (IEEE f32 FMAs; depthwise always)
     ("attention", "bf16"): 0.30,  # assumed (flash-style kernels; decode attention is bandwidth-bound)
-    ("attention", "tf32"): 0.03,  # assumed: the matmul template's measured TF32 figure
+    ("attention", "tf32"): 0.15,  # assumed: the matmul template's TF32 figure
     ("attention", "ieee"): 0.15,
 }
 
@@ -286,6 +288,26 @@ def decode_gemm_loss(gpu: GPU, batch: int, m: int, n: int, k: int, a_itemsize: i
     inflight = min(nbytes, min(ctas, gpu.sms) * per_cta)
     template = max(stream, nbytes * gpu.hbm_latency / max(inflight, 1))
     return max(0.0, template - xla)
+
+
+def kernel_flops(graph: "Graph", c: "Cluster") -> int:
+    """The flops the matmul template's kernel issues for a cluster: its dot's, padded to whole
+    tiles (``tiling.gemm_config``'s blocks; a tensor-core tile computes all of its rows and columns
+    whatever the GEMM uses). Measured on an H100: EfficientViT's per-head products (512 GEMMs of
+    17×16 over K = 4,096) fill a fraction of their tiles and ran at 15 TFLOP/s, where Mamba's
+    2048×160 and 2048×4096 projections on the same template kept up with XLA. An unbatched
+    decode-shaped GEMM (``m ≤ DECODE_MAX_M``) streams its weights: bandwidth-bound, priced by
+    :func:`decode_gemm_loss`, its flops unpadded. Other kinds: the ops' own flops."""
+    flops = sum(op_flops(graph.ops[o], graph) for o in c.ops)
+    g = _gemm_shape(graph, c) if c.kind == Kind.MATMUL else None
+    if g is None or not flops:
+        return flops
+    batch, m, n, k, ai, bi = g
+    if batch == 1 and m <= DECODE_MAX_M:
+        return flops
+    cfg = tiling.gemm_config(m, n, k, batch=batch, a_itemsize=ai, b_itemsize=bi)
+    used = (m * n) / (cfg.m_tiles * cfg.block_m * cfg.n_tiles * cfg.block_n)
+    return int(flops / max(used, 1e-6))
 
 
 def cluster_math(graph: "Graph", c: "Cluster") -> tuple[str, str]:
@@ -527,7 +549,8 @@ class CostModel:
             flops = ctx.flops.get(k, 0)
             xla, kernel = ctx.math.get(k, ("ieee", "ieee"))
             engine = ENGINE_OF_KIND.get(ctx.clusters[k].kind, "matmul")
-            compute = (max(0.0, flops / gpu.flop_rate(engine, kernel) - flops / gpu.flop_rate("xla", xla))
+            issued = kernel_flops(ctx.graph, ctx.clusters[k]) if flops else 0
+            compute = (max(0.0, issued / gpu.flop_rate(engine, kernel) - flops / gpu.flop_rate("xla", xla))
                        if self.math_loss else 0.0)
             g = ctx.gemm.get(k)
             return compute if g is None or not self.decode_loss else max(compute, decode_gemm_loss(self.gpu, *g))

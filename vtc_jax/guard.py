@@ -27,11 +27,11 @@ from typing import Any, Sequence
 import jax
 
 from .cluster import cluster
-from .costmodel import ENGINE_OF_KIND, GPU, GPUS, cluster_math
+from .costmodel import ENGINE_OF_KIND, GPU, GPUS, cluster_math, kernel_flops
 from .graph import Graph, trace
 from .offline import compile_program
 from .primitives import KERNEL_CALLS, is_movement_op
-from .xla import Price, op_flops, xla_program
+from .xla import Price, xla_program
 
 __all__ = ["GUARDS", "PLAIN", "UNDONE", "Verdict", "price_plain", "price_emitted", "kernel_math", "emitted_graph", "judge", "clear", "blame", "compiled", "measured", "MiB"]
 
@@ -72,9 +72,10 @@ def emitted_graph(closed: Any) -> Graph:
 
 def kernel_math(graph: Graph, clusters: Sequence[Any], kernel_clusters: Sequence[int | None]) -> list[tuple[int, str, str]]:
     """``(flops, template, math class)`` of each kernel call of the emitted program, in program
-    order (``kernel_clusters``: the cluster each call came from): the flops of the dots and
-    convolutions of the cluster it replaces, charged to the cluster's first call (a split-K reduce
-    or an attention combine does none of them)."""
+    order (``kernel_clusters``: the cluster each call came from): the flops the kernel issues for
+    the dots and convolutions of the cluster it replaces (``costmodel.kernel_flops``: a GEMM's
+    padded to whole tiles), charged to the cluster's first call (a split-K reduce or an attention
+    combine does none of them)."""
     by_id = {c.id: c for c in clusters}
     out, seen = [], set()
     for cid in kernel_clusters:
@@ -83,7 +84,7 @@ def kernel_math(graph: Graph, clusters: Sequence[Any], kernel_clusters: Sequence
             out.append((0, "xla", ""))
             continue
         seen.add(cid)
-        flops = sum(op_flops(graph.ops[o], graph) for o in c.ops)
+        flops = kernel_flops(graph, c)
         out.append((flops, ENGINE_OF_KIND.get(c.kind, str(c.kind)), cluster_math(graph, c)[1] if flops else ""))
     return out
 
