@@ -497,10 +497,50 @@ F32_MATH_PRIMITIVES = frozenset(n for n, r in TABLE.items() if r.f32_math)
 _LOW = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 
+# erfc by the Chebyshev fit of Numerical Recipes (Press et al., 2nd ed., §6.2, ``erfcc``):
+# t = 1 / (1 + |x|/2), erfc(|x|) = t·exp(-x² + P(t)) with |relative error| < 1.2e-7 for every x.
+_ERFC_T = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807, -1.13520398,
+           1.48851587, -0.82215223, 0.17087277)
+_TWO_OVER_SQRT_PI = 1.1283791670955126
+
+
+def erfc_f32(x: Any) -> Any:
+    """erfc in f32 from exp and arithmetic (:data:`_ERFC_T`), for kernels: Pallas' Triton lowering
+    has no erf / erfc, and exact GELU (``jax.nn.gelu(approximate=False)``, PyTorch's default) is
+    ``x/2 · erfc(-x/√2)``."""
+    x = jnp.asarray(x, jnp.float32)
+    z = jnp.abs(x)
+    t = 1.0 / (1.0 + 0.5 * z)
+    poly = jnp.float32(_ERFC_T[-1])
+    for c in reversed(_ERFC_T[:-1]):
+        poly = poly * t + c
+    r = t * jnp.exp(-z * z + poly)
+    return jnp.where(x >= 0, r, 2.0 - r)
+
+
+def erf_f32(x: Any) -> Any:
+    """erf in f32: its Taylor series to x¹³ where |x| < 1/2 (relative error < 1e-7 there, where
+    ``1 - erfc`` would cancel), ``±(1 - erfc(|x|))`` beyond."""
+    x = jnp.asarray(x, jnp.float32)
+    x2 = x * x
+    series = jnp.float32(0.0)
+    for n in range(6, -1, -1):   # Σ (-1)^n x^(2n+1) / (n! (2n+1))
+        series = series * x2 + (-1.0) ** n / (math.factorial(n) * (2 * n + 1))
+    small = _TWO_OVER_SQRT_PI * x * series
+    big = jnp.sign(x) * (1.0 - erfc_f32(jnp.abs(x)))
+    return jnp.where(jnp.abs(x) < 0.5, small, big)
+
+
+# primitives Pallas' Triton lowering lacks, computed in kernels from ones it has (f32; 16-bit
+# operands upcast and rounded back)
+IN_KERNEL_MATH: dict[str, Callable[[Any], Any]] = {"erf": erf_f32, "erfc": erfc_f32}
+
+
 def f32_math(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` evaluated primitive by primitive, with :data:`F32_MATH_PRIMITIVES` on bf16/f16
-    operands computed in f32 and rounded back (call-like primitives — jit, custom_jvp/vjp — are
-    inlined). Everything else is re-bound unchanged. A no-op for f32 programs."""
+    operands computed in f32 and rounded back, and :data:`IN_KERNEL_MATH` primitives computed
+    from ones Triton lowers (call-like primitives — jit, custom_jvp/vjp — are inlined). Everything
+    else is re-bound unchanged."""
     def wrapped(*args: Any) -> Any:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         out = _eval_f32_math(closed.jaxpr, closed.consts, jax.tree.leaves(args))
@@ -515,6 +555,9 @@ def _f32_rule(eqn: Any, invals: list[Any]) -> list[Any] | None:
                   if isinstance(eqn.params.get(k), jcore.ClosedJaxpr)), None)
     if inner is not None and eqn.primitive.name in CALL_LIKE:
         return _eval_f32_math(inner.jaxpr, inner.consts, invals)
+    if eqn.primitive.name in IN_KERNEL_MATH:
+        [v] = eqn.outvars
+        return [IN_KERNEL_MATH[eqn.primitive.name](invals[0]).astype(v.aval.dtype)]
     if eqn.primitive.name in F32_MATH_PRIMITIVES and any(
             np.dtype(v.aval.dtype) in _LOW for v in eqn.invars if hasattr(v.aval, "dtype")):
         up = [jnp.asarray(x).astype(jnp.float32) if np.dtype(v.aval.dtype) in _LOW else x
