@@ -45,3 +45,24 @@ def test_a_fallback_found_while_jax_traces_points_at_the_users_call():
 def _lineno() -> int:
     import inspect
     return inspect.currentframe().f_back.f_lineno
+
+
+def test_symbolic_shapes_fall_back_with_a_reason_not_an_internal_error():
+    """jax.export with shape polymorphism: vtc_jax plans for concrete shapes, so the function
+    runs as plain XLA — said as such (naming the symbolic shape), not as an internal error
+    ("optimisation ... failed (InconclusiveDimensionOperation ...)"); the export still equals
+    jax's and the concrete-shape call is still optimised."""
+    from jax import export
+    f = lambda x: jnp.tanh(x.T).T * 2.0   # noqa: E731
+    n = export.symbolic_shape("n")[0]
+    opt = vtc_jax.optimize(f, backend="interpret")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exp = export.export(jax.jit(opt))(jax.ShapeDtypeStruct((n, 8), jnp.float32))
+    msgs = [str(w.message) for w in caught if issubclass(w.category, vtc_jax.VTCFallbackWarning)]
+    assert len(msgs) == 1 and "symbolic dimensions ((n, 8)" in msgs[0] and "failed" not in msgs[0], msgs
+    x = jax.random.normal(jax.random.key(0), (5, 8))
+    np.testing.assert_allclose(np.asarray(exp.call(x)), np.asarray(jax.jit(f)(x)), rtol=1e-6)
+    with pytest.raises(vtc_jax.VTCError, match="symbolic dimensions"):
+        export.export(jax.jit(vtc_jax.optimize(f, backend="interpret", strict=True)))(
+            jax.ShapeDtypeStruct((n, 8), jnp.float32))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import types
 from typing import Any, Callable, Sequence
 
@@ -222,6 +223,12 @@ class Optimized:
         f, a, k = _split_static(self.fn, args, kwargs, *self._static)
         donate = _dynamic_donation(args, kwargs, *self._static, *self._donate)
         flat = jax.tree_util.tree_leaves((a, k))
+        symbolic = _symbolic_shape(flat)
+        if symbolic is not None:   # jax.export shape polymorphism: nothing to plan tiles for
+            self._fallback(f"{getattr(self.fn, '__name__', 'fn')} is traced with symbolic dimensions "
+                           f"({symbolic}, jax.export's shape polymorphism): vtc_jax plans kernels and "
+                           "index maps for concrete shapes; running it as plain XLA")
+            return f(*a, **k)
         try:
             analysis, lowered, closed = self._plan_and_build(f, a, k, flat, donate)
         except VTCError:
@@ -278,6 +285,22 @@ class Optimized:
         return explain(self.fn, static_argnums=self._static[0], static_argnames=self._static[1],
                        donate_argnums=self._donate[0], donate_argnames=self._donate[1], guard=self.guard,
                        **self._opts)(*args, **kwargs)
+
+
+def _symbolic_shape(flat: Sequence[Any]) -> str | None:
+    """The first argument shape with a symbolic dimension, as text (None when all are constant)."""
+    def constant(d: Any) -> bool:
+        try:
+            operator.index(d)   # ints, numpy ints; a jax.export dimension expression has no index
+            return True
+        except TypeError:
+            return False
+
+    for x in flat:
+        shape = getattr(x, "shape", ())
+        if not all(constant(d) for d in shape):
+            return "(" + ", ".join(str(d) for d in shape) + ")"
+    return None
 
 
 def optimize(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence[int] = (),
