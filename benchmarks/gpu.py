@@ -169,6 +169,25 @@ def _max_rel(a: Any, b: Any) -> float:
     return worst
 
 
+def _timed(fn: Callable, args: tuple, donate: tuple[int, ...], runs: int, warmup: int) -> list[float]:
+    """Seconds of ``runs`` calls after ``warmup`` ones, sorted; each call timed alone up to
+    ``block_until_ready``, its donated inputs copied before the clock starts."""
+    import jax
+
+    def fresh() -> tuple:
+        return tuple(jax.tree.map(lambda x: x.copy(), a) if i in donate else a for i, a in enumerate(args))
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*fresh()))
+    times = []
+    for _ in range(runs):
+        a = jax.block_until_ready(fresh())
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*a))
+        times.append(time.perf_counter() - t0)
+    return sorted(times)
+
+
 def measure(kind: str, name: str, batch: int, variant: str, *, runs: int, warmup: int, pos: int) -> dict[str, Any]:
     import jax
     dev = jax.devices()[0]
@@ -195,17 +214,7 @@ def measure(kind: str, name: str, batch: int, variant: str, *, runs: int, warmup
     out = jax.block_until_ready(fn(*fresh()))
     res["first_call_s"] = time.perf_counter() - t_compile
     del out
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*fresh()))
-    times = []
-    for _ in range(runs):
-        a = jax.block_until_ready(fresh())
-        t0 = time.perf_counter()
-        out = fn(*a)
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - t0)
-        del out, a
-    times.sort()
+    times = _timed(fn, args, donate, runs, warmup)
     res["median_ms"] = 1e3 * statistics.median(times)
     res["p10_ms"] = 1e3 * times[max(0, int(0.1 * len(times)) - 1)]
     res["p90_ms"] = 1e3 * times[min(len(times) - 1, int(0.9 * len(times)))]
@@ -226,23 +235,6 @@ def measure(kind: str, name: str, batch: int, variant: str, *, runs: int, warmup
 # --------------------------------------------------------------------------------------------
 # The guard's corpus, timed (one process: compile-time memory, not allocator peaks)
 # --------------------------------------------------------------------------------------------
-
-def _timed(fn: Callable, args: tuple, donate: tuple[int, ...], runs: int, warmup: int) -> list[float]:
-    import jax
-
-    def fresh() -> tuple:
-        return tuple(jax.tree.map(lambda x: x.copy(), a) if i in donate else a for i, a in enumerate(args))
-
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*fresh()))
-    times = []
-    for _ in range(runs):
-        a = jax.block_until_ready(fresh())
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*a))
-        times.append(time.perf_counter() - t0)
-    return sorted(times)
-
 
 def measure_corpus(ns: argparse.Namespace) -> list[dict[str, Any]]:
     """``benchmarks/guard.py``'s 44 programs on this GPU: jit, VTC as the greedy planned it
