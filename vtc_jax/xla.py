@@ -568,8 +568,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             if op.id in call_math:
                 f, engine, cls = call_math[op.id]
                 flops += f
-            elif op_flops(op, g):
-                flops += op_flops(op, g)
+            elif (f := op_flops(op, g)):
+                flops += f
                 cls = cls or _op_math(op, g)
         fusions.append(Fusion(tuple(members), what, int(n), int(nbytes), int(flops), engine, cls))
         for t in made:
