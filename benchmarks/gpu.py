@@ -198,7 +198,8 @@ def measure(kind: str, name: str, batch: int, variant: str, *, runs: int, warmup
         fn, abstract, donate, ref = workload_program(name, batch, variant)
     args = materialise(abstract, pos)
     before = stats().get("bytes_in_use")
-    res: dict[str, Any] = {"kind": kind, "name": name, "batch": batch, "variant": variant, "device": dev.device_kind}
+    res: dict[str, Any] = {"kind": kind, "name": name, "batch": batch, "variant": variant, "pos": pos,
+                          "device": dev.device_kind}
     try:
         ma = fn.lower(*args).compile().memory_analysis()
         res["xla_temp_bytes"] = int(getattr(ma, "temp_size_in_bytes", 0)) if ma is not None else None
@@ -238,7 +239,7 @@ def measure(kind: str, name: str, batch: int, variant: str, *, runs: int, warmup
 
 def measure_corpus(ns: argparse.Namespace) -> list[dict[str, Any]]:
     """``benchmarks/guard.py``'s 44 programs on this GPU: jit, VTC as the greedy planned it
-    (``guard=None``) and VTC guarded (the default), each timed (median of ``--runs``) and compiled
+    (``guard=None``) and VTC guarded (``--guard``, by default optimize's own), each timed (median of ``--runs``) and compiled
     for its temporary bytes; the VTC outputs checked against jit's. The unguarded plan is timed only
     where the guard changed it."""
     import jax
@@ -254,11 +255,11 @@ def measure_corpus(ns: argparse.Namespace) -> list[dict[str, Any]]:
         if ns.deadline is not None and time.monotonic() - start > ns.deadline:
             print(f"deadline of {ns.deadline:.0f} s reached: {name} and later not measured", flush=True)
             break
-        row: dict[str, Any] = {"kind": "corpus", "name": name}
+        row: dict[str, Any] = {"kind": "corpus", "name": name, "guard_mode": ns.guard}
         try:
             args = materialise(tuple(make_args()), ns.pos)
             fns = {"jit": jax.jit(step, donate_argnums=donate),
-                   "vtc": vtc_jax.optimize(step, donate_argnums=donate)}
+                   "vtc": vtc_jax.optimize(step, donate_argnums=donate, guard=ns.guard)}
             outs = {}
             for key in ("jit", "vtc", "raw"):
                 if key == "raw":
@@ -382,22 +383,23 @@ def render(results: list[dict[str, Any]], ns: argparse.Namespace, device: str, w
              "allocated while compiling on the first call, so *XLA temp* (the compiled program's own temporary "
              "buffers, `memory_analysis()`) is the figure to compare. **Measured.**", ""]
     rows = []
-    base = {(r["kind"], r["name"], r["batch"]): r for r in results if r.get("variant") == "jit" and "error" not in r}
+    key = lambda r: (r["kind"], r["name"], r["batch"], r.get("pos"))  # noqa: E731 - jit's row at the same position
+    base = {key(r): r for r in results if r.get("variant") == "jit" and "error" not in r}
     for r in results:
         if "error" in r:
-            rows.append([r["name"], r["batch"], r["variant"], "error", "", "", "", "", "", r["error"]])
+            rows.append([r["name"], r["batch"], r.get("pos", ""), r["variant"], "error", "", "", "", "", "", r["error"]])
             continue
-        b = base.get((r["kind"], r["name"], r["batch"]))
+        b = base.get(key(r))
         speed = f"{b['median_ms'] / r['median_ms']:.2f}×" if b and r["variant"] != "jit" else ""
-        rows.append([r["name"], r["batch"], r["variant"], _fmt(r["median_ms"]),
+        rows.append([r["name"], r["batch"], r.get("pos", ""), r["variant"], _fmt(r["median_ms"]),
                      f"{_fmt(r['p10_ms'])}–{_fmt(r['p90_ms'])}", speed,
                      _fmt(r.get("peak_bytes_in_use"), MiB, 1), _fmt(r.get("program_peak_bytes"), MiB, 1),
                      _fmt(r.get("xla_temp_bytes"), MiB, 1),
                      _fmt(r.get("max_rel_err_vs_jit"), 1, 2) if not isinstance(r.get("max_rel_err_vs_jit"), float)
                      else f"{r['max_rel_err_vs_jit']:.2e}"])
-    lines.append(acc._md_table(["workload", "batch", "variant", "median ms", "p10–p90 ms", "speed-up vs jit",
-                                "peak MiB", "program peak MiB", "XLA temp MiB", "max rel err vs jit"], rows,
-                               "lrlrrrrrrr"))
+    lines.append(acc._md_table(["workload", "batch", "int inputs (pos)", "variant", "median ms", "p10–p90 ms",
+                                "speed-up vs jit", "peak MiB", "program peak MiB", "XLA temp MiB",
+                                "max rel err vs jit"], rows, "lrrlrrrrrrr"))
     return "\n".join(lines) + "\n"
 
 
@@ -416,6 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="seconds after which no new measurement starts (the table holds what finished)")
     p.add_argument("--corpus", action="store_true", help="time the guard's 44-program corpus instead")
     p.add_argument("--only", default=None, help="with --corpus: comma-separated name substrings, measured in this order")
+    p.add_argument("--guard", default="model", choices=("model", "compile", "measure"),
+                   help="with --corpus: the guard of the 'vtc' variant (optimize's default: model)")
     p.add_argument("--render", default=None, metavar="JSONL",
                    help="print the markdown table of a run's --jsonl file (no GPU needed)")
     p.add_argument("--info", default="", help="with --render: the line saying where and how it was measured")

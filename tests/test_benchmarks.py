@@ -70,6 +70,22 @@ def test_gpu_script_without_gpu_exits_cleanly():
     assert "no GPU: nothing measured (this script only runs on a GPU)" in proc.stdout
 
 
+def test_gpu_render_compares_at_the_same_position(tmp_path):
+    """``gpu.py --render``: each speed-up is against jit at the same batch and decode position (a
+    position sweep once divided by jit's time at another position)."""
+    rows = [dict(kind="attention", name="llama3_attention", batch=16, pos=p, variant=v, median_ms=t,
+                 p10_ms=t, p90_ms=t) for p, v, t in ((511, "jit", 0.5), (511, "vtc", 0.1),
+                                                     (4095, "jit", 0.4), (4095, "vtc", 0.2))]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu.py"), "--render", str(path), "--info", "test"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr
+    speeds = [line.split("|")[7].strip() for line in proc.stdout.splitlines() if "| vtc |" in line]
+    assert speeds == ["5.00×", "2.00×"], proc.stdout
+
+
 def test_kernel_examples_cross_lower():
     """benchmarks/kernels.py's examples(): unique names, and a case cross-lowers to Triton IR."""
     pytest.importorskip("jax_plugins.xla_cuda12", reason="cross-lowering for CUDA needs jax-cuda12-plugin")

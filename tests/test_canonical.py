@@ -63,7 +63,9 @@ def test_scatter_cache_matches_jit(donate):
 def test_scatter_cache_no_scatter_in_cuda_module():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        mod = cross_lower(vtc_jax.optimize(_decode, backend="triton", donate_argnums=(0,)), *_args(), jnp.int32(3))
+        # the plan's program (guard=None): at this size the guard gives the whole step back to jit
+        mod = cross_lower(vtc_jax.optimize(_decode, backend="triton", donate_argnums=(0,), guard=None),
+                          *_args(), jnp.int32(3))
         ref = cross_lower(jax.jit(_decode, donate_argnums=(0,)), *_args(), jnp.int32(3))
     assert ref.count("stablehlo.scatter") == 1
     assert mod.count("stablehlo.scatter") == 0

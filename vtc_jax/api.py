@@ -317,7 +317,8 @@ def optimize(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequ
 
     ``guard`` decides whether the plan is kept (never slower than ``jax.jit``): the emitted program
     is priced against plain jit — ``"model"`` (default) by the model of XLA (``xla.xla_program``:
-    milliseconds per trace), ``"compile"`` by compiling both with XLA for the target (deviceless
+    milliseconds per trace) where it shows a clear win, else by timing both on this GPU (when its
+    free memory holds three times the inputs) or by XLA's compile for the target, ``"compile"`` by compiling both with XLA for the target (deviceless
     for an H100 without a GPU: seconds per trace), ``"measure"`` by timing both on the GPU (the
     compile where there is none), ``None`` not at all. Kernels that lose are undone cluster by
     cluster; if the program still loses, it runs as plain ``jax.jit(fn)``. ``explain()`` says what

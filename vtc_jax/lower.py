@@ -424,6 +424,20 @@ def kernel_clusters(jaxpr: Any) -> list[int | None]:
     return out
 
 
+def has_kernels(jaxpr: Any) -> bool:
+    """Whether the program launches a Pallas kernel anywhere: in its equations, in the calls the
+    tracer inlines, or in a control-flow body (scan, cond, while and custom-derivative rules)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in KERNEL_CALLS:
+            return True
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and has_kernels(inner):
+                    return True
+    return False
+
+
 def _cluster_of(eqn: Any) -> int | None:
     stack = str(getattr(eqn.source_info, "name_stack", ""))
     for part in stack.split("/"):

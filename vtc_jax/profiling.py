@@ -1,8 +1,9 @@
 """Profiling: edge savings measured on a GPU instead of modelled (the paper's Algorithm 2 profiling).
 
 ``ProfiledSavings`` turns a :class:`Profiler` (``measure(edge_set) -> seconds``) into the greedy's
-``w(e)``; ``TimingProfiler`` times a program built for an edge set on the device. Nothing here runs
-without a GPU.
+``w(e)``; ``TimingProfiler`` times a program built for an edge set on the device. The timing itself
+(:func:`time_interleaved`, on inputs from :func:`device_inputs`) is also the guard's
+(``guard.measured``). Timing means something only on a GPU.
 """
 from __future__ import annotations
 
@@ -11,10 +12,43 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import jax
+import jax.numpy as jnp
+
 from .movement import Edge
 from .vtog import VTOG, box_volume, piece_group
 
-__all__ = ["Profiler", "ProfiledSavings", "TimingProfiler"]
+__all__ = ["Profiler", "ProfiledSavings", "TimingProfiler", "time_interleaved", "device_inputs"]
+
+
+def time_interleaved(fns: Sequence[Callable[..., Any]], make_args: Callable[[], Sequence[Any]],
+                     repeats: int = 20) -> list[float]:
+    """The median seconds of each of ``fns``: one warm-up call each (compile, autotuning, module
+    load), then ``repeats`` rounds of one call of each, so a clock or thermal drift falls on all of
+    them alike. ``make_args()`` gives every call its arguments outside the timed region (fresh
+    copies where a call donates, and so consumes, its inputs)."""
+    for fn in fns:
+        jax.block_until_ready(fn(*make_args()))
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, t in zip(fns, times):
+            args = make_args()
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def device_inputs(avals: Sequence[Any], seed: int = 0) -> list[Any]:
+    """Arrays of the given shapes and dtypes on the default device: floats normal × 0.05, every
+    other dtype zero. Made eagerly even inside a trace (the guard times while the user's function
+    is being traced, and a traced value cannot be fed to a compiled program)."""
+    with jax.ensure_compile_time_eval():
+        keys = jax.random.split(jax.random.key(seed), max(len(avals), 1))
+        return jax.block_until_ready([
+            (0.05 * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype)
+            if jnp.issubdtype(a.dtype, jnp.floating) else jnp.zeros(a.shape, a.dtype)
+            for k, a in zip(keys, avals)])
 
 
 
@@ -70,19 +104,10 @@ class TimingProfiler:
 
     def __init__(self, build_fn: Callable[[frozenset[int]], Callable[..., Any]], args: Sequence[Any],
                  repeats: int = 20) -> None:
-        import jax
         if jax.default_backend() != "gpu":
             raise RuntimeError(f"TimingProfiler needs a GPU (jax.default_backend() is "
                                f"{jax.default_backend()!r}); use CostModel for an analytical w(e)")
         self.build_fn, self.args, self.repeats = build_fn, tuple(args), int(repeats)
 
     def measure(self, edge_set: frozenset[int]) -> float:
-        import jax
-        fn = self.build_fn(frozenset(edge_set))
-        jax.block_until_ready(fn(*self.args))          # compile + warm up
-        times = []
-        for _ in range(self.repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*self.args))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return time_interleaved([self.build_fn(frozenset(edge_set))], lambda: self.args, self.repeats)[0]

@@ -639,6 +639,10 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             for x in (x for o in dots for x in g.ops[o].inputs[:2] if x in made_in):
                 n += 1
                 nbytes += 2 * ctx.nbytes[x]
+            for x in (x for o in dots for x in _gemm_relayouts(g, g.ops[o]) if x not in made_in):
+                src, full = read_bytes(x, set()), ctx.nbytes[x]
+                n += 1   # the copy in GEMM layout: read, write; the GEMM reads it
+                nbytes += src + full + (full - src)
         for m in members:   # a norm: XLA's reduction fusion writes the statistic, and applying
             if kind[m] != Kind.REDUCTION:   # it to the rows is a loop fusion of its own (reading them again)
                 continue
@@ -651,8 +655,25 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         if any(kind[m] == Kind.ATTENTION for m in members):
             red = [o for m in members for o in cl[m].ops
                    if g.ops[o].primitive == "dot_general" or g.ops[o].primitive.startswith("reduce_")]
-            n = max(1, 2 * len(red) - 1)
-            nbytes += 2 * sum(ctx.nbytes[g.ops[o].outputs[0]] for o in red[:-1])
+            dots = [g.ops[o] for o in red if g.ops[o].primitive == "dot_general"]
+            if any(_vector_dot(g, d) for d in dots):   # decode: every step its own reduction
+                n = max(1, 2 * len(red) - 1)
+                nbytes += 2 * sum(ctx.nbytes[g.ops[o].outputs[0]] for o in red[:-1])
+                for d in dots:   # an operand not read along its contiguous axis: transposed first
+                    for x, wide in _transposed_operands(g, d):
+                        src = read_bytes(x, set())
+                        copy = src * wide // g.tensors[x].dtype.itemsize
+                        n += 1
+                        nbytes += src + copy + (copy - src)   # read, write the copy; the reduction reads it
+            else:   # prefill: GEMMs with the softmax between them one fusion (XLA's Triton softmax)
+                n = len(dots) + (len(red) > len(dots))
+                nbytes += 2 * sum(ctx.nbytes[d.outputs[0]] for d in dots[:-1])
+                nbytes += 2 * sum(ctx.nbytes[d.inputs[0]] for d in dots[1:])
+                for d in dots:   # operands a GEMM cannot read where they are: a repeated (GQA)
+                    for x in _gemm_relayouts(g, d):   # one, heads not next to the batch: copied
+                        src, full = read_bytes(x, set()), ctx.nbytes[x]
+                        n += 1
+                        nbytes += src + full + (full - src)
         if any(is_dus(m) for m in members):   # the update fused into the in-place DUS fusion:
             for m in members:                    # it writes the update (and the copy, if any)
                 for o in cl[m].ops if is_dus(m) else ():
@@ -702,6 +723,134 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     add((k,), "layout", 1, 2 * ctx.nbytes[op.inputs[1]])
     return Price(sum(f.launches for f in fusions), sum(f.bytes for f in fusions),
                  _buffers(ctx, fusions, written), tuple(fusions))
+
+
+def _read_layout(g: Graph, t: int) -> tuple[int | None, bool]:
+    """``(axis, broadcast)``: the axis of ``t`` contiguous in the buffer a fusion reading ``t``
+    reads (the last axis of a materialised tensor, carried through the movement XLA fuses into its
+    reader: transposes, broadcasts, squeezes, reshapes of a row-major source, casts; None where a
+    reshape regroups a transposed source), and whether that movement repeats the buffer's
+    elements (a broadcast that adds elements: a GQA group axis)."""
+    op = g.producer(t)
+    nd = len(g.tensors[t].shape)
+    follow = ("transpose", "broadcast_in_dim", "squeeze", "expand_dims", "reshape", "slice",
+              "dynamic_slice", "pad", "rev")
+    if op is None or not (op.primitive in follow or op.primitive in CAST_ONLY):
+        return nd - 1, False
+    src = data_inputs(op)[0]
+    m, rep = _read_layout(g, src)
+    if op.primitive == "broadcast_in_dim":
+        rep = rep or g.tensors[t].size > g.tensors[src].size
+    if m is None:
+        return None, rep
+    if op.primitive == "transpose":
+        return list(op.params["permutation"]).index(m), rep
+    if op.primitive == "broadcast_in_dim":
+        return tuple(op.params["broadcast_dimensions"])[m], rep
+    if op.primitive == "squeeze":
+        dims = tuple(op.params["dimensions"])
+        return (None if m in dims else m - sum(d < m for d in dims)), rep
+    if op.primitive == "reshape":
+        return (nd - 1 if m == len(g.tensors[src].shape) - 1 else None), rep
+    return (m if len(g.tensors[src].shape) == nd else None), rep
+
+
+def _physical_order(g: Graph, t: int) -> tuple[int, ...] | None:
+    """The axes of ``t`` from major to minor as they lie in the buffer a fusion reading ``t``
+    reads: row-major for a materialised tensor, carried through the movement XLA fuses into its
+    reader (transposes, squeezes, broadcasts adding unit axes, row-major reshapes, slices, casts).
+    A broadcast that repeats elements is written out before a GEMM reads it (row-major); None
+    where a reshape regroups a permuted source."""
+    op = g.producer(t)
+    nd = len(g.tensors[t].shape)
+    follow = ("transpose", "broadcast_in_dim", "squeeze", "expand_dims", "reshape", "slice",
+              "dynamic_slice", "pad", "rev")
+    if op is None or not (op.primitive in follow or op.primitive in CAST_ONLY):
+        return tuple(range(nd))
+    src = data_inputs(op)[0]
+    if op.primitive == "broadcast_in_dim" and g.tensors[t].size > g.tensors[src].size:
+        return tuple(range(nd))
+    order = _physical_order(g, src)
+    if order is None:
+        return None
+    if op.primitive == "transpose":
+        perm = list(op.params["permutation"])
+        return tuple(perm.index(a) for a in order)
+    if op.primitive == "broadcast_in_dim":   # unit axes only: they go anywhere; put them first
+        bd = tuple(op.params["broadcast_dimensions"])
+        return tuple(a for a in range(nd) if a not in bd) + tuple(bd[a] for a in order)
+    if op.primitive == "squeeze":
+        dims = tuple(op.params["dimensions"])
+        return tuple(a - sum(d < a for d in dims) for a in order if a not in dims)
+    if op.primitive == "reshape":
+        unit = [a for a in order if g.tensors[src].shape[a] != 1]
+        return tuple(range(nd)) if unit == sorted(unit) else None
+    return order if len(g.tensors[src].shape) == nd else None
+
+
+def _gemm_relayouts(g: Graph, op: Any) -> list[int]:
+    """The operands of a GEMM (a ``dot_general`` XLA runs as a GEMM, not a reduction) that XLA
+    writes out in another layout first: its GEMMs read ``[batch..., free..., contracted...]`` or
+    ``[batch..., contracted..., free...]`` with the batch axes major (read off the H100 compile of
+    prefill attention: heads moved next to the batch by a transpose of ``(B, S, H, D)`` are an
+    ``input_transpose_fusion`` in front of the score GEMM, and the merged-heads output a
+    ``loop_transpose_fusion`` in front of the output projection); a repeated (broadcast) operand
+    is written out too (``wrapped_broadcast``)."""
+    if op.primitive != "dot_general" or _vector_dot(g, op):
+        return []
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    out = []
+    for x, c, b in zip(op.inputs[:2], (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))):
+        shape = g.tensors[x].shape
+        if _read_layout(g, x)[1]:
+            out.append(x)
+            continue
+        order = _physical_order(g, x)
+        if order is None:
+            out.append(x)
+            continue
+        f = tuple(a for a in range(len(shape)) if a not in c + b)
+        keep = lambda axes: tuple(a for a in axes if shape[a] != 1)  # noqa: E731 - unit axes lie anywhere
+        if keep(order) not in (keep(b + c + f), keep(b + f + c)):
+            out.append(x)
+    return out
+
+
+def _free_sizes(g: Graph, op: Any) -> list[int]:
+    """The element counts of a ``dot_general``'s two operands' free (neither batch nor
+    contracted) axes: M and N."""
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    shapes = [g.tensors[x].shape for x in op.inputs[:2]]
+    return [math.prod(s[d] for d in range(len(s)) if d not in (tuple(c) + tuple(b)))
+            for s, c, b in zip(shapes, (lc, rc), (lb, rb))]
+
+
+def _vector_dot(g: Graph, op: Any) -> bool:
+    """A batched dot with a free side of one element (decode attention's ``q @ k``, ``p @ v``):
+    XLA runs it as a reduction, not a GEMM."""
+    (_, _), (lb, _) = op.params["dimension_numbers"]
+    return bool(lb) and min(_free_sizes(g, op)) == 1
+
+
+def _transposed_operands(g: Graph, op: Any) -> list[tuple[int, int]]:
+    """``[(operand, itemsize of its copy)]`` that XLA transposes before a batched vector dot (one
+    side's free axes of size 1: the dot becomes a reduction): an operand repeated by a broadcast
+    (a GQA group axis) and not contracted along its contiguous axis is written out whole, once,
+    contracted axis last, in the dot's accumulation type (read off XLA's H100 compile: the decode
+    attention's ``p @ v`` over a GQA-broadcast bf16 value cache is an ``input_transpose_fusion``
+    writing it as f32 with ``preferred_element_type=f32``, as bf16 without, then the reduction
+    reading that; unrepeated, or contracted along the contiguous axis — ``q @ k`` —, the
+    reduction reads the cache where it is)."""
+    if op.primitive != "dot_general" or not _vector_dot(g, op):
+        return []
+    (lc, rc), _ = op.params["dimension_numbers"]
+    free = _free_sizes(g, op)
+    out = []
+    for x, c, f in zip(op.inputs[:2], (tuple(lc), tuple(rc)), free):
+        m, repeated = _read_layout(g, x)
+        if f > 1 and repeated and len(c) == 1 and m is not None and m != c[0]:
+            out.append((x, g.tensors[op.outputs[0]].dtype.itemsize))
+    return out
 
 
 def _buffers(ctx: Facts, fusions: Sequence[Fusion], written: Mapping[int, int]) -> int:
