@@ -575,6 +575,17 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         for t in made:
             written[t] = len(fusions) - 1
 
+    relaid: set[int] = set()   # GEMM operands already copied into GEMM layout (XLA's CSE: once)
+
+    def relayout(x: int) -> tuple[int, int]:
+        """Launches and bytes of a GEMM operand's copy into GEMM layout (made once for all its
+        readers: read the source, write the copy), plus what the GEMM reads beyond the source."""
+        src, full = read_bytes(x, set()), ctx.nbytes[x]
+        if x in relaid:
+            return 0, full - src
+        relaid.add(x)
+        return 1, src + full + (full - src)
+
     groups: dict[int, list[int]] = {}
     for k in range(len(cl)):
         groups.setdefault(find(k), []).append(k)
@@ -640,9 +651,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 n += 1
                 nbytes += 2 * ctx.nbytes[x]
             for x in (x for o in dots for x in _gemm_relayouts(g, g.ops[o]) if x not in made_in):
-                src, full = read_bytes(x, set()), ctx.nbytes[x]
-                n += 1   # the copy in GEMM layout: read, write; the GEMM reads it
-                nbytes += src + full + (full - src)
+                n_, b_ = relayout(x)
+                n, nbytes = n + n_, nbytes + b_
         for m in members:   # a norm: XLA's reduction fusion writes the statistic, and applying
             if kind[m] != Kind.REDUCTION:   # it to the rows is a loop fusion of its own (reading them again)
                 continue
@@ -671,9 +681,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 nbytes += 2 * sum(ctx.nbytes[d.inputs[0]] for d in dots[1:])
                 for d in dots:   # operands a GEMM cannot read where they are: a repeated (GQA)
                     for x in _gemm_relayouts(g, d):   # one, heads not next to the batch: copied
-                        src, full = read_bytes(x, set()), ctx.nbytes[x]
-                        n += 1
-                        nbytes += src + full + (full - src)
+                        n_, b_ = relayout(x)
+                        n, nbytes = n + n_, nbytes + b_
         if any(is_dus(m) for m in members):   # the update fused into the in-place DUS fusion:
             for m in members:                    # it writes the update (and the copy, if any)
                 for o in cl[m].ops if is_dus(m) else ():
@@ -788,10 +797,26 @@ def _physical_order(g: Graph, t: int) -> tuple[int, ...] | None:
     return order if len(g.tensors[src].shape) == nd else None
 
 
+def _fixed_layout(g: Graph, t: int) -> bool:
+    """Whether the buffer behind ``t`` (through movement) has a layout its producer cannot choose:
+    a program input, a GEMM's or convolution's result, a kernel call's, or a buffer updated in
+    place. Any other producer (a loop fusion, a gather) XLA lets write the layout its reader
+    wants (the paged KV cache's gathered keys come out of the gather already transposed)."""
+    op = g.producer(t)
+    follow = ("transpose", "broadcast_in_dim", "squeeze", "expand_dims", "reshape", "slice",
+              "dynamic_slice", "pad", "rev")
+    while op is not None and (op.primitive in follow or op.primitive in CAST_ONLY):
+        op = g.producer(data_inputs(op)[0])
+    return op is None or op.primitive in ("dot_general", "conv_general_dilated", *KERNEL_CALLS) \
+        or inplace_operand(op.primitive) is not None
+
+
 def _gemm_relayouts(g: Graph, op: Any) -> list[int]:
     """The operands of a GEMM (a ``dot_general`` XLA runs as a GEMM, not a reduction) that XLA
-    writes out in another layout first: its GEMMs read ``[batch..., free..., contracted...]`` or
-    ``[batch..., contracted..., free...]`` with the batch axes major (read off the H100 compile of
+    writes out in another layout first: its GEMMs want the batch axes major, in order, and any
+    order of the rest that a view can give (a stacked weight ``(2, d, f)`` contracted on ``d``
+    is read where it is), so a batched operand whose batch axes are not major, or any operand a
+    reshape regroups out of a permuted buffer, is copied (read off the H100 compile of
     prefill attention: heads moved next to the batch by a transpose of ``(B, S, H, D)`` are an
     ``input_transpose_fusion`` in front of the score GEMM, and the merged-heads output a
     ``loop_transpose_fusion`` in front of the output projection); a repeated (broadcast) operand
@@ -805,13 +830,14 @@ def _gemm_relayouts(g: Graph, op: Any) -> list[int]:
         if _read_layout(g, x)[1]:
             out.append(x)
             continue
+        if not _fixed_layout(g, x):
+            continue
         order = _physical_order(g, x)
         if order is None:
             out.append(x)
             continue
-        f = tuple(a for a in range(len(shape)) if a not in c + b)
-        keep = lambda axes: tuple(a for a in axes if shape[a] != 1)  # noqa: E731 - unit axes lie anywhere
-        if keep(order) not in (keep(b + c + f), keep(b + f + c)):
+        major = tuple(a for a in order if shape[a] != 1)[:len(tuple(a for a in b if shape[a] != 1))]
+        if major != tuple(a for a in b if shape[a] != 1):   # unit axes lie anywhere
             out.append(x)
     return out
 
