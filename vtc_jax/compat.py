@@ -1,12 +1,26 @@
-"""Where the supported jax versions (0.10.2 … 0.12.x) differ, in one place. Public jax APIs only.
+"""Where the supported jax versions (0.10.2 … 0.12.x) differ, in one place. Public jax APIs only,
+but for the one hook named below.
 
 * **Lowering for CUDA on a machine without a GPU.** jax ≤ 0.10 let Pallas's Triton lowering assume
   compute capability 9.0 there; jax ≥ 0.11 raises "No supported GPU devices found, please specify
-  an abstract GPU device using AbstractDevice". ``cuda_lowering()`` is the context to lower (or
-  compile deviceless) in: on jax ≥ 0.11 with no GPU attached it enters
-  ``jax.sharding.use_abstract_mesh`` with a one-device mesh whose ``AbstractDevice`` is an H100
-  (sm_90); on older jax, on a GPU machine, or inside a mesh that already names a device it does
-  nothing.
+  an abstract GPU device using AbstractDevice": its Triton lowering rule
+  (``jax/_src/pallas/triton/pallas_call_registration.py``, ``gpu_info.get_gpu_info``) asks
+  ``jax.sharding.get_abstract_mesh().abstract_device``, else the default device, which GPU it
+  lowers for — when the *program* is lowered (``jax.export``, ``.lower``), outside vtc_jax's code,
+  in whatever mesh the user has entered. So vtc_jax's kernels carry
+  :func:`triton_compiler_params`: a subclass of ``plgpu.CompilerParams`` whose lowering rule (Pallas
+  picks the GPU lowering rule by the compiler params' class,
+  ``jax._src.pallas.core.register_lowering_rule``: the one private hook used here) runs Pallas's
+  own inside :func:`abstract_gpu_mesh` — the context's abstract mesh, its axis names, sizes and
+  types unchanged, with an H100 (sm_90) as its abstract device — where no GPU is named or
+  attached. ``backend="triton"`` then exports for CUDA with no context manager, inside the user's
+  ``jax.set_mesh`` / ``use_mesh`` / ``use_abstract_mesh`` and with a ``shard_map`` in the program:
+  the user's mesh is named a device only while a kernel lowers, and nothing is entered while jax
+  *traces* (a ``shard_map`` compares its mesh with the context's there). ``cuda_lowering()``, the
+  context users entered before, still works and serves Pallas kernels of one's own (tests',
+  ``offline.compile_program``): it enters the same :func:`abstract_gpu_mesh` (with no context
+  mesh, an empty one named an H100, which a traced ``shard_map`` does not compare against); on
+  older jax, on a GPU machine or inside a mesh that already names a GPU it does nothing.
 * **The Pallas Triton backend is deprecated upstream** (jax ≥ 0.11 warns with a DeprecationWarning
   on every GPU lowering of a ``pallas_call``; jax 0.12.0.1 still lowers it unchanged). vtc_jax's
   GPU kernels lower through it, so importing vtc_jax filters exactly that message and
@@ -20,6 +34,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import sys
@@ -28,6 +43,12 @@ import warnings
 from typing import Any, Iterator
 
 import jax
+from jax.experimental.pallas import triton as plgpu
+
+try:  # the one private hook (see the module docstring): Pallas's GPU lowering rules by params class
+    from jax._src.pallas import core as _pallas_core
+except ImportError:  # pragma: no cover - a jax that moved it: kernels lower as plain Triton params
+    _pallas_core = None
 
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:3])
 
@@ -49,38 +70,98 @@ def needs_abstract_gpu() -> bool:
     return JAX_VERSION >= (0, 11)
 
 
-def _has_gpu() -> bool:
+def _local_gpu() -> Any:
     try:
-        return any(d.platform == "gpu" for d in jax.devices())
+        return next((d for d in jax.devices() if d.platform == "gpu"), None)
     except RuntimeError:
-        return False
-
-
-def _current_abstract_device() -> object | None:
-    try:
-        return jax.sharding.get_abstract_mesh().abstract_device
-    except AttributeError:  # jax without abstract devices: nothing to look at
         return None
 
 
+def _has_gpu() -> bool:
+    return _local_gpu() is not None
+
+
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def _abstract_gpu() -> "jax.sharding.AbstractDevice":
+    """The device to lower for: the local GPU where there is one, else an H100."""
+    gpu = _local_gpu()
+    if gpu is not None:
+        return jax.sharding.AbstractDevice(gpu.device_kind, getattr(gpu, "core_count", None), "gpu")
+    return jax.sharding.AbstractDevice(CPU_LOWERING_DEVICE_KIND, CPU_LOWERING_CORES, "cuda")
+
+
+def abstract_gpu_mesh() -> "jax.sharding.AbstractMesh | None":
+    """The context's abstract mesh with a GPU as its abstract device: the same axis names, sizes
+    and types (a mesh the user entered is kept, only its device named), an empty mesh where the
+    context has none. None where Pallas finds a GPU already (jax < 0.11 needs none; a GPU attached
+    and no other device named; a context mesh whose device is a GPU)."""
+    if not needs_abstract_gpu():
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    device = mesh.abstract_device
+    if device is not None and device.platform in _GPU_PLATFORMS:
+        return None
+    if device is None and _has_gpu():
+        return None
+    return jax.sharding.AbstractMesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names),
+                                     axis_types=tuple(mesh.axis_types), abstract_device=_abstract_gpu())
+
+
 def abstract_h100_mesh() -> "jax.sharding.AbstractMesh":
-    """A one-device abstract mesh whose device is an H100 (jax >= 0.11 only)."""
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
-    return AbstractMesh((1,), ("_vtc_cuda",), axis_types=(AxisType.Auto,),
-                        abstract_device=AbstractDevice(CPU_LOWERING_DEVICE_KIND,
-                                                       CPU_LOWERING_CORES, "cuda"))
+    """A one-device abstract mesh whose device is an H100 (jax >= 0.11 only). Kept for callers of
+    earlier versions; vtc_jax itself uses :func:`abstract_gpu_mesh` (the context's own axes)."""
+    return jax.sharding.AbstractMesh((1,), ("_vtc_cuda",), axis_types=(jax.sharding.AxisType.Auto,),
+                                     abstract_device=jax.sharding.AbstractDevice(
+                                         CPU_LOWERING_DEVICE_KIND, CPU_LOWERING_CORES, "cuda"))
 
 
 @contextlib.contextmanager
 def cuda_lowering() -> Iterator[None]:
     """Context for lowering (``jax.export``, ``.lower(lowering_platforms=("cuda",))``, a deviceless
-    compile) for CUDA on any machine; see the module docstring. Says the deprecation notice once."""
+    compile) Pallas kernels of one's own for CUDA on any machine; vtc_jax's kernels need none (see
+    the module docstring). Says the deprecation notice once."""
     triton_backend_notice()
-    if not needs_abstract_gpu() or _current_abstract_device() is not None or _has_gpu():
+    mesh = abstract_gpu_mesh()
+    if mesh is None:
         yield
         return
-    with jax.sharding.use_abstract_mesh(abstract_h100_mesh()):
+    with jax.sharding.use_abstract_mesh(mesh):
         yield
+
+
+@dataclasses.dataclass(frozen=True)
+class _TritonParams(plgpu.CompilerParams):
+    """``plgpu.CompilerParams`` whose CUDA lowering names an abstract GPU where none is given."""
+
+
+def _lower_triton(ctx: Any, *args: Any, **params: Any) -> Any:
+    """Pallas's own Triton lowering rule, inside :func:`abstract_gpu_mesh` when lowering for CUDA
+    (the user's context mesh with a GPU device; nothing entered where Pallas finds one)."""
+    triton_backend_notice()
+    rule = _pallas_core.get_lowering_rule(plgpu.CompilerParams, "gpu")
+    if rule is None:
+        raise RuntimeError("jax's Pallas Triton lowering is not registered (is jax's CUDA plugin installed?)")
+    platforms = tuple(getattr(ctx, "platforms", None) or ctx.module_context.platforms)
+    mesh = abstract_gpu_mesh() if platforms == ("cuda",) else None
+    if mesh is None:
+        return rule(ctx, *args, **params)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return rule(ctx, *args, **params)
+
+
+_HOOKED = _pallas_core is not None and needs_abstract_gpu()
+if _HOOKED:
+    _pallas_core.register_lowering_rule(_TritonParams, _lower_triton, "gpu")
+
+
+def triton_compiler_params(num_warps: int, num_stages: int) -> Any:
+    """Compiler params for a vtc_jax Triton kernel. On jax >= 0.11 they lower for CUDA without a GPU
+    and without a context manager (see the module docstring); elsewhere plain ``plgpu.CompilerParams``
+    (older jax finds a GPU to lower for without being told)."""
+    cls = _TritonParams if _HOOKED else plgpu.CompilerParams
+    return cls(num_warps=num_warps, num_stages=num_stages)
 
 
 _said = False

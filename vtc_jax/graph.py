@@ -74,6 +74,12 @@ class Op:
     opaque_reason: str | None = None
     conv_index: int | None = None   # a conv: its place among the traced function's convs (see trace)
 
+    def bind(self, *values: Any) -> Any:
+        """Re-bind the op on ``values``. Through ``get_bind_params``, as ``jax.core.eval_jaxpr``
+        does: a higher-order primitive whose bind takes its body as a function (``subfuns``)
+        rather than the jaxpr it records (``shard_map``) gets it back; the others' params as they are."""
+        return self.prim.bind(*values, **self.prim.get_bind_params(dict(self.params)))
+
 
 @dataclass(frozen=True, eq=False)
 class Graph:
@@ -111,7 +117,7 @@ class Graph:
         env: dict[int, Any] = {t.id: t.const for t in self.tensors if t.const is not None}
         env.update(zip(self.inputs, flat_inputs))
         for op in self.ops:
-            out = op.prim.bind(*(env[t] for t in op.inputs), **op.params)
+            out = op.bind(*(env[t] for t in op.inputs))
             env.update(zip(op.outputs, out if op.prim.multiple_results else (out,)))
         return tuple(env[t] for t in self.outputs)
 

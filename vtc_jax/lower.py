@@ -112,7 +112,7 @@ class _Run:
         op = self.graph.producer(t)
         if op is None or self.graph.tensors[t].size > 32:
             raise RuntimeError(f"t{t} is needed before it is computed")
-        out = op.prim.bind(*(self.value(x) for x in op.inputs), **op.params)
+        out = op.bind(*(self.value(x) for x in op.inputs))
         for x, v in zip(op.outputs, out if op.prim.multiple_results else (out,)):
             self.env[x] = v
 
@@ -127,7 +127,7 @@ class _Run:
         op = g.producer(t)
         if op is not None and role_of(op, g) is Role.MOVEMENT and edges and all(
                 e.direction == Direction.READ and e.op == op.id and not e.inplace for e in edges):
-            out = op.prim.bind(*(self.value(x) for x in op.inputs), **op.params)
+            out = op.bind(*(self.value(x) for x in op.inputs))
             outs = out if op.prim.multiple_results else (out,)
             for x, v in zip(op.outputs, outs):
                 if x == t or self.is_virtual(x):
@@ -186,9 +186,9 @@ class _Run:
         if k is not None and p is not None and not p.where and p.map.is_identity and not lay.fills:
             args = [self.env.get(p.target) if i == k else self.value(x) for i, x in enumerate(op.inputs)]
             if args[k] is not None:
-                self.env[p.target] = op.prim.bind(*args, **op.params)
+                self.env[p.target] = op.bind(*args)
                 return
-        value = op.prim.bind(*(self.value(x) for x in op.inputs), **op.params)
+        value = op.bind(*(self.value(x) for x in op.inputs))
         self.scatter(out, lay, value)
 
     def scatter(self, t: int, lay: Layout, value: Any) -> None:
@@ -241,7 +241,7 @@ class _Run:
         whole = tuple((0, n) for n in g.tensors[t].shape)
         if tuple(e.box) == whole and op.outputs == (e.dst,) and [x for x in op.inputs if g.tensors[x].const is None] == [t]:
             # a one-to-one op (reshape, transpose, ...): its output is the op applied to t
-            self.store(e.dst, op.prim.bind(*(value if x == t else self.value(x) for x in op.inputs), **op.params))
+            self.store(e.dst, op.bind(*(value if x == t else self.value(x) for x in op.inputs)))
             return True
         # a slab or a row of its home (through the home's own layout when that is virtual, e.g. a
         # cache updated in place): a dynamic_update_slice when the composed layout is a window
@@ -326,7 +326,7 @@ def _xla_step(graph: Graph, op_ids: Sequence[int], rewrite: Callable[[Op], Any] 
             if op.id not in impls:   # control flow: its body optimised on its own (once per trace)
                 impls[op.id] = rewrite(op) if rewrite is not None and op.opaque_reason else None
             vals = [run.value(t) for t in op.inputs]
-            out = impls[op.id](*vals) if impls[op.id] is not None else op.prim.bind(*vals, **op.params)
+            out = impls[op.id](*vals) if impls[op.id] is not None else op.bind(*vals)
             for t, v in zip(op.outputs, out if op.prim.multiple_results else (out,)):
                 run.store(t, v)
 

@@ -19,7 +19,7 @@ from jax.extend.core import Literal
 
 from . import guard
 from .analysis import Analysis, analyze, cost_model_for
-from .compat import cuda_lowering, scan_counts
+from .compat import scan_counts
 from .costmodel import GPU, GPUS
 from .graph import Graph, Op
 from .guard import MiB
@@ -153,9 +153,10 @@ def _price(analysis: Analysis, closed: Any, emitted: Graph, opts: BuildOptions,
             lowered = lower(analysis.graph, analysis.clusters, analysis.matches, analysis.strategy,
                             backend="triton", rewrite=lambda op: optimize_body(
                                 op, dataclasses.replace(opts, backend="triton", guard=None)))
-            with cuda_lowering():
-                program = jax.make_jaxpr(lowered.fn)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                                                        for v in closed.jaxpr.invars])
+            # traced in the user's own context (a shard_map in fn compares its mesh with it); the
+            # kernels name their abstract GPU when the compile lowers them (compat.triton_compiler_params)
+            program = jax.make_jaxpr(lowered.fn)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                                                   for v in closed.jaxpr.invars])
         return guard.compiled(plain, vtc, _flat_plain(opts.function, analysis), _run_closed(program), closed,
                               _donated_positions(analysis), gpu, cache)
     except Exception as exc:  # noqa: BLE001 - XLA cannot compile for the target here (no CUDA plugin)

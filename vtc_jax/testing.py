@@ -179,7 +179,8 @@ def cross_lower(fn: Callable, *args: Any) -> LoweredModule:
     export's stable list, so that safety check is disabled: we only inspect the module. Every
     Triton kernel's IR is verified (:func:`verify_triton_ir`; :class:`TritonIRError` otherwise).
     Needs jax-cuda12-plugin installed (the Pallas Triton lowering lives behind it). On jax >= 0.11
-    without a GPU the lowering runs inside ``compat.cuda_lowering()`` (an abstract H100).
+    without a GPU the lowering runs inside ``compat.cuda_lowering()`` (the context's mesh with an
+    abstract H100): for kernels of one's own; vtc_jax's name their abstract GPU themselves.
     """
     with cuda_lowering():
         exported = jax.export.export(

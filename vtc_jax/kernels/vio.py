@@ -72,6 +72,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ..compat import triton_compiler_params
 from ..indexmap import Atom, Dim, Expr, FloorDiv, Layout, Mod, Piece, Sym, all_of, point, row_major_strides
 from .tiling import InBounds, next_pow2
 
@@ -80,8 +81,10 @@ __all__ = ["VTensor", "VRef", "Plan", "compiler_params", "next_pow2", "broadcast
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 2) -> Any:
-    """Triton compiler params: without them jax 0.10.2 routes pallas_call to Mosaic GPU."""
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    """Triton compiler params: without them jax 0.10.2 routes pallas_call to Mosaic GPU. On jax
+    >= 0.11 their lowering names an abstract H100 where no GPU is given (``compat.triton_compiler_params``),
+    so a program of vtc_jax kernels lowers for CUDA on any machine, in any mesh, with no context."""
+    return triton_compiler_params(num_warps, num_stages)
 
 
 # --------------------------------------------------------------------------------------------
