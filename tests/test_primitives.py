@@ -60,7 +60,7 @@ def test_what_a_stage_may_do_is_a_field_of_the_row():
     assert having("score_view") >= {"convert_element_type", "reshape", "transpose", "stop_gradient"}
     assert having("plain_call") == {"pjit", "jit", "closed_call", "core_call"} < primitives.CALL_LIKE
     assert all(T[n].call_body for n in primitives.CALL_LIKE)
-    assert primitives.CONTROL_FLOW == {"scan", "while", "cond"}
+    assert primitives.CONTROL_FLOW == {"scan", "while", "cond", "shard_map"}
     from vtc_jax import canonical, cluster, graph
     from vtc_jax.templates import attention, island, reduction
     assert cluster._STAT_VIEWS == reduction._STAT_VIEWS == having("stat_view")

@@ -18,7 +18,7 @@ import jax
 
 from .analysis import analyze, cost_model_for, positions
 from .autodiff import with_original_derivatives
-from .compat import warn
+from .compat import abstract, warn
 from .guard import GUARDS, PLAIN, UNDONE
 from .program import BuildOptions, build
 from .report import Report, build_report, fallback_messages
@@ -163,8 +163,10 @@ def _resolve_backend(backend: str) -> str:
 
 
 def _abstract(x: Any) -> Any:
+    """An argument as the analysis traces it: shape, dtype, weak type and, inside ``shard_map``,
+    the axes it varies over (``compat.abstract``)."""
     if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(getattr(x, "aval", x), "weak_type", False))
+        return abstract(x)
     return x
 
 

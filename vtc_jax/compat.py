@@ -30,6 +30,15 @@ but for the one hook named below.
   while ``jax.jit`` traces the user's function); :func:`warn` gives each warning the user's own
   line as its location — the first frame outside vtc_jax, jax and the standard library — which
   ``warnings.warn``'s ``skip_file_prefixes`` does only from Python 3.12 on.
+* **Varying manual axes** (``jax.shard_map`` with ``check_vma=True``, the default). Inside a
+  ``shard_map`` body every value's type says which mesh axes it varies over
+  (``jax.typeof(x).mat.varying``, a ``jax.sharding.ManualAxisType``) and every primitive requires
+  its operands' to match. ``abstract(x)`` keeps that type in the ``ShapeDtypeStruct`` VTC traces
+  with (traced without it, a body's ``pvary`` of a replicated weight is missing and the re-bound
+  ``dot_general`` fails); ``manual_axis_type(axes)`` is the type a kernel output gets (a Pallas
+  output's ``ShapeDtypeStruct`` must carry one under ``check_vma``); ``vary(x, axes)`` is
+  ``jax.lax.pcast(x, axes, to="varying")`` (``jax.lax.pvary`` is gone from jax >= 0.10). Outside a
+  ``shard_map``, and on a jax without these types, they are no-ops.
 """
 from __future__ import annotations
 
@@ -206,6 +215,45 @@ def quiet_jax_triton_deprecation() -> None:
 
 
 quiet_jax_triton_deprecation()
+
+
+_MANUAL_AXIS_TYPE = getattr(jax.sharding, "ManualAxisType", None)
+_EMPTY_MAT = _MANUAL_AXIS_TYPE() if _MANUAL_AXIS_TYPE is not None else None
+
+
+def _mat(x: Any) -> Any:
+    """The ``ManualAxisType`` of an array, tracer, aval or ``ShapeDtypeStruct`` (None: none known)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return getattr(x, "manual_axis_type", None)
+    return getattr(getattr(x, "aval", x), "mat", None)
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes ``x`` varies over inside a ``shard_map`` (empty outside one)."""
+    mat = _mat(x)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def abstract(x: Any) -> Any:
+    """``jax.ShapeDtypeStruct`` of an array, tracer or aval: shape, dtype, weak type and, inside a
+    ``shard_map``, its varying manual axes (the module docstring says why)."""
+    aval = getattr(x, "aval", x)
+    mat = _mat(x)
+    # a varying type needs the (manual, abstract) mesh it varies over: the aval's sharding
+    extra = {"manual_axis_type": mat, "sharding": aval.sharding} if mat is not None and mat != _EMPTY_MAT else {}
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(aval, "weak_type", False), **extra)
+
+
+def manual_axis_type(axes: frozenset) -> dict[str, Any]:
+    """``ShapeDtypeStruct`` keywords for a value varying over ``axes`` (``{}`` on a jax without
+    manual axis types). Given even for no axes: under ``check_vma`` Pallas requires one."""
+    return {} if _MANUAL_AXIS_TYPE is None else {"manual_axis_type": _MANUAL_AXIS_TYPE(varying=frozenset(axes))}
+
+
+def vary(x: Any, axes: frozenset) -> Any:
+    """``x`` typed as varying over ``axes`` too (the axes it already varies over are left)."""
+    missing = tuple(sorted(set(axes) - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def scan_counts(params: Any) -> tuple[int, int]:

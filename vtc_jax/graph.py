@@ -22,6 +22,7 @@ import numpy as np
 from jax.tree_util import PyTreeDef
 
 from . import canonical
+from .interpret import rebind
 from .primitives import CONTRACTION, CONTROL_FLOW, TABLE, Role
 
 
@@ -75,10 +76,9 @@ class Op:
     conv_index: int | None = None   # a conv: its place among the traced function's convs (see trace)
 
     def bind(self, *values: Any) -> Any:
-        """Re-bind the op on ``values``. Through ``get_bind_params``, as ``jax.core.eval_jaxpr``
-        does: a higher-order primitive whose bind takes its body as a function (``subfuns``)
-        rather than the jaxpr it records (``shard_map``) gets it back; the others' params as they are."""
-        return self.prim.bind(*values, **self.prim.get_bind_params(dict(self.params)))
+        """The op's primitive re-bound on ``values`` with its own params (``interpret.rebind``:
+        as ``eval_jaxpr`` binds it, so ``shard_map`` gets its body back as a function)."""
+        return rebind(self.prim, values, self.params)
 
 
 @dataclass(frozen=True, eq=False)

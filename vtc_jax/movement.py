@@ -179,7 +179,7 @@ def _fold(t: int, graph: Graph) -> np.ndarray | None:
         return None
     try:
         with jax.ensure_compile_time_eval():
-            outs = op.prim.bind(*vals, **op.params)
+            outs = op.bind(*vals)
     except Exception:  # noqa: BLE001 - anything that does not fold is simply not static
         return None
     outs = outs if op.prim.multiple_results else (outs,)
@@ -372,6 +372,9 @@ RULES: dict[str, Callable[[_Ctx], tuple[Edge, ...]]] = {
     "stack": _stack, "unstack": _unstack, "rev": _rev, "pad": _pad, "copy": _copy, "copy_p": _copy,
     "convert_element_type": _convert_element_type, "device_put": _device_put, "gather": _gather,
     "sharding_constraint": _sharding_constraint,
+    # the identity on values, but the type of its result (varying over a manual axis) is what the
+    # ops reading it require: a kernel reads the typed buffer, so its outputs are typed alike
+    "pvary": _opaque("pvary changes the varying manual axes of the type (shard_map), not the data"),
     **{s: _opaque(f"{s} writes at data-dependent indices") for s in
        ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
         "scatter_min", "scatter-max", "scatter_max", "scatter-sub", "scatter_sub")},

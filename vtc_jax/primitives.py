@@ -133,6 +133,9 @@ def _rows() -> dict[str, PrimInfo]:
 
     add("transpose slice concatenate split rev stack unstack device_put sharding_constraint", Role.MOVEMENT)
     add("reshape squeeze copy copy_p", Role.MOVEMENT, view=True)
+    # shard_map's type change (a replicated value used as varying over a manual axis): XLA lowers
+    # it to nothing; it stays physical (movement.RULES: no edge) so kernels read it as typed
+    add("pvary", Role.MOVEMENT, view=True)
     add("broadcast_in_dim", Role.MOVEMENT, view=True, block_safe=True)   # views when size-preserving
     add("pad", Role.MOVEMENT, data=(0,))
     add("dynamic_slice gather", Role.MOVEMENT, data=(0,))
@@ -159,7 +162,7 @@ def _rows() -> dict[str, PrimInfo]:
     add("custom_vjp_call", Role.CALL, call_body=("call_jaxpr", "fun_jaxpr"))
     add("custom_vjp_call_jaxpr", Role.CALL, call_body=("fun_jaxpr", "call_jaxpr"))
     add("remat remat2 checkpoint", Role.CALL, call_body=("jaxpr",))
-    add("scan while cond", Role.CONTROL)
+    add("scan while cond shard_map", Role.CONTROL)
     add("pallas_call triton_kernel_call", Role.KERNEL)
 
     flag("transpose reshape squeeze broadcast_in_dim slice concatenate pad rev copy convert_element_type "

@@ -3,7 +3,7 @@
 ``build`` is the loop behind ``optimize``: analyse, lower, trace the emitted program; a cluster
 whose kernel fails to build (or, for ``backend="triton"``, to lower for CUDA) is rejected and the
 program re-planned without it — the per-cluster fallback. ``optimize_body`` applies the same to
-the body of a ``scan``/``while``/``cond`` (recursive VTC): the body is a function of its own,
+the body of a ``scan``/``while``/``cond``/``shard_map`` (recursive VTC): the body is a function of its own,
 its carries, consts and stacked slices physical at the boundary, and the control-flow op is
 re-bound with the optimised body. A body that cannot be optimised keeps its original jaxpr.
 """
@@ -15,17 +15,18 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Literal
+from jax.extend.core import ClosedJaxpr, Literal
 
 from . import guard
 from .analysis import Analysis, analyze, cost_model_for
-from .compat import scan_counts
+from .compat import abstract, scan_counts, varying_axes
 from .costmodel import GPU, GPUS
 from .graph import Graph, Op
 from .guard import MiB
+from .interpret import rebind
 from .lower import Lowered, has_kernels, kernel_clusters, lower, triton_failures
 from .primitives import CONTROL_FLOW
-from .templates import KernelBuildError
+from .templates import KernelBuildError, Match
 
 __all__ = ["BuildOptions", "build", "optimize_body", "MAX_BUILD_ATTEMPTS"]
 
@@ -33,6 +34,13 @@ MAX_BUILD_ATTEMPTS = 6   # re-plans after kernel build failures before giving up
 
 
 MAX_GUARD_STEPS = 4      # re-plans with the guard's worst kernels undone before running plain jit
+
+# jax's Pallas interpreter evaluates a kernel's body with the types of its operands; inside a
+# shard_map with check_vma=True those vary over the manual axes while the kernel's own indices and
+# constants do not, and jax rejects the mix when it lowers the call (jax 0.10.2 and 0.12 alike,
+# for any kernel). Such a function runs as plain XLA in interpret mode; Triton lowers the kernels.
+INTERPRET_VARYING = ("Pallas's interpreter (backend='interpret') cannot run kernels on values that vary "
+                     "over shard_map's manual axes (check_vma=True)")
 
 
 @dataclass
@@ -53,6 +61,13 @@ def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequ
     """``(analysis, lowered, closed_jaxpr)`` of ``f`` traced on ``flat`` (arrays, tracers or
     ShapeDtypeStructs). ``rejected`` collects the clusters whose kernels failed to build; they go
     back into the analysis (``selection.select``) as an input, which re-plans without them."""
+    if opts.backend == "interpret" and any(varying_axes(x) for x in flat):
+        analysis = analyze(f, abstract_a, abstract_k, donate_argnums=donate, donate_argnames=donate_names,
+                           rejected=rejected, **opts.analysis)
+        if any(isinstance(m, Match) for m in analysis.matches.values()):   # kernels it would have had
+            opts.warn(f"{INTERPRET_VARYING}; {getattr(f, '__name__', 'the function')} runs as plain XLA here "
+                      "(its kernels are built for a GPU, backend='triton', or under check_vma=False)")
+        return _plain(f, _noted(analysis, [f"{guard.PLAIN}: {INTERPRET_VARYING}"]), flat)
     graph = None
     undone: list[str] = []
     guard_steps = 0
@@ -208,15 +223,15 @@ def _plain(f: Callable[..., Any], analysis: Analysis, flat: Sequence[Any]) -> tu
 
 
 def _optimize_closed(closed: Any, opts: BuildOptions) -> Any | None:
-    """An optimised copy of a ClosedJaxpr with the same signature (None: nothing to gain)."""
-    avals = closed.in_avals
-    sds = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in avals]
+    """An optimised copy of a ClosedJaxpr with the same signature (None: nothing to gain). Its
+    inputs keep their varying manual axes (``compat.abstract``: a ``shard_map`` body's types)."""
+    sds = [abstract(a) for a in closed.in_avals]
 
-    def fn(*xs: Any) -> Any:
+    def body(*xs: Any) -> Any:
         return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *xs)
 
     nested = len(opts.bodies)
-    analysis, lowered, new = build(fn, tuple(sds), {}, sds, donate=(), opts=opts, rejected={})
+    analysis, lowered, new = build(body, tuple(sds), {}, sds, donate=(), opts=opts, rejected={})
     if analysis.guard and (analysis.guard[-1].startswith(guard.PLAIN) or not lowered.kernels):
         raise GuardedBody(analysis.guard[-1])
     if not lowered.kernels and len(opts.bodies) == nested:   # no kernel here nor in a nested body
@@ -231,6 +246,8 @@ def optimize_body(op: Op, opts: BuildOptions) -> Callable[..., Sequence[Any]] | 
     its body (bodies) optimised, or None to keep the op as traced."""
     if op.primitive not in CONTROL_FLOW:
         return None
+    if op.primitive == "shard_map":
+        return _shard_map(op, opts)
     p = dict(op.params)
     try:
         if op.primitive == "scan" and not p.get("reverse") and _cache_pairs(p):
@@ -261,7 +278,52 @@ def optimize_body(op: Op, opts: BuildOptions) -> Callable[..., Sequence[Any]] | 
         opts.warn(f"the body of {op.primitive} #{op.id} runs as traced ({type(exc).__name__}: {exc})")
         return None
     opts.bodies.append(f"{op.primitive} #{op.id}")
-    return lambda *vals: op.prim.bind(*vals, **p)
+    return lambda *vals: rebind(op.prim, vals, p)
+
+
+def _shard_map(op: Op, opts: BuildOptions) -> Callable[..., Sequence[Any]]:
+    """``shard_map`` with its body optimised per shard: re-traced through ``jax.shard_map`` with
+    the equation's own mesh, specs, manual axes and ``check_vma``, the body built by VTC inside it.
+
+    Why not optimise the body jaxpr first and re-bind the primitive with it, as for ``scan``: the
+    body only traces inside the shard_map — collectives (``psum``, ``axis_index``, ...) need the
+    manual axes bound, and under ``check_vma`` its values are typed by the axes they vary over
+    (``compat.abstract``). ``jax.shard_map`` provides that context and re-stages the equation
+    (consts, out-spec checks) through public API on every supported jax. Collectives stay opaque
+    ops inside the body. A body that cannot be optimised is evaluated as traced."""
+    p = op.params
+    body = ClosedJaxpr(p["jaxpr"], ())
+    name = f"{op.primitive} #{op.id}"
+
+    def per_shard(*xs: Any) -> tuple[Any, ...]:
+        new = None
+        try:
+            new = _optimize_closed(body, opts)
+            if new is not None:
+                opts.bodies.append(name)
+        except GuardedBody:   # plain XLA for the body: a decision, not a fallback
+            opts.bodies.append(name)
+        except Exception as exc:  # noqa: BLE001 - the body stays as traced
+            if opts.strict:
+                raise opts.error(f"the body of {name} could not be optimised: {exc}") from exc
+            opts.warn(f"the body of {name} runs as traced ({type(exc).__name__}: {exc})")
+        run = new if new is not None else body
+        return tuple(jax.core.eval_jaxpr(run.jaxpr, run.consts, *xs))
+
+    def impl(*vals: Any) -> Sequence[Any]:
+        try:
+            return jax.shard_map(per_shard, mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
+                                 out_specs=tuple(p["out_specs"]), axis_names=p["newly_manual_axes"],
+                                 check_vma=p["check_vma"])(*vals)
+        except opts.error:
+            raise
+        except Exception as exc:  # noqa: BLE001 - jax would not re-stage it: the equation as traced
+            if opts.strict:
+                raise opts.error(f"{name} could not be re-traced: {exc}") from exc
+            opts.warn(f"the body of {name} runs as traced ({type(exc).__name__}: {exc})")
+            return op.bind(*vals)
+
+    return impl
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,7 +456,7 @@ def _stacked_cache_scan(op: Op, opts: BuildOptions) -> Callable[..., Sequence[An
                 stacked[n] = lax.dynamic_update_slice(stacked[n], update[None], (layer, *starts))
                 env[eqn.outvars[0]] = lax.dynamic_index_in_dim(stacked[n], layer, 0, keepdims=False)
                 continue
-            out = eqn.primitive.bind(*vals, **eqn.params)
+            out = rebind(eqn.primitive, vals, eqn.params)
             env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else (out,)))
         outs = [_read(env, v) for v in jaxpr.outvars]
         return [*outs[:ncar], *stacked, layer + 1, *(outs[j] for j in other_ys)]
@@ -459,7 +521,7 @@ def _stacked_cond(eqn: Any, plist: list[tuple[int, int, int]], vals: list[Any], 
                     stk_l[local] = lax.dynamic_update_slice(stk_l[local], update[None], (lay, *starts))
                     env[e.outvars[0]] = lax.dynamic_index_in_dim(stk_l[local], lay, 0, keepdims=False)
                     continue
-                out = e.primitive.bind(*(_read(env, v) for v in e.invars), **e.params)
+                out = rebind(e.primitive, [_read(env, v) for v in e.invars], e.params)
                 env.update(zip(e.outvars, out if e.primitive.multiple_results else (out,)))
             res = [_read(env, v) for v in bj.outvars]
             for o, local in outs_o.items():

@@ -72,7 +72,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..compat import triton_compiler_params
+from ..compat import manual_axis_type, triton_compiler_params, vary, varying_axes
 from ..indexmap import Atom, Dim, Expr, FloorDiv, Layout, Mod, Piece, Sym, all_of, point, row_major_strides
 from .tiling import InBounds, next_pow2
 
@@ -385,6 +385,11 @@ class Plan:
                     for s in p.map.syms:
                         ranges[s.name] = (s.lo, s.hi)
         sym_args = [jnp.asarray(syms[k], jnp.int32).reshape(1) for k in names]
+        # Inside a shard_map (check_vma): the outputs vary over every manual axis an input varies
+        # over, and a buffer updated in place (aliased) is typed so too (compat.manual_axis_type)
+        varying = frozenset().union(*(varying_axes(a) for a in (*args, *sym_args)))
+        args = [vary(a, varying) if i in aliases else a for i, a in enumerate(args)]
+        out_shape = [jax.ShapeDtypeStruct(s.shape, s.dtype, **manual_axis_type(varying)) for s in out_shape]
         return Plan(tuple(in_b), tuple(out_b), names, tuple(ranges.get(k, (0, 2**31 - 1)) for k in names),
                     tuple(args) + tuple(sym_args), tuple(out_shape), aliases)
 
@@ -412,6 +417,12 @@ class Plan:
         """Launch ``body(ins, outs)`` over ``grid``; returns ``unflatten`` of the results."""
         if backend not in ("interpret", "triton"):
             raise ValueError(f"backend must be 'interpret' or 'triton', got {backend!r}")
+        if backend == "interpret" and any(varying_axes(a) for a in self.args):
+            # jax's interpreter evaluates the body typed: varying blocks against its own invariant
+            # indices and constants fail when it lowers (shard_map, check_vma=True): fail here,
+            # where the cluster falls back, not in XLA's lowering of the whole program
+            raise NotImplementedError("Pallas's interpreter cannot run a kernel on values that vary over "
+                                      "shard_map's manual axes (check_vma=True)")
 
         def kernel(*refs: Any) -> None:
             ins, outs = self.refs(*refs)
