@@ -219,6 +219,38 @@ def default_checking_kernels_are_typed_varying():
 
 
 
+def _collectives(compiled_text: str) -> dict[str, int]:
+    return {k: compiled_text.count(k) for k in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
+                                                "collective-permute")}
+
+
+@check
+def sharded_inputs_keep_jits_sharding():
+    """Inputs sharded over several devices (jax's SPMD partitioner, no shard_map): the kernels
+    cannot partition yet (a Pallas call is opaque to the partitioner, which gathered its operands:
+    a replicated output and three all-reduces), so ``optimize`` runs ``jax.jit(fn)`` itself and
+    says so once (a notice, not a fallback): jit's output sharding, jit's collectives, jit's numbers.
+    Replicated inputs keep VTC's program."""
+    mesh = _mesh()
+    x, w = _args()
+    xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("x", None)))
+    ws = jax.device_put(w, jax.sharding.NamedSharding(mesh, P()))
+    opt = vtc_jax.optimize(chain, backend="interpret", guard=None)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        out = opt(xs, ws)
+    notes = [str(r.message) for r in rec if issubclass(r.category, vtc_jax.VTCNotice) and "sharded" in str(r.message)]
+    assert len(notes) == 1 and "plain jax.jit" in notes[0], [str(r.message) for r in rec]
+    assert not [r for r in rec if issubclass(r.category, vtc_jax.VTCFallbackWarning)], rec
+    ref = jax.jit(chain)(xs, ws)
+    np.testing.assert_allclose(out, ref, rtol=RTOL, atol=ATOL)
+    assert out.sharding == ref.sharding, (out.sharding, ref.sharding)
+    assert _collectives(opt.lower(xs, ws).compile().as_text()) == \
+        _collectives(jax.jit(chain).lower(xs, ws).compile().as_text())
+    rep = jax.device_put(x, jax.sharding.NamedSharding(mesh, P()))
+    np.testing.assert_allclose(opt(rep, ws), jax.jit(chain)(rep, ws), rtol=RTOL, atol=ATOL)
+    assert "pallas_call" in _prims(jax.make_jaxpr(opt)(rep, ws).jaxpr)   # replicated: VTC's program
+
 # ---- the tests ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", sorted(CHECKS))

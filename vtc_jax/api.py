@@ -209,6 +209,9 @@ class Optimized:
         impl.__qualname__ = getattr(fn, "__qualname__", impl.__name__)
         self._jitted = jax.jit(impl, static_argnums=self._static[0], static_argnames=self._static[1],
                                donate_argnums=self._donate[0], donate_argnames=self._donate[1])
+        # sharded inputs: jax.jit's own program (see _sharded_over); made on first need
+        self._plain_jit: Any = None
+        self._devices: int | None = None
 
     def _warn(self, msg: str, category: type[Warning] | None = None) -> None:
         """Say ``msg`` once, located at the user's call (``compat.warn``)."""
@@ -266,8 +269,28 @@ class Optimized:
         return build(f, abstract_a, abstract_k, flat, donate=donate[0], donate_names=donate[1], opts=self._build,
                      rejected=self._rejected)
 
+    def _for(self, args: tuple, kwargs: dict) -> Any:
+        """The jitted function to run on these arguments: VTC's, or ``jax.jit(fn)``'s own where an
+        input is sharded over several devices (:func:`_sharded_over`). One process-wide device
+        count, asked once, keeps the check off the single-device path."""
+        if self._devices is None:
+            self._devices = jax.device_count()
+        if self._devices == 1:
+            return self._jitted
+        n = _sharded_over(args, kwargs)
+        if not n:
+            return self._jitted
+        self._warn(f"{getattr(self.fn, '__name__', 'fn')} is given inputs sharded over {n} devices: vtc_jax's "
+                   "kernels do not yet partition with jax's SPMD partitioner (XLA would gather their operands "
+                   "onto every device), so it runs as plain jax.jit, shardings kept; inside shard_map, "
+                   "optimize runs its kernels per shard", VTCNotice)
+        if self._plain_jit is None:
+            self._plain_jit = jax.jit(self.fn, static_argnums=self._static[0], static_argnames=self._static[1],
+                                      donate_argnums=self._donate[0], donate_argnames=self._donate[1])
+        return self._plain_jit
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._jitted(*args, **kwargs)
+        return self._for(args, kwargs)(*args, **kwargs)
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         """A method decorated with ``optimize`` binds ``self`` as its first argument, as a
@@ -275,10 +298,10 @@ class Optimized:
         return self if obj is None else types.MethodType(self, obj)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
-        return self._jitted.lower(*args, **kwargs)
+        return self._for(args, kwargs).lower(*args, **kwargs)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
-        return self._jitted.trace(*args, **kwargs)
+        return self._for(args, kwargs).trace(*args, **kwargs)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         return self._jitted.eval_shape(*args, **kwargs)
@@ -287,6 +310,21 @@ class Optimized:
         return explain(self.fn, static_argnums=self._static[0], static_argnames=self._static[1],
                        donate_argnums=self._donate[0], donate_argnames=self._donate[1], guard=self.guard,
                        **self._opts)(*args, **kwargs)
+
+
+def _sharded_over(args: tuple, kwargs: dict) -> int:
+    """The most devices an input (an array or a ShapeDtypeStruct with a sharding) is split over;
+    0 where none is (single-device or replicated everywhere). Why it matters: a Pallas call is a
+    custom call XLA's partitioner cannot look into, so it gathers the call's operands onto every
+    device (8 host devices: jit's output sharded ``P(None, 'x')`` with no collective, VTC's
+    replicated with three all-reduces)."""
+    most = 0
+    for leaf in jax.tree_util.tree_leaves((args, kwargs)):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None or getattr(sharding, "is_fully_replicated", True):
+            continue
+        most = max(most, len(getattr(sharding, "device_set", ())))
+    return most if most > 1 else 0
 
 
 def _symbolic_shape(flat: Sequence[Any]) -> str | None:
