@@ -20,6 +20,7 @@ from .analysis import analyze, cost_model_for, positions
 from .autodiff import with_original_derivatives
 from .compat import abstract, warn
 from .guard import GUARDS, PLAIN, UNDONE
+from .lower import kernel_clusters
 from .program import BuildOptions, build
 from .report import Report, build_report, fallback_messages
 
@@ -212,6 +213,7 @@ class Optimized:
         # sharded inputs: jax.jit's own program (see _sharded_over); made on first need
         self._plain_jit: Any = None
         self._devices: int | None = None
+        self._per_shard: dict[Any, bool] = {}   # call signature -> VTC's program runs per shard
 
     def _warn(self, msg: str, category: type[Warning] | None = None) -> None:
         """Say ``msg`` once, located at the user's call (``compat.warn``)."""
@@ -271,14 +273,25 @@ class Optimized:
 
     def _for(self, args: tuple, kwargs: dict) -> Any:
         """The jitted function to run on these arguments: VTC's, or ``jax.jit(fn)``'s own where an
-        input is sharded over several devices (:func:`_sharded_over`). One process-wide device
-        count, asked once, keeps the check off the single-device path."""
+        input is sharded over several devices (:func:`_sharded_over`) and VTC's program has kernels
+        outside ``shard_map`` bodies (those run per shard; the others would be gathered: decided
+        once per call signature, from the traced program). One process-wide device count, asked
+        once, keeps the check off the single-device path."""
         if self._devices is None:
             self._devices = jax.device_count()
         if self._devices == 1:
             return self._jitted
         n = _sharded_over(args, kwargs)
         if not n:
+            return self._jitted
+        key = _call_key(args, kwargs)
+        if key is not None and key in self._per_shard:
+            per_shard = self._per_shard[key]
+        else:   # VTC's program is per shard where its only kernels sit in shard_map bodies
+            per_shard = not kernel_clusters(self._jitted.trace(*args, **kwargs).jaxpr.jaxpr)
+            if key is not None:
+                self._per_shard[key] = per_shard
+        if per_shard:
             return self._jitted
         self._warn(f"{getattr(self.fn, '__name__', 'fn')} is given inputs sharded over {n} devices: vtc_jax's "
                    "kernels do not yet partition with jax's SPMD partitioner (XLA would gather their operands "
@@ -325,6 +338,23 @@ def _sharded_over(args: tuple, kwargs: dict) -> int:
             continue
         most = max(most, len(getattr(sharding, "device_set", ())))
     return most if most > 1 else 0
+
+
+def _call_key(args: tuple, kwargs: dict) -> Any:
+    """A hashable signature of a call (tree, shapes, dtypes, shardings, other leaves' values), or
+    None where a leaf cannot be hashed."""
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    key = [tree]
+    for x in leaves:
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            key.append((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)))
+        else:
+            key.append((type(x), x))
+    try:
+        hash(tuple(key))
+    except TypeError:
+        return None
+    return tuple(key)
 
 
 def _symbolic_shape(flat: Sequence[Any]) -> str | None:
