@@ -234,3 +234,23 @@ def test_timing_only_where_the_gpu_has_room():
     assert G.room_to_time(closed, _Device({"bytes_limit": 100 << 20, "bytes_in_use": 80 << 20}))
     assert not G.room_to_time(closed, _Device({"bytes_limit": 100 << 20, "bytes_in_use": 90 << 20}))
     assert not G.room_to_time(closed, _Device(None))
+
+
+def test_default_guard_times_on_a_gpu_where_the_model_is_unsure(monkeypatch):
+    """The wiring of the default guard on a GPU (``program._price``): where the model shows no
+    clear win and the GPU has room, the verdict is a timing (``by the measure``), not XLA's
+    compile. Simulated on the CPU (a GPU backend and room reported): the interpreter's kernels
+    time far slower than jit, so the guard gives the program back to jit, timed."""
+    from vtc_jax import guard as G
+    step, args = CASES["prng_dropout_inside"]()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(G, "room_to_time", lambda closed, device=None: True)
+    opt = vtc_jax.optimize(step, guard="model", backend="interpret")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = opt(*args)
+    notes = opt.last[0].guard
+    assert notes and all("(timed" in n for n in notes), notes
+    assert notes[-1].startswith("plain jax.jit") and notes[-1].endswith("by the measure"), notes
+    monkeypatch.undo()
+    check_close(out, jax.jit(step)(*args))

@@ -231,5 +231,9 @@ def measured(plain: Price, vtc: Price, plain_fn: Any, vtc_fn: Any, closed: Any, 
         why.append(f"{seconds[1] * 1e6:,.1f} µs against jit's {seconds[0] * 1e6:,.1f} µs (timed; a win "
                    f"under {MEASURE_MARGIN:.0%} is within the run-to-run spread)")
     if mem[1] > mem[0]:
-        why.append(f"{mem[1] / MiB:,.1f} MiB of temporaries against jit's {mem[0] / MiB:,.1f} MiB")
+        why.append(f"{_size(mem[1])} of temporaries against jit's {_size(mem[0])}")
     return Verdict(plain, vtc, seconds[0], seconds[1], "; ".join(why) or None, "measure")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / MiB:,.1f} MiB" if nbytes >= MiB // 10 else f"{nbytes / 1024:,.1f} KiB"
