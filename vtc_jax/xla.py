@@ -667,14 +667,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                    if g.ops[o].primitive == "dot_general" or g.ops[o].primitive.startswith("reduce_")]
             dots = [g.ops[o] for o in red if g.ops[o].primitive == "dot_general"]
             if any(_vector_dot(g, d) for d in dots):   # decode: every step its own reduction
+                # (XLA sometimes also writes a GQA-repeated value cache out transposed, widened, before
+                # p @ v: jax 0.10.2's compile of the Llama-3 example does, jax 0.12's does not, nor
+                # 0.10.2's of Gemma-2 at batch 1. Not charged: a jit price too high would let the
+                # model alone call a losing plan a clear win; too low sends it to the compile.)
                 n = max(1, 2 * len(red) - 1)
                 nbytes += 2 * sum(ctx.nbytes[g.ops[o].outputs[0]] for o in red[:-1])
-                for d in dots:   # an operand not read along its contiguous axis: transposed first
-                    for x, wide in _transposed_operands(g, d):
-                        src = read_bytes(x, set())
-                        copy = src * wide // g.tensors[x].dtype.itemsize
-                        n += 1
-                        nbytes += src + copy + (copy - src)   # read, write the copy; the reduction reads it
             else:   # prefill: GEMMs with the softmax between them one fusion (XLA's Triton softmax)
                 n = len(dots) + (len(red) > len(dots))
                 nbytes += 2 * sum(ctx.nbytes[d.outputs[0]] for d in dots[:-1])
@@ -734,34 +732,22 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                  _buffers(ctx, fusions, written), tuple(fusions))
 
 
-def _read_layout(g: Graph, t: int) -> tuple[int | None, bool]:
-    """``(axis, broadcast)``: the axis of ``t`` contiguous in the buffer a fusion reading ``t``
-    reads (the last axis of a materialised tensor, carried through the movement XLA fuses into its
-    reader: transposes, broadcasts, squeezes, reshapes of a row-major source, casts; None where a
-    reshape regroups a transposed source), and whether that movement repeats the buffer's
-    elements (a broadcast that adds elements: a GQA group axis)."""
+# movement XLA fuses into the fusion reading its result (followed back to the buffer read)
+_FUSED_VIEWS = ("transpose", "broadcast_in_dim", "squeeze", "expand_dims", "reshape", "slice",
+                "dynamic_slice", "pad", "rev")
+
+
+def _repeated(g: Graph, t: int) -> bool:
+    """Whether the movement XLA fuses into ``t``'s reader (transposes, broadcasts, squeezes,
+    reshapes, slices, casts) repeats its buffer's elements: a broadcast that adds elements (a
+    GQA group axis, ``jnp.repeat``)."""
     op = g.producer(t)
-    nd = len(g.tensors[t].shape)
-    follow = ("transpose", "broadcast_in_dim", "squeeze", "expand_dims", "reshape", "slice",
-              "dynamic_slice", "pad", "rev")
-    if op is None or not (op.primitive in follow or op.primitive in CAST_ONLY):
-        return nd - 1, False
-    src = data_inputs(op)[0]
-    m, rep = _read_layout(g, src)
-    if op.primitive == "broadcast_in_dim":
-        rep = rep or g.tensors[t].size > g.tensors[src].size
-    if m is None:
-        return None, rep
-    if op.primitive == "transpose":
-        return list(op.params["permutation"]).index(m), rep
-    if op.primitive == "broadcast_in_dim":
-        return tuple(op.params["broadcast_dimensions"])[m], rep
-    if op.primitive == "squeeze":
-        dims = tuple(op.params["dimensions"])
-        return (None if m in dims else m - sum(d < m for d in dims)), rep
-    if op.primitive == "reshape":
-        return (nd - 1 if m == len(g.tensors[src].shape) - 1 else None), rep
-    return (m if len(g.tensors[src].shape) == nd else None), rep
+    while op is not None and (op.primitive in _FUSED_VIEWS or op.primitive in CAST_ONLY):
+        src = data_inputs(op)[0]
+        if op.primitive == "broadcast_in_dim" and g.tensors[op.outputs[0]].size > g.tensors[src].size:
+            return True
+        op = g.producer(src)
+    return False
 
 
 def _physical_order(g: Graph, t: int) -> tuple[int, ...] | None:
@@ -772,9 +758,7 @@ def _physical_order(g: Graph, t: int) -> tuple[int, ...] | None:
     where a reshape regroups a permuted source."""
     op = g.producer(t)
     nd = len(g.tensors[t].shape)
-    follow = ("transpose", "broadcast_in_dim", "squeeze", "expand_dims", "reshape", "slice",
-              "dynamic_slice", "pad", "rev")
-    if op is None or not (op.primitive in follow or op.primitive in CAST_ONLY):
+    if op is None or not (op.primitive in _FUSED_VIEWS or op.primitive in CAST_ONLY):
         return tuple(range(nd))
     src = data_inputs(op)[0]
     if op.primitive == "broadcast_in_dim" and g.tensors[t].size > g.tensors[src].size:
@@ -803,9 +787,7 @@ def _fixed_layout(g: Graph, t: int) -> bool:
     place. Any other producer (a loop fusion, a gather) XLA lets write the layout its reader
     wants (the paged KV cache's gathered keys come out of the gather already transposed)."""
     op = g.producer(t)
-    follow = ("transpose", "broadcast_in_dim", "squeeze", "expand_dims", "reshape", "slice",
-              "dynamic_slice", "pad", "rev")
-    while op is not None and (op.primitive in follow or op.primitive in CAST_ONLY):
+    while op is not None and (op.primitive in _FUSED_VIEWS or op.primitive in CAST_ONLY):
         op = g.producer(data_inputs(op)[0])
     return op is None or op.primitive in ("dot_general", "conv_general_dilated", *KERNEL_CALLS) \
         or inplace_operand(op.primitive) is not None
@@ -827,7 +809,7 @@ def _gemm_relayouts(g: Graph, op: Any) -> list[int]:
     out = []
     for x, c, b in zip(op.inputs[:2], (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))):
         shape = g.tensors[x].shape
-        if _read_layout(g, x)[1]:
+        if _repeated(g, x):
             out.append(x)
             continue
         if not _fixed_layout(g, x):
@@ -856,27 +838,6 @@ def _vector_dot(g: Graph, op: Any) -> bool:
     XLA runs it as a reduction, not a GEMM."""
     (_, _), (lb, _) = op.params["dimension_numbers"]
     return bool(lb) and min(_free_sizes(g, op)) == 1
-
-
-def _transposed_operands(g: Graph, op: Any) -> list[tuple[int, int]]:
-    """``[(operand, itemsize of its copy)]`` that XLA transposes before a batched vector dot (one
-    side's free axes of size 1: the dot becomes a reduction): an operand repeated by a broadcast
-    (a GQA group axis) and not contracted along its contiguous axis is written out whole, once,
-    contracted axis last, in the dot's accumulation type (read off XLA's H100 compile: the decode
-    attention's ``p @ v`` over a GQA-broadcast bf16 value cache is an ``input_transpose_fusion``
-    writing it as f32 with ``preferred_element_type=f32``, as bf16 without, then the reduction
-    reading that; unrepeated, or contracted along the contiguous axis — ``q @ k`` —, the
-    reduction reads the cache where it is)."""
-    if op.primitive != "dot_general" or not _vector_dot(g, op):
-        return []
-    (lc, rc), _ = op.params["dimension_numbers"]
-    free = _free_sizes(g, op)
-    out = []
-    for x, c, f in zip(op.inputs[:2], (tuple(lc), tuple(rc)), free):
-        m, repeated = _read_layout(g, x)
-        if f > 1 and repeated and len(c) == 1 and m is not None and m != c[0]:
-            out.append((x, g.tensors[op.outputs[0]].dtype.itemsize))
-    return out
 
 
 def _buffers(ctx: Facts, fusions: Sequence[Fusion], written: Mapping[int, int]) -> int:
