@@ -236,7 +236,10 @@ def render(rows: list[dict[str, Any]], info: str) -> str:
         "C3k2 at batch 16 0.34×, EfficientViT 0.31×, ShuffleNet's unit 0.81×). The guard now prices each kernel's flops at its "
         "engine's measured rate (`costmodel.ENGINE_EFFICIENCY`) and gives those clusters back to XLA: "
         "YOLO's and ShuffleNet's rows above are plain jit (no Triton kernels), EfficientViT keeps "
-        "three kernels.",
+        "three kernels. Counts can still call a loser a win: on an H200, EfficientViT's kept per-head "
+        "product kernels (32 CTAs, K = 4096 each) made the batch-1 program 3.8× slower than jit where "
+        "XLA's compile counted a 5% win (`benchmarks/measured/h200-2026-11-26-examples.jsonl`); on a "
+        "GPU the default guard now times both programs wherever the model is unsure.",
         "* **Measurement fixes** (`vtc_jax/offline.py`, an earlier version): an operand `%call#k` (XLA's "
         "short get-tuple-element) is charged result k, not the whole tuple (fusions reading q/k from "
         "a Pallas matmul were charged the V cache it also returns), and cuDNN `kConvolution` thunks, "

@@ -20,8 +20,7 @@ from .analysis import analyze, cost_model_for, positions
 from .autodiff import with_original_derivatives
 from .compat import abstract, warn
 from .guard import GUARDS, PLAIN, UNDONE
-from .lower import kernel_clusters
-from .program import BuildOptions, build
+from .program import BuildOptions, build, per_shard_only
 from .report import Report, build_report, fallback_messages
 
 
@@ -288,7 +287,7 @@ class Optimized:
         if key is not None and key in self._per_shard:
             per_shard = self._per_shard[key]
         else:   # VTC's program is per shard where its only kernels sit in shard_map bodies
-            per_shard = not kernel_clusters(self._jitted.trace(*args, **kwargs).jaxpr.jaxpr)
+            per_shard = per_shard_only(self._jitted.trace(*args, **kwargs).jaxpr.jaxpr)
             if key is not None:
                 self._per_shard[key] = per_shard
         if per_shard:

@@ -74,6 +74,13 @@ class TritonBackendDeprecation(UserWarning):
     """jax deprecates the Pallas Triton backend that vtc_jax's GPU kernels lower through."""
 
 
+# XLA's GPU compile of a decode attention whose value cache is repeated for GQA (broadcast over
+# the group axis) and contracted along its non-contiguous axis: jax 0.10.2's XLA writes that cache
+# out transposed (and widened to the dot's result type) before ``p @ v``; jax 0.12's, compiling
+# the same whole programs, reads it where it is (``xla.py`` charges the copy only where it is made).
+XLA_TRANSPOSES_REPEATED_VALUES = JAX_VERSION < (0, 11)
+
+
 def needs_abstract_gpu() -> bool:
     """True on jax >= 0.11, where Pallas needs an abstract GPU device to lower for CUDA without one."""
     return JAX_VERSION >= (0, 11)

@@ -25,10 +25,10 @@ from .graph import Graph, Op
 from .guard import MiB
 from .interpret import rebind
 from .lower import Lowered, has_kernels, kernel_clusters, lower, triton_failures
-from .primitives import CONTROL_FLOW
+from .primitives import CONTROL_FLOW, KERNEL_CALLS
 from .templates import KernelBuildError, Match
 
-__all__ = ["BuildOptions", "build", "optimize_body", "MAX_BUILD_ATTEMPTS"]
+__all__ = ["BuildOptions", "build", "optimize_body", "per_shard_only", "MAX_BUILD_ATTEMPTS"]
 
 MAX_BUILD_ATTEMPTS = 6   # re-plans after kernel build failures before giving up on the whole rewrite
 
@@ -121,6 +121,24 @@ def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequ
         undone.append(f"{guard.PLAIN}: VTC's program still loses ({verdict.loses}), by the {verdict.by}")
         return _plain(f, _noted(analysis, undone), flat)
     raise RuntimeError(f"kernels kept failing to build after {MAX_BUILD_ATTEMPTS} attempts: {rejected}")
+
+
+def per_shard_only(jaxpr: Any) -> bool:
+    """Whether a built program launches its kernels only inside ``shard_map`` bodies (or none):
+    run on sharded inputs, those kernels see their shards, where a kernel outside one would have
+    its operands gathered by XLA's SPMD partitioner (``api.Optimized`` asks, for sharded calls).
+    Calls and control-flow bodies (scan, cond, while) are looked into; shard_map bodies are not."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in KERNEL_CALLS:
+            return False
+        if eqn.primitive.name == "shard_map":
+            continue
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and not per_shard_only(inner):
+                    return False
+    return True
 
 
 class GuardedBody(Exception):

@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 
 from .cluster import Cluster
+from .compat import XLA_TRANSPOSES_REPEATED_VALUES
 from .graph import Graph
 from .kernels.tiling import resolve_precision
 from .primitives import KERNEL_CALLS, TABLE, Kind, data_inputs, inplace_operand, is_view, kernel_aliases
@@ -667,12 +668,14 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                    if g.ops[o].primitive == "dot_general" or g.ops[o].primitive.startswith("reduce_")]
             dots = [g.ops[o] for o in red if g.ops[o].primitive == "dot_general"]
             if any(_vector_dot(g, d) for d in dots):   # decode: every step its own reduction
-                # (XLA sometimes also writes a GQA-repeated value cache out transposed, widened, before
-                # p @ v: jax 0.10.2's compile of the Llama-3 example does, jax 0.12's does not, nor
-                # 0.10.2's of Gemma-2 at batch 1. Not charged: a jit price too high would let the
-                # model alone call a losing plan a clear win; too low sends it to the compile.)
                 n = max(1, 2 * len(red) - 1)
                 nbytes += 2 * sum(ctx.nbytes[g.ops[o].outputs[0]] for o in red[:-1])
+                for d in dots if XLA_TRANSPOSES_REPEATED_VALUES else ():   # jax <= 0.10: see compat
+                    for x, wide in _transposed_operands(g, d):
+                        src = read_bytes(x, set())
+                        copy = src * wide // g.tensors[x].dtype.itemsize
+                        n += 1
+                        nbytes += src + copy + (copy - src)   # read, write the copy; the reduction reads it
             else:   # prefill: GEMMs with the softmax between them one fusion (XLA's Triton softmax)
                 n = len(dots) + (len(red) > len(dots))
                 nbytes += 2 * sum(ctx.nbytes[d.outputs[0]] for d in dots[:-1])
@@ -748,6 +751,31 @@ def _repeated(g: Graph, t: int) -> bool:
             return True
         op = g.producer(src)
     return False
+
+
+def _minor_axis(g: Graph, t: int) -> int | None:
+    """The axis of ``t`` contiguous in the buffer a fusion reading ``t`` reads (its last axis when
+    materialised), None where a reshape regroups a permuted buffer."""
+    order = _physical_order(g, t)
+    return None if order is None else next((a for a in reversed(order) if g.tensors[t].shape[a] != 1),
+                                           order[-1] if order else None)
+
+
+def _transposed_operands(g: Graph, op: Any) -> list[tuple[int, int]]:
+    """``[(operand, itemsize of its copy)]`` XLA (jax <= 0.10) transposes before a batched vector
+    dot: an operand repeated by a broadcast (a GQA group axis) and not contracted along its
+    contiguous axis, written out whole, contracted axis last, in the dot's result type (the
+    decode attention's ``p @ v``: an ``input_transpose_fusion`` writing the bf16 value cache as
+    f32 with ``preferred_element_type=f32``; unrepeated, or ``q @ k``, the cache is read in place)."""
+    if op.primitive != "dot_general" or not _vector_dot(g, op):
+        return []
+    (lc, rc), _ = op.params["dimension_numbers"]
+    out = []
+    for x, c, f in zip(op.inputs[:2], (tuple(lc), tuple(rc)), _free_sizes(g, op)):
+        m = _minor_axis(g, x)
+        if f > 1 and _repeated(g, x) and len(c) == 1 and m is not None and m != c[0]:
+            out.append((x, g.tensors[op.outputs[0]].dtype.itemsize))
+    return out
 
 
 def _physical_order(g: Graph, t: int) -> tuple[int, ...] | None:
