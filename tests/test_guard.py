@@ -240,7 +240,8 @@ def test_default_guard_times_on_a_gpu_where_the_model_is_unsure(monkeypatch):
     """The wiring of the default guard on a GPU (``program._price``): where the model shows no
     clear win and the GPU has room, the verdict is a timing (``by the measure``), not XLA's
     compile. Simulated on the CPU (a GPU backend and room reported): the interpreter's kernels
-    time far slower than jit, so the guard gives the program back to jit, timed."""
+    time slower than jit or hold more temporaries, so the guard gives the program back to jit,
+    by the measure."""
     from vtc_jax import guard as G
     step, args = CASES["prng_dropout_inside"]()
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -250,7 +251,9 @@ def test_default_guard_times_on_a_gpu_where_the_model_is_unsure(monkeypatch):
         warnings.simplefilter("ignore")
         out = opt(*args)
     notes = opt.last[0].guard
-    assert notes and all("(timed" in n for n in notes), notes
+    # every verdict the timing's: a time "(timed ...)" or XLA's temporaries of the two executables
+    # (the model and the compile speak of "buffers"); on the CPU either may decide
+    assert notes and all("(timed" in n or "of temporaries" in n for n in notes), notes
     assert notes[-1].startswith("plain jax.jit") and notes[-1].endswith("by the measure"), notes
     monkeypatch.undo()
     check_close(out, jax.jit(step)(*args))

@@ -280,10 +280,11 @@ class Optimized:
             self._devices = jax.device_count()
         if self._devices == 1:
             return self._jitted
-        n = _sharded_over(args, kwargs)
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        n = _sharded_over(leaves)
         if not n:
             return self._jitted
-        key = _call_key(args, kwargs)
+        key = _call_key(tree, leaves)
         if key is not None and key in self._per_shard:
             per_shard = self._per_shard[key]
         else:   # VTC's program is per shard where its only kernels sit in shard_map bodies
@@ -324,14 +325,14 @@ class Optimized:
                        **self._opts)(*args, **kwargs)
 
 
-def _sharded_over(args: tuple, kwargs: dict) -> int:
+def _sharded_over(leaves: Sequence[Any]) -> int:
     """The most devices an input (an array or a ShapeDtypeStruct with a sharding) is split over;
     0 where none is (single-device or replicated everywhere). Why it matters: a Pallas call is a
     custom call XLA's partitioner cannot look into, so it gathers the call's operands onto every
     device (8 host devices: jit's output sharded ``P(None, 'x')`` with no collective, VTC's
     replicated with three all-reduces)."""
     most = 0
-    for leaf in jax.tree_util.tree_leaves((args, kwargs)):
+    for leaf in leaves:
         sharding = getattr(leaf, "sharding", None)
         if sharding is None or getattr(sharding, "is_fully_replicated", True):
             continue
@@ -339,10 +340,9 @@ def _sharded_over(args: tuple, kwargs: dict) -> int:
     return most if most > 1 else 0
 
 
-def _call_key(args: tuple, kwargs: dict) -> Any:
+def _call_key(tree: Any, leaves: Sequence[Any]) -> Any:
     """A hashable signature of a call (tree, shapes, dtypes, shardings, other leaves' values), or
     None where a leaf cannot be hashed."""
-    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
     key = [tree]
     for x in leaves:
         if hasattr(x, "shape") and hasattr(x, "dtype"):

@@ -424,16 +424,19 @@ def kernel_clusters(jaxpr: Any) -> list[int | None]:
     return out
 
 
-def has_kernels(jaxpr: Any) -> bool:
+def has_kernels(jaxpr: Any, outside: frozenset[str] = frozenset()) -> bool:
     """Whether the program launches a Pallas kernel anywhere: in its equations, in the calls the
-    tracer inlines, or in a control-flow body (scan, cond, while and custom-derivative rules)."""
+    tracer inlines, or in a control-flow body (scan, cond, while and custom-derivative rules) —
+    except in the bodies of the primitives named in ``outside`` (e.g. ``shard_map``)."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in KERNEL_CALLS:
             return True
+        if eqn.primitive.name in outside:
+            continue
         for v in eqn.params.values():
             for sub in v if isinstance(v, (tuple, list)) else (v,):
                 inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns") and has_kernels(inner):
+                if hasattr(inner, "eqns") and has_kernels(inner, outside):
                     return True
     return False
 

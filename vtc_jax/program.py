@@ -25,7 +25,7 @@ from .graph import Graph, Op
 from .guard import MiB
 from .interpret import rebind
 from .lower import Lowered, has_kernels, kernel_clusters, lower, triton_failures
-from .primitives import CONTROL_FLOW, KERNEL_CALLS
+from .primitives import CONTROL_FLOW
 from .templates import KernelBuildError, Match
 
 __all__ = ["BuildOptions", "build", "optimize_body", "per_shard_only", "MAX_BUILD_ATTEMPTS"]
@@ -128,17 +128,7 @@ def per_shard_only(jaxpr: Any) -> bool:
     run on sharded inputs, those kernels see their shards, where a kernel outside one would have
     its operands gathered by XLA's SPMD partitioner (``api.Optimized`` asks, for sharded calls).
     Calls and control-flow bodies (scan, cond, while) are looked into; shard_map bodies are not."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in KERNEL_CALLS:
-            return False
-        if eqn.primitive.name == "shard_map":
-            continue
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns") and not per_shard_only(inner):
-                    return False
-    return True
+    return not has_kernels(jaxpr, outside=frozenset({"shard_map"}))
 
 
 class GuardedBody(Exception):
