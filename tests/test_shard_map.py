@@ -224,13 +224,18 @@ def _collectives(compiled_text: str) -> dict[str, int]:
                                                 "collective-permute")}
 
 
+def reversed_rows(x, w):
+    """The chain with its rows reversed: a shard's block of rows is another shard's."""
+    return chain(x, w)[:, ::-1]
+
+
 @check
-def sharded_inputs_keep_jits_sharding():
-    """Inputs sharded over several devices (jax's SPMD partitioner, no shard_map): the kernels
-    cannot partition yet (a Pallas call is opaque to the partitioner, which gathered its operands:
-    a replicated output and three all-reduces), so ``optimize`` runs ``jax.jit(fn)`` itself and
-    says so once (a notice, not a fallback): jit's output sharding, jit's collectives, jit's numbers.
-    Replicated inputs keep VTC's program."""
+def sharded_inputs_run_per_shard():
+    """Inputs sharded over several devices (jax's SPMD partitioner, no shard_map): the program is
+    rewritten to run per shard (``spmd.per_shard``) and its kernels see their rows, silently: jit's
+    numbers, jit's output sharding, no more collectives than jit's. (Before: a Pallas call is opaque
+    to the partitioner, which gathered its operands: a replicated output, three all-reduces.)
+    Derivatives are fn's own, partitioned as under jit; ``vmap`` batches the per-shard program."""
     mesh = _mesh()
     x, w = _args()
     xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("x", None)))
@@ -239,17 +244,44 @@ def sharded_inputs_keep_jits_sharding():
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         out = opt(xs, ws)
-    notes = [str(r.message) for r in rec if issubclass(r.category, vtc_jax.VTCNotice) and "sharded" in str(r.message)]
-    assert len(notes) == 1 and "plain jax.jit" in notes[0], [str(r.message) for r in rec]
-    assert not [r for r in rec if issubclass(r.category, vtc_jax.VTCFallbackWarning)], rec
+    said = [str(r.message) for r in rec if issubclass(r.category, (vtc_jax.VTCNotice, vtc_jax.VTCFallbackWarning))]
+    assert not said, said
     ref = jax.jit(chain)(xs, ws)
     np.testing.assert_allclose(out, ref, rtol=RTOL, atol=ATOL)
-    assert out.sharding == ref.sharding, (out.sharding, ref.sharding)
-    assert _collectives(opt.lower(xs, ws).compile().as_text()) == \
-        _collectives(jax.jit(chain).lower(xs, ws).compile().as_text())
+    assert out.sharding.is_equivalent_to(ref.sharding, out.ndim), (out.sharding, ref.sharding)
+    assert "pallas_call" in str(opt.trace(xs, ws).jaxpr)
+    mine, jits = (_collectives(f.lower(xs, ws).compile().as_text()) for f in (opt, jax.jit(chain)))
+    assert all(mine[k] <= jits[k] for k in mine), (mine, jits)
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w) ** 2)   # noqa: E731
+    for g, r in zip(jax.grad(loss(opt), argnums=(0, 1))(xs, ws), jax.grad(loss(chain), argnums=(0, 1))(xs, ws)):
+        np.testing.assert_allclose(g, r, rtol=RTOL, atol=ATOL)
     rep = jax.device_put(x, jax.sharding.NamedSharding(mesh, P()))
     np.testing.assert_allclose(opt(rep, ws), jax.jit(chain)(rep, ws), rtol=RTOL, atol=ATOL)
     assert "pallas_call" in _prims(jax.make_jaxpr(opt)(rep, ws).jaxpr)   # replicated: VTC's program
+
+
+@check
+def sharded_inputs_that_cannot_run_per_shard_keep_jit():
+    """Rows reversed along the split dimension cannot run per shard: ``optimize`` runs
+    ``jax.jit(fn)`` itself and says why once (a notice, not a fallback): jit's output sharding,
+    jit's collectives, jit's numbers."""
+    mesh = _mesh()
+    x, w = _args()
+    xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("x", None)))
+    ws = jax.device_put(w, jax.sharding.NamedSharding(mesh, P()))
+    opt = vtc_jax.optimize(reversed_rows, backend="interpret", guard=None)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        out = opt(xs, ws)
+        opt(xs, ws)
+    notes = [str(r.message) for r in rec if issubclass(r.category, vtc_jax.VTCNotice) and "sharded" in str(r.message)]
+    assert len(notes) == 1 and "plain jax.jit" in notes[0] and "rev" in notes[0], [str(r.message) for r in rec]
+    assert not [r for r in rec if issubclass(r.category, vtc_jax.VTCFallbackWarning)], rec
+    ref = jax.jit(reversed_rows)(xs, ws)
+    np.testing.assert_allclose(out, ref, rtol=RTOL, atol=ATOL)
+    assert out.sharding == ref.sharding, (out.sharding, ref.sharding)
+    assert _collectives(opt.lower(xs, ws).compile().as_text()) == \
+        _collectives(jax.jit(reversed_rows).lower(xs, ws).compile().as_text())
 
 # ---- the tests ------------------------------------------------------------------------------
 

@@ -12,9 +12,10 @@ the suite runs on one; the pattern of tests/test_shard_map.py) and compares
 * whether VTC's kernels run (``pallas_call`` in the jaxpr of what ``optimize`` runs for these
   arguments: ``opt.trace``, which takes the same sharded-input route as a call).
 
-What is expected, and why: a program given sharded arrays (``megatron_gspmd``, ``dp_cache`` and
-``shard_map_psum`` called the usual way) runs as ``jax.jit(step)`` with one ``VTCNotice`` (a Pallas
-call is opaque to the SPMD partitioner, ``api._sharded_over``), so no kernels. A shard_map program
+What is expected, and why: a program given sharded arrays (``megatron_gspmd``, ``dp_cache``) is
+rewritten to run per shard (``spmd.per_shard``: one shard_map over the mesh with the partitioner's
+all-reduces) and its kernels run on shards, silently; ``shard_map_psum`` called the usual way has
+its kernels in its own shard_map body already. A shard_map program
 given unsharded arrays gets kernels per shard under ``check_vma=False``; under jax's default
 ``check_vma=True`` Pallas's interpreter cannot run kernels on varying values, so the body runs as
 XLA with one warning (``program.INTERPRET_VARYING``). A check that meets a known limit prints
@@ -42,7 +43,6 @@ from vtc_jax.program import INTERPRET_VARYING  # noqa: E402
 
 RTOL = ATOL = 1e-5
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-SHARDED_NOTE = "runs as plain jax.jit"
 NESTED_CAUSE = ("inside an outer jax.jit the arguments are tracers that carry no sharding, so optimize "
                 "cannot see that they are sharded (api._sharded_over) and builds its kernels; a "
                 "pallas_call is opaque to XLA's SPMD partitioner, which gathers its operands")
@@ -94,8 +94,8 @@ def compare(out, ref, opt_fn, ref_fn, args) -> dict[str, tuple[int, int]]:
 
 def check_call(program, style):
     """Called with arrays placed by the program's shardings (caches donated for dp_cache, as jit
-    is): jit's numbers, shardings and collectives. GSPMD and DP: one notice, no fallback, no
-    kernels (plain jit). shard_map_psum: its kernels all sit in the shard_map body, so VTC's
+    is): jit's numbers, shardings and collectives. GSPMD and DP: run per shard, kernels, no
+    notice, no more collectives than jit's. shard_map_psum: its kernels all sit in the shard_map body, so VTC's
     program runs (per shard), under check_vma=True and False."""
     donate = tp.DONATE.get(program, ())
     xfails = []
@@ -124,10 +124,10 @@ def check_call(program, style):
             else:
                 assert not run.fallbacks, run.fallbacks
                 assert kernels
-        else:   # kernels outside any shard_map would be gathered: jit's own program, said once
-            assert len(run.notices) == 1 and SHARDED_NOTE in run.notices[0], run.notices
+        else:   # rewritten per shard (spmd.per_shard): the kernels see their shards, nothing said
+            assert not run.notices, run.notices
             assert not run.fallbacks, run.fallbacks
-            assert not kernels
+            assert kernels
     return xfails
 
 

@@ -22,6 +22,7 @@ from .compat import abstract, warn
 from .guard import GUARDS, PLAIN, UNDONE
 from .program import BuildOptions, build, per_shard_only
 from .report import Report, build_report, fallback_messages
+from .spmd import Refused, per_shard
 
 
 def _split_static(fn: Callable[..., Any], args: tuple, kwargs: dict, static_argnums: Sequence[int],
@@ -213,6 +214,7 @@ class Optimized:
         self._plain_jit: Any = None
         self._devices: int | None = None
         self._per_shard: dict[Any, bool] = {}   # call signature -> VTC's program runs per shard
+        self._spmd: dict[Any, Any] = {}         # call signature -> its per-shard program (or why not)
 
     def _warn(self, msg: str, category: type[Warning] | None = None) -> None:
         """Say ``msg`` once, located at the user's call (``compat.warn``)."""
@@ -293,14 +295,59 @@ class Optimized:
                 self._per_shard[key] = per_shard
         if per_shard:
             return self._jitted
-        self._warn(f"{getattr(self.fn, '__name__', 'fn')} is given inputs sharded over {n} devices: vtc_jax's "
-                   "kernels do not yet partition with jax's SPMD partitioner (XLA would gather their operands "
-                   "onto every device), so it runs as plain jax.jit, shardings kept; inside shard_map, "
-                   "optimize runs its kernels per shard", VTCNotice)
+        if key is None or key not in self._spmd:
+            route = self._rewritten(args, kwargs)
+            if key is not None:
+                self._spmd[key] = route
+        else:
+            route = self._spmd[key]
+        if not isinstance(route, str):
+            return route
+        self._warn(f"{getattr(self.fn, '__name__', 'fn')} is given inputs sharded over {n} devices and cannot "
+                   f"run per shard ({route}): vtc_jax's kernels do not partition with jax's SPMD partitioner "
+                   "(XLA would gather their operands onto every device), so it runs as plain jax.jit, "
+                   "shardings kept", VTCNotice)
         if self._plain_jit is None:
             self._plain_jit = jax.jit(self.fn, static_argnums=self._static[0], static_argnames=self._static[1],
                                       donate_argnums=self._donate[0], donate_argnames=self._donate[1])
         return self._plain_jit
+
+    def _rewritten(self, args: tuple, kwargs: dict) -> Any:
+        """``fn`` on sharded inputs, rewritten to run per shard (``spmd.per_shard``: one shard_map
+        over the inputs' mesh, the partitioner's all-reduces inserted) and optimised as such: its
+        kernels then sit in the shard_map body and see their shards. The jitted program, or the
+        reason it cannot be (a string). Derivatives stay ``fn``'s own (``autodiff``), partitioned
+        by XLA as under ``jax.jit``."""
+        f, a, k = _split_static(self.fn, args, kwargs, *self._static)
+        flat, in_tree = jax.tree_util.tree_flatten((a, k))
+        shardings = [getattr(x, "sharding", None) for x in flat]
+
+        trees: list[Any] = []
+
+        def leaves(*xs: Any) -> list[Any]:
+            ar, kw = jax.tree_util.tree_unflatten(in_tree, xs)
+            out, tree = jax.tree_util.tree_flatten(f(*ar, **kw))
+            trees.append(tree)
+            return out
+
+        try:
+            plan = per_shard(jax.make_jaxpr(leaves)(*map(_abstract, flat)), shardings)
+        except Refused as why:
+            return str(why)
+        out_tree, static = trees[0], self._static
+
+        @functools.wraps(self.fn)
+        def program(*args: Any, **kwargs: Any) -> Any:
+            f, a, k = _split_static(self.fn, args, kwargs, *static)
+            xs, tree = jax.tree_util.tree_flatten((a, k))
+            run = with_original_derivatives(plan, f, tree)
+            return jax.tree_util.tree_unflatten(out_tree, run(*xs))
+
+        inner = Optimized(program, static_argnums=self._static[0], static_argnames=self._static[1],
+                          donate_argnums=self._donate[0], donate_argnames=self._donate[1], backend=self.backend,
+                          strict=self.strict, guard=self.guard, **self._opts)
+        inner._said = self._said   # one voice: a notice said by either is said once
+        return inner._jitted
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._for(args, kwargs)(*args, **kwargs)
