@@ -208,3 +208,34 @@ if __name__ == "__main__":   # one check, in a process that sees 8 host devices
     for reason in CHECKS[check](program, style):
         print(f"xfail {reason}")
     print("ok")
+
+
+# ---- paper size, compiled for a node of H100s (deviceless, in this process) ------------------
+
+@pytest.mark.offline
+@pytest.mark.parametrize("program,style", [(p, s) for p in tp.PROGRAMS for s in tp.STYLES])
+def test_paper_size_on_four_h100s(program, style):
+    """The layers at Llama-3-8B / Gemma-2-9B size on a mesh of 4 compile-only H100s
+    (``offline.h100_devices``; benchmarks/tp.py prints the table): VTC's program has Triton
+    kernels (the sharded programs per shard, shard_map_psum under jax's default ``check_vma``),
+    the same collectives as jit's, and per device no more launches, bytes or temporary buffers.
+    (Before: the GSPMD and DP programs ran as plain jit; shard_map_psum's body fell back on a
+    varying-type error in the guard's re-trace and on a mask read through ``pvary``.)"""
+    from vtc_jax import offline
+    devices = offline.h100_devices(4)
+    step = tp.make(program, style, devices=devices)
+    args = tp.example_args(program, "paper", style, devices=devices)
+    donate = tp.DONATE.get(program, ())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        jit = offline.compile_program(step, *args, donate_argnums=donate, placed=True, kernels=False)
+        opt = vtc_jax.optimize(step, backend="triton", donate_argnums=donate)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", vtc_jax.VTCFallbackWarning)
+            vtc = offline.compile_program(opt, *args, placed=True, kernels=False)
+    assert vtc.triton_launches, "no kernels"
+    count = lambda p: {k: p.hlo.count(f" {k}(") + p.hlo.count(f" {k}-start(") for k in COLLECTIVES}  # noqa: E731
+    assert count(vtc) == count(jit), (count(vtc), count(jit))
+    assert len(vtc.launches) <= len(jit.launches), (len(vtc.launches), len(jit.launches))
+    assert vtc.bytes <= jit.bytes, (vtc.bytes, jit.bytes)
+    assert vtc.memory["temp_size_in_bytes"] <= jit.memory["temp_size_in_bytes"]

@@ -212,7 +212,6 @@ class Optimized:
                                donate_argnums=self._donate[0], donate_argnames=self._donate[1])
         # sharded inputs: jax.jit's own program (see _sharded_over); made on first need
         self._plain_jit: Any = None
-        self._devices: int | None = None
         self._per_shard: dict[Any, bool] = {}   # call signature -> VTC's program runs per shard
         self._spmd: dict[Any, Any] = {}         # call signature -> its per-shard program (or why not)
 
@@ -273,15 +272,12 @@ class Optimized:
                      rejected=self._rejected)
 
     def _for(self, args: tuple, kwargs: dict) -> Any:
-        """The jitted function to run on these arguments: VTC's, or ``jax.jit(fn)``'s own where an
-        input is sharded over several devices (:func:`_sharded_over`) and VTC's program has kernels
-        outside ``shard_map`` bodies (those run per shard; the others would be gathered: decided
-        once per call signature, from the traced program). One process-wide device count, asked
-        once, keeps the check off the single-device path."""
-        if self._devices is None:
-            self._devices = jax.device_count()
-        if self._devices == 1:
-            return self._jitted
+        """The jitted function to run on these arguments. Inputs on one device (or replicated):
+        VTC's. Inputs sharded over several devices (:func:`_sharded_over`, also ShapeDtypeStructs
+        placed on a deviceless topology): VTC's own where its kernels all sit in ``shard_map``
+        bodies; else the program rewritten to run per shard (:meth:`_rewritten`); else, where the
+        rewrite is refused, ``jax.jit(fn)`` itself with the reason (a kernel outside a shard_map
+        would have its operands gathered by XLA's partitioner). Decided once per call signature."""
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
         n = _sharded_over(leaves)
         if not n:

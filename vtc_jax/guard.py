@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from .cluster import cluster
+from .compat import abstract
 from .costmodel import ENGINE_OF_KIND, GPU, GPUS, cluster_math, kernel_flops
 from .graph import Graph, trace
 from .offline import compile_program
@@ -68,8 +69,10 @@ def price_plain(graph: Graph, donated: frozenset[int]) -> Price:
 
 
 def emitted_graph(closed: Any) -> Graph:
-    """The program VTC emits, traced back into a graph (each Pallas kernel one kernel-call op)."""
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    """The program VTC emits, traced back into a graph (each Pallas kernel one kernel-call op).
+    Inputs keep their varying manual axes (``compat.abstract``): inside a shard_map body under
+    ``check_vma``, a re-trace without them mixes varying and unvarying operands and jax refuses."""
+    avals = [abstract(v.aval) for v in closed.jaxpr.invars]
     return trace(lambda *xs: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *xs), *avals)
 
 

@@ -222,17 +222,22 @@ if [ -f "$1" ]; then cp "$1" "$(mktemp "{capture}/ptx-XXXXXXXX")" 2>/dev/null; f
 exec "{real}" "$@"
 """
 
-_h100 = None
+_H100S: dict[int, tuple[Any, ...]] = {}
+
+
+def h100_devices(n: int = 1) -> tuple[Any, ...]:
+    """Compile-only CUDA devices for ``n`` H100s on one host (``jax.experimental.topologies``,
+    topology ``1x1xn``; no GPU needed): a mesh over them compiles sharded programs as for a node."""
+    if n not in _H100S:
+        from jax.experimental import topologies
+        _H100S[n] = tuple(topologies.get_topology_desc("h100", "cuda", target_config=H100_TARGET_CONFIG,
+                                                       topology=f"1x1x{n}").devices)
+    return _H100S[n]
 
 
 def h100_device() -> Any:
     """A compile-only CUDA device for an H100 (``jax.experimental.topologies``; no GPU needed)."""
-    global _h100
-    if _h100 is None:
-        from jax.experimental import topologies
-        _h100 = topologies.get_topology_desc("h100", "cuda", target_config=H100_TARGET_CONFIG,
-                                             topology="1x1x1").devices[0]
-    return _h100
+    return h100_devices(1)[0]
 
 
 _NON_LAUNCH_THUNKS = frozenset({"kCommandBuffer", "kSequential", "kWaitForStreams",
@@ -512,19 +517,22 @@ def _sds(x: Any, sharding: Any) -> Any:
 
 
 def compile_program(fn: Callable, *args: Any, kernels: bool = True, donate_argnums: Any = (),
-                    **kwargs: Any) -> CompiledProgram:
+                    placed: bool = False, **kwargs: Any) -> CompiledProgram:
     """Compile ``fn`` (a function, a ``jax.jit`` object or a ``vtc_jax.optimize`` object) for an
     H100 with XLA, deviceless; ``args``/``kwargs`` are arrays or ``ShapeDtypeStruct`` pytrees.
     On a machine with a GPU, for that GPU (the deviceless topology is for machines without one).
 
     A plain function is wrapped in ``jax.jit(fn, donate_argnums=donate_argnums)``. With ``kernels``
-    the PTX XLA emits is assembled by ``ptxas -v`` for per-kernel resources."""
+    the PTX XLA emits is assembled by ``ptxas -v`` for per-kernel resources. ``placed``: the
+    arguments are ShapeDtypeStructs already carrying their shardings (e.g. a mesh over
+    :func:`h100_devices`), kept as they are; the counts are then those of one device's program."""
     import jax
 
     local = jax.default_backend() == "gpu"
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0] if local else h100_device())
-    args = jax.tree.map(lambda x: _sds(x, sharding), args)
-    kwargs = jax.tree.map(lambda x: _sds(x, sharding), kwargs)
+    if not placed:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0] if local else h100_device())
+        args = jax.tree.map(lambda x: _sds(x, sharding), args)
+        kwargs = jax.tree.map(lambda x: _sds(x, sharding), kwargs)
     target = fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums)
     with tempfile.TemporaryDirectory(prefix="vtc-xla-") as tmp:
         d = Path(tmp)

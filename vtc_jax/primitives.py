@@ -173,7 +173,7 @@ def _rows() -> dict[str, PrimInfo]:
     flag("broadcast_in_dim reshape transpose squeeze slice rev dynamic_slice copy copy_p reduce_precision",
          componentwise=True)
     flag("convert_element_type reshape squeeze transpose broadcast_in_dim copy copy_p stop_gradient "
-         "reduce_precision", score_view=True)
+         "reduce_precision pvary", score_view=True)
     flag("div rem pow atan2 nextafter logistic tanh tan sin cos asin acos atan sinh cosh asinh acosh atanh "
          "exp exp2 expm1 log log1p sqrt rsqrt cbrt erf erfc erf_inv lgamma digamma", f32_math=True)
     return rows

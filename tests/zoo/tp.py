@@ -60,9 +60,10 @@ SIZES = {
 }
 
 
-def mesh(axis: str) -> jax.sharding.Mesh:
-    """A 1-D mesh over the first 4 devices (made on call: importing needs only one device)."""
-    return jax.sharding.Mesh(np.array(jax.devices()[:DEVICES]), (axis,))
+def mesh(axis: str, devices=None) -> jax.sharding.Mesh:
+    """A 1-D mesh over ``devices`` (default: the first 4; made on call: importing needs only one
+    device). benchmarks/tp.py passes compile-only H100s (``offline.h100_devices``)."""
+    return jax.sharding.Mesh(np.array(devices if devices is not None else jax.devices()[:DEVICES]), (axis,))
 
 
 # ---- the layer, shared by the three programs -------------------------------------------------
@@ -132,16 +133,16 @@ def specs(name, style):
     return params, P(), cache, cache, P()
 
 
-def make(name, style="llama", check_vma=True):
-    """``step`` for program ``name`` (``check_vma``: shard_map_psum only)."""
+def make(name, style="llama", check_vma=True, devices=None):
+    """``step`` for program ``name`` (``check_vma``: shard_map_psum only) on a mesh over ``devices``."""
     if name == "megatron_gspmd":
-        m = mesh("model")
+        m = mesh("model", devices)
         heads = lambda t: lax.with_sharding_constraint(t, NamedSharding(m, P(None, "model", None)))  # noqa: E731
 
         def step(params, x, k_cache, v_cache, pos):
             return layer(params, x, k_cache, v_cache, pos, style=style, heads=heads)
     elif name == "shard_map_psum":
-        m = mesh("model")
+        m = mesh("model", devices)
         in_specs = specs(name, style)
 
         def local(params, x, k_cache, v_cache, pos):
@@ -160,7 +161,7 @@ def make(name, style="llama", check_vma=True):
     return step
 
 
-def example_args(name="megatron_gspmd", size="small", style="llama", seed=0, place=True):
+def example_args(name="megatron_gspmd", size="small", style="llama", seed=0, place=True, devices=None):
     """``(params, x, k_cache, v_cache, pos)`` with the program's shardings (``place=False``: on
     one device, for a shard_map to split itself)."""
     c = SIZES[size][style]
@@ -171,7 +172,7 @@ def example_args(name="megatron_gspmd", size="small", style="llama", seed=0, pla
     if style == "gemma":
         shapes.update(post_attn_norm=(c.d_model,), post_ffn_norm=(c.d_model,))
     cshape = (c.batch, c.context, c.n_kv, c.head_dim)
-    m = mesh("data" if name == "dp_cache" else "model")
+    m = mesh("data" if name == "dp_cache" else "model", devices)
     shard = jax.tree.map(lambda s: NamedSharding(m, s), specs(name, style),
                          is_leaf=lambda s: isinstance(s, P))
     if size == "paper":

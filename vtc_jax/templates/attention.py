@@ -178,7 +178,7 @@ class _Eval:
         if p == "iota":
             d = op.params["dimension"]
             val = np.arange(shape[d]).reshape(tuple(n if i == d else 1 for i, n in enumerate(shape)))
-        elif p in ("convert_element_type", "copy", "copy_p", "stop_gradient", "reduce_precision"):
+        elif p in ("convert_element_type", "copy", "copy_p", "stop_gradient", "reduce_precision", "pvary"):
             val = xs[0]
         elif p == "broadcast_in_dim":
             new = [1] * len(shape)
