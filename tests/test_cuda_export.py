@@ -122,15 +122,17 @@ def test_export_inside_an_abstract_mesh():
 
 
 def test_shard_map_in_the_program_keeps_the_kernels_around_it():
-    """A ``shard_map`` over the user's mesh inside the optimised function: it stays XLA's (one
-    fallback warning naming it), the pointwise work around it becomes kernels, the program exports.
-    (Before: the function fell back wholesale — re-binding ``shard_map`` lost its body.)"""
+    """A ``shard_map`` over the user's mesh inside the optimised function: its body (a matmul of a
+    tanh, nothing to gain) stays XLA's by decision, without a warning; the pointwise work around it
+    becomes kernels, the program exports. (Before: the function fell back wholesale — re-binding
+    ``shard_map`` lost its body; then the body left as traced was reported as an unsupported
+    primitive.)"""
     opt = _optimize(with_shard_map(_mesh()))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", vtc_jax.VTCFallbackWarning)
         text = _export(opt, *ARGS)
     why = [str(w.message) for w in caught if issubclass(w.category, vtc_jax.VTCFallbackWarning)]
-    assert why and all("shard_map" in m and "failed" not in m for m in why), why
+    assert not why, why
     assert text.count(TRITON_CALL_TARGET) >= 2
     assert len(opt.last[1].kernels) >= 2
 

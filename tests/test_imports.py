@@ -18,8 +18,8 @@ PKG = Path(__file__).resolve().parent.parent / "vtc_jax"
 STAGES: tuple[str, ...] = (
     # leaves: version shims and test/inspection utilities that know nothing of the pipeline
     "compat", "interpret", "autodiff", "testing", "offline",
-    # the vocabulary, the index-map algebra, the trace
-    "primitives", "indexmap", "canonical", "graph",
+    # the vocabulary, the index-map algebra, the trace (and, before it, a sharded program made per shard)
+    "primitives", "indexmap", "canonical", "graph", "spmd",
     # movement rules and clustering
     "movement", "cluster",
     # the kernels library (Pallas code generation; imports only the algebra)
@@ -157,7 +157,7 @@ def test_imports_only_from_earlier_stages():
 
 @pytest.mark.parametrize("module, allowed", [
     # the user surface holds no analysis: it calls the analysis, the build and the report
-    ("api", {"analysis", "autodiff", "compat", "guard", "program", "report"}),
+    ("api", {"analysis", "autodiff", "compat", "guard", "program", "report", "spmd"}),
     # the build loop and the report read the analysis, never the user surface
     ("program", {"analysis", "compat", "costmodel", "graph", "guard", "interpret", "lower", "primitives",
                  "templates"}),

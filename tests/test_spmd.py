@@ -1,7 +1,8 @@
 """``spmd.per_shard``: sharded programs rewritten to run per shard, against ``jax.jit``.
 
 Each case is a small program given inputs placed with ``NamedSharding``s on a mesh of 8 host
-devices (``(2, 4)``: ``data`` x ``model``, or a 1-D ``x`` of 8). ``optimize`` either runs it per
+devices (``(2, 4)``: ``data`` x ``model`` with Auto axes or, as ``jax.make_mesh`` makes it,
+Explicit ones; or a 1-D ``x`` of 8). ``optimize`` either runs it per
 shard (``spmd.per_shard`` proved every split dimension parallel, or a contraction/sum over it
 followed by the partitioner's collective) or refuses it with a reason and runs ``jax.jit(fn)``
 itself, saying so once. Either way: jit's numbers (f32: rtol = atol = 1e-5) and jit's output
@@ -38,6 +39,11 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "coll
 
 def _mesh2():
     return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+
+
+def _mesh2_explicit():
+    """``jax.make_mesh``'s default on jax >= 0.7: Explicit axes (sharding in types)."""
+    return jax.make_mesh((2, 4), ("data", "model"))
 
 
 def _mesh1():
@@ -128,6 +134,10 @@ CASES = {
                                          _mesh1, "refused: update at a runtime start"),
     "rows reversed": (rows_reversed, [((16, 8), P("x"))], _mesh1, "refused: rev"),
     "with_sharding_constraint": (with_constraint, [((16, 32), P("data")), ((32, 16), P())], _mesh2, "per shard"),
+    "explicit axes: column-parallel heads": (heads, [((16, 32), P("data")), ((32, 64), P(None, "model"))],
+                                             _mesh2_explicit, "per shard"),
+    "explicit axes: data-parallel softmax": (softmax_rows, [((16, 32), P("data", None)), ((32, 16), P())],
+                                             _mesh2_explicit, "per shard"),
     "scan over a split batch": (scan_over_time, [((8, 4, 16), P("data")), ((16, 16), P())], _mesh2,
                                 "refused: scan"),
 }

@@ -212,8 +212,7 @@ class Optimized:
                                donate_argnums=self._donate[0], donate_argnames=self._donate[1])
         # sharded inputs: jax.jit's own program (see _sharded_over); made on first need
         self._plain_jit: Any = None
-        self._per_shard: dict[Any, bool] = {}   # call signature -> VTC's program runs per shard
-        self._spmd: dict[Any, Any] = {}         # call signature -> its per-shard program (or why not)
+        self._routes: dict[Any, Any] = {}       # sharded call signature -> the jitted function it runs
 
     def _warn(self, msg: str, category: type[Warning] | None = None) -> None:
         """Say ``msg`` once, located at the user's call (``compat.warn``)."""
@@ -274,33 +273,32 @@ class Optimized:
     def _for(self, args: tuple, kwargs: dict) -> Any:
         """The jitted function to run on these arguments. Inputs on one device (or replicated):
         VTC's. Inputs sharded over several devices (:func:`_sharded_over`, also ShapeDtypeStructs
-        placed on a deviceless topology): VTC's own where its kernels all sit in ``shard_map``
-        bodies; else the program rewritten to run per shard (:meth:`_rewritten`); else, where the
-        rewrite is refused, ``jax.jit(fn)`` itself with the reason (a kernel outside a shard_map
-        would have its operands gathered by XLA's partitioner). Decided once per call signature."""
+        placed on a deviceless topology): the program rewritten to run per shard
+        (:meth:`_rewritten`); where the rewrite is refused, VTC's own where its kernels all sit in
+        ``shard_map`` bodies; else ``jax.jit(fn)`` itself with the reason (a kernel outside a
+        shard_map would have its operands gathered by XLA's partitioner). Decided once per call
+        signature."""
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
         n = _sharded_over(leaves)
         if not n:
             return self._jitted
         key = _call_key(tree, leaves)
-        if key is not None and key in self._per_shard:
-            per_shard = self._per_shard[key]
-        else:   # VTC's program is per shard where its only kernels sit in shard_map bodies
-            per_shard = per_shard_only(self._jitted.trace(*args, **kwargs).jaxpr.jaxpr)
+        route = self._routes.get(key) if key is not None else None
+        if route is None:
+            route = self._route(args, kwargs, n)
             if key is not None:
-                self._per_shard[key] = per_shard
-        if per_shard:
+                self._routes[key] = route
+        return route
+
+    def _route(self, args: tuple, kwargs: dict, n: int) -> Any:
+        rewritten = self._rewritten(args, kwargs)
+        if not isinstance(rewritten, str):
+            return rewritten
+        # VTC's own program is per shard where its only kernels sit in shard_map bodies
+        if per_shard_only(self._jitted.trace(*args, **kwargs).jaxpr.jaxpr):
             return self._jitted
-        if key is None or key not in self._spmd:
-            route = self._rewritten(args, kwargs)
-            if key is not None:
-                self._spmd[key] = route
-        else:
-            route = self._spmd[key]
-        if not isinstance(route, str):
-            return route
         self._warn(f"{getattr(self.fn, '__name__', 'fn')} is given inputs sharded over {n} devices and cannot "
-                   f"run per shard ({route}): vtc_jax's kernels do not partition with jax's SPMD partitioner "
+                   f"run per shard ({rewritten}): vtc_jax's kernels do not partition with jax's SPMD partitioner "
                    "(XLA would gather their operands onto every device), so it runs as plain jax.jit, "
                    "shardings kept", VTCNotice)
         if self._plain_jit is None:

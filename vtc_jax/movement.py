@@ -301,11 +301,16 @@ def _device_put(c: _Ctx) -> tuple[Edge, ...]:
 
 
 def _sharding_constraint(c: _Ctx) -> tuple[Edge, ...]:
-    """``jax.lax.with_sharding_constraint`` on one device: the identity (XLA drops the annotation),
-    so both sides may live in the other's buffer. Across devices it may reshard: no edge."""
-    devices = getattr(c.p.get("sharding"), "device_set", None)
-    if devices is None or len(devices) != 1:
-        raise NoEdges("sharding_constraint across devices (a resharding)")
+    """``jax.lax.with_sharding_constraint`` (``jax.sharding.reshard``: ``dst_sharding``) on one
+    device: the identity (XLA drops the annotation), so both sides may live in the other's buffer.
+    Across devices it may reshard: no edge."""
+    sharding = c.p.get("sharding", c.p.get("dst_sharding"))
+    n = getattr(getattr(sharding, "mesh", None), "size", None)   # a mesh, concrete or abstract
+    if n is None:
+        devices = getattr(sharding, "device_set", None)
+        n = None if devices is None else len(devices)
+    if n != 1:
+        raise NoEdges(f"{c.op.primitive} across devices (a resharding)")
     return _copy(c)
 
 
@@ -372,6 +377,7 @@ RULES: dict[str, Callable[[_Ctx], tuple[Edge, ...]]] = {
     "stack": _stack, "unstack": _unstack, "rev": _rev, "pad": _pad, "copy": _copy, "copy_p": _copy,
     "convert_element_type": _convert_element_type, "device_put": _device_put, "gather": _gather,
     "sharding_constraint": _sharding_constraint,
+    "reshard": _sharding_constraint,
     # the identity on values, but the type of its result (varying over a manual axis) is what the
     # ops reading it require: a kernel reads the typed buffer, so its outputs are typed alike
     "pvary": _opaque("pvary changes the varying manual axes of the type (shard_map), not the data"),

@@ -131,7 +131,7 @@ def _rows() -> dict[str, PrimInfo]:
         for n in names.split():
             rows[n] = dataclasses.replace(rows[n], **kw)
 
-    add("transpose slice concatenate split rev stack unstack device_put sharding_constraint", Role.MOVEMENT)
+    add("transpose slice concatenate split rev stack unstack device_put sharding_constraint reshard", Role.MOVEMENT)
     add("reshape squeeze copy copy_p", Role.MOVEMENT, view=True)
     # shard_map's type change (a replicated value used as varying over a manual axis): XLA lowers
     # it to nothing; it stays physical (movement.RULES: no edge) so kernels read it as typed

@@ -307,8 +307,7 @@ def _shard_map(op: Op, opts: BuildOptions) -> Callable[..., Sequence[Any]]:
         new = None
         try:
             new = _optimize_closed(body, opts)
-            if new is not None:
-                opts.bodies.append(name)
+            opts.bodies.append(name)   # optimised, or nothing to gain: either way a decision
         except GuardedBody:   # plain XLA for the body: a decision, not a fallback
             opts.bodies.append(name)
         except Exception as exc:  # noqa: BLE001 - the body stays as traced

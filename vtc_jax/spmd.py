@@ -487,9 +487,18 @@ class PerShard:
 
     def __call__(self, *flat: Any) -> tuple[Any, ...]:
         # check_vma=False: the body is the user's program, not written for varying types; the
-        # specs are proved here, and Pallas's interpreter runs kernels only on unvarying values
+        # specs are proved here, and Pallas's interpreter runs kernels only on unvarying values.
+        # Explicit mesh axes (sharding in types): the inputs typed with their specs first — a no-op
+        # on the arrays, which carry them; vtc_jax traces its programs on untyped avals
+        if _explicit(self.mesh):
+            flat = tuple(jax.sharding.reshard(x, NamedSharding(self.mesh, s)) if hasattr(x, "shape") else x
+                         for x, s in zip(flat, self.in_specs))
         return tuple(jax.shard_map(self.body, mesh=self.mesh, in_specs=self.in_specs, out_specs=self.out_specs,
                                    check_vma=False)(*flat))
+
+
+def _explicit(mesh: Any) -> bool:
+    return any("Explicit" in str(t) for t in getattr(mesh, "axis_types", ()))
 
 
 def _mesh_of(shardings: Sequence[Any]) -> Any:
@@ -501,8 +510,8 @@ def _mesh_of(shardings: Sequence[Any]) -> Any:
         raise Refused(f"the inputs are sharded over {len(meshes)} meshes")
     mesh = next(iter(meshes.values()))
     types = getattr(mesh, "axis_types", ())
-    if any("Explicit" in str(t) or "Manual" in str(t) for t in types):
-        raise Refused("the mesh has Explicit or Manual axes (jax's sharding-in-types mode)")
+    if any("Manual" in str(t) for t in types):
+        raise Refused("the mesh has Manual axes (the program runs inside a shard_map already)")
     return mesh
 
 
