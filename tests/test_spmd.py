@@ -216,6 +216,79 @@ def test_spmd(name):
     assert proc.stdout.strip().splitlines()[-1].startswith(name), proc.stdout
 
 
-if __name__ == "__main__":   # one case, in a process that sees 8 host devices
+# ---- fuzz: the rules against jit on random programs and random shardings ---------------------
+
+FUZZ_EXAMPLES = 300 * int(os.environ.get("VTC_FUZZ_EXAMPLES", "1"))   # VTC_FUZZ_EXAMPLES=N: N times more
+
+
+def fuzz() -> None:
+    """The programs of tests/test_fuzz_optimize.py (movement chains between matmuls, reductions,
+    pointwise ops and decode attention), each input split at random over a (2, 2) mesh (every dim
+    that 2 divides, with probability 1/2, over one axis or both). Where ``per_shard`` plans, its
+    program (``jax.jit(plan)``, no kernels: the rules are what is tested) must equal
+    ``jax.jit(fn)`` — a wrong rule is a wrong number; where it refuses, it must say why. At least
+    a third of the drawn programs must run per shard, with a collective in some (else the test
+    would prove nothing)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hypothesis import given
+    from hypothesis import strategies as st
+    import test_fuzz_optimize as tf
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    tally = {"per shard": 0, "refused": 0, "collectives": 0}
+
+    @tf.fuzz_settings(FUZZ_EXAMPLES)
+    @given(st.one_of(tf.pipelines(["matmul"]), tf.pipelines(["pointwise", "reduction", "input"]), tf.meetings(),
+                     tf.attentions()), st.randoms(use_true_random=False))
+    def check(prog, rnd):
+        fn = prog.make()
+        args = prog.inputs()
+        specs = [P()]
+        for a in args[1:]:
+            entries, used = [], set()
+            for n in a.shape:
+                pick = rnd.choice([None, None, ("a",), ("b",), ("a", "b")]) if n % 2 == 0 else None
+                if pick == ("a", "b") and n % 4:
+                    pick = ("a",)
+                if pick is None or used & set(pick):
+                    entries.append(None)
+                    continue
+                used |= set(pick)
+                entries.append(pick[0] if len(pick) == 1 else pick)
+            specs.append(P(*entries))
+        placed = [jax.device_put(jnp.asarray(a), NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+        closed = jax.make_jaxpr(fn)(*placed)
+        try:
+            plan = spmd.per_shard(closed, [x.sharding for x in placed])
+        except spmd.Refused as why:
+            assert str(why), "a refusal without a reason"
+            tally["refused"] += 1
+            return
+        tally["per shard"] += 1
+        tally["collectives"] += bool(plan.collectives)
+        out = jax.jit(plan)(*placed)
+        ref = jax.tree.leaves(jax.jit(fn)(*placed))
+        tf._judge(prog, fn, args, list(out), ref)
+
+    check()
+    print("fuzz tally", tally)
+    assert tally["per shard"] >= (tally["per shard"] + tally["refused"]) / 3, tally
+    assert tally["collectives"] > 0, tally
+
+
+def test_spmd_fuzz():
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip(),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    proc = subprocess.run([sys.executable, __file__, "--fuzz"], capture_output=True, text=True, env=env,
+                          cwd=str(ROOT), timeout=600)
+    assert proc.returncode == 0, f"fuzz failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-8000:]}"
+    print(proc.stdout)
+
+
+if __name__ == "__main__":   # one case (or the fuzz), in a process that sees 8 host devices
     assert len(jax.devices()) >= 8, jax.devices()
-    run_case(sys.argv[1])
+    if sys.argv[1] == "--fuzz":
+        fuzz()
+    else:
+        run_case(sys.argv[1])
