@@ -28,10 +28,10 @@ import jax
 import numpy as np
 
 from .cluster import cluster
-from .compat import abstract
+from .compat import abstract, varying_axes, vary
 from .costmodel import ENGINE_OF_KIND, GPU, GPUS, cluster_math, kernel_flops
 from .graph import Graph, trace
-from .offline import compile_program
+from .offline import compile_program, h100_devices
 from .primitives import KERNEL_CALLS, is_movement_op
 from .profiling import device_inputs, time_interleaved
 from .xla import Price, xla_program
@@ -200,13 +200,57 @@ def compiled(plain: Price, vtc: Price, plain_fn: Any, vtc_fn: Any, closed: Any, 
     program's compile between the guard's steps (it does not change)."""
     args = _abstract_inputs(closed)
     cache = {} if cache is None else cache
+    manual = _manual_axes()
+    placed = bool(manual)
+    if manual:   # a shard_map body: compiled as the program each device of its mesh runs
+        mesh, plain_fn, vtc_fn = _alone(plain_fn, vtc_fn, manual, closed)
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in args]
     if "jit" not in cache:
-        cache["jit"] = compile_program(jax.jit(plain_fn, donate_argnums=donate), *args, kernels=False)
+        cache["jit"] = compile_program(jax.jit(plain_fn, donate_argnums=donate), *args, kernels=False, placed=placed)
     cj = cache["jit"]
-    cv = compile_program(jax.jit(vtc_fn, donate_argnums=donate), *args, kernels=False)
+    cv = compile_program(jax.jit(vtc_fn, donate_argnums=donate), *args, kernels=False, placed=placed)
     as_price = lambda c, m: Price(len(c.launches), c.bytes, c.memory["total"], m.fusions)  # noqa: E731
     v = judge(as_price(cj, plain), as_price(cv, vtc), gpu, by="compile")
     return v
+
+
+def _manual_axes() -> tuple[tuple[str, int], ...]:
+    """The context mesh's axes (name, size) when tracing a shard_map body (some are Manual)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    types = getattr(mesh, "axis_types", ())
+    if not any("Manual" in str(t) for t in types):
+        return ()
+    return tuple(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def _alone(plain_fn: Any, vtc_fn: Any, axes: tuple[tuple[str, int], ...], closed: Any) -> tuple[Any, Any, Any]:
+    """A shard_map body's programs (plain and VTC's) as whole programs, with the mesh they run on:
+    one shard_map over compile-only H100s shaped as the body's own mesh (``offline.h100_devices``),
+    each device given the body's per-shard inputs (replicated) typed as in the body (varying over
+    the axes they vary over there: its collectives need them so), each varying output stacked
+    along a new leading axis (no copy). Each device runs the body: its launches, bytes and
+    buffers, the collectives alike on both sides."""
+    from jax.sharding import PartitionSpec as P
+    names, sizes = zip(*axes)
+    mesh = jax.sharding.Mesh(np.array(h100_devices(int(np.prod(sizes)))).reshape(sizes), names)
+    vin = [varying_axes(v.aval) for v in closed.jaxpr.invars]
+    vout = [varying_axes(getattr(v, "aval", None)) for v in closed.jaxpr.outvars]
+    out_specs = tuple(P(tuple(sorted(a))) if a else P() for a in vout)
+    checked = any(vin) or any(vout)   # a body traced without replication checks has no varying types
+
+    def whole(fn: Any) -> Any:
+        def body(*xs: Any) -> tuple[Any, ...]:
+            ys = fn(*(vary(x, a) for x, a in zip(xs, vin)))
+            return tuple(y[None] if a else y for y, a in zip(ys, vout))
+
+        def program(*xs: Any) -> Any:
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return jax.shard_map(body, mesh=mesh, in_specs=(P(),) * len(vin), out_specs=out_specs,
+                                     check_vma=checked)(*xs)
+        return program
+
+    return mesh, whole(plain_fn), whole(vtc_fn)
 
 
 def measured(plain: Price, vtc: Price, plain_fn: Any, vtc_fn: Any, closed: Any, donate: tuple[int, ...],
