@@ -212,17 +212,26 @@ if __name__ == "__main__":   # one check, in a process that sees 8 host devices
 
 # ---- paper size, compiled for a node of H100s (deviceless, in this process) ------------------
 
+PAPER = [(p, s, 8) for p in tp.PROGRAMS for s in tp.STYLES] + \
+    [(p, s, 4) for p in ("megatron_gspmd", "shard_map_psum") for s in tp.STYLES]
+
+
 @pytest.mark.offline
-@pytest.mark.parametrize("program,style", [(p, s) for p in tp.PROGRAMS for s in tp.STYLES])
-def test_paper_size_on_four_h100s(program, style):
-    """The layers at Llama-3-8B / Gemma-2-9B size on a mesh of 4 compile-only H100s
-    (``offline.h100_devices``; benchmarks/tp.py prints the table): VTC's program has Triton
-    kernels (the sharded programs per shard, shard_map_psum under jax's default ``check_vma``),
-    the same collectives as jit's, and per device no more launches, bytes or temporary buffers.
-    (Before: the GSPMD and DP programs ran as plain jit; shard_map_psum's body fell back on a
-    varying-type error in the guard's re-trace and on a mask read through ``pvary``.)"""
+@pytest.mark.parametrize("program,style,n", PAPER)
+def test_paper_size_on_h100s(program, style, n):
+    """The layers at Llama-3-8B / Gemma-2-9B size on a mesh of n compile-only H100s
+    (``offline.h100_devices``, topology 1x1xn; benchmarks/tp.py prints the table for 2, 4 and 8),
+    lowered as a user lowers them (``optimize(step, backend="triton").lower(sharded
+    ShapeDtypeStructs).compile()``, no context manager; ``compile_program(placed=True)`` only adds
+    XLA's dump options): jit's collectives, and per device no more launches, bytes or temporary
+    buffers than jit's. Triton kernels run in the data-parallel layers and, on 4 devices, in the
+    tensor-parallel ones (per shard; shard_map_psum under jax's default ``check_vma``). On 8
+    devices (one KV head each) the TP layers' kernels lose to XLA's fusions (25 launches against
+    20) and the guard, compiling the shard_map body as each device runs it (``guard._alone``),
+    undoes them: shard_map_psum is then jit's program launch for launch, and the GSPMD layer the
+    per-shard program (``spmd.per_shard``), which moves 40% fewer bytes than GSPMD's."""
     from vtc_jax import offline
-    devices = offline.h100_devices(4)
+    devices = offline.h100_devices(n)
     step = tp.make(program, style, devices=devices)
     args = tp.example_args(program, "paper", style, devices=devices)
     donate = tp.DONATE.get(program, ())
@@ -233,32 +242,12 @@ def test_paper_size_on_four_h100s(program, style):
         with warnings.catch_warnings():
             warnings.simplefilter("error", vtc_jax.VTCFallbackWarning)
             vtc = offline.compile_program(opt, *args, placed=True, kernels=False)
-    assert vtc.triton_launches, "no kernels"
     count = lambda p: {k: p.hlo.count(f" {k}(") + p.hlo.count(f" {k}-start(") for k in COLLECTIVES}  # noqa: E731
     assert count(vtc) == count(jit), (count(vtc), count(jit))
     assert len(vtc.launches) <= len(jit.launches), (len(vtc.launches), len(jit.launches))
     assert vtc.bytes <= jit.bytes, (vtc.bytes, jit.bytes)
     assert vtc.memory["temp_size_in_bytes"] <= jit.memory["temp_size_in_bytes"]
-
-
-@pytest.mark.offline
-def test_paper_size_guard_compiles_a_shard_map_body():
-    """shard_map_psum on 8 compile-only H100s (one KV head per device): the body's kernels lose to
-    what XLA does with it (the model could not tell: 25 launches against 20). The guard compiles a
-    shard_map body as the program each device runs (``guard._alone``: a shard_map over a mesh of
-    the body's shape, inputs typed varying as in the body) and undoes the plan: VTC's program is
-    jit's, launch for launch. (Before: the body's standalone compile failed on its varying types
-    and the model's verdict stood, 0.95× of jit.)"""
-    from vtc_jax import offline
-    devices = offline.h100_devices(8)
-    step = tp.make("shard_map_psum", "llama", devices=devices)
-    args = tp.example_args("shard_map_psum", "paper", "llama", devices=devices)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        jit = offline.compile_program(step, *args, placed=True, kernels=False)
-        opt = vtc_jax.optimize(step, backend="triton")
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", vtc_jax.VTCFallbackWarning)
-            vtc = offline.compile_program(opt, *args, placed=True, kernels=False)
-    assert (len(vtc.launches), vtc.bytes) == (len(jit.launches), jit.bytes)
-    assert not vtc.triton_launches
+    if n == 4 or program == "dp_cache":
+        assert vtc.triton_launches, "no kernels"
+    elif program == "shard_map_psum":
+        assert (len(vtc.launches), vtc.bytes) == (len(jit.launches), jit.bytes) and not vtc.triton_launches

@@ -525,7 +525,8 @@ def compile_program(fn: Callable, *args: Any, kernels: bool = True, donate_argnu
     A plain function is wrapped in ``jax.jit(fn, donate_argnums=donate_argnums)``. With ``kernels``
     the PTX XLA emits is assembled by ``ptxas -v`` for per-kernel resources. ``placed``: the
     arguments are ShapeDtypeStructs already carrying their shardings (e.g. a mesh over
-    :func:`h100_devices`), kept as they are; the counts are then those of one device's program."""
+    :func:`h100_devices`), kept as they are, and the program is lowered with no context manager, as
+    a user lowers it; the counts are then those of one device's program."""
     import jax
 
     local = jax.default_backend() == "gpu"
@@ -554,7 +555,9 @@ def compile_program(fn: Callable, *args: Any, kernels: bool = True, donate_argnu
             if nvvm.is_dir():
                 (cuda / "nvvm").symlink_to(nvvm)
             options.update(xla_gpu_cuda_data_dir=str(cuda), xla_gpu_enable_libnvptxcompiler=False)
-        with (contextlib.nullcontext() if local else cuda_lowering()), warnings.catch_warnings():
+        # placed arguments: lowered exactly as a user lowers a sharded program (no vtc_jax context;
+        # vtc_jax's kernels name their abstract GPU themselves, compat.triton_compiler_params)
+        with (contextlib.nullcontext() if local or placed else cuda_lowering()), warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=DeprecationWarning)
             compiled = target.lower(*args, **kwargs).compile(compiler_options=options)
         hlo_files = sorted(dump.glob("*after_optimizations.txt"))
