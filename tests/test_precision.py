@@ -259,3 +259,23 @@ def test_sdpa_preset_on_bf16_is_the_default():
     assert native_precision(preset, jnp.float32) == preset          # on f32 operands it is a real choice
     assert native_precision(jax.lax.DotAlgorithmPreset.F16_F16_F32, jnp.float16) == jax.lax.Precision.DEFAULT
     assert more_precise(native_precision(preset, jnp.bfloat16), None) in (None, jax.lax.Precision.DEFAULT)
+
+
+@pytest.mark.parametrize("form", ["a.T @ b", "lax.dot(a.T, b, preferred_element_type=f32)"])
+def test_bf16_transposed_dot_runs_on_the_cpu_interpreter(form):
+    """A bf16 ``a.T @ b`` of 16×8 operands (issue #25): XLA's CPU DotThunk has no
+    BF16 × BF16 → F32 for these blocks and failed at the first call, after ``optimize`` returned.
+    On the interpreter the GEMM kernels widen 16-bit operands to f32 (``tiling.interpreter_dtype``:
+    exact products, f32 accumulation as before); lowered for CUDA they stay bf16 (tensor cores)."""
+    from vtc_jax.kernels.tiling import interpreter_dtype
+    fn = (lambda a, b: a.T @ b) if form.startswith("a.T") else \
+        (lambda a, b: jax.lax.dot(a.T, b, preferred_element_type=jnp.float32))
+    rng = np.random.default_rng(0)
+    a, b = (jnp.asarray(rng.standard_normal((16, 8)), jnp.bfloat16) for _ in range(2))
+    opt = vtc_jax.optimize(fn, backend="interpret")
+    out, ref = opt(a, b), jax.jit(fn)(a, b)
+    assert out.dtype == ref.dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=1e-2, atol=1e-2)
+    assert any("matmul" in k for k in opt.last[1].kernels), opt.last[1].kernels
+    assert interpreter_dtype(jnp.bfloat16, "triton") == jnp.bfloat16
+    assert interpreter_dtype(jnp.bfloat16, "interpret") == jnp.float32

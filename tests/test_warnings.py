@@ -66,3 +66,23 @@ def test_symbolic_shapes_fall_back_with_a_reason_not_an_internal_error():
     with pytest.raises(vtc_jax.VTCError, match="symbolic dimensions"):
         export.export(jax.jit(vtc_jax.optimize(f, backend="interpret", strict=True)))(
             jax.ShapeDtypeStruct((n, 8), jnp.float32))
+
+
+def test_a_cpu_machine_is_quiet_after_importing_vtc_jax():
+    """The test extra installs jax's CUDA plugin (cross-lowering, the deviceless compile). On a
+    machine without an NVIDIA driver its start-up fails at the first backend use with a 20-line
+    "Jax plugin configuration error ... Unable to load cuDNN" traceback, and jax goes on with the
+    CPU. With vtc_jax imported (no ``JAX_PLATFORMS`` set, as a user runs a script), that traceback
+    is not printed; jax's other messages are untouched."""
+    import os
+    import subprocess
+    import sys
+    from vtc_jax.compat import nvidia_driver_present
+    if nvidia_driver_present():
+        pytest.skip("a machine with an NVIDIA driver: a plugin error there is real news")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = "import jax, vtc_jax; print(jax.devices()[0].platform)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "cpu"
+    assert "Jax plugin configuration error" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

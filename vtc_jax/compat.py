@@ -224,6 +224,38 @@ def quiet_jax_triton_deprecation() -> None:
 quiet_jax_triton_deprecation()
 
 
+def nvidia_driver_present() -> bool:
+    """Whether this machine has an NVIDIA driver (its kernel module, or its user-space library)."""
+    import ctypes.util
+    return os.path.exists("/proc/driver/nvidia/version") or ctypes.util.find_library("cuda") is not None
+
+
+class _NoDriverPluginError:
+    """A filter on jax's ``jax._src.xla_bridge`` logger dropping the record of its CUDA plugin
+    failing to start — a 20-line "Jax plugin configuration error ... Unable to load cuDNN"
+    traceback at the first backend use — on a machine with no NVIDIA driver, where it can only
+    fail and jax goes on with the CPU. The test extra installs the plugin for cross-lowering and
+    the deviceless compile; a CPU machine following the README should stay quiet (issue #25)."""
+
+    @staticmethod
+    def filter(record: Any) -> bool:
+        msg = str(record.msg)
+        return not (msg.startswith("Jax plugin configuration error") and "cuda" in str(record.args).lower())
+
+
+def quiet_cuda_plugin_without_driver() -> None:
+    """Install :class:`_NoDriverPluginError` where there is no NVIDIA driver (a no-op elsewhere:
+    on a GPU machine a plugin error is real news). jax 0.10.2's jaxlib also prints absl lines
+    ("Could not find cuda drivers") from C++ when ``import jax`` loads the plugin's libraries,
+    before vtc_jax is imported: no Python code can silence those."""
+    if not nvidia_driver_present():
+        import logging
+        logging.getLogger("jax._src.xla_bridge").addFilter(_NoDriverPluginError())
+
+
+quiet_cuda_plugin_without_driver()
+
+
 _MANUAL_AXIS_TYPE = getattr(jax.sharding, "ManualAxisType", None)
 _EMPTY_MAT = _MANUAL_AXIS_TYPE() if _MANUAL_AXIS_TYPE is not None else None
 

@@ -51,7 +51,8 @@ import numpy as np
 from jax import lax
 
 from ..indexmap import IndexMap, Layout, dim
-from .tiling import Group, cdiv, check_pow2, choose_blocks, dot_precision, fori, next_pow2, program_id, split_block
+from .tiling import (Group, cdiv, check_pow2, choose_blocks, dot_precision, fori, interpreter_dtype, next_pow2,
+                     program_id, split_block)
 from .vio import Plan, VTensor, epilogue_input, output, pack_results
 
 __all__ = ["conv", "conv_views"]
@@ -341,6 +342,7 @@ def conv(x: Any, w: Any, *, window_strides: Sequence[int], padding: Any,
     extras = [e.with_layout(_y_view(e.layout, g)) for e in extras]
 
     cfg = _plan(g, compute_dtype, out.dtype, precision, epilogue, block_m, block_n, block_k, num_warps)
+    cfg = dataclasses.replace(cfg, compute_dtype=interpreter_dtype(cfg.compute_dtype, backend))
     kernel, name = (_depthwise_kernel, "vtc_conv_depthwise") if g.depthwise else (_conv_kernel, "vtc_conv")
     if num_stages is None:  # IEEE f32 dots need the registers a 2nd stage takes (spills); TF32 unmeasured
         num_stages = 1 if np.dtype(compute_dtype).itemsize >= 4 else 2

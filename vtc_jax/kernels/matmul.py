@@ -56,7 +56,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from .tiling import (MIN_DOT_BLOCK, GemmConfig, Group, InBounds, check_pow2, choose_blocks, dot_precision, fori,
-                     gemm_config, normalize_split, program_id, split_block)
+                     gemm_config, interpreter_dtype, normalize_split, program_id, split_block)
 from .vio import Plan, VTensor, epilogue_input, output, pack_results
 
 __all__ = ["matmul", "MIN_DOT_BLOCK", "choose_blocks"]
@@ -359,6 +359,7 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
                                    prologue_dtypes)
     if any(f is not None for f in prologue):
         cfg = dataclasses.replace(cfg, prologue=tuple(prologue))
+    cfg = dataclasses.replace(cfg, compute_dtype=interpreter_dtype(cfg.compute_dtype, backend))
     stages = cfg.launch.num_stages
     if cfg.split == 1:
         plan = Plan.build([a, b, *extras], [out])

@@ -326,6 +326,18 @@ def dot_precision(precision: Any, compute_dtype: Any) -> tuple[Any, np.dtype]:
     return (p if compute_dtype == np.float32 else None), acc
 
 
+def interpreter_dtype(compute_dtype: Any, backend: str) -> np.dtype:
+    """The dtype a GEMM kernel casts its dot operands to: ``compute_dtype``, but f32 for 16-bit
+    floats on the CPU interpreter. Why: XLA's CPU ``DotThunk`` has no BF16 × BF16 → F32 (nor F16)
+    for some block shapes and fails at run time, after ``optimize`` returned (a bf16 ``a.T @ b``
+    of 16×8 operands). Exact: the product of two 16-bit floats is exact in f32 and the kernels
+    accumulate in f32, so only the summation order can differ, as between two tilings."""
+    compute_dtype = np.dtype(compute_dtype)
+    if backend == "interpret" and jnp.issubdtype(compute_dtype, jnp.floating) and compute_dtype.itemsize == 2:
+        return np.dtype(jnp.float32)
+    return compute_dtype
+
+
 # --------------------------------------------------------------------------------------------
 # The matmul template's launch shape (read by the kernel and by the cost model)
 # --------------------------------------------------------------------------------------------
