@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
+import os
 import types
 from typing import Any, Callable, Sequence
 
@@ -22,6 +23,7 @@ from .compat import abstract, warn
 from .guard import GUARDS, PLAIN, UNDONE
 from .program import BuildOptions, build, per_shard_only
 from .report import Report, build_report, fallback_messages
+from . import plancache
 from .spmd import Refused, per_shard
 
 
@@ -181,7 +183,7 @@ class Optimized:
     def __init__(self, fn: Callable[..., Any], *, static_argnums: Sequence[int], static_argnames: Sequence[str],
                  donate_argnums: Sequence[int], backend: str, objective: str, cost_model: Any,
                  strict: bool, gpu: str | None, donate_argnames: Sequence[str] = (),
-                 guard: str | None = "model") -> None:
+                 guard: str | None = "model", plan_cache: str | os.PathLike | None = None) -> None:
         self.fn = fn
         self._static = resolve_argnums(fn, static_argnums or None, static_argnames or None)
         self._donate = resolve_argnums(fn, donate_argnums or None, donate_argnames or None)
@@ -189,6 +191,9 @@ class Optimized:
         self.backend = _resolve_backend(backend)
         self.strict = strict
         self.guard = guard
+        # opt-in persistent plans (plancache); a custom cost model is an object no key can name
+        self.plan_cache = (plan_cache if plan_cache is not None else os.environ.get(plancache.ENV)) \
+            if cost_model is None else None
         self._said: set[str] = set()
         self.last: Any = None   # (Analysis, Lowered) of the latest trace, for inspection
         self._rejected: dict[int, str] = {}   # clusters whose kernel failed to build (latest trace)
@@ -235,6 +240,9 @@ class Optimized:
                            f"({symbolic}, jax.export's shape polymorphism): vtc_jax plans kernels and "
                            "index maps for concrete shapes; running it as plain XLA")
             return f(*a, **k)
+        key, hit = self._cached(f, a, k, flat, donate) if self.plan_cache else (None, None)
+        if hit is not None:
+            return hit()
         try:
             analysis, lowered, closed = self._plan_and_build(f, a, k, flat, donate)
         except VTCError:
@@ -248,17 +256,52 @@ class Optimized:
                            f"({type(exc).__name__}: {exc}); running it as plain XLA", exc)
             return f(*a, **k)
         self.last = (analysis, lowered)
+        emitted = (lambda *xs: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *xs))  # noqa: E731
         if analysis.guard and analysis.guard[-1].startswith(PLAIN):   # the guard's last word: jax.jit's own program
+            self._keep(key, None, flat, ())
             return f(*a, **k)
         failed = frozenset(c for c, why in self._rejected.items() if not why.startswith(UNDONE))
-        for msg in fallback_messages(analysis, failed, self._build.bodies):
+        messages = [*fallback_messages(analysis, failed, self._build.bodies), *lowered.fallbacks]
+        for msg in messages:
             self._fallback(msg)
-        for why in lowered.fallbacks:
-            self._fallback(why)
+        self._keep(key, emitted, flat, messages)
         # derivatives: fn's own, as plain XLA
-        program = with_original_derivatives(lambda *xs: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *xs),
-                                            f, analysis.graph.in_tree)
+        program = with_original_derivatives(emitted, f, analysis.graph.in_tree)
         return analysis.graph.unflatten_outputs(program(*flat))
+
+    def _cached(self, f: Callable[..., Any], a: tuple, k: dict, flat: list,
+                donate: tuple[tuple[int, ...], tuple[str, ...]]) -> tuple[str, Callable[[], Any] | None]:
+        """With a plan cache: ``(key, the call answered from it)``, the call None on a miss (the
+        key is then the one :meth:`_keep` writes under). Keyed by ``fn``'s jaxpr at these avals
+        (``plancache.key``)."""
+        in_tree = jax.tree_util.tree_structure((a, k))
+        trees: list[Any] = []
+
+        def flat_f(*xs: Any) -> list[Any]:
+            ar, kw = jax.tree_util.tree_unflatten(in_tree, xs)
+            out, tree = jax.tree_util.tree_flatten(f(*ar, **kw))
+            trees.append(tree)
+            return out
+
+        closed = jax.make_jaxpr(flat_f)(*map(_abstract, flat))
+        options = dict(backend=self.backend, strict=self.strict, guard=self.guard,
+                       objective=self._opts["objective"], gpu=self._opts["gpu"])
+        key = plancache.key(closed, options, donate)
+        entry = plancache.load(self.plan_cache, key)
+        if entry is None:
+            return key, None
+        self.last = None   # no analysis in this process: explain() gives it
+        for msg in entry.messages:
+            self._fallback(msg)
+        if entry.program is None:   # the guard chose plain jax.jit when the plan was made
+            return key, lambda: f(*a, **k)
+        program = with_original_derivatives(entry.program.call, f, in_tree)
+        return key, lambda: jax.tree_util.tree_unflatten(trees[0], program(*flat))
+
+    def _keep(self, key: str | None, emitted: Callable[..., Any] | None, flat: list, messages: Sequence[str]) -> None:
+        """Write the plan just made to the plan cache under ``key`` (None: no cache)."""
+        if key is not None:
+            plancache.store(self.plan_cache, key, emitted, [_abstract(x) for x in flat], messages)
 
     def _plan_and_build(self, f: Callable[..., Any], a: tuple, k: dict, flat: list,
                         donate: tuple[tuple[int, ...], tuple[str, ...]]) -> tuple[Any, Any, Any]:
@@ -417,7 +460,8 @@ def optimize(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequ
              static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
              backend: str = "auto", objective: str = "latency", cost_model: Any = None,
              strict: bool = False, gpu: str | None = None,
-             donate_argnames: str | Sequence[str] = (), guard: str | None = "model") -> Any:
+             donate_argnames: str | Sequence[str] = (), guard: str | None = "model",
+             plan_cache: str | os.PathLike | None = None) -> Any:
     """Compile ``fn`` with VTC: like ``jax.jit(fn)``, with data movement turned into index maps.
 
     Use as ``@optimize`` or ``@optimize(donate_argnums=2, ...)``. Static and donated arguments
@@ -433,10 +477,15 @@ def optimize(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequ
     compile where there is none), ``None`` not at all. Kernels that lose are undone cluster by
     cluster; if the program still loses, it runs as plain ``jax.jit(fn)``. ``explain()`` says what
     the guard did. A guard's undo is a choice, not a fallback: no warning.
+
+    ``plan_cache``: a directory (default: the ``VTC_JAX_PLAN_CACHE`` environment variable; None:
+    off) keeping each emitted program across processes (:mod:`vtc_jax.plancache`): a later
+    process's first call traces ``fn``, loads the plan and skips the analysis, the guard and the
+    kernel builds. Pair it with jax's ``jax_compilation_cache_dir`` to skip XLA's compile too.
     """
     opts = dict(static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums,
                 backend=backend, objective=objective, cost_model=cost_model, strict=strict,
-                gpu=gpu, donate_argnames=donate_argnames, guard=guard)
+                gpu=gpu, donate_argnames=donate_argnames, guard=guard, plan_cache=plan_cache)
     if fn is None:
         return functools.partial(optimize, **opts)
     if not callable(fn):
@@ -448,4 +497,4 @@ def optimize(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequ
     return Optimized(fn, static_argnums=as_tuple(static_argnums, int), static_argnames=as_tuple(static_argnames, str),
                      donate_argnums=as_tuple(donate_argnums, int), donate_argnames=as_tuple(donate_argnames, str),
                      backend=backend, objective=objective,
-                     cost_model=cost_model, strict=strict, gpu=gpu, guard=guard)
+                     cost_model=cost_model, strict=strict, gpu=gpu, guard=guard, plan_cache=plan_cache)

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from .cluster import cluster
 from .compat import abstract, varying_axes, vary
@@ -231,7 +232,6 @@ def _alone(plain_fn: Any, vtc_fn: Any, axes: tuple[tuple[str, int], ...], closed
     the axes they vary over there: its collectives need them so), each varying output stacked
     along a new leading axis (no copy). Each device runs the body: its launches, bytes and
     buffers, the collectives alike on both sides."""
-    from jax.sharding import PartitionSpec as P
     names, sizes = zip(*axes)
     mesh = jax.sharding.Mesh(np.array(h100_devices(int(np.prod(sizes)))).reshape(sizes), names)
     vin = [varying_axes(v.aval) for v in closed.jaxpr.invars]
