@@ -102,13 +102,22 @@ def with_constraint(x, w):
 
 
 def scan_over_time(x, w):
-    """A scan over time (dim 1, whole) of a batch split over ``data``: the scan is no rule's, so
-    nothing split may reach it — refused, not wrong."""
+    """A recurrence over time (dim 1, whole) of a batch split over ``data``: the scan's body runs
+    per shard (its carry and xs keep the batch split; the scanned dim stays whole)."""
     def body(c, xt):
         c = jnp.tanh(c @ w + xt)
         return c, c
     _, ys = lax.scan(body, jnp.zeros((x.shape[0], w.shape[0])), x.transpose(1, 0, 2))
     return jnp.tanh(ys.transpose(1, 2, 0)) * 2
+
+
+def scanned_layers(x, w1, w2):
+    """Layers stacked and scanned (MaxText's scan_layers), Megatron-split weights: column-parallel
+    up, row-parallel down (a psum inside the body)."""
+    def layer(h, ws):
+        a, b = ws
+        return h + jnp.tanh(h @ a).reshape(h.shape[0], 4, -1).reshape(h.shape[0], -1) @ b, None
+    return lax.scan(layer, x, (w1, w2))[0]
 
 
 CASES = {
@@ -139,7 +148,12 @@ CASES = {
     "explicit axes: data-parallel softmax": (softmax_rows, [((16, 32), P("data", None)), ((32, 16), P())],
                                              _mesh2_explicit, "per shard"),
     "scan over a split batch": (scan_over_time, [((8, 4, 16), P("data")), ((16, 16), P())], _mesh2,
-                                "refused: scan"),
+                                "per shard"),
+    "scan along a split time": (scan_over_time, [((8, 4, 16), P(None, "model")), ((16, 16), P())], _mesh2,
+                                "refused: a scanned dimension"),
+    "scanned layers, row-parallel": (scanned_layers, [((4, 16), P()), ((3, 16, 32), P(None, None, "model")),
+                                                      ((3, 32, 16), P(None, "model", None))], _mesh2,
+                                     "per shard: psum"),
 }
 
 

@@ -382,7 +382,7 @@ class Optimized:
 
         inner = Optimized(program, static_argnums=self._static[0], static_argnames=self._static[1],
                           donate_argnums=self._donate[0], donate_argnames=self._donate[1], backend=self.backend,
-                          strict=self.strict, guard=self.guard, **self._opts)
+                          strict=self.strict, guard=self.guard, plan_cache="", **self._opts)
         inner._said = self._said   # one voice: a notice said by either is said once
         return inner._jitted
 

@@ -39,6 +39,7 @@ import jax.extend.core as jcore
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .compat import scan_counts
 from .interpret import rebind
 from .primitives import CALL_LIKE, ELEMENTWISE, TABLE
 
@@ -57,12 +58,22 @@ class Refused(Exception):
 # --------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class Body:
+    """A loop body's flat program (``scan``): its inputs' numbers (consts, carry, xs), steps and
+    outputs (carry, ys), in the same numbering as the program around it."""
+    ins: tuple[int, ...]
+    steps: tuple["Step", ...]
+    outs: tuple[Any, ...]
+
+
+@dataclass(frozen=True, eq=False)
 class Step:
     """One equation of the flat program: its primitive and params, and its values' numbers
-    (an int) or literal constants (``jcore.Literal``)."""
+    (an int) or literal constants (``jcore.Literal``); a ``scan`` carries its body."""
     eqn: Any
     ins: tuple[Any, ...]
     outs: tuple[int, ...]
+    body: Body | None = None
 
 
 @dataclass
@@ -88,7 +99,11 @@ def _body(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
     return None
 
 
-def _flatten(flat: _Flat, jaxpr: Any, consts: Sequence[Any], ins: Sequence[Any]) -> list[Any]:
+def _flatten(flat: _Flat, jaxpr: Any, consts: Sequence[Any], ins: Sequence[Any],
+             steps: list[Step] | None = None) -> list[Any]:
+    """Append ``jaxpr``'s equations to ``steps`` (default: the program's), calls inlined, a
+    ``scan``'s body flattened into its own :class:`Body`; returns the outputs' numbers."""
+    steps = flat.steps if steps is None else steps
     env: dict[Any, Any] = {}
 
     def read(v: Any) -> Any:
@@ -102,10 +117,17 @@ def _flatten(flat: _Flat, jaxpr: Any, consts: Sequence[Any], ins: Sequence[Any])
         args = [read(v) for v in eqn.invars]
         body = _body(eqn) if eqn.primitive.name in CALL_LIKE else None
         if body is not None:
-            outs = _flatten(flat, body[0], body[1], args)
+            outs = _flatten(flat, body[0], body[1], args, steps)
         else:
             outs = [flat.new(v.aval) for v in eqn.outvars]
-            flat.steps.append(Step(eqn, tuple(args), tuple(outs)))
+            loop = None
+            if eqn.primitive.name == "scan":
+                inner = eqn.params["jaxpr"]
+                bins = [flat.new(v.aval) for v in inner.jaxpr.invars]
+                bsteps: list[Step] = []
+                bouts = _flatten(flat, inner.jaxpr, inner.consts, bins, bsteps)
+                loop = Body(tuple(bins), tuple(bsteps), tuple(bouts))
+            steps.append(Step(eqn, tuple(args), tuple(outs), loop))
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
@@ -428,6 +450,32 @@ def _identity(nodes: _Nodes, s: Step, shape: Any) -> list[Reduction]:
     return []
 
 
+def _scan(nodes: _Nodes, s: Step, shape: Any) -> list[Reduction]:
+    """``scan``: its body's inputs go with the operands (consts and carry whole, xs without the
+    scanned leading dim), its outputs with the results (carry whole, ys without the stacked
+    leading dim), and the carry's output with its input; the scanned and stacked dims stay whole.
+    The body's own steps are propagated by :func:`_propagate`."""
+    assert s.body is not None
+    nc, ncar = scan_counts(s.eqn.params)
+    body = s.body
+
+    def tie(outer: Any, inner: Any, skip_lead: bool) -> None:
+        if isinstance(outer, jcore.Literal) or isinstance(inner, jcore.Literal):
+            return
+        if skip_lead:
+            nodes.pin((outer, 0), "a scanned dimension")
+        for d in range(len(shape(inner))):
+            nodes.union((outer, d + skip_lead), (inner, d))
+
+    for i, (x, b) in enumerate(zip(s.ins, body.ins)):
+        tie(x, b, i >= nc + ncar)
+    for j, (o, b) in enumerate(zip(s.outs, body.outs)):
+        tie(o, b, j >= ncar)
+    for j in range(ncar):
+        tie(body.ins[nc + j], body.outs[j], False)
+    return []
+
+
 def _generator(nodes: _Nodes, s: Step, shape: Any) -> list[Reduction]:
     return []   # iota: any split; the shard's offset is added where its dimension is split
 
@@ -450,6 +498,7 @@ RULES: dict[str, Rule] = {
     "split": _concat,
     "conv_general_dilated": _conv,
     "sharding_constraint": _constraint,
+    "scan": _scan,
     "copy": _identity,
     "copy_p": _identity,
     "device_put": _identity,
@@ -533,15 +582,8 @@ def per_shard(closed: Any, shardings: Sequence[Any]) -> PerShard:
     for c in flat.consts:
         for d in range(len(shape(c))):
             nodes.pin((c, d), "a constant of the program")
-    reductions: dict[int, list[Reduction]] = {}
-    for i, s in enumerate(flat.steps):
-        rule = RULES.get(s.eqn.primitive.name)
-        if rule is None:
-            _pin_all(nodes, s, shape, f"{s.eqn.primitive} (no per-shard rule)")
-            continue
-        found = rule(nodes, s, shape)
-        if found:
-            reductions[i] = found
+    reductions: dict[Step, list[Reduction]] = {}
+    _propagate(nodes, flat.steps, shape, reductions)
     # every split divides its sizes, and no value is split twice over one axis
     for x, sh in enumerate(flat.shapes):
         seen: list[str] = []
@@ -557,20 +599,34 @@ def per_shard(closed: Any, shardings: Sequence[Any]) -> PerShard:
     local = [tuple(n // math.prod(sizes[a] for a in nodes.split((x, d))) for d, n in enumerate(sh))
              for x, sh in enumerate(flat.shapes)]
     collectives: list[str] = []
-    after: dict[int, list[tuple[str, Axes]]] = {}
-    for i, found in reductions.items():
+    after: dict[Step, list[tuple[str, Axes]]] = {}
+    for step, found in reductions.items():
         for name, keys, out in found:
             axes = tuple(a for k in keys for a in nodes.split(k))
             kept = {a for d in range(len(shape(out))) for a in nodes.split((out, d))}
             if kept & set(axes):   # a shard's partial sum would mix blocks of its result
-                raise Refused(f"{flat.steps[i].eqn.primitive} contracts and keeps dimensions split over {axes}")
+                raise Refused(f"{step.eqn.primitive} contracts and keeps dimensions split over {axes}")
             if axes:
-                after.setdefault(i, []).append((name, axes))
-                collectives.append(f"{name} over {axes} after {flat.steps[i].eqn.primitive}")
+                after.setdefault(step, []).append((name, axes))
+                collectives.append(f"{name} over {axes} after {step.eqn.primitive}")
     in_specs = tuple(spec(x) for x in ins)
     out_specs = tuple(spec(x) if not isinstance(x, jcore.Literal) else PartitionSpec() for x in outs)
     body = _body_fn(flat, ins, outs, local, nodes, sizes, after)
     return PerShard(mesh, in_specs, out_specs, tuple(collectives), body)
+
+
+def _propagate(nodes: _Nodes, steps: Sequence[Step], shape: Any, reductions: dict[Step, list[Reduction]]) -> None:
+    """Every step's rule (a primitive with none pins all it touches), loop bodies included."""
+    for s in steps:
+        rule = RULES.get(s.eqn.primitive.name)
+        if rule is None or (s.eqn.primitive.name == "scan" and s.body is None):
+            _pin_all(nodes, s, shape, f"{s.eqn.primitive} (no per-shard rule)")
+            continue
+        found = rule(nodes, s, shape)
+        if found:
+            reductions[s] = found
+        if s.body is not None:
+            _propagate(nodes, s.body.steps, shape, reductions)
 
 
 def _entry(axes: Axes) -> Any:
@@ -607,31 +663,61 @@ def _offset(axes: Axes, sizes: dict[str, int]) -> Any:
 
 
 def _body_fn(flat: _Flat, ins: Sequence[int], outs: Sequence[Any], local: list[tuple[int, ...]], nodes: _Nodes,
-             sizes: dict[str, int], after: dict[int, list[tuple[str, Axes]]]) -> Callable[..., tuple[Any, ...]]:
-    collective = {"psum": lax.psum, "pmax": lax.pmax, "pmin": lax.pmin}
-
+             sizes: dict[str, int], after: dict[Step, list[tuple[str, Axes]]]) -> Callable[..., tuple[Any, ...]]:
     def body(*xs: Any) -> tuple[Any, ...]:
         env: dict[int, Any] = dict(flat.consts)
         env.update(zip(ins, xs))
-
-        def read(x: Any) -> Any:
-            return x.val if isinstance(x, jcore.Literal) else env[x]
-
-        for i, s in enumerate(flat.steps):
-            name = s.eqn.primitive.name
-            if name == "sharding_constraint":   # a hint to the partitioner: per shard, the identity
-                env[s.outs[0]] = read(s.ins[0])
-                continue
-            res = rebind(s.eqn.primitive, [read(x) for x in s.ins], _localise(s, local))
-            vals = list(res) if s.eqn.primitive.multiple_results else [res]
-            if name == "iota":
-                d = s.eqn.params["dimension"]
-                axes = nodes.split((s.outs[0], d))
-                if axes:
-                    vals[0] = vals[0] + (_offset(axes, sizes) * local[s.outs[0]][d]).astype(vals[0].dtype)
-            for name_, axes in after.get(i, ()):
-                vals = [collective[name_](v, axes) for v in vals]
-            env.update(zip(s.outs, vals))
-        return tuple(read(x) for x in outs)
+        return _run(flat.steps, outs, env, local, nodes, sizes, after)
 
     return body
+
+
+_COLLECTIVE = {"psum": lax.psum, "pmax": lax.pmax, "pmin": lax.pmin}
+
+
+def _run(steps: Sequence[Step], outs: Sequence[Any], env: dict[int, Any], local: list[tuple[int, ...]],
+         nodes: _Nodes, sizes: dict[str, int], after: dict[Step, list[tuple[str, Axes]]]) -> tuple[Any, ...]:
+    """Evaluate ``steps`` per shard in ``env`` (values by number); the values of ``outs``."""
+    def read(x: Any) -> Any:
+        return x.val if isinstance(x, jcore.Literal) else env[x]
+
+    for s in steps:
+        name = s.eqn.primitive.name
+        if name == "sharding_constraint":   # a hint to the partitioner: per shard, the identity
+            env[s.outs[0]] = read(s.ins[0])
+            continue
+        args = [read(x) for x in s.ins]
+        if s.body is not None:
+            vals = _scan_local(s, args, env, local, nodes, sizes, after)
+        else:
+            res = rebind(s.eqn.primitive, args, _localise(s, local))
+            vals = list(res) if s.eqn.primitive.multiple_results else [res]
+        if name == "iota":
+            d = s.eqn.params["dimension"]
+            axes = nodes.split((s.outs[0], d))
+            if axes:
+                vals[0] = vals[0] + (_offset(axes, sizes) * local[s.outs[0]][d]).astype(vals[0].dtype)
+        for name_, axes in after.get(s, ()):
+            vals = [_COLLECTIVE[name_](v, axes) for v in vals]
+        env.update(zip(s.outs, vals))
+    return tuple(read(x) for x in outs)
+
+
+def _scan_local(s: Step, args: list[Any], env: dict[int, Any], local: list[tuple[int, ...]], nodes: _Nodes,
+                sizes: dict[str, int], after: dict[Step, list[tuple[str, Axes]]]) -> list[Any]:
+    """A ``scan`` per shard: ``lax.scan`` (the public API, whose params every supported jax
+    spells alike) over the body's steps, run per shard like the program around it."""
+    assert s.body is not None
+    p, body = s.eqn.params, s.body
+    nc, ncar = scan_counts(p)
+    consts, init, xs = args[:nc], args[nc:nc + ncar], args[nc + ncar:]
+
+    def step(carry: tuple, x: tuple) -> tuple[tuple, tuple]:
+        inner = dict(env)
+        inner.update(zip(body.ins, (*consts, *carry, *x)))
+        out = _run(body.steps, body.outs, inner, local, nodes, sizes, after)
+        return tuple(out[:ncar]), tuple(out[ncar:])
+
+    carry, ys = lax.scan(step, tuple(init), tuple(xs), length=p["length"], reverse=p["reverse"],
+                         unroll=p.get("unroll", 1))
+    return [*carry, *ys]
