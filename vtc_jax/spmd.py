@@ -24,8 +24,10 @@ refused plan is never a wrong number: only what the rules prove per-shard runs p
 Localised parameters: shapes written into a primitive's params (``reshape``'s ``new_sizes``,
 ``broadcast_in_dim``'s ``shape``, ``iota``'s, a whole-dim ``slice``/``dynamic_slice``) take the
 per-shard sizes; an ``iota`` along a split dimension adds its shard's offset (``axis_index``).
-Calls (``pjit``, custom derivatives, remat) are inlined: the body runs on shards; derivatives of
-the rewritten program are the user's own (``api`` keeps ``fn``'s derivatives, ``autodiff``).
+Calls (``pjit``, custom derivatives, remat) are inlined: the body runs on shards; a ``scan``'s body
+is propagated and run per shard inside ``lax.scan`` (scanned layers, recurrences over time);
+other control flow (``while``, ``cond``) pins what it touches. Derivatives of the rewritten
+program are the user's own (``api`` keeps ``fn``'s derivatives, ``autodiff``).
 """
 from __future__ import annotations
 
