@@ -16,6 +16,7 @@ import types
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 
 from .analysis import analyze, cost_model_for, positions
 from .autodiff import with_original_derivatives
@@ -357,7 +358,7 @@ class Optimized:
         by XLA as under ``jax.jit``."""
         f, a, k = _split_static(self.fn, args, kwargs, *self._static)
         flat, in_tree = jax.tree_util.tree_flatten((a, k))
-        shardings = [getattr(x, "sharding", None) for x in flat]
+        shardings = [_sharding_of(x) for x in flat]
 
         trees: list[Any] = []
 
@@ -417,11 +418,26 @@ def _sharded_over(leaves: Sequence[Any]) -> int:
     replicated with three all-reduces)."""
     most = 0
     for leaf in leaves:
-        sharding = getattr(leaf, "sharding", None)
+        sharding = _sharding_of(leaf)
         if sharding is None or getattr(sharding, "is_fully_replicated", True):
             continue
-        most = max(most, len(getattr(sharding, "device_set", ())))
+        mesh = getattr(sharding, "mesh", None)
+        n = len(getattr(sharding, "device_set", ())) if mesh is None else int(np.prod(mesh.axis_sizes))
+        most = max(most, n)
     return most if most > 1 else 0
+
+
+def _sharding_of(x: Any) -> Any:
+    """An input's sharding: an array's or ShapeDtypeStruct's own; inside the user's own
+    ``jax.jit`` (a tracer), the sharding its type carries where the mesh has Explicit axes
+    (sharding in types, ``jax.make_mesh``'s default); else None (Auto axes: the partitioner decides
+    later, nothing to read while tracing)."""
+    if isinstance(x, jax.core.Tracer):
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        explicit = any("Explicit" in str(t) for t in getattr(mesh, "axis_types", ()))
+        return sharding if explicit and any(e is not None for e in sharding.spec) else None
+    return getattr(x, "sharding", None)
 
 
 def _call_key(tree: Any, leaves: Sequence[Any]) -> Any:
@@ -430,7 +446,7 @@ def _call_key(tree: Any, leaves: Sequence[Any]) -> Any:
     key = [tree]
     for x in leaves:
         if hasattr(x, "shape") and hasattr(x, "dtype"):
-            key.append((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)))
+            key.append((tuple(x.shape), str(x.dtype), _sharding_of(x)))
         else:
             key.append((type(x), x))
     try:

@@ -552,8 +552,14 @@ def _explicit(mesh: Any) -> bool:
     return any("Explicit" in str(t) for t in getattr(mesh, "axis_types", ()))
 
 
+def _mesh_key(mesh: Any) -> Any:
+    """A mesh's identity: a concrete mesh by itself, an abstract one (a tracer's type inside the
+    user's jit) by its axes."""
+    return (tuple(mesh.axis_names), tuple(mesh.axis_sizes), tuple(map(str, mesh.axis_types)), type(mesh).__name__)
+
+
 def _mesh_of(shardings: Sequence[Any]) -> Any:
-    meshes = {id(s.mesh): s.mesh for s in shardings if isinstance(s, NamedSharding)}
+    meshes = {_mesh_key(s.mesh): s.mesh for s in shardings if isinstance(s, NamedSharding)}
     if any(s is not None and not isinstance(s, NamedSharding) and not getattr(s, "is_fully_replicated", False)
            for s in shardings):
         raise Refused("an input is split by a sharding other than a NamedSharding")
@@ -570,7 +576,7 @@ def per_shard(closed: Any, shardings: Sequence[Any]) -> PerShard:
     """The per-shard program for ``closed`` (a ClosedJaxpr over the flat inputs) given each
     input's sharding (None: unplaced), or :class:`Refused` with the reason."""
     mesh = _mesh_of(shardings)
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     flat = _Flat()
     ins = [flat.new(v.aval) for v in closed.jaxpr.invars]
     outs = _flatten(flat, closed.jaxpr, closed.consts, ins)

@@ -60,10 +60,13 @@ SIZES = {
 }
 
 
-def mesh(axis: str, devices=None) -> jax.sharding.Mesh:
+def mesh(axis: str, devices=None, explicit=False) -> jax.sharding.Mesh:
     """A 1-D mesh over ``devices`` (default: the first 4; made on call: importing needs only one
-    device). benchmarks/tp.py passes compile-only H100s (``offline.h100_devices``)."""
-    return jax.sharding.Mesh(np.array(devices if devices is not None else jax.devices()[:DEVICES]), (axis,))
+    device). benchmarks/tp.py passes compile-only H100s (``offline.h100_devices``). ``explicit``:
+    its axis typed Explicit (sharding in types, what ``jax.make_mesh`` makes by default)."""
+    kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+    return jax.sharding.Mesh(np.array(devices if devices is not None else jax.devices()[:DEVICES]), (axis,),
+                             axis_types=(kind,))
 
 
 # ---- the layer, shared by the three programs -------------------------------------------------
@@ -161,7 +164,8 @@ def make(name, style="llama", check_vma=True, devices=None):
     return step
 
 
-def example_args(name="megatron_gspmd", size="small", style="llama", seed=0, place=True, devices=None):
+def example_args(name="megatron_gspmd", size="small", style="llama", seed=0, place=True, devices=None,
+                 explicit=False):
     """``(params, x, k_cache, v_cache, pos)`` with the program's shardings (``place=False``: on
     one device, for a shard_map to split itself)."""
     c = SIZES[size][style]
@@ -172,7 +176,7 @@ def example_args(name="megatron_gspmd", size="small", style="llama", seed=0, pla
     if style == "gemma":
         shapes.update(post_attn_norm=(c.d_model,), post_ffn_norm=(c.d_model,))
     cshape = (c.batch, c.context, c.n_kv, c.head_dim)
-    m = mesh("data" if name == "dp_cache" else "model", devices)
+    m = mesh("data" if name == "dp_cache" else "model", devices, explicit)
     shard = jax.tree.map(lambda s: NamedSharding(m, s), specs(name, style),
                          is_leaf=lambda s: isinstance(s, P))
     if size == "paper":
