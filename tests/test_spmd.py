@@ -306,3 +306,20 @@ if __name__ == "__main__":   # one case (or the fuzz), in a process that sees 8 
         fuzz()
     else:
         run_case(sys.argv[1])
+
+
+def test_literal_operands_of_any_primitive_are_no_internal_error():
+    """A primitive with no rule, or a one-to-one rule, given a literal operand (a ``while`` from a
+    literal start, a ``cumsum`` of a literal-derived value) is pinned, never a crash: the rules'
+    shapes of literals are the literals' own. One device: a 1-way split, per shard trivially."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+
+    def fn(x):
+        n = lax.while_loop(lambda c: c < 3, lambda c: c + 1, 0)
+        return x * n + jnp.cumsum(x, axis=1)
+
+    x = jnp.ones((4, 8), jnp.float32)
+    closed = jax.make_jaxpr(fn)(x)
+    plan = spmd.per_shard(closed, [NamedSharding(mesh, P("x", None))])
+    assert plan.in_specs == (P("x", None),)
+    np.testing.assert_allclose(jax.jit(plan)(x)[0], jax.jit(fn)(x), rtol=RTOL, atol=ATOL)

@@ -368,10 +368,13 @@ class Optimized:
             trees.append(tree)
             return out
 
+        closed = jax.make_jaxpr(leaves)(*map(_abstract, flat))   # fn's own errors are jax.jit's
         try:
-            plan = per_shard(jax.make_jaxpr(leaves)(*map(_abstract, flat)), shardings)
+            plan = per_shard(closed, shardings)
         except Refused as why:
             return str(why)
+        except Exception as exc:  # noqa: BLE001 - never an internal error to the user: plain jit, said why
+            return f"the per-shard rewrite failed: {type(exc).__name__}: {exc}"
         out_tree, static = trees[0], self._static
 
         @functools.wraps(self.fn)

@@ -208,8 +208,9 @@ def _dims(x: Any, shape: tuple[int, ...]) -> list[Key]:
 
 def _pin_all(nodes: _Nodes, s: Step, shape: Callable[[Any], tuple[int, ...]], why: str) -> None:
     for x in (*s.ins, *s.outs):
-        for k in _dims(x, shape(x)):
-            nodes.pin(k, why)
+        if not isinstance(x, jcore.Literal):
+            for k in _dims(x, shape(x)):
+                nodes.pin(k, why)
 
 
 def _elementwise(nodes: _Nodes, s: Step, shape: Any) -> list[Reduction]:
@@ -242,6 +243,9 @@ def _one_to_one(skip_of: Callable[[Step, Any], Sequence[int]], why: str) -> Rule
     """Operand 0 and every result dim for dim (a slice, a cumulative op, a reversal), except the
     dims ``skip_of`` names: those a shard cannot hold a block of."""
     def rule(nodes: _Nodes, s: Step, shape: Any) -> list[Reduction]:
+        if isinstance(s.ins[0], jcore.Literal):
+            _pin_all(nodes, s, shape, f"{s.eqn.primitive} of a literal")
+            return []
         skip = list(skip_of(s, shape))
         for x in (*s.ins, *s.outs):
             if not isinstance(x, jcore.Literal) and x != s.ins[0] and shape(x) and len(shape(x)) == len(shape(s.ins[0])):
@@ -581,7 +585,7 @@ def per_shard(closed: Any, shardings: Sequence[Any]) -> PerShard:
     ins = [flat.new(v.aval) for v in closed.jaxpr.invars]
     outs = _flatten(flat, closed.jaxpr, closed.consts, ins)
     nodes = _Nodes(flat)
-    shape = lambda x: flat.shapes[x]   # noqa: E731
+    shape = lambda x: tuple(getattr(x.aval, "shape", ())) if isinstance(x, jcore.Literal) else flat.shapes[x]  # noqa: E731
     for x, sh in zip(ins, shardings):
         if isinstance(sh, NamedSharding):
             for d, axes in enumerate(_spec_axes(sh.spec, len(shape(x)))):
