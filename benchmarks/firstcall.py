@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from blocks import write_block
+
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- firstcall:begin -->", "<!-- firstcall:end -->"
 EXAMPLES = ("llama3_decode", "gemma2_layer", "efficientvit_attention", "yolo11_c3k2", "shufflenet_unit")
@@ -123,13 +125,7 @@ def main() -> None:
     print(block)
     if ns.dry:
         return
-    path = ROOT / "BENCHMARKS.md"
-    text = path.read_text()
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
+    write_block(block, BEGIN, END)
 
 
 if __name__ == "__main__":

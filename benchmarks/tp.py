@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import jax  # noqa: E402
 
 import vtc_jax  # noqa: E402
 from vtc_jax import offline  # noqa: E402
 from tests.zoo import tp  # noqa: E402
+from blocks import write_block  # noqa: E402
 
 BEGIN, END = "<!-- tp:begin -->", "<!-- tp:end -->"
 MiB = 2 ** 20
@@ -128,13 +129,7 @@ def main() -> None:
     print(block)
     if ns.dry:
         return
-    path = ROOT / "BENCHMARKS.md"
-    text = path.read_text()
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
+    write_block(block, BEGIN, END)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import jax  # noqa: E402
 
 import vtc_jax  # noqa: E402
 from vtc_jax.testing import cross_lower  # noqa: E402
+from blocks import write_block  # noqa: E402
 
 BEGIN, END = "<!-- zoo:begin -->", "<!-- zoo:end -->"
 OPS = ("transpose", "concatenate", "dynamic_update_slice", "gather", "scatter")
@@ -218,16 +219,7 @@ def render(rows: list[list[str]], compiled: list[list[str]] | None = None) -> st
 
 
 def write(block: str) -> None:
-    path = ROOT / "BENCHMARKS.md"
-    text = path.read_text()
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
-    else:
-        anchor = "<!-- compiled:end -->"
-        i = text.index(anchor) + len(anchor) if anchor in text else len(text)
-        text = text[:i] + "\n\n" + block + "\n" + text[i:]
-    path.write_text(text)
-
+    write_block(block, BEGIN, END, after="<!-- compiled:end -->")
 
 def main() -> int:
     rows, compiled = [], []

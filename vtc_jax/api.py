@@ -276,15 +276,7 @@ class Optimized:
         key is then the one :meth:`_keep` writes under). Keyed by ``fn``'s jaxpr at these avals
         (``plancache.key``)."""
         in_tree = jax.tree_util.tree_structure((a, k))
-        trees: list[Any] = []
-
-        def flat_f(*xs: Any) -> list[Any]:
-            ar, kw = jax.tree_util.tree_unflatten(in_tree, xs)
-            out, tree = jax.tree_util.tree_flatten(f(*ar, **kw))
-            trees.append(tree)
-            return out
-
-        closed = jax.make_jaxpr(flat_f)(*map(_abstract, flat))
+        closed, out_tree = _flat_jaxpr(f, in_tree, flat)
         options = dict(backend=self.backend, strict=self.strict, guard=self.guard,
                        objective=self._opts["objective"], gpu=self._opts["gpu"])
         key = plancache.key(closed, options, donate)
@@ -297,7 +289,7 @@ class Optimized:
         if entry.program is None:   # the guard chose plain jax.jit when the plan was made
             return key, lambda: f(*a, **k)
         program = with_original_derivatives(entry.program.call, f, in_tree)
-        return key, lambda: jax.tree_util.tree_unflatten(trees[0], program(*flat))
+        return key, lambda: jax.tree_util.tree_unflatten(out_tree, program(*flat))
 
     def _keep(self, key: str | None, emitted: Callable[..., Any] | None, flat: list, messages: Sequence[str]) -> None:
         """Write the plan just made to the plan cache under ``key`` (None: no cache)."""
@@ -359,23 +351,14 @@ class Optimized:
         f, a, k = _split_static(self.fn, args, kwargs, *self._static)
         flat, in_tree = jax.tree_util.tree_flatten((a, k))
         shardings = [_sharding_of(x) for x in flat]
-
-        trees: list[Any] = []
-
-        def leaves(*xs: Any) -> list[Any]:
-            ar, kw = jax.tree_util.tree_unflatten(in_tree, xs)
-            out, tree = jax.tree_util.tree_flatten(f(*ar, **kw))
-            trees.append(tree)
-            return out
-
-        closed = jax.make_jaxpr(leaves)(*map(_abstract, flat))   # fn's own errors are jax.jit's
+        closed, out_tree = _flat_jaxpr(f, in_tree, flat)   # fn's own errors are jax.jit's
         try:
             plan = per_shard(closed, shardings)
         except Refused as why:
             return str(why)
         except Exception as exc:  # noqa: BLE001 - never an internal error to the user: plain jit, said why
             return f"the per-shard rewrite failed: {type(exc).__name__}: {exc}"
-        out_tree, static = trees[0], self._static
+        static = self._static
 
         @functools.wraps(self.fn)
         def program(*args: Any, **kwargs: Any) -> Any:
@@ -411,6 +394,21 @@ class Optimized:
         return explain(self.fn, static_argnums=self._static[0], static_argnames=self._static[1],
                        donate_argnums=self._donate[0], donate_argnames=self._donate[1], guard=self.guard,
                        **self._opts)(*args, **kwargs)
+
+
+def _flat_jaxpr(f: Callable[..., Any], in_tree: Any, flat: Sequence[Any]) -> tuple[Any, Any]:
+    """``f``'s jaxpr over the flat leaves of ``(args, kwargs)`` (at their avals, untyped), and the
+    tree of its outputs: what the plan cache keys and the per-shard rewrite reads."""
+    trees: list[Any] = []
+
+    def flat_f(*xs: Any) -> list[Any]:
+        ar, kw = jax.tree_util.tree_unflatten(in_tree, xs)
+        out, tree = jax.tree_util.tree_flatten(f(*ar, **kw))
+        trees.append(tree)
+        return out
+
+    closed = jax.make_jaxpr(flat_f)(*map(_abstract, flat))
+    return closed, trees[0]
 
 
 def _sharded_over(leaves: Sequence[Any]) -> int:
