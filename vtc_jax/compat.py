@@ -80,6 +80,11 @@ class TritonBackendDeprecation(UserWarning):
 # the same whole programs, reads it where it is (``xla.py`` charges the copy only where it is made).
 XLA_TRANSPOSES_REPEATED_VALUES = JAX_VERSION < (0, 11)
 
+# XLA's stable-sort expander makes a stable sort's ties break by position with one more int32
+# operand (an iota): jax 0.10.2's XLA adds it even where the sort already carries an iota
+# (``argsort``); jax 0.12's uses that one.
+XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA = JAX_VERSION < (0, 11)
+
 
 def needs_abstract_gpu() -> bool:
     """True on jax >= 0.11, where Pallas needs an abstract GPU device to lower for CUDA without one."""

@@ -32,7 +32,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -469,6 +469,16 @@ def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
     used: set[str] = set()
     triton_calls = [i for i in candidates if i.opcode == "custom-call"
                     and TRITON_CALL_TARGET in i.attrs]
+    # XLA's sort emitter runs one sort fusion as several launches, named after the sort inside
+    # (``sort_1_1``, ``sort_1_1__1``, ...): each sorts the fusion's result buffers in place
+    sort_of = {}
+    for i in candidates:
+        calls = re.search(r"calls=%?([\w.\-]+)", i.attrs) if i.opcode == "fusion" else None
+        body = comps.get(calls.group(1), []) if calls else []
+        if body and body[-1].opcode == "sort":
+            sort_of[re.sub(r"[^\w]", "_", body[-1].name)] = i
+        elif i.opcode == "sort":   # an unstable sort XLA leaves unfused
+            sort_of[re.sub(r"[^\w]", "_", i.name)] = i
     launches = []
     for line in thunks.splitlines():
         m = _THUNK_RE.match(line)
@@ -477,6 +487,15 @@ def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
         kind, rest = m.groups()
         km = _KERNEL_RE.search(rest)
         name = km.group(1) if km else (rest.split() or [kind])[0]
+        sort = sort_of.get(re.sub(r"__\d+$", "", name))
+        if sort is not None:
+            used.add(sort.name)
+            res = sum(_leaf_sizes(sort.shape))
+            launches.append(Launch(name=name, kind=kind, grid=tuple(int(x) for x in km.group(2).split(",")),
+                                   threads=tuple(int(x) for x in km.group(3).split(",")), hlo=sort.name,
+                                   read_bytes=res, write_bytes=res) if km else
+                            Launch(name=name, kind=kind, hlo=sort.name, read_bytes=res, write_bytes=res))
+            continue
         ins = by_name.get(name) or by_thunk_name.get(name)
         ins = ins if ins is not None and ins.name not in used else None
         if ins is None and kind in _LIBRARY_THUNKS:
@@ -485,6 +504,9 @@ def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
             # a jit conv was charged 0 bytes and VTC's Pallas conv its full traffic)
             ins = next((i for i in candidates if i.name not in used and i.opcode == "custom-call"
                         and any(t in i.attrs for t in _LIBRARY_THUNKS[kind])), None)
+        if ins is None and re.fullmatch(r"topk(__\d+)?", name):   # XLA's top-k kernel (k <= 16)
+            ins = next((i for i in candidates if i.name not in used and i.opcode == "custom-call"
+                        and "__gpu$TopK" in i.attrs), None)
         triton = False
         if ins is None:
             ins = next((i for i in triton_calls if i.name not in used
@@ -507,6 +529,28 @@ def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
                 if mm and triton:
                     fields[key] = int(mm.group(1))
         launches.append(Launch(**fields))
+    # unnamed device copies right before a sort's launches: each copies one operand still needed
+    # elsewhere (a parameter, or a value with other readers) into the buffers the sort then works
+    # on in place; read and write it
+    readers: dict[str, int] = {}
+    for i in entry:
+        for o in i.operands:
+            readers[value(o)[0]] = readers.get(value(o)[0], 0) + 1
+    j = 0
+    while j < len(launches):
+        run = j
+        while run < len(launches) and launches[run].kind == "kCopy" and launches[run].hlo is None:
+            run += 1
+        nxt = launches[run] if run < len(launches) else None
+        if run > j and nxt is not None and nxt.hlo is not None and re.sub(r"__\d+$", "", nxt.name) in sort_of:
+            opnds = [value(o) for o in by_name[nxt.hlo].operands]
+            kept = [v for v in opnds if by_name.get(v[0]) is not None and (
+                by_name[v[0]].opcode == "parameter" or readers.get(v[0], 0) > 1)]
+            sizes = [size(v) for v in kept] if len(kept) == run - j else \
+                [sum(size(v) for v in opnds) // (run - j)] * (run - j)
+            for k, b in zip(range(j, run), sizes):
+                launches[k] = replace(launches[k], read_bytes=b, write_bytes=b)
+        j = run + 1
     return tuple(launches)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from .cluster import Cluster
-from .compat import XLA_TRANSPOSES_REPEATED_VALUES
+from .compat import XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA, XLA_TRANSPOSES_REPEATED_VALUES
 from .graph import Graph
 from .kernels.tiling import resolve_precision
 from .primitives import KERNEL_CALLS, TABLE, Kind, data_inputs, inplace_operand, is_view, kernel_aliases
@@ -345,6 +345,33 @@ class Price:
         return self.bytes / gpu.hbm_bandwidth + self.launches * gpu.launch_overhead + self.compute_seconds(gpu)
 
 
+# XLA's GPU sort emitter (read off the deviceless H100 compile, jax 0.10.2 and 0.12): one block
+# sorts a tile of up to 4096 elements (all operands) in its 48 KiB of shared memory, halved until
+# they fit; each merge stage beyond the tile is one launch per comparison distance the tile cannot
+# hold, plus one for those it can. A stable sort gets one more int32 operand (an iota: XLA's
+# stable-sort expander).
+SORTS = ("sort", "top_k")
+SORT_TILE_ELEMENTS = 4096
+SORT_TILE_BYTES = 48 * 1024
+# ``lax.top_k`` with k <= 16 on rows of >= 1024 runs XLA's one-launch top-k kernel; otherwise a sort
+TOPK_KERNEL_MAX_K, TOPK_KERNEL_MIN_ROW = 16, 1024
+
+
+def sort_launches(n: int, element_bytes: int) -> int:
+    """Launches XLA's bitonic sort takes to sort rows of ``n`` elements of ``element_bytes`` (all
+    operands together). Why this shape: rows padded to ``2^k``; a tile of ``2^t`` sorts in shared
+    memory in one launch; each of the ``m = k - t`` stages beyond it needs one launch per distance
+    ``>= 2^t`` plus one in-tile launch, so ``1 + sum_{s=1..m} (s + 1) = (m + 1)(m + 2) / 2``.
+    On a GPU with CUB, XLA may rewrite a one-key sort to CUB's radix sort instead (the deviceless
+    compile has no CUB data): both sides of the guard keep the same sorts, so this cancels there."""
+    k = max(0, (max(1, n) - 1).bit_length())
+    tile = SORT_TILE_ELEMENTS
+    while tile > 1 and tile * element_bytes > SORT_TILE_BYTES:
+        tile //= 2
+    m = max(0, k - (tile.bit_length() - 1))
+    return (m + 1) * (m + 2) // 2
+
+
 def xla_plain(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] = ()) -> dict[str, int]:
     """Launches and HBM bytes of plain ``jax.jit`` (:func:`xla_program`), as ``Report.modeled`` keys."""
     p = xla_program(graph, clusters, donated)
@@ -478,8 +505,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                             or [set()])
         users = {find(u) for u in users if find(u) != find(members[0])}
         cast = all(g.ops[o].primitive in CAST_ONLY for m in members for o in cl[m].ops)
+        made = all(g.ops[o].primitive in ("iota", *CAST_ONLY) for m in members for o in cl[m].ops)
+        sorting = all(any(g.ops[o].primitive in SORTS for o in cl[u].ops) for u in users)
         if len(users) == 1 and not any(call[u] for u in users) and (
-                cast or all(kind[u] == Kind.REDUCTION or is_dus(u) for u in users)):
+                cast and not sorting or all(kind[u] == Kind.REDUCTION or is_dus(u) for u in users)
+                or made and sorting):   # (a sort fuses only an iota: made inside its first launch)
             parent[find(members[0])] = find(next(iter(users)))
     # movement a kernel call reads: one more output of the loop fusion that produces its source
     # (XLA's multi-output fusion), or a copy of its own
@@ -529,6 +559,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             merged.update(members)
             for k in members[1:]:
                 parent[find(k)] = find(members[0])
+
+    def _generated(t: int) -> bool:
+        """``t`` is an iota (through casts and broadcasts): XLA makes it inside its reader."""
+        k = ctx.producer.get(t)
+        return k is not None and all(g.ops[o].primitive in ("iota", *CAST_ONLY) or is_view(g.ops[o], g)
+                                     for o in cl[k].ops)
 
     def read_bytes(t: int, seen: set[int]) -> int:
         """Bytes a fusion reads for ``t``: through fused movement, what its sources hold."""
@@ -587,6 +623,41 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         relaid.add(x)
         return 1, src + full + (full - src)
 
+    def sort_price(op: Any) -> tuple[int, int]:
+        """Launches and bytes of a ``sort`` / ``top_k`` (:func:`sort_launches`): every launch reads
+        and writes the buffers being sorted (in place); an operand still needed elsewhere is copied
+        into them first (a ``kCopy`` each; an ``iota`` operand is made inside the first launch). A
+        ``top_k`` result is a slice of the sorted buffers: a reader's fusion reads the whole
+        buffer, a program output is one more launch."""
+        x = op.inputs[0]
+        if op.primitive == "top_k":
+            axis = op.params.get("axis", len(g.tensors[x].shape) - 1)
+            row = g.tensors[x].shape[axis]
+            if op.params["k"] <= TOPK_KERNEL_MAX_K and row >= TOPK_KERNEL_MIN_ROW:
+                return 1, ctx.nbytes[x] + sum(ctx.nbytes[t] for t in op.outputs)
+            sorted_bytes = [ctx.nbytes[x], g.tensors[x].size * 4]   # values and int32 indices
+            operands = [x]
+        else:
+            axis = op.params["dimension"]
+            row = g.tensors[x].shape[axis]
+            operands = [y for y in op.inputs if not _generated(y)]
+            tiebreak = op.params.get("is_stable") and (
+                len(operands) == len(op.inputs) or XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA)
+            sorted_bytes = [ctx.nbytes[t] for t in op.outputs] + [g.tensors[x].size * 4] * bool(tiebreak)
+        width = sum(b // max(1, g.tensors[x].size) for b in sorted_bytes)
+        n = sort_launches(row, width)
+        nbytes = n * 2 * sum(sorted_bytes)
+        kept = [y for y in operands if (y in inputs and y not in ctx.donated) or y in outs
+                or len(set(ctx.users.get(y, ()))) > 1]
+        n, nbytes = n + len(kept), nbytes + 2 * sum(ctx.nbytes[y] for y in kept)
+        if op.primitive == "top_k":
+            for t, full in zip(op.outputs, sorted_bytes):
+                readers = {find(u) for u in consumers_through_movement(t, set())}
+                nbytes += len(readers) * (full - ctx.nbytes[t])
+                if t in outs:
+                    n, nbytes = n + 1, nbytes + full + ctx.nbytes[t]
+        return n, nbytes
+
     groups: dict[int, list[int]] = {}
     for k in range(len(cl)):
         groups.setdefault(find(k), []).append(k)
@@ -628,6 +699,14 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             continue
         if len(members) == 1 and is_dus(head):
             add(members, "update", 1, sum(ctx.base.get(o, 0) for o in cl[head].ops), cl[head].outputs)
+            continue
+        sorts = [g.ops[o] for m in members for o in cl[m].ops if g.ops[o].primitive in SORTS]
+        if sorts:
+            n = nbytes = 0
+            for op in sorts:
+                n_, b_ = sort_price(op)
+                n, nbytes = n + n_, nbytes + b_
+            add(members, "sort", n, nbytes, [t for op in sorts for t in op.outputs])
             continue
         inside = {t for m in members for t in cl[m].outputs}
         ins = {t for m in members for t in cl[m].inputs if t not in inside}
