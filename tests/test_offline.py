@@ -128,3 +128,54 @@ def test_main_loop_reads_how_a_kernel_keeps_tiles_in_flight(lowered):
     loop = main_loop(c.ptx, c.name)
     assert loop.loop and not loop.waits and loop.loads > 0 and loop.tiles_per_cta == 1, loop
     assert "ld.global" in loop.describe()
+
+
+def test_every_launch_of_a_deduplicated_kernel_is_charged():
+    """XLA compiles identical fusions once and names each launch of that kernel after the first
+    fusion: every launch is still matched to its own fusion and charged its buffers (two GEMMs of
+    the same shape: one was 0 bytes)."""
+    a, w = jnp.ones((16, 1024), jnp.bfloat16), jnp.ones((1024, 4096), jnp.bfloat16)
+    p = compile_program(jax.jit(lambda a, b, w1, w2: (jnp.tanh(a @ w1), jnp.tanh(b @ w2))), a, a, w, w,
+                        kernels=False)
+    assert all(x.hlo is not None for x in p.launches), p.launches
+    assert len({x.hlo for x in p.launches}) == len(p.launches)
+    gemms = [x for x in p.launches if "gemm" in x.name or "dot" in x.name]
+    assert len(gemms) == 2 and gemms[0].bytes == gemms[1].bytes >= w.nbytes
+
+
+def test_device_copies_are_charged_what_they_copy():
+    """An HLO copy runs as a device copy whose thunk prints no instruction name: it is charged
+    reading and writing the buffer (it was 0 bytes)."""
+    x = jnp.ones((256, 1024))
+    p = compile_program(jax.jit(lambda x: (x, x.at[3].set(0.0))), x, kernels=False)
+    copies = [c for c in p.launches if c.kind == "kCopy"]
+    assert copies and all(c.read_bytes == c.write_bytes == x.nbytes for c in copies), p.launches
+
+
+def test_a_conditional_counts_the_branch_it_runs():
+    """A conditional runs one branch per call: its launches are the heavier branch's, not both
+    (and the conditional itself launches no kernel). Branches with GEMMs, so that XLA keeps the
+    conditional (cheap ones become a select)."""
+    x = jnp.ones((1024, 1024))
+
+    def f(x, p):
+        return jax.lax.cond(p > 0, lambda x: x @ x, lambda x: jnp.tanh(jnp.sin(x) @ x) @ x, x)
+    p = compile_program(jax.jit(f), x, jnp.int32(1), kernels=False)
+    assert "kConditional" in p.thunks
+    assert all(c.kind != "kConditional" for c in p.launches)
+    assert sum("gemm" in c.name for c in p.launches) == 2, p.launches   # the heavier branch's two
+
+
+def test_a_guarded_cache_write_in_a_kernel_copies_no_cache():
+    """``cache.at[:, pos].set(row)`` becomes a guarded write (it reads the window it writes); the
+    kernel writing it in place must take the donated cache once, as the aliased operand: passed
+    also as a read operand, XLA copied the whole cache before the kernel and again for the output
+    (two 128 MiB copies per layer at paper size)."""
+    import vtc_jax
+    from tests.zoo import llama_pure
+    step, args = llama_pure.make_step("where_ninf"), llama_pure.example_args("small")
+    fn = vtc_jax.optimize(step, backend="triton", donate_argnums=(2,), guard=None)
+    p = compile_program(fn, *args, kernels=False)
+    cache = args[2].k.nbytes
+    assert p.triton_launches
+    assert not [x for x in p.launches if x.kind == "kCopy" and x.bytes >= cache], p.launches

@@ -51,6 +51,9 @@ def as_dtype(dtype: Any) -> Any:
     return np.dtype(dtype)
 
 
+SMALL_VALUE = 64   # elements: index arithmetic and scalars (value-numbered, see Graph.same_value)
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     id: int
@@ -101,6 +104,34 @@ class Graph:
             for t in dict.fromkeys(op.inputs):  # an op reading a tensor twice is one consumer
                 users.setdefault(t, []).append(op)
         return {t: tuple(ops) for t, ops in users.items()}
+
+    @functools.cached_property
+    def _same_value(self) -> dict[int, int]:
+        """Value numbering of small computed tensors: each maps to the first tensor computed by
+        the same primitive with the same params from the same values. Why: jax normalises a
+        dynamic index at every ``dynamic_slice`` / ``dynamic_update_slice`` it emits (``i < 0 ?
+        i + n : i``), so the window a guarded cache write reads and the window it writes start
+        at two tensors of one value; as two runtime symbols their index maps differ and the
+        write cannot be seen to touch exactly what was read."""
+        rep: dict[int, int] = {}
+        seen: dict[tuple, int] = {}
+        for op in self.ops:
+            if (len(op.outputs) != 1 or op.opaque_reason is not None or self.tensors[op.outputs[0]].size > SMALL_VALUE
+                    or any(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in op.params.values())
+                    or "rng" in op.primitive or "random" in op.primitive or op.prim.multiple_results):
+                continue
+            ins = tuple(rep.get(t, t) for t in op.inputs)
+            consts = tuple(None if self.tensors[t].const is None or self.tensors[t].size > SMALL_VALUE
+                           else (str(self.tensors[t].dtype), np.asarray(self.tensors[t].const).tobytes())
+                           for t in ins)
+            key = (op.primitive, repr(sorted(op.params.items())), tuple(t if c is None else c for t, c in zip(ins, consts)))
+            t = op.outputs[0]
+            rep[t] = seen.setdefault(key, t)
+        return rep
+
+    def same_value(self, t: int) -> int:
+        """The first tensor computed like ``t`` (``t`` itself unless a small value is recomputed)."""
+        return self._same_value.get(t, t)
 
     def producer(self, t: int) -> Op | None:
         """The op writing tensor `t`, or None for graph inputs and consts."""

@@ -91,6 +91,7 @@ class _Ctx:
         v = static_value(t, self.graph)
         if v is not None:
             return const(int(np.clip(int(v), 0, dim - size))), ()
+        t = self.graph.same_value(t)   # one symbol for one value (jax recomputes index normalisation)
         name = f"s{t}"
         return sym(name), (SymInfo(name, 0, dim - size, source=t),)
 

@@ -240,7 +240,7 @@ def h100_device() -> Any:
     return h100_devices(1)[0]
 
 
-_NON_LAUNCH_THUNKS = frozenset({"kCommandBuffer", "kSequential", "kWaitForStreams",
+_NON_LAUNCH_THUNKS = frozenset({"kCommandBuffer", "kSequential", "kConditional", "kWaitForStreams",
                                 "kWaitForStream", "kHostSendDone", "kHostRecvDone"})
 _THUNK_RE = re.compile(r"^\s*\d+:\s+(k\w+)\s*(?:\[[^\]]*\])?\s*(.*)$")
 _KERNEL_RE = re.compile(r"(\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+shared_memory: (\d+)")
@@ -395,6 +395,12 @@ def _memory(compiled: Any) -> dict[str, int]:
     return mem
 
 
+def _dedup(ins: _Instr) -> str:
+    """The kernel an instruction runs: XLA's ``deduplicated_name`` where it shares one."""
+    m = re.search(r'deduplicated_name="([^"]+)"', ins.attrs)
+    return m.group(1) if m else ins.name
+
+
 def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
     comps = _computations(hlo)
     entry = comps.get("ENTRY", [])
@@ -479,6 +485,9 @@ def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
             sort_of[re.sub(r"[^\w]", "_", body[-1].name)] = i
         elif i.opcode == "sort":   # an unstable sort XLA leaves unfused
             sort_of[re.sub(r"[^\w]", "_", i.name)] = i
+    twins: dict[str, list[_Instr]] = {}
+    for i in candidates:
+        twins.setdefault(_dedup(i), []).append(i)
     launches = []
     for line in thunks.splitlines():
         m = _THUNK_RE.match(line)
@@ -497,13 +506,24 @@ def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
                             Launch(name=name, kind=kind, hlo=sort.name, read_bytes=res, write_bytes=res))
             continue
         ins = by_name.get(name) or by_thunk_name.get(name)
-        ins = ins if ins is not None and ins.name not in used else None
+        if ins is not None and ins.name in used:
+            # XLA compiles identical fusions once (``deduplicated_name``) and names every launch of
+            # that kernel after the first: the next unclaimed fusion of the same kernel
+            same = twins.get(_dedup(ins), ())
+            if len(same) < 2:   # deduplicated without the attribute: a fusion of the same kind and shape
+                same = [i for i in candidates if i.shape == ins.shape
+                        and re.sub(r"\.\d+$", "", i.name) == re.sub(r"\.\d+$", "", ins.name)]
+            ins = next((i for i in same if i.name not in used), None)
         if ins is None and kind in _LIBRARY_THUNKS:
             # a cuDNN / cuBLAS thunk prints no instruction name: the thunk sequence follows the
             # scheduled ENTRY order, so it is the next unclaimed library custom call (left unmatched,
             # a jit conv was charged 0 bytes and VTC's Pallas conv its full traffic)
             ins = next((i for i in candidates if i.name not in used and i.opcode == "custom-call"
                         and any(t in i.attrs for t in _LIBRARY_THUNKS[kind])), None)
+        if ins is None and kind == "kCopy" and name == "kCopy":
+            # a device copy of an HLO ``copy`` prints no instruction name: the thunks follow the
+            # scheduled ENTRY order, so it is the next unclaimed copy (none left: a sort's, below)
+            ins = next((i for i in candidates if i.name not in used and i.opcode == "copy"), None)
         if ins is None and re.fullmatch(r"topk(__\d+)?", name):   # XLA's top-k kernel (k <= 16)
             ins = next((i for i in candidates if i.name not in used and i.opcode == "custom-call"
                         and "__gpu$TopK" in i.attrs), None)
@@ -551,7 +571,35 @@ def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
             for k, b in zip(range(j, run), sizes):
                 launches[k] = replace(launches[k], read_bytes=b, write_bytes=b)
         j = run + 1
+    # a conditional runs one branch per call: keep the heaviest branch's launches (an upper bound)
+    tags = _branches(thunks)
+    if any(tags) and len(tags) == len(launches):
+        weight: dict[tuple[int, str], int] = {}
+        for x, tag in zip(launches, tags):
+            if tag is not None:
+                weight[tag] = weight.get(tag, 0) + x.bytes + 1
+        keep = {max((t for t in weight if t[0] == c), key=lambda t: weight[t]) for c, _ in weight}
+        launches = [x for x, tag in zip(launches, tags) if tag is None or tag in keep]
     return tuple(launches)
+
+
+def _branches(thunks: str) -> list[tuple[int, str] | None]:
+    """Per launch line of XLA's thunk sequence, the (conditional, branch) it runs in, or None."""
+    out: list[tuple[int, str] | None] = []
+    conds, branch = 0, None      # branch: (conditional, name, header indent)
+    for line in thunks.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if branch is not None and line.strip() and indent <= branch[2]:
+            branch = None
+        m = _THUNK_RE.match(line)
+        if m and m.group(1) == "kConditional":
+            conds += 1
+        hm = re.match(r"^\s*(\w*branch\w*):\s*$", line)
+        if hm:
+            branch = (conds, hm.group(1), indent)
+        elif m and m.group(1) not in _NON_LAUNCH_THUNKS:
+            out.append(branch[:2] if branch else None)
+    return out
 
 
 def _sds(x: Any, sharding: Any) -> Any:

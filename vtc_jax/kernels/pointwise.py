@@ -104,7 +104,7 @@ def pointwise(fn: Callable[..., Any], inputs: Sequence[Any], *, out_shape: Seque
         raise ValueError("index_args needs an output of rank >= 1")
     cfg = _Config(shape, blk, f32_math(call_fn) if upcast_math else call_fn, tuple_result, index_args)
     _, n_programs = grid_origin(shape, blk, 0)
-    plan = Plan.build(vins, vouts)
+    plan = Plan.build(vins, vouts, same_place=True)
     bufs = plan.call(functools.partial(_pointwise_kernel, cfg), grid=(n_programs,), backend=backend,
                      num_warps=num_warps, num_stages=num_stages, name=name)
     packed = pack_results(bufs, lifted)

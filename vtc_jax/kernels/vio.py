@@ -318,7 +318,15 @@ class Plan:
     input_output_aliases: dict[int, int]
 
     @staticmethod
-    def build(inputs: Sequence[Any], outputs: Sequence[VTensor]) -> "Plan":
+    def build(inputs: Sequence[Any], outputs: Sequence[VTensor], *, same_place: bool = False) -> "Plan":
+        """``same_place``: the kernel computes each output element from the input elements at the
+        same logical index, in the same program (an element-wise kernel over one logical shape).
+        An input that reads a buffer an output updates in place, through the same map, then
+        passes that buffer once, as the aliased operand: every element is read before it is
+        written, by the program that writes it. Passed twice (read, and aliased), XLA must copy
+        the whole buffer first (it cannot see inside the kernel), and again for the program's
+        output: a guarded cache write (``canonical``'s scatter form reads the window it writes)
+        cost two cache copies."""
         args: list[Any] = []
         out_shape: list[jax.ShapeDtypeStruct] = []
         aliases: dict[int, int] = {}
@@ -338,15 +346,27 @@ class Plan:
             for k, val in v.symbols:
                 syms.setdefault(k, val)
 
+        def pieces_on(v: VTensor, k: int) -> tuple[Any, ...]:
+            return tuple(p.map for p in v.layout.pieces if p.target == k)
+
+        # buffers written in place that an input reads exactly where an output writes them
+        written = {id(b): (pieces_on(w, k), f) for w in outputs for k, (b, f) in enumerate(zip(w.buffers, flat_flags(w)))
+                   if not _is_fresh(b)} if same_place else {}
+        in_place_arg: dict[int, int] = {}   # id(buffer) -> its (aliased) argument index
         in_b = []
         for x in inputs:
             v = VTensor.of(x)
             collect_syms(v)
             flat = flat_flags(v)
             slots = []
-            for b, f in zip(v.buffers, flat):
+            for k, (b, f) in enumerate(zip(v.buffers, flat)):
                 if _is_fresh(b):
                     raise ValueError("an input VTensor cannot have unallocated (ShapeDtypeStruct) buffers")
+                if id(b) in in_place_arg:
+                    slots.append(in_place_arg[id(b)])
+                    continue
+                if id(b) in written and written[id(b)] == (pieces_on(v, k), f) and v.shape == outputs[0].shape:
+                    in_place_arg[id(b)] = len(args)
                 slots.append(len(args))
                 args.append(b.reshape(-1) if f else b)
             in_b.append(_Binding(v.layout, v.dtype, tuple(tuple(b.shape) for b in v.buffers),
@@ -371,7 +391,9 @@ class Plan:
                 shape = (math.prod(b.shape),) if f else tuple(b.shape)
                 slot_of[id(b)] = len(out_shape)
                 slots.append(len(out_shape))
-                if not _is_fresh(b):
+                if id(b) in in_place_arg:
+                    aliases[in_place_arg[id(b)]] = len(out_shape)
+                elif not _is_fresh(b):
                     aliases[len(args)] = len(out_shape)
                     args.append(b.reshape(-1) if f else b)
                 out_shape.append(jax.ShapeDtypeStruct(shape, b.dtype))
