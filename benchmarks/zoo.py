@@ -47,6 +47,7 @@ def models() -> dict:
                                                 llama_pure.example_args, (2,)),
         "gemma_flax": (gemma_flax.step, gemma_flax.example_args, (2, 3)),
         "gemma_flax (lax.cond window)": (gemma_flax.step_cond, gemma_flax.example_args, (2, 3)),
+        "gemma_flax (heads by reshape)": (gemma_flax.step_heads, gemma_flax.example_args, (2, 3)),
         "prefill": (prefill.step, prefill.example_args, (2, 3)),
         "prefill (dot_product_attention)": (prefill.step_sdpa, prefill.example_args, (2, 3)),
     }
@@ -83,6 +84,10 @@ NOTES = {
         "as gemma_flax: the window's `lax.cond` has elementwise branches, traced as both branches "
         "and a select (canonical.speculable_cond), and the attention template fits the mask "
         "applied under it (a conditional mask: `_Mask.when`)"),
+    "gemma_flax (heads by reshape)": (
+        "as gemma_flax: the scores are reshaped from (KV, G) groups to one row per head for the "
+        "soft-cap, window and softmax and back for p @ v; the attention template follows the "
+        "grouped axes through both reshapes (templates.attention._view_axes)"),
     "prefill": "none (the cache is as long as the prompt: its update is the update, written by the "
                "K/V projection kernels)",
     "prefill (dot_product_attention)": (

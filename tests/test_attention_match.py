@@ -174,9 +174,31 @@ def d_cache_update(q, kc, vc, pos, knew, vnew):
     return d_llama(q, kc, vc, pos), kc, vc
 
 
+def d_heads_by_reshape(q, kc, vc, pos):
+    """flax's Gemma style: grouped scores (B, 1, KV, G, T) reshaped to (B, 1, H, T) for the mask
+    and the softmax, and back to the groups for p·v."""
+    qg = q.reshape(B, 1, HKV, G, D)
+    s = jnp.einsum("bqkgd,btkd->bqkgt", qg, kc).reshape(B, 1, H, T) * D ** -0.5
+    s = jnp.where(jnp.arange(T) <= pos, s, -jnp.inf)
+    p = jax.nn.softmax(s, -1).reshape(B, 1, HKV, G, T)
+    return jnp.einsum("bqkgt,btkd->bqkgd", p, vc).reshape(B, 1, H * D)
+
+
+def d_heads_by_reshape_transposed(q, kc, vc, pos):
+    """The same with the heads ahead of the query axis: (B, KV, G, 1, T) -> (B, H, 1, T), a
+    soft-cap and an additive finfo.min mask on the merged heads."""
+    qg = jnp.transpose(q.reshape(B, 1, HKV, G, D), (0, 2, 3, 1, 4))
+    s = jnp.einsum("bkgqd,btkd->bkgqt", qg, kc).reshape(B, H, 1, T)
+    s = jnp.tanh(s / 20.0) * 20.0 + jnp.where(jnp.arange(T) <= pos, 0.0, NEG32)
+    p = jax.nn.softmax(s, -1).reshape(B, HKV, G, 1, T)
+    o = jnp.einsum("bkgqt,btkd->bqkgd", p, vc)
+    return o.reshape(B, 1, H * D)
+
+
 DECODE = [d_llama, d_div_sqrt_finfo, d_rsqrt_bias_hand, d_bias_1e9_reciprocal, d_pos_ge_iota_inverted,
           d_row_vector_mask, d_softcap, d_softcap_then_scale, d_kv_len, d_window, d_static_len,
-          d_no_mask, d_scaled_q, d_transposed_scores, d_grouped_einsum, d_repeat_f32_casts]
+          d_no_mask, d_scaled_q, d_transposed_scores, d_grouped_einsum, d_repeat_f32_casts,
+          d_heads_by_reshape, d_heads_by_reshape_transposed]
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,7 +244,17 @@ def p_chunk_offset(q, k, v, kc, vc, pos):
     return _attend(q, kc, vc, lambda s: jax.nn.softmax(jnp.where(mask, s * 0.25, -jnp.inf), -1)), kc, vc
 
 
-PREFILL = [p_tril_select, p_iota_compare, p_tril_bias, p_noncausal_grouped, p_softcap_window]
+def p_heads_by_reshape(q, k, v):
+    """Causal prefill with the heads grouped by a reshape of the scores (B, S, KV, G, S)."""
+    qg = q.reshape(B, S, HKV, G, D)
+    s = jnp.einsum("bskgd,btkd->bskgt", qg, k).reshape(B, S, H, S) * D ** -0.5
+    s = jnp.where(jnp.tril(jnp.ones((S, S), bool))[None, :, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, -1).reshape(B, S, HKV, G, S)
+    return jnp.einsum("bskgt,btkd->bskgd", p, v).reshape(B, S, H * D)
+
+
+PREFILL = [p_tril_select, p_iota_compare, p_tril_bias, p_noncausal_grouped, p_softcap_window,
+           p_heads_by_reshape]
 
 
 # --------------------------------------------------------------------------------------------
@@ -373,7 +405,35 @@ def x_padding_mask(q, kc, vc, valid):
     return _attend(q, kc, vc, lambda s: jax.nn.softmax(jnp.where(valid[:, None, None, :], s, -jnp.inf), -1))
 
 
+def x_grouped_mask_per_head(q, kc, vc, pos):
+    """Heads grouped by a reshape, then a mask that differs between the grouped heads."""
+    qg = q.reshape(B, 1, HKV, G, D)
+    s = jnp.einsum("bqkgd,btkd->bqkgt", qg, kc).reshape(B, 1, H, T)
+    s = jnp.where(jnp.arange(T)[None, :] <= pos + jnp.arange(H)[:, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, -1).reshape(B, 1, HKV, G, T)
+    return jnp.einsum("bqkgt,btkd->bqkgd", p, vc).reshape(B, 1, H * D)
+
+
+def x_grouped_into_pv(q, kc, vc, pos):
+    """Heads grouped by a reshape, and p·v on the merged heads (V repeated): not unfolded."""
+    qg = q.reshape(B, 1, HKV, G, D)
+    s = jnp.einsum("bqkgd,btkd->bqkgt", qg, kc).reshape(B, 1, H, T)
+    p = jax.nn.softmax(jnp.where(jnp.arange(T) <= pos, s, -jnp.inf), -1)
+    return jnp.einsum("bqht,bthd->bqhd", p, jnp.repeat(vc, G, axis=2)).reshape(B, 1, H * D)
+
+
+def x_key_axis_reshaped(q, kc, vc, pos):
+    """The key axis split by a reshape of the scores: no longer one key axis."""
+    s = th(q) @ jnp.swapaxes(th(rep(kc)), -1, -2)
+    s = jnp.where(jnp.arange(T) <= pos, s, -jnp.inf).reshape(B, H, 1, 2, T // 2)
+    s = s.reshape(B, H, 1, T)
+    return (jax.nn.softmax(s, -1) @ th(rep(vc))).reshape(B, -1)
+
+
 @pytest.mark.parametrize("fn,why", [
+    (x_grouped_mask_per_head, "a mask varies along axes grouped by a reshape"),
+    (x_grouped_into_pv, "grouped by a reshape"),
+    (x_key_axis_reshaped, "regroups the axes of the scores"),
     (x_pos_per_head, "per-sequence positions need one value per sequence"),
     (x_prefill_per_sequence, "only the decode kernel takes one bound per sequence"),
     (x_second_score_term, "a second score term or a learned bias"),
@@ -383,7 +443,7 @@ def x_padding_mask(q, kc, vc, valid):
     (x_small_neg, "not a mask value"),
     (x_mask_scaled_down, "no longer a mask"),
     (x_padding_mask, "shape (2, 24)"),
-], ids=["pos_per_head", "prefill_per_sequence", "second_score_term", "alibi", "mask_before_cap", "relu", "small_neg", "scaled_down", "padding_mask"])
+], ids=["grouped_mask_per_head", "grouped_into_pv", "key_axis_reshaped", "pos_per_head", "prefill_per_sequence", "second_score_term", "alibi", "mask_before_cap", "relu", "small_neg", "scaled_down", "padding_mask"])
 def test_declined_forms_say_why(fn, why):
     args = decode_args()
     if fn is x_padding_mask:

@@ -33,6 +33,7 @@ MODELS = {
     "llama_pure[realrope]": (llama_pure.make_step("where_ninf", rope="real"), llama_pure.example_args, (2,), (1, 2)),
     "gemma_flax": (gemma_flax.step, gemma_flax.example_args, (2, 3), (1, 2, 3)),
     "gemma_flax[cond]": (gemma_flax.step_cond, gemma_flax.example_args, (2, 3), (1, 2, 3)),
+    "gemma_flax[heads]": (gemma_flax.step_heads, gemma_flax.example_args, (2, 3), (1, 2, 3)),
     "prefill": (prefill.step, prefill.example_args, (2, 3), (1, 2, 3)),
     "prefill[sdpa]": (prefill.step_sdpa, prefill.example_args, (2, 3), (1, 2, 3)),
     **{f"vision[{n}]": (s, a, (1,), (1,)) for n, (s, a) in vision.MODELS.items()},
@@ -50,6 +51,7 @@ ELIMINATED = {
     "llama_pure[realrope]": 46,        # of 48 (graph.py: slices tiling a tensor are one split)
     "gemma_flax": 38,                  # of 39
     "gemma_flax[cond]": 40,            # of 41
+    "gemma_flax[heads]": 40,           # of 41 (the scores' head reshapes are register-level views)
     "prefill": 15,                     # of 15 (the whole-cache update is its update: canonical.py)
     "prefill[sdpa]": 13,               # of 13
     "vision[shufflenet]": 22,          # of 23
@@ -62,7 +64,8 @@ ELIMINATED = {
 # ``-m "not slow"``; the whole file runs in about 3.5 minutes on one core.
 SLOW: set = {("gemma_flax", "vmap"), ("vision[c3k2]", "vmap"), ("gemma_flax", "donated"),
              ("gemma_flax", "nested"), ("gemma_flax[cond]", "vmap"), ("gemma_flax[cond]", "donated"),
-             ("gemma_flax[cond]", "nested")}
+             ("gemma_flax[cond]", "nested"), ("gemma_flax[heads]", "vmap"), ("gemma_flax[heads]", "donated"),
+             ("gemma_flax[heads]", "nested")}
 
 
 def _tol(x):
@@ -174,7 +177,7 @@ def test_llama_cache_out_of_range(pos, donate):
 
 
 DECODE = ("llama_pure[where_ninf]", "llama_pure[where_finfo]", "llama_pure[additive_1e30]",
-          "llama_pure[realrope]", "gemma_flax", "gemma_flax[cond]")
+          "llama_pure[realrope]", "gemma_flax", "gemma_flax[cond]", "gemma_flax[heads]")
 _ACTIVATION = 4096   # elements: smaller movement (a scalar position, a size-1 axis) is not counted
 
 

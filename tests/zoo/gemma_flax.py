@@ -57,6 +57,7 @@ class GemmaBlock(nn.Module):
     head_dim: int
     ffn: int
     window_style: str = "where"   # "where" | "cond"
+    heads: str = "groups"         # "groups": scores per (KV, G) group | "reshape": merged to H for the softmax
 
     @nn.compact
     def __call__(self, x, k_cache, v_cache, pos):
@@ -80,18 +81,20 @@ class GemmaBlock(nn.Module):
 
         qg = q.reshape(b, kvh, g, hd)                                            # GQA groups
         logits = jnp.einsum("bkgh,btkh->bkgt", qg, k_cache).astype(jnp.float32)
+        if self.heads == "reshape":   # (B, KV, G, T) -> (B, H, T): mask and softmax per head
+            logits = logits.reshape(b, self.num_heads, t)
         logits = jnp.tanh(logits / SOFT_CAP) * SOFT_CAP
         window = t // 2
         idx = jnp.arange(t)
         if self.window_style == "where":
             allowed = (idx <= pos) & (idx > pos - window)
-            logits = jnp.where(allowed[None, None, None, :], logits, K_MASK)
+            logits = jnp.where(allowed.reshape((1,) * (logits.ndim - 1) + (t,)), logits, K_MASK)
         else:   # "cond": the window is applied only once pos has passed it, under lax.cond
             logits = jnp.where((idx <= pos)[None, None, None, :], logits, K_MASK)
             logits = lax.cond(pos >= window,
                               lambda s: jnp.where((idx > pos - window)[None, None, None, :], s, K_MASK),
                               lambda s: s, logits)
-        probs = jax.nn.softmax(logits, axis=-1).astype(DTYPE)
+        probs = jax.nn.softmax(logits, axis=-1).astype(DTYPE).reshape(b, kvh, g, t)
         enc = jnp.einsum("bkgt,btkh->bkgh", probs, v_cache).reshape(b, self.num_heads, hd)
         attn = nn.DenseGeneral(d, axis=(-2, -1), use_bias=False, dtype=DTYPE, param_dtype=DTYPE,
                                kernel_init=nn.initializers.normal((self.num_heads * hd) ** -0.5),
@@ -108,11 +111,11 @@ class GemmaBlock(nn.Module):
         return x, k_cache, v_cache
 
 
-def _block_of(params, k_cache, window_style: str = "where") -> GemmaBlock:
+def _block_of(params, k_cache, window_style: str = "where", heads: str = "groups") -> GemmaBlock:
     _, n_heads, hd = params["q_proj"]["kernel"].shape
     n_kv = k_cache.shape[2]
     ffn = params["gating_einsum"].shape[-1]
-    return GemmaBlock(n_heads, n_kv, hd, ffn, window_style)
+    return GemmaBlock(n_heads, n_kv, hd, ffn, window_style, heads)
 
 
 def step(params, x, k_cache, v_cache, pos):
@@ -123,6 +126,13 @@ def step(params, x, k_cache, v_cache, pos):
 def step_cond(params, x, k_cache, v_cache, pos):
     """The same layer with the sliding window applied under ``lax.cond`` (once ``pos`` passed it)."""
     return _block_of(params, k_cache, "cond").apply({"params": params}, x, k_cache, v_cache, pos)
+
+
+def step_heads(params, x, k_cache, v_cache, pos):
+    """The same layer with the grouped scores reshaped to one row per query head for the soft-cap,
+    mask and softmax (``(B, KV, G, T) -> (B, H, T)``) and back for ``p @ v``, as flax ports that
+    apply a per-head mask write it."""
+    return _block_of(params, k_cache, heads="reshape").apply({"params": params}, x, k_cache, v_cache, pos)
 
 
 def example_args(size: str = "small", seed: int = 0):

@@ -21,7 +21,12 @@ the step it did not recognise. Accepted between q·k and p·v:
   masked value <= NEG_BOUND.
 * softmax: ``jax.nn.softmax`` or by hand (``exp(x - max) / sum``, ``stop_gradient`` on the max,
   ``e * (1 / sum)``), f32 up/down casts, reshapes/transposes that keep the axes, in any order of
-  the dimensions (the reductions must be over the key axis).
+  the dimensions (the reductions must be over the key axis);
+* head grouping by reshape: scores computed per ``(kv_head, group)`` and reshaped to one row per
+  query head for the mask and softmax, then back to the groups for ``p·v`` (flax ports of Gemma
+  write it so). The merged axis is tracked as the group of first-dot axes it holds
+  (:func:`_view_axes`); masks must not vary along a group, and ``p·v`` must read the scores' own
+  axes again.
 
 The mask itself is read numerically, not syntactically: the mask operand's producers (outside
 the cluster: iotas, comparisons, ``&``, ``jnp.tril``, broadcasts, constants) are evaluated on
@@ -52,6 +57,7 @@ jax's default precision runs on TF32 tensor cores as ``jax.jit``'s does, at ``HI
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -263,8 +269,13 @@ class _Mask:
     when: tuple[int, bool] | None = None   # applied only where this scalar pred has this value
 
 
-def _view_axes(graph: Graph, op: Any, axes: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """The first-dot axes of a view's output (None: the view regroups axes)."""
+def _view_axes(graph: Graph, op: Any, axes: tuple[Any, ...], sizes: dict[int, int]) -> tuple[Any, ...] | None:
+    """The first-dot axes of a view's output (None: the view regroups axes another way).
+
+    A reshape may merge adjacent axes into one (a *group*: the tuple of the first-dot axes it
+    holds, outermost first) and split a group back into its axes: how flax's Gemma and
+    grouped-query code fold ``(kv_heads, group)`` into ``heads`` on the scores and unfold them
+    for ``p @ v``. ``sizes``: each first-dot axis's length."""
     p = op.primitive
     src, dst = graph.tensors[op.inputs[0]].shape, graph.tensors[op.outputs[0]].shape
     if p in ("convert_element_type", "copy", "copy_p", "stop_gradient", "reduce_precision"):
@@ -273,10 +284,31 @@ def _view_axes(graph: Graph, op: Any, axes: tuple[Any, ...]) -> tuple[Any, ...] 
         return tuple(axes[i] for i in op.params["permutation"])
     if p == "broadcast_in_dim" and int(np.prod(src)) != int(np.prod(dst)):
         return None
-    if [n for n in src if n != 1] != [n for n in dst if n != 1]:
+    if [n for n in src if n != 1] == [n for n in dst if n != 1]:
+        kept = iter(a for a, n in zip(axes, src) if n != 1)
+        return tuple(next(kept) if n != 1 else None for n in dst)
+    if p != "reshape":
         return None
-    kept = iter(a for a, n in zip(axes, src) if n != 1)
-    return tuple(next(kept) if n != 1 else None for n in dst)
+    # the first-dot axes, in order, that the source's non-unit axes hold
+    flat: list[int] = []
+    for a, n in zip(axes, src):
+        if n != 1:
+            if a is None:
+                return None
+            flat.extend(a if isinstance(a, tuple) else (a,))
+    out: list[Any] = []
+    for n in dst:
+        if n == 1:
+            out.append(None)
+            continue
+        take, size = [], 1
+        while flat and size < n:
+            take.append(flat.pop(0))
+            size *= sizes[take[-1]]
+        if size != n:
+            return None
+        out.append(take[0] if len(take) == 1 else tuple(take))
+    return tuple(out) if not flat else None
 
 
 def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
@@ -290,6 +322,7 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
     d1, d2 = dots
     s0 = d1.outputs[0]
     role: dict[int, _Role] = {s0: _Role("s", 0, tuple(range(len(graph.tensors[s0].shape))))}
+    sizes = dict(enumerate(graph.tensors[s0].shape))   # first-dot axis -> its length
     st = dict(stage=0, inner=1.0, outer=1.0, tanh=False, masks=[], key=None,
               nomax=False)
     after_d2: list[Any] = []
@@ -333,7 +366,7 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
 
     def key_of(op: Any, r: _Role, axes_param: Any) -> None:
         ax = tuple(r.axes[a] for a in axes_param)
-        if len(ax) != 1 or ax[0] is None:
+        if len(ax) != 1 or ax[0] is None or isinstance(ax[0], tuple):
             fail(op, f"reduces over axes {tuple(axes_param)}, not one key axis")
         if st["key"] is None:
             st["key"] = ax[0]
@@ -360,7 +393,7 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
             if k in ("max", "sum", "rsum"):      # row statistics: their keepdims broadcasts
                 role[out] = _Role(k, r.stage, ())
                 continue
-            axes = _view_axes(graph, op, r.axes)
+            axes = _view_axes(graph, op, r.axes, sizes)
             if axes is None:
                 fail(op, f"regroups the axes of the {_NAMES[k]} ({graph.tensors[op.inputs[0]].shape}"
                          f" -> {graph.tensors[out].shape})")
@@ -512,6 +545,9 @@ def _dims(graph: Graph, a: dict[str, Any]) -> dict[str, Any]:
     pi, pr = a["prob"]
     v = d2.inputs[1 - pi]
     pc, vc, pb, vb = (c2l, c2r, b2l, b2r) if pi == 0 else (c2r, c2l, b2r, b2l)
+    if any(isinstance(a, tuple) for a in pr.axes):
+        raise Decline("the probabilities reach the second dot with axes grouped by a reshape "
+                      f"({pr.axes}): p·v must read them with the scores' own axes")
     if len(pc) != 1 or pr.axes[pc[0]] != key:
         raise Decline("the second dot does not contract the probabilities over the key axis")
     pbd1 = [pr.axes[i] for i in pb]
@@ -556,6 +592,11 @@ def _mask_arrays(graph: Graph, masks: list[_Mask], env: dict[int, Any], rank: in
             keep = val.astype(bool) if m.keep else ~val.astype(bool)
         if m.when is not None and bool(np.asarray(ev(m.when[0])).reshape(())) != m.when[1]:
             keep = np.ones_like(np.asarray(keep, bool))   # the pred turns this mask off
+        keep = np.asarray(keep, bool).reshape((1,) * (len(m.axes) - np.ndim(keep)) + np.shape(keep))
+        for i, a in enumerate(m.axes):   # a group of axes (heads folded by a reshape): the mask
+            if isinstance(a, tuple) and keep.shape[i] != 1:   # must be the same for all of them
+                raise Decline("a mask varies along axes grouped by a reshape of the scores")
+        m = dataclasses.replace(m, axes=tuple(None if isinstance(a, tuple) else a for a in m.axes))
         for i, a in enumerate(m.axes):
             if a is None and keep.shape[i] != 1:
                 raise Decline("a mask varies along an axis the scores do not have")
