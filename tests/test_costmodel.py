@@ -784,3 +784,21 @@ def test_xla_sorts_against_xlas_compile(how, n):
     p = compile_program(jax.jit(fn), *args, kernels=False)
     assert m["kernels_xla"] == len(p.launches), (m, [l.name for l in p.launches])
     assert abs(m["bytes_xla"] - p.bytes) <= 0.1 * p.bytes, (m, p.bytes)
+
+
+@pytest.mark.offline
+def test_xla_relayout_of_a_returned_cache_against_xlas_compile():
+    """flax's Gemma-2 decode (G = 2 heads per KV head: the scores are a GEMM): XLA gives the cache
+    update the GEMM's layout — each cache is transposed in, copied for the in-place update and
+    transposed back for the output. The model of plain jit is within 10% of the compile's bytes
+    (it was -52%: the copies were not modelled) and within one launch."""
+    from vtc_jax.analysis import analyze
+    from vtc_jax.offline import compile_program
+    from vtc_jax.xla import xla_plain
+    from tests.zoo import gemma_flax
+    args, donate = gemma_flax.example_args("paper"), (2, 3)
+    a = analyze(gemma_flax.step, args, {}, donate_argnums=donate)
+    model = xla_plain(a.graph, a.clusters, a.donated)
+    p = compile_program(jax.jit(gemma_flax.step, donate_argnums=donate), *args, kernels=False)
+    assert abs(model["bytes_xla"] - p.bytes) <= 0.10 * p.bytes, (model, p.bytes)
+    assert abs(model["kernels_xla"] - len(p.launches)) <= 1, (model, len(p.launches))

@@ -621,6 +621,14 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         if x in relaid:
             return 0, full - src
         relaid.add(x)
+        k = ctx.producer.get(x)
+        if k is not None and is_dus(k) and x in outs:
+            # a cache updated in place, returned, and read by a GEMM in another layout: XLA's
+            # layout assignment gives the update the GEMM's layout — the cache is transposed
+            # in, copied for the in-place update, and the result transposed back for the output
+            # (read off the H100 compile of flax's Gemma-2 decode: G = 2 heads per KV head make
+            # the scores a GEMM, four cache-size copies per cache)
+            return 3, 3 * 2 * full
         return 1, src + full + (full - src)
 
     def sort_price(op: Any) -> tuple[int, int]:
