@@ -35,8 +35,9 @@ def rand(shape, dtype=jnp.float32, seed=0):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
-def ref_attention(q, k, v, *, hi=None, window=None, sm_scale=None, soft_cap=None, dtype=None):
-    """q (B, H, G, D), k (B, H, T, D), v (B, H, T, Dv); keys t < hi (and t >= hi - window) valid."""
+def ref_attention(q, k, v, *, hi=None, window=None, sm_scale=None, soft_cap=None, dtype=None, slopes=None):
+    """q (B, H, G, D), k (B, H, T, D), v (B, H, T, Dv); keys t < hi (and t >= hi - window) valid;
+    ``slopes`` (B, H, G): an ALiBi bias ``slope · t`` added before the mask."""
     dtype = dtype or q.dtype
     q, k, v = (np.asarray(x, np.float32) for x in (q, k, v))
     t = k.shape[2]
@@ -45,6 +46,8 @@ def ref_attention(q, k, v, *, hi=None, window=None, sm_scale=None, soft_cap=None
     s = np.einsum("bhgd,bhtd->bhgt", q, k) * scale
     if soft_cap is not None:
         s = soft_cap * np.tanh(s / soft_cap)
+    if slopes is not None:
+        s = s + np.asarray(slopes, np.float32)[..., None] * np.arange(t, dtype=np.float32)
     ts = np.arange(t)
     valid = ts < hi
     if window is not None:
@@ -499,3 +502,20 @@ def test_finite_mask_rows(fill, splits, pos):
     call = lambda q, k, v, p, backend: decode_attention(   # noqa: E731
         q, k, v, pos=p, num_splits=splits, block_k=16, empty_rows=fill, backend=backend)
     check_kernel(call, lambda q, k, v, p: _ref_masked(q, k, v, int(p) + 1, fill), args, **F32)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_alibi_slopes(dtype, splits):
+    """ALiBi (BLOOM, Falcon): one slope per query head, ``slope · t`` added to the scaled scores
+    before the mask; GQA rows (G = 3) each with its own slope, split-K and one kernel."""
+    b, h, g, d, t = 2, 2, 3, 32, 100
+    slopes = jnp.asarray(-(2.0 ** -np.arange(1, b * h * g + 1, dtype=np.float32) % 0.9).reshape(b, h, g))
+    args = (rand((b, h, g, d), dtype), rand((b, h, t, d), dtype, 1), rand((b, h, t, d), dtype, 2),
+            jnp.int32(61), slopes)
+    call = functools.partial(lambda q, k, v, pos, sl, **kw: decode_attention(q, k, v, pos=pos, slopes=sl, **kw),
+                             num_splits=splits, block_k=32)
+    check_kernel(call, lambda q, k, v, pos, sl: ref_attention(q, k, v, hi=int(pos) + 1, slopes=sl), args,
+                 **TOL[dtype])
+    with pytest.raises(ValueError, match="slopes must be f32"):
+        decode_attention(*args[:3], pos=args[3], slopes=slopes[:, :, :2])

@@ -31,8 +31,9 @@ def rand(shape, dtype=jnp.float32, seed=0):
 
 
 def ref_prefill(q, k, v, *, causal=False, q_offset=0, kv_len=None, window=None, seq_len=None,
-                sm_scale=None, soft_cap=None, dtype=None):
-    """q (Z, M, D), k (Z, T, D), v (Z, T, Dv); row r is query position r % seq_len."""
+                sm_scale=None, soft_cap=None, dtype=None, slopes=None):
+    """q (Z, M, D), k (Z, T, D), v (Z, T, Dv); row r is query position r % seq_len; ``slopes``
+    (Z, M): an ALiBi bias ``slope · t`` added before the mask."""
     dtype = dtype or q.dtype
     q, k, v = (np.asarray(x, np.float32) for x in (q, k, v))
     z, m, d = q.shape
@@ -42,6 +43,8 @@ def ref_prefill(q, k, v, *, causal=False, q_offset=0, kv_len=None, window=None, 
     s = np.einsum("zmd,ztd->zmt", q, k) * scale
     if soft_cap is not None:
         s = soft_cap * np.tanh(s / soft_cap)
+    if slopes is not None:
+        s = s + np.asarray(slopes, np.float32)[..., None] * np.arange(t, dtype=np.float32)
     r, ts = np.arange(m)[:, None], np.arange(t)[None, :]
     end = int(q_offset) + 1 + r % S if causal else np.full((m, 1), t if kv_len is None else int(kv_len))
     valid = ts < np.minimum(end, t)
@@ -187,3 +190,16 @@ def test_finite_mask_rows_with_no_valid_key(fill, off):
     call = lambda q, k, v, o, backend: prefill_attention(   # noqa: E731
         q, k, v, causal=True, q_offset=o, empty_rows=fill, backend=backend)
     check_kernel(call, ref, args, **F32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_alibi_slopes(dtype):
+    """ALiBi: a slope per query row (G = 2 heads folded into the rows, S = 40 each), causal, the
+    bias ``slope · t`` added before the mask, ragged T and rows."""
+    z, S, g, d = 3, 40, 2, 32
+    slopes = jnp.asarray(np.repeat(-(0.5 ** np.arange(1, z * g + 1, dtype=np.float32)).reshape(z, g), S, axis=1))
+    q, k, v = rand((z, g * S, d), dtype), rand((z, S, d), dtype, 1), rand((z, S, d), dtype, 2)
+    call = functools.partial(lambda q, k, v, sl, **kw: prefill_attention(q, k, v, slopes=sl, **kw),
+                             causal=True, seq_len=S, block_q=32, block_k=16)
+    check_kernel(call, lambda q, k, v, sl: ref_prefill(q, k, v, causal=True, seq_len=S, slopes=sl),
+                 (q, k, v, slopes), **TOL[dtype])

@@ -66,6 +66,7 @@ the kernel's last input: an int32 array, ``(1,)`` or ``(B,)``, read with one sca
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -126,6 +127,7 @@ class _Cfg(Planned):
     end: KeyEnd               # the end of the valid keys (static, or the end operand)
     launch: AttentionConfig
     flash: Flash
+    alibi: bool = False       # a (B, Hkv, G) slopes operand after q, k, v: ALiBi bias slope · t
 
     @property
     def Gp(self) -> int:
@@ -137,8 +139,8 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
                      window: int | None = None, out: VTensor | None = None, block_k: int = 64,
                      num_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, backend: str = "interpret",
-                     empty_rows: Any = "zero", precision: Any = None) -> Any:
-    """Single-token (decode) attention ``softmax(mask(cap(q·kᵀ·scale)))·v`` per query head.
+                     empty_rows: Any = "zero", precision: Any = None, slopes: Any = None) -> Any:
+    """Single-token (decode) attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` per query head.
 
     q: logical (B, Hkv, G, D); k: (B, Hkv, T, D); v: (B, Hkv, T, Dv) — :class:`vio.VTensor` or
         arrays, read through their layouts (e.g. K/V straight from a (B, T, Hkv, D) cache).
@@ -164,6 +166,8 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
     precision: of both dots, with ``lax.dot_general``'s meaning (None:
         ``jax_default_matmul_precision``, else ``DEFAULT``: TF32 for f32 on the GPU; ``HIGHEST``:
         IEEE f32), resolved by :func:`.tiling.dot_precision`.
+    slopes: ALiBi (BLOOM, Falcon): f32 (B, Hkv, G), one slope per query head; ``slope · t`` is
+        added to the scaled (capped) scores of key ``t`` before the mask. None: no bias.
 
     Returns like :func:`vtc_jax.kernels.matmul.matmul`: the array for a fresh/one-buffer output,
     else the tuple of ``out``'s physical buffers.
@@ -171,6 +175,10 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
     q, k, v = VTensor.of(q), VTensor.of(k), VTensor.of(v)
     _check(q, k, v, block_k=block_k, pos=pos, kv_len=kv_len, window=window)
     B, H, G, _ = q.shape
+    if slopes is not None:
+        slopes = VTensor.of(slopes)
+        if tuple(slopes.shape) != (B, H, G) or slopes.dtype != np.float32:
+            raise ValueError(f"slopes must be f32 of shape {(B, H, G)}, got {slopes.dtype} {slopes.shape}")
     out = output(out, (B, H, G, v.shape[3]), q.dtype)
     end, end_operand = key_end(pos, kv_len, k.shape[2])
     if end.per_row and end_operand.shape != (B,):
@@ -178,7 +186,9 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
     cfg = _config(q, k, v, end, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                   num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
                   empty_rows=empty_rows, precision=precision)
-    return _launch(cfg, q, k, v, out, end_operand, backend=backend)
+    if slopes is not None:
+        cfg = dataclasses.replace(cfg, alibi=True)
+    return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes)
 
 
 def _check(q: VTensor, k: VTensor, v: VTensor, *, block_k: int, pos: Any, kv_len: Any,
@@ -224,10 +234,10 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, block_k: int,
 
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any, *,
-            backend: str) -> Any:
+            backend: str, slopes: Any = None) -> Any:
     """Grid and launch: one kernel when S == 1; else the split kernel into f32 partials, then the
     combine kernel. ``end``: the runtime end operand, or None (a static end)."""
-    ins = [q, k, v] + ([end] if end is not None else [])
+    ins = [q, k, v] + ([slopes] if c.alibi else []) + ([end] if end is not None else [])
     warps, stages = c.launch.num_warps, c.launch.num_stages
     if c.S == 1:
         plan = Plan.build(ins, [out])
@@ -257,7 +267,8 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
 
     # The valid keys [lo, hi): scalars (traced or static); a window counts back from the
     # unclamped end (jax's ``t > pos - window`` for any pos).
-    end = read_end(c.end, ins[3] if len(ins) > 3 else None, b)
+    n_fixed = 3 + c.alibi
+    end = read_end(c.end, ins[n_fixed] if len(ins) > n_fixed else None, b)
     if c.end.static is None:
         hi: Any = jnp.minimum(end, c.T)
         lo: Any = jnp.maximum(end - c.window, 0) if c.window is not None else 0
@@ -284,9 +295,12 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
         vb = v_ref.load((b, h, t0, 0), (1, 1, c.bk, c.Dvp)).reshape(c.bk, c.Dvp).astype(c.flash.compute)
         return kb, vb
 
+    # The rows' ALiBi slopes (padded rows read 0).
+    slope = ins[3].load((b, h, 0), (1, 1, c.Gp)).reshape(c.Gp) if c.alibi else None
+
     # Stage 2: scores and the online softmax, in f32.
     m, l, acc = c.flash.loop(qt, load_kv, j0, j1, c.flash.init(c.Gp, c.Dvp), hi=hi,
-                             lo=lo if c.window is not None else None)
+                             lo=lo if c.window is not None else None, slope=slope)
     if c.flash.empty_fill is not None:
         # No valid key (hi <= lo: pos < 0, say) under a finite mask: jax's softmax of the masked
         # scores over all T keys, the T blocks dealt out over the S programs like the valid ones.

@@ -46,6 +46,7 @@ empty-row pass are :mod:`.flash`'s, shared with the decode kernel. A runtime ``q
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,7 @@ class _Cfg(Planned):
     end: KeyEnd                # the end of query row 0's valid keys (row r adds r % S when causal)
     launch: AttentionConfig
     flash: Flash
+    alibi: bool = False        # a (Z, M) slopes operand after q, k, v: ALiBi bias slope · t
 
     @property
     def bq(self) -> int:
@@ -89,8 +91,8 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
                       out: VTensor | None = None, block_q: int = 64, block_k: int = 64,
                       num_warps: int | None = None, num_stages: int | None = None,
                       backend: str = "interpret", empty_rows: Any = "zero",
-                      precision: Any = None) -> Any:
-    """Flash attention ``softmax(mask(cap(q·kᵀ·scale)))·v`` for many query rows.
+                      precision: Any = None, slopes: Any = None) -> Any:
+    """Flash attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` for many query rows.
 
     q: logical (Z, M, D); k: (Z, T, D); v: (Z, T, Dv) — VTensors or arrays.
     seq_len: the query sequence length S; row r is query position ``r % S`` (default M: rows are
@@ -109,6 +111,8 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
     precision: of both dots, with ``lax.dot_general``'s meaning (None:
         ``jax_default_matmul_precision``, else ``DEFAULT``: TF32 for f32 on the GPU; ``HIGHEST``:
         IEEE f32), resolved by :func:`.tiling.dot_precision`.
+    slopes: ALiBi: f32 (Z, M), one slope per query row; ``slope · t`` is added to the scaled
+        (capped) scores of key ``t`` before the mask. None: no bias.
 
     Returns the array for a fresh/one-buffer output, else the tuple of ``out``'s buffers.
     """
@@ -116,12 +120,18 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
     _check(q, k, v, block_q=block_q, block_k=block_k, seq_len=seq_len, causal=causal,
            q_offset=q_offset, kv_len=kv_len, window=window)
     Z, M, _ = q.shape
+    if slopes is not None:
+        slopes = VTensor.of(slopes)
+        if tuple(slopes.shape) != (Z, M) or slopes.dtype != np.float32:
+            raise ValueError(f"slopes must be f32 of shape {(Z, M)}, got {slopes.dtype} {slopes.shape}")
     out = output(out, (Z, M, v.shape[2]), q.dtype)
     end, end_operand = key_end(q_offset if causal else None, kv_len, k.shape[1])
     cfg = _config(q, k, v, end, causal=causal, window=window, seq_len=seq_len, sm_scale=sm_scale,
                   soft_cap=soft_cap, block_q=block_q, block_k=block_k, num_warps=num_warps,
                   num_stages=num_stages, empty_rows=empty_rows, precision=precision)
-    return _launch(cfg, q, k, v, out, end_operand, backend=backend)
+    if slopes is not None:
+        cfg = dataclasses.replace(cfg, alibi=True)
+    return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes)
 
 
 def _check(q: VTensor, k: VTensor, v: VTensor, *, block_q: int, block_k: int,
@@ -171,9 +181,9 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, causal: bool,
 
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any, *,
-            backend: str) -> Any:
+            backend: str, slopes: Any = None) -> Any:
     """Grid ``(Z, cdiv(M, bq))`` and launch. ``end``: the runtime end operand, or None."""
-    plan = Plan.build([q, k, v] + ([end] if end is not None else []), [out])
+    plan = Plan.build([q, k, v] + ([slopes] if c.alibi else []) + ([end] if end is not None else []), [out])
     bufs = plan.call(functools.partial(_body, c), grid=(c.Z, cdiv(c.M, c.bq)), backend=backend,
                      num_warps=c.launch.num_warps, num_stages=c.launch.num_stages,
                      name="vtc_prefill_attention")
@@ -187,7 +197,8 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     r0 = i * c.bq
 
     # The valid keys [lo, hi) of every row of this block, as (bq, 1) int32 columns.
-    base = read_end(c.end, ins[3] if len(ins) > 3 else None)
+    n_fixed = 3 + c.alibi
+    base = read_end(c.end, ins[n_fixed] if len(ins) > n_fixed else None)
     rows = lax.broadcasted_iota(jnp.int32, (c.bq, 1), 0) + r0
     hi = jnp.zeros((c.bq, 1), jnp.int32) + base
     if c.causal:
@@ -206,8 +217,9 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
         vb = v_ref.load((z, t0, 0), (1, c.bk, c.Dvp)).reshape(c.bk, c.Dvp).astype(c.flash.compute)
         return kb, vb
 
+    slope = ins[3].load((z, r0), (1, c.bq)).reshape(c.bq) if c.alibi else None   # padded rows: 0
     init = c.flash.init(c.bq, c.Dvp)
-    _, l, acc = c.flash.loop(qt, load_kv, j0, j1, init, hi=hi, lo=lo)
+    _, l, acc = c.flash.loop(qt, load_kv, j0, j1, init, hi=hi, lo=lo, slope=slope)
     if c.flash.empty_fill is not None:
         # rows with no valid key under a finite mask: jax's softmax of the masked scores over all
         # T keys (a second pass, only when this block has such a row)

@@ -19,6 +19,11 @@ the step it did not recognise. Accepted between q·k and p·v:
   additive bias value (the mean of V, or the softmax of ``(s + b) * f`` rounded as jax rounds it);
   other combinations are declined when such a row can happen. Scaling after a mask must keep the
   masked value <= NEG_BOUND.
+* ALiBi: an additive constant ``slope · t`` (the key position ``t``, one slope per score row:
+  BLOOM's and Falcon's ``slopes[:, None] * arange(T)``, equal bit for bit in f32), added before
+  every selecting mask and not scaled after: the kernels add it to the scaled scores from an f32
+  slopes operand (:func:`_alibi`). Other biases (``slope · (t - i)``, a learned table) are
+  declined.
 * softmax: ``jax.nn.softmax`` or by hand (``exp(x - max) / sum``, ``stop_gradient`` on the max,
   ``e * (1 / sum)``), f32 up/down casts, reshapes/transposes that keep the axes, in any order of
   the dimensions (the reductions must be over the key axis);
@@ -57,8 +62,7 @@ jax's default precision runs on TF32 tensor cores as ``jax.jit``'s does, at ``HI
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax.numpy as jnp
@@ -108,6 +112,8 @@ class _AttnMatch:
     per_row: bool = False       # hi_scalar is a vector: one position per sequence (decode only)
     precision: Any = None       # of both kernel dots: the two dots' param (the more precise one
                                 # when they differ, :func:`kernels.tiling.more_precise`)
+    slopes: Any = field(default=None, compare=False)   # ALiBi: f32 (batch..., rows) slope per
+                                # query row, the bias slope · t (None: no bias)
 
     @property
     def kernel(self) -> str:
@@ -592,23 +598,7 @@ def _mask_arrays(graph: Graph, masks: list[_Mask], env: dict[int, Any], rank: in
             keep = val.astype(bool) if m.keep else ~val.astype(bool)
         if m.when is not None and bool(np.asarray(ev(m.when[0])).reshape(())) != m.when[1]:
             keep = np.ones_like(np.asarray(keep, bool))   # the pred turns this mask off
-        keep = np.asarray(keep, bool).reshape((1,) * (len(m.axes) - np.ndim(keep)) + np.shape(keep))
-        for i, a in enumerate(m.axes):   # a group of axes (heads folded by a reshape): the mask
-            if isinstance(a, tuple) and keep.shape[i] != 1:   # must be the same for all of them
-                raise Decline("a mask varies along axes grouped by a reshape of the scores")
-        m = dataclasses.replace(m, axes=tuple(None if isinstance(a, tuple) else a for a in m.axes))
-        for i, a in enumerate(m.axes):
-            if a is None and keep.shape[i] != 1:
-                raise Decline("a mask varies along an axis the scores do not have")
-        kept = [i for i, a in enumerate(m.axes) if a is not None]
-        arr = np.transpose(keep, kept + [i for i in range(keep.ndim) if i not in kept])
-        arr = arr.reshape(arr.shape[:len(kept)])
-        full = [1] * rank
-        order = sorted(range(len(kept)), key=lambda j: m.axes[kept[j]])
-        arr = np.transpose(arr, order)
-        for j, o in enumerate(order):
-            full[m.axes[kept[o]]] = arr.shape[j]
-        valid = valid & arr.reshape(full)
+        valid = valid & _on_scores(np.asarray(keep, bool), m.axes, rank, "a mask")
     return valid
 
 
@@ -821,6 +811,70 @@ def _precision(graph: Graph, d1: Any, d2: Any) -> Any:
         raise Decline(str(exc)) from None
 
 
+def _on_scores(arr: np.ndarray, axes: tuple[Any, ...], rank: int, what: str) -> np.ndarray:
+    """``arr``, given over the axes ``axes`` of the scores (first-dot axes, None for a unit axis,
+    a group for axes a reshape merged), as an array over the first-dot axes (size 1 where it
+    does not vary)."""
+    arr = np.asarray(arr).reshape((1,) * (len(axes) - np.ndim(arr)) + np.shape(arr))
+    for i, a in enumerate(axes):
+        if isinstance(a, tuple) and arr.shape[i] != 1:
+            raise Decline(f"{what} varies along axes grouped by a reshape of the scores")
+        if a is None and arr.shape[i] != 1:
+            raise Decline(f"{what} varies along an axis the scores do not have")
+    kept = [i for i, a in enumerate(axes) if isinstance(a, int)]
+    out = np.transpose(arr, kept + [i for i in range(arr.ndim) if i not in kept])
+    out = out.reshape(out.shape[:len(kept)])
+    order = sorted(range(len(kept)), key=lambda j: axes[kept[j]])
+    out = np.transpose(out, order)
+    full = [1] * rank
+    for j, o in enumerate(order):
+        full[axes[kept[o]]] = out.shape[j]
+    return out.reshape(full)
+
+
+def _alibi(graph: Graph, st: dict[str, Any], dims: dict[str, Any], shape: tuple[int, ...]) -> np.ndarray | None:
+    """The ALiBi bias among the additive terms on the scores, taken out of ``st["masks"]``: a
+    constant ``b`` with ``b = slope · t`` exactly in f32 (``t`` the key position, one slope per
+    score row: per head, and per query row if it likes), as BLOOM and Falcon add
+    ``slopes[:, None] * arange(T)``. Returned as the slopes over the first-dot axes (key axis
+    of size 1); None when no term is such a bias. It must come before every mask that selects
+    (the masked lanes then hold the fill alone) with no scaling after it (the kernels add it to
+    the scaled, capped scores)."""
+    key, rank, T = dims["key"], len(shape), shape[dims["key"]]
+    found = None
+    for m in [m for m in st["masks"] if m.keep is None]:
+        ev = _Eval(graph)
+        try:
+            if ev.leaves(m.tensor):
+                continue
+            b = np.asarray(ev(m.tensor))
+        except (_NoFold, ValueError, TypeError):
+            continue
+        if b.dtype != np.float32 or not ((b != 0) & (b * m.factor > NEG_BOUND)).any():
+            continue        # a mask (0 or very negative): :func:`_fit_mask`'s
+        full = _on_scores(b, m.axes, rank, "an additive bias")
+        if T < 2 or full.shape[key] != T:
+            raise Decline("an additive bias that does not vary along the keys: not a mask or ALiBi")
+        slope = full.take([1], axis=key)
+        tt = np.arange(T, dtype=np.float32).reshape([T if a == key else 1 for a in range(rank)])
+        if not np.array_equal(np.broadcast_to(slope * tt, np.broadcast_shapes(full.shape, tt.shape)),
+                              np.broadcast_to(full, np.broadcast_shapes(full.shape, tt.shape))):
+            raise Decline(f"additive bias t{m.tensor} is not slope · key position (ALiBi) nor a mask: "
+                          "a general bias is not supported")
+        if found is not None:
+            raise Decline("two ALiBi biases on the scores")
+        if m.factor != 1.0 or m.when is not None:
+            raise Decline("an ALiBi bias scaled after it is added, or under a condition")
+        if any(o.keep is not None and o.stage < m.stage for o in st["masks"]):
+            raise Decline("an ALiBi bias added after a mask")
+        found = m
+        slopes = slope
+    if found is None:
+        return None
+    st["masks"] = [m for m in st["masks"] if m is not found]
+    return slopes
+
+
 def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     a = _analyse(graph, c)
     precision = _precision(graph, a["d1"], a["d2"])
@@ -828,6 +882,7 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     dims = _dims(graph, a)
     d1 = a["d1"]
     shape = graph.tensors[d1.outputs[0]].shape
+    alibi = _alibi(graph, st, dims, shape)
     bias_values: set[float] = set()
     seq_axis, causal, hi_c, hi_x, window, empty, per_row = _fit_mask(graph, st["masks"], dims, shape,
                                                                       bias_values)
@@ -867,9 +922,15 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
                       "(the prefill kernel takes one for all)")
     if seq_axis is None:
         S = rows
+    slopes = None
+    if alibi is not None:   # one slope per kernel row: (batch..., query rows...) in canonical order
+        full = np.broadcast_to(alibi, tuple(1 if a == dims["key"] else n for a, n in enumerate(shape)))
+        slopes = np.ascontiguousarray(np.transpose(full, list(range(nb)) + qf_d1 + [dims["key"]]),
+                                      np.float32).reshape(batch + (rows,))
     return _AttnMatch(q, k, v, c.outputs[0], q_perm, k_perm, v_perm, out_perm, batch, rows, S, T, D, Dv,
                       float(scale), None if cap is None else float(cap), causal, int(hi_c), hi_x,
-                      None if window is None else int(window), decode, empty_rows, per_row, precision)
+                      None if window is None else int(window), decode, empty_rows, per_row, precision,
+                      slopes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -937,6 +998,8 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
                 kw["pos"] = pos       # keys t <= pos: the decode kernel's own form
             elif m.hi_scalar is not None or m.hi_const < T or m.window is not None:
                 kw["kv_len"] = end_minus(0)   # a window counts from the unclamped end
+            if m.slopes is not None:
+                kw["slopes"] = jnp.asarray(m.slopes.reshape(B, hk, g * R))
             res = decode_attention(re(q, (B, hk, g * R, D)), per_group(k), per_group(v),
                                    sm_scale=m.scale, soft_cap=m.soft_cap, out=re(out, (B, hk, g * R, Dv)),
                                    backend=backend, empty_rows=m.empty_rows, precision=m.precision, **kw)
@@ -946,6 +1009,8 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
                 kw.update(causal=True, q_offset=end_minus(1))
             elif m.hi_scalar is not None or m.hi_const < T or m.window is not None:
                 kw["kv_len"] = end_minus(0)
+            if m.slopes is not None:
+                kw["slopes"] = jnp.asarray(m.slopes.reshape(B * hk, g * R))
             res = prefill_attention(re(q, (B * hk, g * R, D)), re(per_group(k), (B * hk, T, D)),
                                     re(per_group(v), (B * hk, T, Dv)), seq_len=m.seq, sm_scale=m.scale,
                                     soft_cap=m.soft_cap, out=re(out, (B * hk, g * R, Dv)),
