@@ -49,7 +49,7 @@ runtime tensor are declined with that reason. The one exception is a vector of p
 sequence (continuous batching: ``t <= pos[b]``): probed with every entry equal it must fit the
 family like a scalar, then with distinct entries batch entry ``b`` must see the family at ``pos[b]`` (:func:`_check_per_row`); the decode kernel takes it as a
 ``(B,)`` operand (the prefill kernel takes one bound for all). An additive bias with other values
-(ALiBi) is declined too.
+is declined too, unless it is ALiBi's ``slope · t`` (above).
 
 Decode (every query row sees the same keys, at most 16 query rows per batch·head — one token,
 GQA heads folded in) runs ``kernels.attention.decode_attention``; everything else (prefill,
