@@ -473,22 +473,31 @@ def x_alibi_after_mask(q, kc, vc, pos):
         jnp.where(jnp.arange(T) <= pos, s, NEG32) + alibi[None, :, None, :], -1))
 
 
+@pytest.mark.parametrize("fn,kind,args", [
+    (x_alibi, "decode", None),
+    (x_alibi_relative, "decode", None),
+    (x_second_score_term, "decode", None),
+], ids=["alibi_at_pos", "alibi_relative", "second_score_term"])
+def test_additive_biases_reach_the_kernels(fn, kind, args):
+    """A bias that is no mask and no f32-exact ``slope · t`` — ALiBi written against ``pos`` or
+    the query row, MLA's second score term — is read by the kernels blockwise as an operand
+    (XLA computes it). Unguarded: at these sizes jit's one fusion is as fast."""
+    check_attention(fn, decode_args(), kind, guard=None)
+
+
 @pytest.mark.parametrize("fn,why", [
-    (x_alibi_relative, "is not slope · key position"),
-    (x_alibi_after_mask, "an ALiBi bias added after a mask"),
+    (x_alibi_after_mask, "an additive bias added after a mask"),
     (x_grouped_mask_per_head, "a mask varies along axes grouped by a reshape"),
     (x_grouped_into_pv, "grouped by a reshape"),
     (x_key_axis_reshaped, "regroups the axes of the scores"),
     (x_pos_per_head, "per-sequence positions need one value per sequence"),
     (x_prefill_per_sequence, "only the decode kernel takes one bound per sequence"),
-    (x_second_score_term, "a second score term or a learned bias"),
-    (x_alibi, "a general bias is not supported"),
     (x_mask_before_cap, "soft-caps scores that are already masked"),
     (x_relu, "not a scale, soft-cap, mask or softmax step"),
     (x_small_neg, "not a mask value"),
     (x_mask_scaled_down, "no longer a mask"),
     (x_padding_mask, "shape (2, 24)"),
-], ids=["alibi_relative", "alibi_after_mask", "grouped_mask_per_head", "grouped_into_pv", "key_axis_reshaped", "pos_per_head", "prefill_per_sequence", "second_score_term", "alibi", "mask_before_cap", "relu", "small_neg", "scaled_down", "padding_mask"])
+], ids=["alibi_after_mask", "grouped_mask_per_head", "grouped_into_pv", "key_axis_reshaped", "pos_per_head", "prefill_per_sequence", "mask_before_cap", "relu", "small_neg", "scaled_down", "padding_mask"])
 def test_declined_forms_say_why(fn, why):
     args = decode_args()
     if fn is x_padding_mask:

@@ -35,7 +35,8 @@ def rand(shape, dtype=jnp.float32, seed=0):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
-def ref_attention(q, k, v, *, hi=None, window=None, sm_scale=None, soft_cap=None, dtype=None, slopes=None):
+def ref_attention(q, k, v, *, hi=None, window=None, sm_scale=None, soft_cap=None, dtype=None, slopes=None,
+                  bias=None):
     """q (B, H, G, D), k (B, H, T, D), v (B, H, T, Dv); keys t < hi (and t >= hi - window) valid;
     ``slopes`` (B, H, G): an ALiBi bias ``slope · t`` added before the mask."""
     dtype = dtype or q.dtype
@@ -48,6 +49,8 @@ def ref_attention(q, k, v, *, hi=None, window=None, sm_scale=None, soft_cap=None
         s = soft_cap * np.tanh(s / soft_cap)
     if slopes is not None:
         s = s + np.asarray(slopes, np.float32)[..., None] * np.arange(t, dtype=np.float32)
+    if bias is not None:
+        s = s + np.asarray(bias, np.float32)
     ts = np.arange(t)
     valid = ts < hi
     if window is not None:
@@ -519,3 +522,19 @@ def test_alibi_slopes(dtype, splits):
                  **TOL[dtype])
     with pytest.raises(ValueError, match="slopes must be f32"):
         decode_attention(*args[:3], pos=args[3], slopes=slopes[:, :, :2])
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_additive_bias_read_through_a_broadcast_layout(splits):
+    """Any additive bias (a relative-position table's gather, a learned bias): read blockwise as a
+    (B, Hkv, G, T) VTensor, here a per-head (H, T) table broadcast over the batch (no copy)."""
+    b, h, g, d, t = 2, 2, 3, 32, 70
+    table = rand((h * g, t), seed=5)
+    view = VTensor(Layout.physical(0, (h * g, t)).reshape((h, g, t)).broadcast((b, h, g, t), (1, 2, 3)),
+                   table.dtype, (table,))
+    args = (rand((b, h, g, d)), rand((b, h, t, d), seed=1), rand((b, h, t, d), seed=2), jnp.int32(50), table)
+    call = functools.partial(
+        lambda q, k, v, pos, tb, **kw: decode_attention(q, k, v, pos=pos, bias=VTensor(view.layout, tb.dtype, (tb,)), **kw),
+        num_splits=splits, block_k=32)
+    ref_bias = np.broadcast_to(np.asarray(table).reshape(1, h, g, t), (b, h, g, t))
+    check_kernel(call, lambda q, k, v, pos, tb: ref_attention(q, k, v, hi=int(pos) + 1, bias=ref_bias), args, **F32)

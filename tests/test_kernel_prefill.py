@@ -31,7 +31,7 @@ def rand(shape, dtype=jnp.float32, seed=0):
 
 
 def ref_prefill(q, k, v, *, causal=False, q_offset=0, kv_len=None, window=None, seq_len=None,
-                sm_scale=None, soft_cap=None, dtype=None, slopes=None):
+                sm_scale=None, soft_cap=None, dtype=None, slopes=None, bias=None):
     """q (Z, M, D), k (Z, T, D), v (Z, T, Dv); row r is query position r % seq_len; ``slopes``
     (Z, M): an ALiBi bias ``slope · t`` added before the mask."""
     dtype = dtype or q.dtype
@@ -45,6 +45,8 @@ def ref_prefill(q, k, v, *, causal=False, q_offset=0, kv_len=None, window=None, 
         s = soft_cap * np.tanh(s / soft_cap)
     if slopes is not None:
         s = s + np.asarray(slopes, np.float32)[..., None] * np.arange(t, dtype=np.float32)
+    if bias is not None:
+        s = s + np.asarray(bias, np.float32)
     r, ts = np.arange(m)[:, None], np.arange(t)[None, :]
     end = int(q_offset) + 1 + r % S if causal else np.full((m, 1), t if kv_len is None else int(kv_len))
     valid = ts < np.minimum(end, t)
@@ -203,3 +205,12 @@ def test_alibi_slopes(dtype):
                              causal=True, seq_len=S, block_q=32, block_k=16)
     check_kernel(call, lambda q, k, v, sl: ref_prefill(q, k, v, causal=True, seq_len=S, slopes=sl),
                  (q, k, v, slopes), **TOL[dtype])
+
+
+def test_additive_bias():
+    """Any additive bias, (Z, M, T) read blockwise (T5's relative-position bias, say), causal."""
+    z, m, d = 2, 40, 32
+    q, k, v, bias = rand((z, m, d)), rand((z, m, d), seed=1), rand((z, m, d), seed=2), rand((z, m, m), seed=3)
+    call = functools.partial(lambda q, k, v, bs, **kw: prefill_attention(q, k, v, bias=bs, **kw),
+                             causal=True, block_q=16, block_k=16)
+    check_kernel(call, lambda q, k, v, bs: ref_prefill(q, k, v, causal=True, bias=bs), (q, k, v, bias), **F32)

@@ -128,6 +128,7 @@ class _Cfg(Planned):
     launch: AttentionConfig
     flash: Flash
     alibi: bool = False       # a (B, Hkv, G) slopes operand after q, k, v: ALiBi bias slope · t
+    bias: bool = False        # a (B, Hkv, G, T) bias operand next: added to the scores
 
     @property
     def Gp(self) -> int:
@@ -139,7 +140,8 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
                      window: int | None = None, out: VTensor | None = None, block_k: int = 64,
                      num_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, backend: str = "interpret",
-                     empty_rows: Any = "zero", precision: Any = None, slopes: Any = None) -> Any:
+                     empty_rows: Any = "zero", precision: Any = None, slopes: Any = None,
+                     bias: Any = None) -> Any:
     """Single-token (decode) attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` per query head.
 
     q: logical (B, Hkv, G, D); k: (B, Hkv, T, D); v: (B, Hkv, T, Dv) — :class:`vio.VTensor` or
@@ -168,6 +170,9 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         IEEE f32), resolved by :func:`.tiling.dot_precision`.
     slopes: ALiBi (BLOOM, Falcon): f32 (B, Hkv, G), one slope per query head; ``slope · t`` is
         added to the scaled (capped) scores of key ``t`` before the mask. None: no bias.
+    bias: any additive bias, logical (B, Hkv, G, T) (a VTensor: a relative-position table's
+        gather, a learned bias, broadcast layouts for the axes it does not vary along), added to
+        the scaled (capped) scores before the mask, blockwise. None: no bias.
 
     Returns like :func:`vtc_jax.kernels.matmul.matmul`: the array for a fresh/one-buffer output,
     else the tuple of ``out``'s physical buffers.
@@ -186,9 +191,12 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
     cfg = _config(q, k, v, end, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                   num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
                   empty_rows=empty_rows, precision=precision)
-    if slopes is not None:
-        cfg = dataclasses.replace(cfg, alibi=True)
-    return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes)
+    if bias is not None:
+        bias = VTensor.of(bias)
+        if tuple(bias.shape) != (B, H, G, k.shape[2]):
+            raise ValueError(f"bias must have shape {(B, H, G, k.shape[2])}, got {bias.shape}")
+    cfg = dataclasses.replace(cfg, alibi=slopes is not None, bias=bias is not None)
+    return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes, bias=bias)
 
 
 def _check(q: VTensor, k: VTensor, v: VTensor, *, block_k: int, pos: Any, kv_len: Any,
@@ -234,10 +242,10 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, block_k: int,
 
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any, *,
-            backend: str, slopes: Any = None) -> Any:
+            backend: str, slopes: Any = None, bias: Any = None) -> Any:
     """Grid and launch: one kernel when S == 1; else the split kernel into f32 partials, then the
     combine kernel. ``end``: the runtime end operand, or None (a static end)."""
-    ins = [q, k, v] + ([slopes] if c.alibi else []) + ([end] if end is not None else [])
+    ins = [q, k, v] + ([slopes] if c.alibi else []) + ([bias] if c.bias else []) + ([end] if end is not None else [])
     warps, stages = c.launch.num_warps, c.launch.num_stages
     if c.S == 1:
         plan = Plan.build(ins, [out])
@@ -267,7 +275,7 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
 
     # The valid keys [lo, hi): scalars (traced or static); a window counts back from the
     # unclamped end (jax's ``t > pos - window`` for any pos).
-    n_fixed = 3 + c.alibi
+    n_fixed = 3 + c.alibi + c.bias
     end = read_end(c.end, ins[n_fixed] if len(ins) > n_fixed else None, b)
     if c.end.static is None:
         hi: Any = jnp.minimum(end, c.T)
@@ -295,12 +303,17 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
         vb = v_ref.load((b, h, t0, 0), (1, 1, c.bk, c.Dvp)).reshape(c.bk, c.Dvp).astype(c.flash.compute)
         return kb, vb
 
-    # The rows' ALiBi slopes (padded rows read 0).
+    # The rows' ALiBi slopes and bias blocks (padded rows and keys past T read 0).
     slope = ins[3].load((b, h, 0), (1, 1, c.Gp)).reshape(c.Gp) if c.alibi else None
+    bias_ref = ins[3 + c.alibi] if c.bias else None
+
+    def load_bias(t0: Any) -> jax.Array:
+        return bias_ref.load((b, h, 0, t0), (1, 1, c.Gp, c.bk)).reshape(c.Gp, c.bk)
 
     # Stage 2: scores and the online softmax, in f32.
     m, l, acc = c.flash.loop(qt, load_kv, j0, j1, c.flash.init(c.Gp, c.Dvp), hi=hi,
-                             lo=lo if c.window is not None else None, slope=slope)
+                             lo=lo if c.window is not None else None, slope=slope,
+                             load_bias=load_bias if c.bias else None)
     if c.flash.empty_fill is not None:
         # No valid key (hi <= lo: pos < 0, say) under a finite mask: jax's softmax of the masked
         # scores over all T keys, the T blocks dealt out over the S programs like the valid ones.

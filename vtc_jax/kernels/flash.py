@@ -158,12 +158,13 @@ def read_end(end: KeyEnd, operand: VRef | None, row: Any = 0) -> Any:
 
 def softmax_block(qt: jax.Array, kb: jax.Array, vb: jax.Array, valid: jax.Array, carry: tuple, *,
                   scale: float, soft_cap: float | None, compute: Any, precision: Any,
-                  transform: Any = None, slope: Any = None, keys: Any = None) -> tuple:
+                  transform: Any = None, slope: Any = None, keys: Any = None, bias: Any = None) -> tuple:
     """Stage 2 of both attention kernels: fold one K/V block into the running (max, sum, acc)
     of the online softmax, in f32; lanes not ``valid`` score ``-inf``; ``transform`` (the
     empty-row pass, :func:`masked_scores`) rewrites the scores of the valid lanes first.
     ``slope`` (rows,) with ``keys`` (1, block) int32: an ALiBi bias ``slope · key position``
-    added to the scaled scores (f32, as jax adds ``slopes[:, None] * arange(T)``)."""
+    added to the scaled scores (f32, as jax adds ``slopes[:, None] * arange(T)``); ``bias``
+    (rows, block): any other additive bias's block, added the same way."""
     m_prev, l_prev, acc_prev = carry
     sc = jnp.dot(qt, kb.T, preferred_element_type=jnp.float32, precision=precision)
     sc = sc * scale
@@ -171,6 +172,8 @@ def softmax_block(qt: jax.Array, kb: jax.Array, vb: jax.Array, valid: jax.Array,
         sc = soft_cap * jnp.tanh(sc / soft_cap)
     if slope is not None:
         sc = sc + slope[:, None] * keys.astype(jnp.float32)
+    if bias is not None:
+        sc = sc + bias.astype(jnp.float32)
     if transform is not None:
         sc = transform(sc)
     sc = jnp.where(valid, sc, -jnp.inf)
@@ -262,14 +265,15 @@ class Flash:
                 jnp.zeros((rows, dvp), jnp.float32))
 
     def loop(self, qt: jax.Array, load_kv: LoadKV, j0: Any, j1: Any, carry: tuple, *, hi: Any,
-             lo: Any = None, slope: Any = None) -> tuple:
+             lo: Any = None, slope: Any = None, load_bias: Any = None) -> tuple:
         """The flash step over K/V blocks ``[j0, j1)``: keys ``lo <= t < hi`` valid (``hi``/``lo``
         scalars or per-row ``(rows, 1)`` columns; ``lo`` None: no lower bound); ``slope``: the
-        rows' ALiBi slopes (:func:`softmax_block`), or None."""
+        rows' ALiBi slopes (:func:`softmax_block`), or None; ``load_bias``: key origin ->
+        the rows' bias block, or None."""
         def valid(t: jax.Array) -> jax.Array:
             v = t < hi
             return v if lo is None else v & (t >= lo)
-        return lax.fori_loop(j0, j1, self._step(qt, load_kv, valid, None, slope), carry)
+        return lax.fori_loop(j0, j1, self._step(qt, load_kv, valid, None, slope, load_bias), carry)
 
     def empty_pass(self, qt: jax.Array, load_kv: LoadKV, u0: Any, u1: Any, carry: tuple) -> tuple:
         """Blocks ``[u0, u1)`` of every key ``t < T`` at jax's masked value (:func:`masked_scores`):
@@ -279,16 +283,16 @@ class Flash:
                                                 masked_scores(self.empty_fill)), carry)
 
     def _step(self, qt: jax.Array, load_kv: LoadKV, valid: Callable[[jax.Array], jax.Array],
-              transform: Any, slope: Any = None) -> Callable[[Any, tuple], tuple]:
+              transform: Any, slope: Any = None, load_bias: Any = None) -> Callable[[Any, tuple], tuple]:
         lanes = lax.broadcasted_iota(jnp.int32, (1, self.block_k), 1)
 
         def step(j: Any, carry: tuple) -> tuple:
             t0 = j * self.block_k
-            kb, vb = load_kv(t0)        # stage 1: one K and one V block
+            kb, vb = load_kv(t0)        # stage 1: one K and one V block (and the bias block)
             return softmax_block(qt, kb, vb, valid(lanes + t0), carry, scale=self.scale,
                                  soft_cap=self.soft_cap, compute=self.compute,
                                  precision=self.precision, transform=transform, slope=slope,
-                                 keys=lanes + t0)
+                                 keys=lanes + t0, bias=None if load_bias is None else load_bias(t0))
         return step
 
     def normalise(self, acc: jax.Array, l: jax.Array) -> jax.Array:

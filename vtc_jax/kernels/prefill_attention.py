@@ -79,6 +79,7 @@ class _Cfg(Planned):
     launch: AttentionConfig
     flash: Flash
     alibi: bool = False        # a (Z, M) slopes operand after q, k, v: ALiBi bias slope · t
+    bias: bool = False         # a (Z, M, T) bias operand next: added to the scores
 
     @property
     def bq(self) -> int:
@@ -91,7 +92,7 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
                       out: VTensor | None = None, block_q: int = 64, block_k: int = 64,
                       num_warps: int | None = None, num_stages: int | None = None,
                       backend: str = "interpret", empty_rows: Any = "zero",
-                      precision: Any = None, slopes: Any = None) -> Any:
+                      precision: Any = None, slopes: Any = None, bias: Any = None) -> Any:
     """Flash attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` for many query rows.
 
     q: logical (Z, M, D); k: (Z, T, D); v: (Z, T, Dv) — VTensors or arrays.
@@ -113,6 +114,8 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
         IEEE f32), resolved by :func:`.tiling.dot_precision`.
     slopes: ALiBi: f32 (Z, M), one slope per query row; ``slope · t`` is added to the scaled
         (capped) scores of key ``t`` before the mask. None: no bias.
+    bias: any additive bias, logical (Z, M, T) (a VTensor read through its layout), added to the
+        scaled (capped) scores before the mask, blockwise. None: no bias.
 
     Returns the array for a fresh/one-buffer output, else the tuple of ``out``'s buffers.
     """
@@ -129,9 +132,12 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
     cfg = _config(q, k, v, end, causal=causal, window=window, seq_len=seq_len, sm_scale=sm_scale,
                   soft_cap=soft_cap, block_q=block_q, block_k=block_k, num_warps=num_warps,
                   num_stages=num_stages, empty_rows=empty_rows, precision=precision)
-    if slopes is not None:
-        cfg = dataclasses.replace(cfg, alibi=True)
-    return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes)
+    if bias is not None:
+        bias = VTensor.of(bias)
+        if tuple(bias.shape) != (Z, M, k.shape[1]):
+            raise ValueError(f"bias must have shape {(Z, M, k.shape[1])}, got {bias.shape}")
+    cfg = dataclasses.replace(cfg, alibi=slopes is not None, bias=bias is not None)
+    return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes, bias=bias)
 
 
 def _check(q: VTensor, k: VTensor, v: VTensor, *, block_q: int, block_k: int,
@@ -181,9 +187,10 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, causal: bool,
 
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any, *,
-            backend: str, slopes: Any = None) -> Any:
+            backend: str, slopes: Any = None, bias: Any = None) -> Any:
     """Grid ``(Z, cdiv(M, bq))`` and launch. ``end``: the runtime end operand, or None."""
-    plan = Plan.build([q, k, v] + ([slopes] if c.alibi else []) + ([end] if end is not None else []), [out])
+    plan = Plan.build([q, k, v] + ([slopes] if c.alibi else []) + ([bias] if c.bias else [])
+                      + ([end] if end is not None else []), [out])
     bufs = plan.call(functools.partial(_body, c), grid=(c.Z, cdiv(c.M, c.bq)), backend=backend,
                      num_warps=c.launch.num_warps, num_stages=c.launch.num_stages,
                      name="vtc_prefill_attention")
@@ -197,7 +204,7 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     r0 = i * c.bq
 
     # The valid keys [lo, hi) of every row of this block, as (bq, 1) int32 columns.
-    n_fixed = 3 + c.alibi
+    n_fixed = 3 + c.alibi + c.bias
     base = read_end(c.end, ins[n_fixed] if len(ins) > n_fixed else None)
     rows = lax.broadcasted_iota(jnp.int32, (c.bq, 1), 0) + r0
     hi = jnp.zeros((c.bq, 1), jnp.int32) + base
@@ -218,8 +225,14 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
         return kb, vb
 
     slope = ins[3].load((z, r0), (1, c.bq)).reshape(c.bq) if c.alibi else None   # padded rows: 0
+    bias_ref = ins[3 + c.alibi] if c.bias else None
+
+    def load_bias(t0: Any) -> jax.Array:
+        return bias_ref.load((z, r0, t0), (1, c.bq, c.bk)).reshape(c.bq, c.bk)
+
     init = c.flash.init(c.bq, c.Dvp)
-    _, l, acc = c.flash.loop(qt, load_kv, j0, j1, init, hi=hi, lo=lo, slope=slope)
+    _, l, acc = c.flash.loop(qt, load_kv, j0, j1, init, hi=hi, lo=lo, slope=slope,
+                             load_bias=load_bias if c.bias else None)
     if c.flash.empty_fill is not None:
         # rows with no valid key under a finite mask: jax's softmax of the masked scores over all
         # T keys (a second pass, only when this block has such a row)

@@ -19,11 +19,13 @@ the step it did not recognise. Accepted between q·k and p·v:
   additive bias value (the mean of V, or the softmax of ``(s + b) * f`` rounded as jax rounds it);
   other combinations are declined when such a row can happen. Scaling after a mask must keep the
   masked value <= NEG_BOUND.
-* ALiBi: an additive constant ``slope · t`` (the key position ``t``, one slope per score row:
-  BLOOM's and Falcon's ``slopes[:, None] * arange(T)``, equal bit for bit in f32), added before
-  every selecting mask and not scaled after: the kernels add it to the scaled scores from an f32
-  slopes operand (:func:`_alibi`). Other biases (``slope · (t - i)``, a learned table) are
-  declined.
+* additive biases that are no mask (:func:`_biases`), added before every selecting mask and not
+  scaled after: ALiBi as a constant ``slope · t`` (the key position ``t``, one slope per score
+  row: BLOOM's and Falcon's ``slopes[:, None] * arange(T)``, equal bit for bit in f32), which the
+  kernels compute from an f32 slopes operand; and any other bias — T5's bucketed relative
+  positions, Swin's table, ALiBi against ``pos`` or the query row, MLA's second score term —,
+  which XLA computes and the kernels read blockwise through its layout (broadcast where it does
+  not vary: a per-head table is never repeated over the batch).
 * softmax: ``jax.nn.softmax`` or by hand (``exp(x - max) / sum``, ``stop_gradient`` on the max,
   ``e * (1 / sum)``), f32 up/down casts, reshapes/transposes that keep the axes, in any order of
   the dimensions (the reductions must be over the key axis);
@@ -49,7 +51,7 @@ runtime tensor are declined with that reason. The one exception is a vector of p
 sequence (continuous batching: ``t <= pos[b]``): probed with every entry equal it must fit the
 family like a scalar, then with distinct entries batch entry ``b`` must see the family at ``pos[b]`` (:func:`_check_per_row`); the decode kernel takes it as a
 ``(B,)`` operand (the prefill kernel takes one bound for all). An additive bias with other values
-is declined too, unless it is ALiBi's ``slope · t`` (above).
+is a bias (above), not a mask.
 
 Decode (every query row sees the same keys, at most 16 query rows per batch·head — one token,
 GQA heads folded in) runs ``kernels.attention.decode_attention``; everything else (prefill,
@@ -114,6 +116,9 @@ class _AttnMatch:
                                 # when they differ, :func:`kernels.tiling.more_precise`)
     slopes: Any = field(default=None, compare=False)   # ALiBi: f32 (batch..., rows) slope per
                                 # query row, the bias slope · t (None: no bias)
+    bias: Any = None            # another additive bias: (tensor, its int axes' sizes, their
+                                # positions in increasing first-dot order, those first-dot axes,
+                                # canonical first-dot order, first-dot shape), read by the kernels
 
     @property
     def kernel(self) -> str:
@@ -832,47 +837,75 @@ def _on_scores(arr: np.ndarray, axes: tuple[Any, ...], rank: int, what: str) -> 
     return out.reshape(full)
 
 
-def _alibi(graph: Graph, st: dict[str, Any], dims: dict[str, Any], shape: tuple[int, ...]) -> np.ndarray | None:
-    """The ALiBi bias among the additive terms on the scores, taken out of ``st["masks"]``: a
-    constant ``b`` with ``b = slope · t`` exactly in f32 (``t`` the key position, one slope per
-    score row: per head, and per query row if it likes), as BLOOM and Falcon add
-    ``slopes[:, None] * arange(T)``. Returned as the slopes over the first-dot axes (key axis
-    of size 1); None when no term is such a bias. It must come before every mask that selects
-    (the masked lanes then hold the fill alone) with no scaling after it (the kernels add it to
-    the scaled, capped scores)."""
+def _is_mask_term(graph: Graph, m: _Mask, T: int) -> bool:
+    """An additive term that only takes the values 0 and <= NEG_BOUND (after the scaling that
+    follows it), for every probed value of the one integer runtime tensor it may depend on: a mask
+    (:func:`_fit_mask` fits it). Anything else added to the scores is a bias."""
+    ev = _Eval(graph)
+    try:
+        leaves = ev.leaves(m.tensor)
+    except _NoFold:
+        return False
+    if len(leaves) > 1 or any(not np.issubdtype(np.dtype(graph.tensors[t].dtype), np.integer) for t in leaves):
+        return False
+    probes: list[Any] = [None] if not leaves else [-T - 1, -1, 0, 1, T // 2, T - 1, T, 2 * T + 5]
+    x = next(iter(leaves), None)
+    try:
+        for v in probes:
+            b = np.asarray(_Eval(graph, {} if x is None else {x: v})(m.tensor), np.float64)
+            if ((b != 0) & (b * m.factor > NEG_BOUND)).any():
+                return False
+    except (_NoFold, ValueError, TypeError):
+        return False
+    return True
+
+
+def _biases(graph: Graph, st: dict[str, Any], dims: dict[str, Any], shape: tuple[int, ...]
+            ) -> tuple[np.ndarray | None, _Mask | None]:
+    """The additive terms on the scores that are no mask, taken out of ``st["masks"]``:
+
+    * ALiBi: a constant ``b = slope · t`` exactly in f32 (``t`` the key position, one slope per
+      score row), as BLOOM and Falcon add ``slopes[:, None] * arange(T)``: returned as the slopes
+      over the first-dot axes (key axis of size 1); the kernels compute it from an f32 slopes
+      operand;
+    * any other bias (T5's bucketed relative positions, Swin's table, a learned or runtime bias,
+      ALiBi written ``slope · (t - pos)``): returned as its term; the kernels read it blockwise as
+      an operand through its layout (what XLA computes for it stays XLA's).
+
+    Each must come before every mask that selects (the masked lanes then hold the fill alone), with
+    no scaling after it (the kernels add it to the scaled, capped scores), and at most one of each."""
     key, rank, T = dims["key"], len(shape), shape[dims["key"]]
-    found = None
+    slopes, bias = None, None
+    taken = []
     for m in [m for m in st["masks"] if m.keep is None]:
+        if _is_mask_term(graph, m, T):
+            continue
+        if m.factor != 1.0 or m.when is not None:
+            raise Decline("an additive bias scaled after it is added, or under a condition")
+        if any(o.keep is not None and o.stage < m.stage for o in st["masks"]):
+            raise Decline("an additive bias added after a mask")
         ev = _Eval(graph)
         try:
-            if ev.leaves(m.tensor):
-                continue
-            b = np.asarray(ev(m.tensor))
+            b = None if ev.leaves(m.tensor) else np.asarray(ev(m.tensor))
         except (_NoFold, ValueError, TypeError):
-            continue
-        if b.dtype != np.float32 or not ((b != 0) & (b * m.factor > NEG_BOUND)).any():
-            continue        # a mask (0 or very negative): :func:`_fit_mask`'s
-        full = _on_scores(b, m.axes, rank, "an additive bias")
-        if T < 2 or full.shape[key] != T:
-            raise Decline("an additive bias that does not vary along the keys: not a mask or ALiBi")
-        slope = full.take([1], axis=key)
-        tt = np.arange(T, dtype=np.float32).reshape([T if a == key else 1 for a in range(rank)])
-        if not np.array_equal(np.broadcast_to(slope * tt, np.broadcast_shapes(full.shape, tt.shape)),
-                              np.broadcast_to(full, np.broadcast_shapes(full.shape, tt.shape))):
-            raise Decline(f"additive bias t{m.tensor} is not slope · key position (ALiBi) nor a mask: "
-                          "a general bias is not supported")
-        if found is not None:
-            raise Decline("two ALiBi biases on the scores")
-        if m.factor != 1.0 or m.when is not None:
-            raise Decline("an ALiBi bias scaled after it is added, or under a condition")
-        if any(o.keep is not None and o.stage < m.stage for o in st["masks"]):
-            raise Decline("an ALiBi bias added after a mask")
-        found = m
-        slopes = slope
-    if found is None:
-        return None
-    st["masks"] = [m for m in st["masks"] if m is not found]
-    return slopes
+            b = None
+        if b is not None and b.dtype == np.float32 and slopes is None and T > 1:
+            full = _on_scores(b, m.axes, rank, "an additive bias")
+            slope = full.take([1], axis=key)
+            tt = np.arange(T, dtype=np.float32).reshape([T if a == key else 1 for a in range(rank)])
+            both = np.broadcast_shapes(full.shape, tt.shape)
+            if full.shape[key] == T and np.array_equal(np.broadcast_to(slope * tt, both), np.broadcast_to(full, both)):
+                slopes = slope
+                taken.append(m)
+                continue
+        if bias is not None:
+            raise Decline("two additive biases on the scores")
+        if any(isinstance(a, tuple) for a in m.axes):
+            raise Decline("an additive bias on axes grouped by a reshape of the scores")
+        bias = m
+        taken.append(m)
+    st["masks"] = [m for m in st["masks"] if all(m is not t for t in taken)]
+    return slopes, bias
 
 
 def _match(graph: Graph, c: Cluster) -> _AttnMatch:
@@ -882,7 +915,7 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     dims = _dims(graph, a)
     d1 = a["d1"]
     shape = graph.tensors[d1.outputs[0]].shape
-    alibi = _alibi(graph, st, dims, shape)
+    alibi, bias = _biases(graph, st, dims, shape)
     bias_values: set[float] = set()
     seq_axis, causal, hi_c, hi_x, window, empty, per_row = _fit_mask(graph, st["masks"], dims, shape,
                                                                       bias_values)
@@ -922,6 +955,15 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
                       "(the prefill kernel takes one for all)")
     if seq_axis is None:
         S = rows
+    bias_view = None
+    if bias is not None:   # the bias's axes onto the first-dot axes, then canonical order
+        ints = [i for i, a in enumerate(bias.axes) if isinstance(a, int)]
+        bshape = graph.tensors[bias.tensor].shape
+        if any(bshape[i] != 1 for i, a in enumerate(bias.axes) if not isinstance(a, int)):
+            raise Decline("an additive bias varies along an axis the scores do not have")
+        order = sorted(ints, key=lambda i: bias.axes[i])
+        bias_view = (bias.tensor, tuple(bshape[i] for i in ints), tuple(order), tuple(bias.axes[i] for i in order),
+                     tuple(range(nb)) + tuple(qf_d1) + (dims["key"],), tuple(shape))
     slopes = None
     if alibi is not None:   # one slope per kernel row: (batch..., query rows...) in canonical order
         full = np.broadcast_to(alibi, tuple(1 if a == dims["key"] else n for a, n in enumerate(shape)))
@@ -930,7 +972,7 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     return _AttnMatch(q, k, v, c.outputs[0], q_perm, k_perm, v_perm, out_perm, batch, rows, S, T, D, Dv,
                       float(scale), None if cap is None else float(cap), causal, int(hi_c), hi_x,
                       None if window is None else int(window), decode, empty_rows, per_row, precision,
-                      slopes)
+                      slopes, bias_view)
 
 
 # --------------------------------------------------------------------------------------------
@@ -963,6 +1005,20 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
 
     def re(x: VTensor, shape: tuple[int, ...]) -> VTensor:
         return VTensor(x.layout.reshape(shape), x.dtype, x.buffers, x.symbols)
+
+    def bias_of(run: Run) -> VTensor | None:
+        """The bias as a (B, H, R, T) VTensor: its own axes onto the first-dot axes (a broadcast
+        layout where it does not vary), then the canonical order (no copy)."""
+        if m.bias is None:
+            return None
+        t, sizes, order, axes, canon, full = m.bias
+        x = VTensor.of(run.vtensor(t))
+        lay = x.layout.reshape(tuple(x.shape[i] for i in sorted(order)) or (1,))
+        pos = {i: j for j, i in enumerate(sorted(order))}
+        lay = lay.transpose(tuple(pos[i] for i in order))
+        lay = lay.broadcast(full, axes) if axes else lay.reshape(()).broadcast(full, ())
+        lay = lay.transpose(canon).reshape((B, H, R, T))
+        return VTensor(lay, x.dtype, x.buffers, x.symbols)
 
     def step(run: Run) -> None:
         q = view(run.vtensor(m.q), m.q_perm, (B, H, R, D))
@@ -1000,6 +1056,8 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
                 kw["kv_len"] = end_minus(0)   # a window counts from the unclamped end
             if m.slopes is not None:
                 kw["slopes"] = jnp.asarray(m.slopes.reshape(B, hk, g * R))
+            if m.bias is not None:
+                kw["bias"] = re(bias_of(run), (B, hk, g * R, T))
             res = decode_attention(re(q, (B, hk, g * R, D)), per_group(k), per_group(v),
                                    sm_scale=m.scale, soft_cap=m.soft_cap, out=re(out, (B, hk, g * R, Dv)),
                                    backend=backend, empty_rows=m.empty_rows, precision=m.precision, **kw)
@@ -1011,6 +1069,8 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
                 kw["kv_len"] = end_minus(0)
             if m.slopes is not None:
                 kw["slopes"] = jnp.asarray(m.slopes.reshape(B * hk, g * R))
+            if m.bias is not None:
+                kw["bias"] = re(bias_of(run), (B * hk, g * R, T))
             res = prefill_attention(re(q, (B * hk, g * R, D)), re(per_group(k), (B * hk, T, D)),
                                     re(per_group(v), (B * hk, T, Dv)), seq_len=m.seq, sm_scale=m.scale,
                                     soft_cap=m.soft_cap, out=re(out, (B * hk, g * R, Dv)),
