@@ -98,12 +98,12 @@ def _batch(args, axes):
     return tuple(out)
 
 
-def _run(mode, step, args, donate, axes):
+def _run(mode, step, args, donate, axes, **opts):
     if mode == "plain":
-        return vtc_jax.optimize(step, backend="interpret")(*args), jax.jit(step)(*args)
+        return vtc_jax.optimize(step, backend="interpret", **opts)(*args), jax.jit(step)(*args)
     if mode == "donated":
         ref = jax.jit(step)(*_copy(args))
-        opt = vtc_jax.optimize(step, backend="interpret", donate_argnums=donate)
+        opt = vtc_jax.optimize(step, backend="interpret", donate_argnums=donate, **opts)
         out = opt(*_copy(args))
         out2 = opt(*_copy(args))          # a second call: donation must not have eaten anything it reuses
         check_close(out2, ref)
@@ -111,10 +111,10 @@ def _run(mode, step, args, donate, axes):
     if mode == "vmap":
         bargs = _batch(args, axes)
         in_axes = tuple(0 if i in axes else None for i in range(len(args)))
-        out = jax.vmap(vtc_jax.optimize(step, backend="interpret"), in_axes=in_axes)(*bargs)
+        out = jax.vmap(vtc_jax.optimize(step, backend="interpret", **opts), in_axes=in_axes)(*bargs)
         return out, jax.vmap(jax.jit(step), in_axes=in_axes)(*bargs)
     if mode == "nested":
-        opt = vtc_jax.optimize(step, backend="interpret")
+        opt = vtc_jax.optimize(step, backend="interpret", **opts)
         return jax.jit(lambda *a: opt(*a))(*args), jax.jit(step)(*args)
     raise ValueError(mode)
 
@@ -128,6 +128,27 @@ def _cases():
             if (name, mode) in SLOW:
                 marks.append(pytest.mark.slow)
             yield pytest.param(name, mode, marks=marks, id=f"{name}-{mode}")
+
+
+# corpus programs held to the zoo's four modes (issue #24's additions): name -> vmapped argnums
+CORPUS_MODES = {"t5_relative_attention_linen": (1,), "falcon_alibi_mqa_prefill": (1,),
+                "bloom_alibi_decode": (1, 2, 3)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(CORPUS_MODES))
+def test_corpus_attention_matches_jit_in_every_mode(name, mode):
+    """Attention as other codebases write it (T5's bucketed relative bias, Falcon's and BLOOM's
+    ALiBi) equals jit plain, donated, vmapped and nested in the user's jit, and reaches the
+    attention kernel (unguarded: at these sizes the guard may rightly keep jit)."""
+    from tests.zoo.corpus import CORPUS
+    e = CORPUS[name]("small")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        out, ref = _run(mode, e.step, e.args, e.donate_argnums, CORPUS_MODES[name], guard=None)
+        check_close(out, ref)
+        report = vtc_jax.explain(e.step, guard=None)(*e.args)
+    assert [r for _, kind, r in report.templates if kind == "attention"] == ["kernel"], report.templates
 
 
 @pytest.mark.parametrize("name,mode", list(_cases()))

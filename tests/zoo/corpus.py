@@ -19,7 +19,8 @@ per-request parameters), both with ``jax.random.categorical`` from a key argumen
 cache decode (``pos % window``, ``.at[].set``, separate q/k/v matmuls from one input) and a paged
 KV cache decode (vLLM block table); LoRA attention in flax.linen; LLaVA-style sequence packing and
 a DenseNet block (``jnp.pad`` + ``jnp.concatenate``); training steps by ``value_and_grad`` (a
-GPT-2 in flax.nnx, a LoRA fine-tuning step); a T5 FFN with dropout by ``jax.random.bernoulli``.
+GPT-2 in flax.nnx, a LoRA fine-tuning step); a T5 FFN with dropout by ``jax.random.bernoulli``
+and a T5 encoder self-attention with its bucketed relative-position bias.
 
 ``tests/test_corpus.py`` checks every entry against ``jax.jit``.
 """
@@ -814,6 +815,53 @@ def paged_kv_decode(size):
 
     return Entry(step, (q, kn, vn, kp, vp, table, lens), donate_argnums=(3, 4),
                  style="vLLM paged KV cache decode: block-table gathers and page writes")
+
+
+@case
+def t5_relative_attention_linen(size):
+    """A T5 encoder self-attention sublayer in flax.linen as HF's FlaxT5Attention computes it: T5's
+    RMS LayerNorm, q/k/v/o ``nn.Dense`` without bias, no 1/sqrt(d) scaling, the relative-position
+    bias from a learned ``(num_buckets, H)`` ``nn.Embed`` looked up by log-spaced bidirectional
+    buckets of ``key - query`` (computed with jnp from iotas), added to the scores; f32 softmax,
+    residual; bf16."""
+    import flax.linen as nn
+
+    B, S, H, D, nb, maxd = _pick(size, (2, 12, 4, 8, 8, 16), (8, 512, 16, 64, 32, 128))
+    d = H * D
+
+    def bucket(rel):
+        n = -rel
+        half = nb // 2
+        ret = (n < 0).astype(jnp.int32) * half
+        n = jnp.abs(n)
+        exact = half // 2
+        large = exact + (jnp.log(n.astype(F32) / exact + jnp.finfo(F32).eps) / math.log(maxd / exact)
+                         * (half - exact)).astype(jnp.int32)
+        return ret + jnp.where(n < exact, n, jnp.minimum(large, half - 1))
+
+    class SelfAttention(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            b, s, _ = x.shape
+            h = x.astype(F32)
+            h = (h * lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6)).astype(BF16)
+            h = h * self.param("ln", nn.initializers.ones, (d,), BF16)
+            dense = lambda name: nn.Dense(d, use_bias=False, dtype=BF16, param_dtype=BF16, name=name)  # noqa: E731
+            q, k, v = (dense(n)(h).reshape(b, s, H, D) for n in ("q", "k", "v"))
+            rel = jnp.arange(s)[None, :] - jnp.arange(s)[:, None]                       # key - query
+            emb = nn.Embed(nb, H, dtype=F32, param_dtype=F32, name="relative_attention_bias")
+            bias = jnp.transpose(emb(bucket(rel)), (2, 0, 1))[None]                      # (1, H, S, S)
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(F32) + bias
+            probs = jax.nn.softmax(scores, axis=-1).astype(BF16)
+            o = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d)
+            return x + dense("o")(o)
+
+    m = SelfAttention()
+    g = _Gen(size, 23)
+    x = g.normal(B, S, d, dtype=BF16)
+    variables = g.init(m.init, jax.random.PRNGKey(23), x)
+    return Entry(lambda v, x: m.apply(v, x), (variables, x),
+                 style="T5 encoder self-attention (HF FlaxT5): bucketed relative-position bias from an nn.Embed")
 
 
 # ---- 11. LoRA --------------------------------------------------------------------------------

@@ -860,6 +860,34 @@ def _is_mask_term(graph: Graph, m: _Mask, T: int) -> bool:
     return True
 
 
+def _bias_masks_nothing(graph: Graph, m: _Mask, T: int) -> None:
+    """A bias read by the kernels must not also mask: the kernels add it, so a lane it sends to
+    ``finfo.min`` scores that (not -inf), and a row with every key so masked would not be jax's
+    row. A bias of integer runtime values (``pos``) is probed; one mixing runtime floats and
+    integers (a learned table plus a padding mask) cannot be, and is declined."""
+    ev = _Eval(graph)
+    try:
+        leaves = ev.leaves(m.tensor)
+    except _NoFold:
+        return
+    ints = [t for t in leaves if np.issubdtype(np.dtype(graph.tensors[t].dtype), np.integer)
+            or np.dtype(graph.tensors[t].dtype) == np.bool_]
+    if not ints:
+        return
+    if len(ints) != len(leaves) or len(ints) > 1:
+        raise Decline("an additive bias computed from runtime integers and other runtime tensors (a "
+                      "padding mask folded into a learned bias?): it may mask whole rows, which the "
+                      "kernels would not output as jax does")
+    for v in (-T - 1, -1, 0, 1, T // 2, T - 1, T, 2 * T + 5):
+        try:
+            b = np.asarray(_Eval(graph, {ints[0]: v})(m.tensor), np.float64)
+        except (_NoFold, ValueError, TypeError):
+            raise Decline("an additive bias of a runtime integer that cannot be probed") from None
+        if (b <= NEG_BOUND).any():
+            raise Decline("an additive bias that also masks (values <= -1e4 for some position): a row "
+                          "with every key masked would not be jax's")
+
+
 def _biases(graph: Graph, st: dict[str, Any], dims: dict[str, Any], shape: tuple[int, ...]
             ) -> tuple[np.ndarray | None, _Mask | None]:
     """The additive terms on the scores that are no mask, taken out of ``st["masks"]``:
@@ -902,6 +930,7 @@ def _biases(graph: Graph, st: dict[str, Any], dims: dict[str, Any], shape: tuple
             raise Decline("two additive biases on the scores")
         if any(isinstance(a, tuple) for a in m.axes):
             raise Decline("an additive bias on axes grouped by a reshape of the scores")
+        _bias_masks_nothing(graph, m, T)
         bias = m
         taken.append(m)
     st["masks"] = [m for m in st["masks"] if all(m is not t for t in taken)]
