@@ -473,6 +473,25 @@ def x_alibi_after_mask(q, kc, vc, pos):
         jnp.where(jnp.arange(T) <= pos, s, NEG32) + alibi[None, :, None, :], -1))
 
 
+def p_lengths_per_sequence(q, k, v, lengths):
+    """Right-padded prompts: keys ``t < len[b]`` per sequence (non-causal, an encoder, 3·S query
+    rows per head group: the prefill kernel), -inf."""
+    q = jnp.concatenate([q] * 3, axis=1)
+    s = th(q) @ jnp.swapaxes(th(rep(k)), -1, -2) * D ** -0.5
+    s = jnp.where(jnp.arange(S)[None, None, None, :] < lengths[:, None, None, None], s, -jnp.inf)
+    return (jax.nn.softmax(s, -1) @ th(rep(v))).transpose(0, 2, 1, 3).reshape(B, 3 * S, H * D)
+
+
+@pytest.mark.parametrize("ends", [(3, 9), (0, T + 3), (-2, 5)], ids=["inside", "empty_and_past", "negative"])
+@pytest.mark.parametrize("fn", [x_prefill_per_sequence, p_lengths_per_sequence], ids=lambda f: f.__name__)
+def test_prefill_per_sequence_bounds(fn, ends):
+    """Chunked prefill with each sequence at its own offset, and right-padded prompts by their
+    lengths: one bound per sequence reaches the prefill kernel (a (B,) operand); rows with no
+    valid key are jax's (NaN for -inf)."""
+    args = (decode_args() if fn is x_prefill_per_sequence else prefill_args())[:3] + (jnp.asarray(ends, jnp.int32),)
+    check_attention(fn, args, "prefill", guard=None)
+
+
 @pytest.mark.parametrize("fn,kind,args", [
     (x_alibi, "decode", None),
     (x_alibi_relative, "decode", None),
@@ -491,19 +510,16 @@ def test_additive_biases_reach_the_kernels(fn, kind, args):
     (x_grouped_into_pv, "grouped by a reshape"),
     (x_key_axis_reshaped, "regroups the axes of the scores"),
     (x_pos_per_head, "per-sequence positions need one value per sequence"),
-    (x_prefill_per_sequence, "only the decode kernel takes one bound per sequence"),
     (x_mask_before_cap, "soft-caps scores that are already masked"),
     (x_relu, "not a scale, soft-cap, mask or softmax step"),
     (x_small_neg, "not a mask value"),
     (x_mask_scaled_down, "no longer a mask"),
     (x_padding_mask, "shape (2, 24)"),
-], ids=["alibi_after_mask", "grouped_mask_per_head", "grouped_into_pv", "key_axis_reshaped", "pos_per_head", "prefill_per_sequence", "mask_before_cap", "relu", "small_neg", "scaled_down", "padding_mask"])
+], ids=["alibi_after_mask", "grouped_mask_per_head", "grouped_into_pv", "key_axis_reshaped", "pos_per_head", "mask_before_cap", "relu", "small_neg", "scaled_down", "padding_mask"])
 def test_declined_forms_say_why(fn, why):
     args = decode_args()
     if fn is x_padding_mask:
         args = args[:3] + (jnp.arange(T)[None, :] < jnp.array([[10], [20]]),)
-    if fn is x_prefill_per_sequence:
-        args = args[:3] + (jnp.array([3, 9], jnp.int32),)
     if fn is x_pos_per_head:
         args = args[:3] + (jnp.array([3, 9, 0, 20], jnp.int32),)
     report = vtc_jax.explain(fn)(*args)

@@ -111,7 +111,8 @@ def test_runtime_kv_len_and_default_blocks():
 
 def test_runtime_offset_is_an_int32_operand():
     """A runtime q_offset / kv_len is the kernel's own (1,) int32 operand (read with one scalar
-    load), not a symbol on q; a vector of them is refused (one bound for all sequences)."""
+    load), not a symbol on q; a vector of them must have one entry per sequence (B dividing
+    the Z programs)."""
     from vtc_jax.testing import cross_lower
     S = jax.ShapeDtypeStruct
     sds = (S((2, 40, 32), jnp.float32), S((2, 50, 32), jnp.float32), S((2, 50, 32), jnp.float32),
@@ -122,10 +123,10 @@ def test_runtime_offset_is_an_int32_operand():
         calls = [ln for ln in cross_lower(f, *sds).text.splitlines() if "__gpu$xla.gpu.triton" in ln]
         assert len(calls) == 1 and "tensor<1xi32>" in calls[0].rsplit(":", 1)[-1], kw
     q, k = rand((2, 8, 16)), rand((2, 8, 16))
-    with pytest.raises(ValueError, match="q_offset must be a scalar"):
-        prefill_attention(q, k, k, causal=True, q_offset=jnp.zeros((2,), jnp.int32))
-    with pytest.raises(ValueError, match="kv_len must be a scalar"):
-        prefill_attention(q, k, k, kv_len=jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="q_offset must be a scalar or a"):
+        prefill_attention(q, k, k, causal=True, q_offset=jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="kv_len must be a scalar or a"):
+        prefill_attention(q, k, k, kv_len=jnp.zeros((2, 1), jnp.int32))
 
 
 def test_bad_arguments():
@@ -214,3 +215,28 @@ def test_additive_bias():
     call = functools.partial(lambda q, k, v, bs, **kw: prefill_attention(q, k, v, bias=bs, **kw),
                              causal=True, block_q=16, block_k=16)
     check_kernel(call, lambda q, k, v, bs: ref_prefill(q, k, v, causal=True, bias=bs), (q, k, v, bias), **F32)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["lengths", "offsets"])
+def test_per_sequence_bounds(causal):
+    """One bound per sequence (a (B,) operand; program z reads entry z // (Z // B)): right-padded
+    prompts by their lengths, or causal chunks each at its own offset. Lengths of 0 and past T
+    included (a row with no valid key outputs 0 by default)."""
+    b, hk, m, t, d = 3, 2, 8, 24, 16
+    q, k, v = rand((b * hk, m, d)), rand((b * hk, t, d), seed=1), rand((b * hk, t, d), seed=2)
+    ends = jnp.asarray([5, 0, 30] if not causal else [3, 16, 0], jnp.int32)
+
+    def call(q, k, v, e, **kw):
+        kw.update(causal=True, q_offset=e) if causal else kw.update(kv_len=e)
+        return prefill_attention(q, k, v, block_q=16, block_k=16, **kw)
+
+    def ref(q, k, v, e):
+        with np.errstate(invalid="ignore"):   # a row with no valid key: NaN in numpy, 0 here
+            return _ref(q, k, v, e)
+
+    def _ref(q, k, v, e):
+        per = [ref_prefill(q[i:i + 1], k[i:i + 1], v[i:i + 1], causal=causal,
+                           **({"q_offset": int(e[i // hk])} if causal else {"kv_len": int(e[i // hk])}))
+               for i in range(b * hk)]
+        return jnp.nan_to_num(jnp.concatenate(per), nan=0.0)
+    check_kernel(call, ref, (q, k, v, ends), **F32)

@@ -98,9 +98,13 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
     q: logical (Z, M, D); k: (Z, T, D); v: (Z, T, Dv) — VTensors or arrays.
     seq_len: the query sequence length S; row r is query position ``r % S`` (default M: rows are
         the sequence; M = G·S folds G grouped query heads into the rows).
-    causal: keys ``t <= q_offset + (r % S)`` are valid. ``q_offset``: static int or runtime scalar.
-    kv_len: non-causal only: keys ``t < kv_len`` valid (static int or runtime scalar; default T).
-        A runtime ``q_offset``/``kv_len`` is an int32 operand of the kernel (:func:`.flash.key_end`).
+    causal: keys ``t <= q_offset + (r % S)`` are valid. ``q_offset``: static int or runtime scalar,
+        or a runtime ``(B,)`` vector, one offset per sequence (chunked prefill of a batch at its
+        own positions): the Z programs' rows are B sequences of ``Z // B`` heads each, program
+        ``z`` reads element ``z // (Z // B)``.
+    kv_len: non-causal only: keys ``t < kv_len`` valid (static int, runtime scalar, or a ``(B,)``
+        vector of per-sequence lengths: right-padded prompts; default T). A runtime
+        ``q_offset``/``kv_len`` is an int32 operand of the kernel (:func:`.flash.key_end`).
     window: sliding window: also keys ``t > q_offset + (r % S) - window`` only (causal), or
         ``t >= kv_len - window`` (before clamping the end to T).
     sm_scale: default 1/sqrt(D). soft_cap: ``cap*tanh(s/cap)`` after scaling, before masking.
@@ -158,9 +162,10 @@ def _check(q: VTensor, k: VTensor, v: VTensor, *, block_q: int, block_k: int,
     if causal and kv_len is not None:
         raise ValueError("give causal (with q_offset) or kv_len, not both")
     for name, end in (("q_offset", q_offset if causal else None), ("kv_len", kv_len)):
-        if end is not None and not isinstance(end, (int, np.integer)) and jnp.ndim(end) != 0:
-            raise ValueError(f"{name} must be a scalar (the prefill kernel takes one bound for all "
-                             f"sequences), got shape {jnp.shape(end)}")
+        if end is not None and not isinstance(end, (int, np.integer)) and (
+                jnp.ndim(end) > 1 or jnp.ndim(end) == 1 and (jnp.shape(end)[0] < 1 or Z % jnp.shape(end)[0])):
+            raise ValueError(f"{name} must be a scalar or a (B,) vector with B dividing the {Z} programs, "
+                             f"got shape {jnp.shape(end)}")
     if window is not None and int(window) < 1:
         raise ValueError(f"window={window} must be >= 1")
     for x in (q, k, v):
@@ -205,7 +210,9 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
 
     # The valid keys [lo, hi) of every row of this block, as (bq, 1) int32 columns.
     n_fixed = 3 + c.alibi + c.bias
-    base = read_end(c.end, ins[n_fixed] if len(ins) > n_fixed else None)
+    end_ref = ins[n_fixed] if len(ins) > n_fixed else None
+    per_seq = c.Z // end_ref.shape[0] if c.end.per_row else 1   # programs per sequence
+    base = read_end(c.end, end_ref, z // per_seq if c.end.per_row else 0)
     rows = lax.broadcasted_iota(jnp.int32, (c.bq, 1), 0) + r0
     hi = jnp.zeros((c.bq, 1), jnp.int32) + base
     if c.causal:

@@ -50,7 +50,7 @@ Masks that vary along the batch or head axes (padding masks, say) or depend on a
 runtime tensor are declined with that reason. The one exception is a vector of positions, one per
 sequence (continuous batching: ``t <= pos[b]``): probed with every entry equal it must fit the
 family like a scalar, then with distinct entries batch entry ``b`` must see the family at ``pos[b]`` (:func:`_check_per_row`); the decode kernel takes it as a
-``(B,)`` operand (the prefill kernel takes one bound for all). An additive bias with other values
+``(B,)`` operand, as does the prefill kernel (program ``z`` of ``B · Hkv`` reads entry ``z // Hkv``). An additive bias with other values
 is a bias (above), not a mask.
 
 Decode (every query row sees the same keys, at most 16 query rows per batch·head — one token,
@@ -979,9 +979,6 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     if window is not None and window < 1:
         raise Decline(f"sliding window of {window} keys")
     decode = not causal and rows <= DECODE_MAX_ROWS
-    if per_row and not decode:
-        raise Decline("per-sequence positions: only the decode kernel takes one bound per sequence "
-                      "(the prefill kernel takes one for all)")
     if seq_axis is None:
         S = rows
     bias_view = None
