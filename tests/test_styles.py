@@ -23,7 +23,6 @@ FALLBACKS = {
     "sdpa_gqa_causal_bf16": ("an iota as large as the output",),   # the causal mask XLA builds
     "moe_topk_router": ("'top_k'",),
     "int_and_bool_outputs": ("'cumsum'",),
-    "mla_absorbed": ("a second score term",),
     "attn_dropout_training": ("an iota as large as the output",),   # the tril mask; dropout declines
 }
 
@@ -40,6 +39,8 @@ ATTENTION = {
     "whisper_cross_attention": "decode",
     "mqa_single_kv_head": "decode",
     "vmap_over_heads_attention": "prefill",
+    "t5_relative_bias": "decode",           # the table's gather read blockwise as a bias operand
+    "mla_absorbed": "decode",               # the rope scores a bias operand, scaled with the rest
 }
 
 

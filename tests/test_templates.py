@@ -216,10 +216,10 @@ def test_matches_are_computed_once_and_pin_what_they_reject():
             assert not any(a.strategy.is_virtual(t) for t in (*c.inputs, *c.outputs))
 
 
-@pytest.mark.parametrize("axes", [None, (1, 2), (0,)])
+@pytest.mark.parametrize("axes", [None, (1, 2), (0,), (0, 2)])
 def test_reduction_over_adjacent_axes(axes):
-    """Sums over several adjacent axes (a loss, a global average pool) run in the row kernel,
-    reading a transposed view; non-adjacent axes stay XLA."""
+    """Sums over several axes (a loss, a global average pool) run in the row kernel, reading a
+    transposed view; non-adjacent axes through one more transpose (the reduced axes last)."""
     def f(x, w):
         h = (x @ w).reshape(4, 4, 8).transpose(1, 0, 2)
         return jnp.sum(jnp.tanh(h), axis=axes), jnp.mean(h * h, axis=axes, keepdims=True)
@@ -274,3 +274,24 @@ def test_integer_dots_are_declined_by_the_matcher_not_at_build(dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
         np.testing.assert_array_equal(vtc_jax.optimize(f, backend="interpret", guard=None)(a, b), jax.jit(f)(a, b))
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_group_norm_statistics_over_non_adjacent_axes(groups):
+    """GroupNorm's statistics as hand-written ports compute them: (N, H, W, C) -> (N, H, W, G,
+    C/G), mean and variance over (H, W, C/G) — not adjacent — with keepdims, normalised in that
+    view (the affine part per group): the row kernel reads and writes S through a transpose that
+    puts the reduced axes last (no copy), equal to jit. (Normalising after reshaping back to
+    (N, H, W, C) inside the cluster — flax's ``nn.GroupNorm``, a per-channel scale — is another
+    row space: declined by the matcher.)"""
+    def f(x, w, scale, bias):
+        h = jnp.tanh(x @ w).reshape(2, 4, 4, groups, 16 // groups)
+        mu = jnp.mean(h, axis=(1, 2, 4), keepdims=True)
+        var = jnp.mean(jnp.square(h - mu), axis=(1, 2, 4), keepdims=True)
+        y = (h - mu) * lax.rsqrt(var + 1e-5) * scale[:groups, None] + bias[:groups, None]
+        return y.reshape(32, 16) @ w.T
+
+    args = _rand((32, 8), (8, 16), (16,), (16,))
+    opt, out, msgs = _run(f, *args)
+    check_close(out, jax.jit(f)(*args), rtol=1e-5)
+    assert any(k.startswith("reduction") for k in opt.last[1].kernels), opt.last[1].kernels

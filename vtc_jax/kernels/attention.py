@@ -129,6 +129,7 @@ class _Cfg(Planned):
     flash: Flash
     alibi: bool = False       # a (B, Hkv, G) slopes operand after q, k, v: ALiBi bias slope · t
     bias: bool = False        # a (B, Hkv, G, T) bias operand next: added to the scores
+    bias_scale: float = 1.0   # times this (a bias added before a scaling of the scores)
 
     @property
     def Gp(self) -> int:
@@ -141,7 +142,7 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
                      num_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, backend: str = "interpret",
                      empty_rows: Any = "zero", precision: Any = None, slopes: Any = None,
-                     bias: Any = None) -> Any:
+                     bias: Any = None, bias_scale: float = 1.0) -> Any:
     """Single-token (decode) attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` per query head.
 
     q: logical (B, Hkv, G, D); k: (B, Hkv, T, D); v: (B, Hkv, T, Dv) — :class:`vio.VTensor` or
@@ -172,7 +173,8 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         added to the scaled (capped) scores of key ``t`` before the mask. None: no bias.
     bias: any additive bias, logical (B, Hkv, G, T) (a VTensor: a relative-position table's
         gather, a learned bias, broadcast layouts for the axes it does not vary along), added to
-        the scaled (capped) scores before the mask, blockwise. None: no bias.
+        the scaled (capped) scores before the mask, blockwise, times ``bias_scale`` (a bias added
+        before a scaling: ``(s + b) / c``). None: no bias.
 
     Returns like :func:`vtc_jax.kernels.matmul.matmul`: the array for a fresh/one-buffer output,
     else the tuple of ``out``'s physical buffers.
@@ -195,7 +197,7 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         bias = VTensor.of(bias)
         if tuple(bias.shape) != (B, H, G, k.shape[2]):
             raise ValueError(f"bias must have shape {(B, H, G, k.shape[2])}, got {bias.shape}")
-    cfg = dataclasses.replace(cfg, alibi=slopes is not None, bias=bias is not None)
+    cfg = dataclasses.replace(cfg, alibi=slopes is not None, bias=bias is not None, bias_scale=float(bias_scale))
     return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes, bias=bias)
 
 
@@ -308,7 +310,8 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     bias_ref = ins[3 + c.alibi] if c.bias else None
 
     def load_bias(t0: Any) -> jax.Array:
-        return bias_ref.load((b, h, 0, t0), (1, 1, c.Gp, c.bk)).reshape(c.Gp, c.bk)
+        blk = bias_ref.load((b, h, 0, t0), (1, 1, c.Gp, c.bk)).reshape(c.Gp, c.bk).astype(jnp.float32)
+        return blk if c.bias_scale == 1.0 else blk * c.bias_scale
 
     # Stage 2: scores and the online softmax, in f32.
     m, l, acc = c.flash.loop(qt, load_kv, j0, j1, c.flash.init(c.Gp, c.Dvp), hi=hi,

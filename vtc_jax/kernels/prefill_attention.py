@@ -80,6 +80,7 @@ class _Cfg(Planned):
     flash: Flash
     alibi: bool = False        # a (Z, M) slopes operand after q, k, v: ALiBi bias slope · t
     bias: bool = False         # a (Z, M, T) bias operand next: added to the scores
+    bias_scale: float = 1.0    # times this (a bias added before a scaling of the scores)
 
     @property
     def bq(self) -> int:
@@ -92,7 +93,8 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
                       out: VTensor | None = None, block_q: int = 64, block_k: int = 64,
                       num_warps: int | None = None, num_stages: int | None = None,
                       backend: str = "interpret", empty_rows: Any = "zero",
-                      precision: Any = None, slopes: Any = None, bias: Any = None) -> Any:
+                      precision: Any = None, slopes: Any = None, bias: Any = None,
+                      bias_scale: float = 1.0) -> Any:
     """Flash attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` for many query rows.
 
     q: logical (Z, M, D); k: (Z, T, D); v: (Z, T, Dv) — VTensors or arrays.
@@ -119,7 +121,7 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
     slopes: ALiBi: f32 (Z, M), one slope per query row; ``slope · t`` is added to the scaled
         (capped) scores of key ``t`` before the mask. None: no bias.
     bias: any additive bias, logical (Z, M, T) (a VTensor read through its layout), added to the
-        scaled (capped) scores before the mask, blockwise. None: no bias.
+        scaled (capped) scores before the mask, blockwise, times ``bias_scale``. None: no bias.
 
     Returns the array for a fresh/one-buffer output, else the tuple of ``out``'s buffers.
     """
@@ -140,7 +142,7 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
         bias = VTensor.of(bias)
         if tuple(bias.shape) != (Z, M, k.shape[1]):
             raise ValueError(f"bias must have shape {(Z, M, k.shape[1])}, got {bias.shape}")
-    cfg = dataclasses.replace(cfg, alibi=slopes is not None, bias=bias is not None)
+    cfg = dataclasses.replace(cfg, alibi=slopes is not None, bias=bias is not None, bias_scale=float(bias_scale))
     return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes, bias=bias)
 
 
@@ -235,7 +237,8 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     bias_ref = ins[3 + c.alibi] if c.bias else None
 
     def load_bias(t0: Any) -> jax.Array:
-        return bias_ref.load((z, r0, t0), (1, c.bq, c.bk)).reshape(c.bq, c.bk)
+        blk = bias_ref.load((z, r0, t0), (1, c.bq, c.bk)).reshape(c.bq, c.bk).astype(jnp.float32)
+        return blk if c.bias_scale == 1.0 else blk * c.bias_scale
 
     init = c.flash.init(c.bq, c.Dvp)
     _, l, acc = c.flash.loop(qt, load_kv, j0, j1, init, hi=hi, lo=lo, slope=slope,

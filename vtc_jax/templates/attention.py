@@ -118,7 +118,8 @@ class _AttnMatch:
                                 # query row, the bias slope · t (None: no bias)
     bias: Any = None            # another additive bias: (tensor, its int axes' sizes, their
                                 # positions in increasing first-dot order, those first-dot axes,
-                                # canonical first-dot order, first-dot shape), read by the kernels
+                                # canonical first-dot order, first-dot shape, the scaling after
+                                # it), read by the kernels
 
     @property
     def kernel(self) -> str:
@@ -900,16 +901,18 @@ def _biases(graph: Graph, st: dict[str, Any], dims: dict[str, Any], shape: tuple
       ALiBi written ``slope · (t - pos)``): returned as its term; the kernels read it blockwise as
       an operand through its layout (what XLA computes for it stays XLA's).
 
-    Each must come before every mask that selects (the masked lanes then hold the fill alone), with
-    no scaling after it (the kernels add it to the scaled, capped scores), and at most one of each."""
+    Each must come before every mask that selects (the masked lanes then hold the fill alone), and
+    there is at most one of each. ALiBi must not be scaled after it is added (the kernels add it to
+    the scaled, capped scores); a bias operand may be (``(s + b) / c``, MLA's two score terms:
+    the kernels add ``b · (1/c)`` to ``s · (1/c)``, one f32 rounding apart)."""
     key, rank, T = dims["key"], len(shape), shape[dims["key"]]
     slopes, bias = None, None
     taken = []
     for m in [m for m in st["masks"] if m.keep is None]:
         if _is_mask_term(graph, m, T):
             continue
-        if m.factor != 1.0 or m.when is not None:
-            raise Decline("an additive bias scaled after it is added, or under a condition")
+        if m.when is not None:
+            raise Decline("an additive bias under a condition")
         if any(o.keep is not None and o.stage < m.stage for o in st["masks"]):
             raise Decline("an additive bias added after a mask")
         ev = _Eval(graph)
@@ -917,7 +920,7 @@ def _biases(graph: Graph, st: dict[str, Any], dims: dict[str, Any], shape: tuple
             b = None if ev.leaves(m.tensor) else np.asarray(ev(m.tensor))
         except (_NoFold, ValueError, TypeError):
             b = None
-        if b is not None and b.dtype == np.float32 and slopes is None and T > 1:
+        if b is not None and b.dtype == np.float32 and slopes is None and T > 1 and m.factor == 1.0:
             full = _on_scores(b, m.axes, rank, "an additive bias")
             slope = full.take([1], axis=key)
             tt = np.arange(T, dtype=np.float32).reshape([T if a == key else 1 for a in range(rank)])
@@ -989,7 +992,7 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
             raise Decline("an additive bias varies along an axis the scores do not have")
         order = sorted(ints, key=lambda i: bias.axes[i])
         bias_view = (bias.tensor, tuple(bshape[i] for i in ints), tuple(order), tuple(bias.axes[i] for i in order),
-                     tuple(range(nb)) + tuple(qf_d1) + (dims["key"],), tuple(shape))
+                     tuple(range(nb)) + tuple(qf_d1) + (dims["key"],), tuple(shape), float(bias.factor))
     slopes = None
     if alibi is not None:   # one slope per kernel row: (batch..., query rows...) in canonical order
         full = np.broadcast_to(alibi, tuple(1 if a == dims["key"] else n for a, n in enumerate(shape)))
@@ -1037,7 +1040,7 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
         layout where it does not vary), then the canonical order (no copy)."""
         if m.bias is None:
             return None
-        t, sizes, order, axes, canon, full = m.bias
+        t, sizes, order, axes, canon, full, _ = m.bias
         x = VTensor.of(run.vtensor(t))
         lay = x.layout.reshape(tuple(x.shape[i] for i in sorted(order)) or (1,))
         pos = {i: j for j, i in enumerate(sorted(order))}
@@ -1083,7 +1086,7 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
             if m.slopes is not None:
                 kw["slopes"] = jnp.asarray(m.slopes.reshape(B, hk, g * R))
             if m.bias is not None:
-                kw["bias"] = re(bias_of(run), (B, hk, g * R, T))
+                kw.update(bias=re(bias_of(run), (B, hk, g * R, T)), bias_scale=m.bias[-1])
             res = decode_attention(re(q, (B, hk, g * R, D)), per_group(k), per_group(v),
                                    sm_scale=m.scale, soft_cap=m.soft_cap, out=re(out, (B, hk, g * R, Dv)),
                                    backend=backend, empty_rows=m.empty_rows, precision=m.precision, **kw)
@@ -1096,7 +1099,7 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
             if m.slopes is not None:
                 kw["slopes"] = jnp.asarray(m.slopes.reshape(B * hk, g * R))
             if m.bias is not None:
-                kw["bias"] = re(bias_of(run), (B * hk, g * R, T))
+                kw.update(bias=re(bias_of(run), (B * hk, g * R, T)), bias_scale=m.bias[-1])
             res = prefill_attention(re(q, (B * hk, g * R, D)), re(per_group(k), (B * hk, T, D)),
                                     re(per_group(v), (B * hk, T, Dv)), seq_len=m.seq, sm_scale=m.scale,
                                     soft_cap=m.soft_cap, out=re(out, (B * hk, g * R, Dv)),

@@ -38,15 +38,27 @@ class ReductionMatch:
     row_outputs: tuple[int, ...]
     red_outputs: tuple[int, ...]
     keepdims: bool
+    perm: tuple[int, ...] | None = None    # reduced axes not adjacent (GroupNorm's (H, W, C/G) of
+                                           # (N, H, W, G, C/G)): the kernel reads and writes S
+                                           # through this transpose, the reduced axes last
+
+    @property
+    def space(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The kernel's row space and its reduced axes (adjacent): S, or S transposed by ``perm``."""
+        if self.perm is None:
+            return self.shape, self.axes
+        k = len(self.shape) - len(self.axes)
+        return tuple(self.shape[a] for a in self.perm), tuple(range(k, len(self.shape)))
 
     @property
     def merged(self) -> tuple[int, ...]:
         """S with the reduced axes merged into one (the kernel's row space)."""
-        a0, a1 = self.axes[0], self.axes[-1]
+        shape, axes = self.space
+        a0, a1 = axes[0], axes[-1]
         n = 1
-        for a in self.axes:
-            n *= self.shape[a]
-        return self.shape[:a0] + (n,) + self.shape[a1 + 1:]
+        for a in axes:
+            n *= shape[a]
+        return shape[:a0] + (n,) + shape[a1 + 1:]
 
 
 def _klass(shape: tuple[int, ...], s: tuple[int, ...], axes: tuple[int, ...]) -> str | None:
@@ -77,8 +89,11 @@ def _match(graph: Graph, c: Cluster) -> ReductionMatch:
     if len(axes_set) != 1 or len(shapes) != 1:
         raise Decline("reduce ops over different axes or row spaces")
     axes, s = next(iter(axes_set)), next(iter(shapes))
-    if not axes or list(axes) != list(range(axes[0], axes[-1] + 1)):
-        raise Decline("reduces non-adjacent axes")
+    if not axes:
+        raise Decline("reduces no axis")
+    perm = None
+    if list(axes) != list(range(axes[0], axes[-1] + 1)):   # read through a transpose: reduced axes last
+        perm = tuple(a for a in range(len(s)) if a not in axes) + tuple(axes)
     if all(s[a] == 1 for a in axes):
         raise Decline("reduces size-1 axes")
     klass: dict[int, str] = {}
@@ -145,7 +160,7 @@ def _match(graph: Graph, c: Cluster) -> ReductionMatch:
     if not all(only_stats(t) for t in red_out):
         raise Decline("a statistic output depends on more than the statistics")
     return ReductionMatch(s, axes, inputs, stat_in, passes, row_out, red_out,
-                          bool(red_out) and klass[red_out[0]] == "kstat")
+                          bool(red_out) and klass[red_out[0]] == "kstat", perm)
 
 
 def _evaluator(graph: Graph, c: Cluster, m: ReductionMatch, stats: Sequence[int],
@@ -201,11 +216,18 @@ def _build(graph: Graph, c: Cluster, m: ReductionMatch, backend: str) -> Step:
     outs_t = (*m.row_outputs, *m.red_outputs)
     dtypes = [graph.tensors[t].dtype for t in outs_t]
 
-    s, merged, a0 = m.shape, m.merged, m.axes[0]
+    s, merged = m.shape, m.merged
+    ps, paxes = m.space
+    a0 = paxes[0]
     kmerged = merged[:a0] + (1,) + merged[a0 + 1:]
 
     def view(x: Any, shape: tuple[int, ...]) -> Any:
         return x if tuple(x.shape) == shape else VTensor(x.layout.reshape(shape), x.dtype, x.buffers, x.symbols)
+
+    def moved(x: Any) -> Any:
+        """A tensor of S's rank into the kernel's space (the reduced axes last when ``perm``)."""
+        x = VTensor.of(x)
+        return x if m.perm is None else VTensor(x.layout.transpose(m.perm), x.dtype, x.buffers, x.symbols)
 
     def step(run: Run) -> None:
         ins = []
@@ -214,12 +236,14 @@ def _build(graph: Graph, c: Cluster, m: ReductionMatch, backend: str) -> Step:
             if t in m.stat_inputs:   # S without the axes: a size-1 axis to broadcast along
                 x = VTensor(x.layout.expand_dims((a0,)), x.dtype, x.buffers, x.symbols)
             elif len(x.shape) == len(s) and all(x.shape[a] == 1 for a in m.axes):
-                x = view(x, tuple(n for i, n in enumerate(x.shape) if i not in m.axes[1:]))
+                x = moved(x)
+                x = view(x, tuple(n for i, n in enumerate(x.shape) if i not in paxes[1:]))
             else:                    # a row: broadcast to S, then merge the reduced axes
-                x = view(broadcast_input(x, s), merged)
+                x = view(moved(broadcast_input(x, s)), merged)
             ins.append(x)
-        outs = [view(run.out_vtensor(t), merged) for t in m.row_outputs]
-        outs += [view(run.out_vtensor(t), kmerged) if m.keepdims else run.out_vtensor(t) for t in m.red_outputs]
+        outs = [view(moved(run.out_vtensor(t)), merged) for t in m.row_outputs]
+        outs += [view(moved(run.out_vtensor(t)), kmerged) if m.keepdims else run.out_vtensor(t)
+                 for t in m.red_outputs]
         res = row_reduce(ins, passes, epi, reduced=red, axis=a0, keepdims=m.keepdims, outs=outs,
                          out_dtypes=dtypes, upcast=False, backend=backend, name="reduction")
         res = (res,) if len(outs) == 1 else res
@@ -236,7 +260,7 @@ def _match_checked(graph: Graph, c: Cluster) -> ReductionMatch:
         if not first:
             raise Decline("no input spans the whole row space")
         m = ReductionMatch(m.shape, m.axes, (first[0], *(t for t in m.inputs if t != first[0])),
-                           m.stat_inputs, m.passes, m.row_outputs, m.red_outputs, m.keepdims)
+                           m.stat_inputs, m.passes, m.row_outputs, m.red_outputs, m.keepdims, m.perm)
     return m
 
 
