@@ -132,15 +132,18 @@ def _cases():
 
 # corpus programs held to the zoo's four modes (issue #24's additions): name -> vmapped argnums
 CORPUS_MODES = {"t5_relative_attention_linen": (1,), "falcon_alibi_mqa_prefill": (1,),
-                "bloom_alibi_decode": (1, 2, 3)}
+                "bloom_alibi_decode": (1, 2, 3), "rolling_kv_decode": (1, 2, 3),
+                "paged_kv_decode": (0, 1, 2)}
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(CORPUS_MODES))
 def test_corpus_attention_matches_jit_in_every_mode(name, mode):
     """Attention as other codebases write it (T5's bucketed relative bias, Falcon's and BLOOM's
-    ALiBi) equals jit plain, donated, vmapped and nested in the user's jit, and reaches the
-    attention kernel (unguarded: at these sizes the guard may rightly keep jit)."""
+    ALiBi, a rolling cache written at ``pos % W``, a vLLM paged cache gathered through its block
+    table) equals jit plain, donated, vmapped and nested in the user's jit, and reaches the
+    attention kernel (unguarded: at these sizes the guard may rightly keep jit). The paged cache's
+    gathers and page writes stay XLA's (no indirect index maps yet)."""
     from tests.zoo.corpus import CORPUS
     e = CORPUS[name]("small")
     with warnings.catch_warnings():
