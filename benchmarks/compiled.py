@@ -27,6 +27,7 @@ import argparse
 import datetime
 import json
 import platform
+import re
 import sys
 import time
 import warnings
@@ -306,19 +307,18 @@ def machine_info(started: float) -> str:
 
 
 GPU_BEGIN, GPU_END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
-# blocks other scripts maintain in the same file: benchmarks/gpu.py's measured section (written by
-# hand around its tables, from a lent GPU), benchmarks/zoo.py's and benchmarks/guard.py's
-KEPT_BLOCKS = ("gpu", "zoo", "guard")
 
 
 def _write(path: Path, text: str, rows: list[dict[str, Any]]) -> None:
-    """Write the compiled tables and their roofline (``benchmarks/roofline.py``), keeping the
-    blocks of :data:`KEPT_BLOCKS`: in place of an empty placeholder of the same name, else after
-    the tables."""
+    """Write the compiled tables and their roofline (``benchmarks/roofline.py``), keeping every
+    block other scripts maintain in the same file (``<!-- name:begin -->`` ... ``<!-- name:end
+    -->``: benchmarks/gpu.py's measured section, zoo.py's, guard.py's, tp.py's, positions.py's,
+    firstcall.py's): in place of an empty placeholder of the same name, else after the tables, in
+    their order in the file."""
     old = path.read_text() if path.exists() else ""
-    for name in KEPT_BLOCKS:
+    for name in re.findall(r"<!-- (\w+):begin -->", old):
         begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-        if begin not in old or end not in old:
+        if end not in old or name == "roofline":   # the roofline is this script's own (below)
             continue
         block = old[old.index(begin):old.index(end) + len(end)]
         if f"{begin}\n{end}" in text:

@@ -122,6 +122,20 @@ def test_compiled_renders_table_model_error_and_worse_cases():
     assert "1787.3" in text or "1,787.3" in text           # the paper's table stays beside ours
 
 
+def test_compiled_keeps_every_other_scripts_block(tmp_path):
+    """compiled.py rewrites BENCHMARKS.md around its tables: every block another script maintains
+    (``<!-- name:begin -->`` ... ``<!-- name:end -->``) survives, in place of its placeholder or
+    after the tables in file order (a fixed list of names once dropped tp.py's and firstcall.py's)."""
+    compiled = _load("compiled")
+    path = tmp_path / "B.md"
+    path.write_text("# old\n<!-- gpu:begin -->\nG\n<!-- gpu:end -->\n\n<!-- tp:begin -->\nT\n<!-- tp:end -->\n"
+                    "<!-- firstcall:begin -->\nF\n<!-- firstcall:end -->\n")
+    compiled._write(path, "# new\n<!-- gpu:begin -->\n<!-- gpu:end -->\ntables\n", [])
+    text = path.read_text()
+    assert text.startswith("# new\n<!-- gpu:begin -->\nG\n<!-- gpu:end -->\ntables")
+    assert text.index("<!-- tp:begin -->\nT\n<!-- tp:end -->") < text.index("<!-- firstcall:begin -->\nF")
+
+
 def test_benchmarks_md_comes_from_the_compile():
     text = (ROOT / "BENCHMARKS.md").read_text()
     assert "benchmarks/compiled.py" in text and "deviceless" in text
