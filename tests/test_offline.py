@@ -179,3 +179,13 @@ def test_a_guarded_cache_write_in_a_kernel_copies_no_cache():
     cache = args[2].k.nbytes
     assert p.triton_launches
     assert not [x for x in p.launches if x.kind == "kCopy" and x.bytes >= cache], p.launches
+
+
+def test_a_sorts_copy_and_an_hlo_copy_are_told_apart():
+    """A sort of a parameter (XLA copies it into the sort's buffers: an unnamed device copy) beside
+    an HLO ``copy`` of another parameter (updated in place, not donated): each copy is charged what
+    it copies, the sort's not claiming the HLO copy."""
+    x, y = jnp.ones((16, 8192)), jnp.ones((512, 1024))
+    p = compile_program(jax.jit(lambda x, y: (jnp.sort(x, axis=-1), y.at[3].set(0.0))), x, y, kernels=False)
+    copies = [c for c in p.launches if c.kind == "kCopy"]
+    assert sorted(c.read_bytes for c in copies) == sorted([x.nbytes, y.nbytes]), p.launches

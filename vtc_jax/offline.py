@@ -488,14 +488,37 @@ def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
     twins: dict[str, list[_Instr]] = {}
     for i in candidates:
         twins.setdefault(_dedup(i), []).append(i)
+    lines = [(m.group(1), m.group(2)) for m in map(_THUNK_RE.match, thunks.splitlines())
+             if m and m.group(1) not in _NON_LAUNCH_THUNKS]
+    names = [(_KERNEL_RE.search(rest).group(1) if _KERNEL_RE.search(rest) else (rest.split() or [kind])[0])
+             for kind, rest in lines]
+
+    readers: dict[str, int] = {}
+    for i in entry:
+        for o in i.operands:
+            readers[value(o)[0]] = readers.get(value(o)[0], 0) + 1
+
+    def kept_operands(sort: _Instr) -> list[tuple[str, int | None]]:
+        """A sort's operands still needed elsewhere (a parameter, a value with other readers):
+        XLA copies each into the buffers the sort then works on in place."""
+        opnds = [value(o) for o in sort.operands]
+        return [v for v in opnds if by_name.get(v[0]) is not None and (
+            by_name[v[0]].opcode == "parameter" or readers.get(v[0], 0) > 1)]
+
+    def copies_for_a_sort(j: int) -> bool:
+        """Launch line ``j`` is one of the unnamed copies a sort makes of its operands: the last
+        of the unnamed copies right before the sort's launches (the ones before them are HLO
+        copies scheduled there)."""
+        end = j
+        while end < len(lines) and lines[end][0] == "kCopy" and names[end] == "kCopy":
+            end += 1
+        sort = sort_of.get(re.sub(r"__\d+$", "", names[end])) if end < len(lines) else None
+        return sort is not None and end - j <= len(kept_operands(sort))
+
     launches = []
-    for line in thunks.splitlines():
-        m = _THUNK_RE.match(line)
-        if not m or m.group(1) in _NON_LAUNCH_THUNKS:
-            continue
-        kind, rest = m.groups()
+    for j, (kind, rest) in enumerate(lines):
         km = _KERNEL_RE.search(rest)
-        name = km.group(1) if km else (rest.split() or [kind])[0]
+        name = names[j]
         sort = sort_of.get(re.sub(r"__\d+$", "", name))
         if sort is not None:
             used.add(sort.name)
@@ -520,9 +543,9 @@ def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
             # a jit conv was charged 0 bytes and VTC's Pallas conv its full traffic)
             ins = next((i for i in candidates if i.name not in used and i.opcode == "custom-call"
                         and any(t in i.attrs for t in _LIBRARY_THUNKS[kind])), None)
-        if ins is None and kind == "kCopy" and name == "kCopy":
+        if ins is None and kind == "kCopy" and name == "kCopy" and not copies_for_a_sort(j):
             # a device copy of an HLO ``copy`` prints no instruction name: the thunks follow the
-            # scheduled ENTRY order, so it is the next unclaimed copy (none left: a sort's, below)
+            # scheduled ENTRY order, so it is the next unclaimed copy (a sort's copies: below)
             ins = next((i for i in candidates if i.name not in used and i.opcode == "copy"), None)
         if ins is None and re.fullmatch(r"topk(__\d+)?", name):   # XLA's top-k kernel (k <= 16)
             ins = next((i for i in candidates if i.name not in used and i.opcode == "custom-call"
@@ -550,12 +573,7 @@ def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
                     fields[key] = int(mm.group(1))
         launches.append(Launch(**fields))
     # unnamed device copies right before a sort's launches: each copies one operand still needed
-    # elsewhere (a parameter, or a value with other readers) into the buffers the sort then works
-    # on in place; read and write it
-    readers: dict[str, int] = {}
-    for i in entry:
-        for o in i.operands:
-            readers[value(o)[0]] = readers.get(value(o)[0], 0) + 1
+    # elsewhere into the buffers the sort then works on in place; read and write it
     j = 0
     while j < len(launches):
         run = j
@@ -564,8 +582,7 @@ def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
         nxt = launches[run] if run < len(launches) else None
         if run > j and nxt is not None and nxt.hlo is not None and re.sub(r"__\d+$", "", nxt.name) in sort_of:
             opnds = [value(o) for o in by_name[nxt.hlo].operands]
-            kept = [v for v in opnds if by_name.get(v[0]) is not None and (
-                by_name[v[0]].opcode == "parameter" or readers.get(v[0], 0) > 1)]
+            kept = kept_operands(by_name[nxt.hlo])
             sizes = [size(v) for v in kept] if len(kept) == run - j else \
                 [sum(size(v) for v in opnds) // (run - j)] * (run - j)
             for k, b in zip(range(j, run), sizes):
