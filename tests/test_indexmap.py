@@ -519,3 +519,69 @@ def test_layout_concat_pieces_and_boxes():
             3: 200 + np.arange(16.0).reshape(1, 16)}
     want = np.concatenate([bufs[1], bufs[2], bufs[3]], 1).reshape(1, 6, 16).transpose(1, 0, 2)
     np.testing.assert_array_equal(heads.evaluate(bufs), want)
+
+
+# --------------------------------------------------------------------------------------------
+# Indirection: Load atoms (an index read from a runtime table)
+# --------------------------------------------------------------------------------------------
+
+def _paged(pages: int = 13, page: int = 4, b: int = 3, m: int = 4, d: int = 8, wrap: int = 13) -> Layout:
+    """``(B, T, D) -> pages[table[b, t floordiv page], t mod page, d]`` (a paged KV cache)."""
+    from vtc_jax.indexmap import Load
+    load = Load("tbl", (dim(0), dim(1).floordiv(page)), 0, pages - 1, wrap)
+    bounds = {Dim(0): (0, b - 1), Dim(1): (0, m * page - 1), Dim(2): (0, d - 1)}
+    exprs = (Expr_of(load), dim(1).mod(page, bounds), dim(2))
+    info = SymInfo("tbl", 0, 0, shape=(b, m))
+    return Layout.physical(0, (pages, page, d)).compose(IndexMap((b, m * page, d), exprs, (pages, page, d),
+                                                                  syms=(info,)))
+
+
+def Expr_of(a):
+    from vtc_jax.indexmap import Expr
+    return Expr.of(a)
+
+
+def _paged_reference(buf, table, page, wrap):
+    b, m = table.shape
+    t = np.arange(m * page)
+    v = table[:, t // page]
+    v = np.clip(np.where(v < 0, v + wrap, v), 0, buf.shape[0] - 1)
+    return buf[v, (t % page)[None, :]]
+
+
+@pytest.mark.parametrize("entries", ["in range", "negative", "out of range"])
+def test_load_atom_evaluates_as_a_clamped_wrapped_table_read(entries):
+    """A Load reads the table, wraps a negative entry (as jnp normalises indices) and clamps (as
+    XLA clamps a gather's starts): the layout's reference evaluation equals numpy's."""
+    rng = np.random.default_rng(3)
+    buf = rng.standard_normal((13, 4, 8)).astype(np.float32)
+    table = rng.permutation(13)[:12].reshape(3, 4)
+    if entries == "negative":
+        table[0, 1], table[2, 3] = -1, -13
+    elif entries == "out of range":
+        table[1, 2], table[2, 0] = 40, -90
+    lay = _paged()
+    got = lay.evaluate({0: buf}, {"tbl": table})
+    np.testing.assert_array_equal(got, _paged_reference(buf, table, 4, 13))
+
+
+def test_load_atom_composes_and_simplifies_through_movement():
+    """Movement on top of an indirect map substitutes into the read's index; the read's value range
+    (its clamp) lets floordiv/mod of it simplify away: a reshape that splits T back into
+    (pages, page) gives the table read and the offset in the page as plain terms."""
+    lay = _paged()
+    split = lay.reshape((3, 4, 4, 8))           # (B, M, page, D)
+    (p,) = split.pieces
+    assert [str(e) for e in p.map.exprs] == ["tbl[d0, d1]", "d2", "d3"], p.map
+    moved = split.transpose((1, 0, 2, 3))       # (M, B, page, D): the read's index follows
+    assert str(moved.pieces[0].map.exprs[0]) == "tbl[d1, d0]"
+    flat = moved.reshape((4 * 3 * 4 * 8,))
+    e = flat.pieces[0].map.flat_expr()
+    assert e.loads() and all(a.lo == 0 and a.hi == 12 for a in e.loads())
+    c = moved.pieces[0].map.contiguity(4)
+    assert (c.min_contiguous_dim, c.run_elems) == (2, 32)   # a page (page rows x D) is one run
+    rng = np.random.default_rng(4)
+    buf = rng.standard_normal((13, 4, 8)).astype(np.float32)
+    table = rng.integers(-20, 20, (3, 4))
+    ref = _paged_reference(buf, table, 4, 13).reshape(3, 4, 4, 8).transpose(1, 0, 2, 3).reshape(-1)
+    np.testing.assert_array_equal(flat.evaluate({0: buf}, {"tbl": table}), ref)

@@ -42,7 +42,9 @@ def check_edge(e: Edge, g, vals) -> None:
         assert e.map.is_identity and op.primitive == "dynamic_update_slice"
         dst = src
     # a symbol s{t} is tensor t's value after lax's clamping (the SymInfo range)
-    symbols = {s.name: int(np.clip(vals[int(s.name[1:])], s.lo, s.hi)) for s in e.map.syms}
+    # an index table t{t} is tensor t's value as it is (each read wraps and clamps)
+    symbols = {s.name: vals[int(s.name[1:])] if s.is_table else int(np.clip(vals[int(s.name[1:])], s.lo, s.hi))
+               for s in e.map.syms}
     lay = Layout.physical(e.dst, dst.shape).compose(e.map).restrict_box(e.box)
     got = lay.evaluate({e.dst: dst}, symbols)
     box = tuple(slice(lo, hi) for lo, hi in e.box)
@@ -204,15 +206,45 @@ def test_pad_with_runtime_fill_has_no_edge():
 
 
 @pytest.mark.parametrize("fn, args, why", [
-    (lambda x, i: jnp.take(x, i, axis=0), (arr(4, 6), jnp.array([0, 2])), "not a compile-time constant"),
+    (lambda x, i: jnp.take(x, i, axis=0), (arr(4, 6), jnp.array([0, 2])), "fills out-of-bounds rows"),
+    (lambda x, i: x[i * 2], (arr(4, 6), jnp.array([0, 1])), "by mul"),
+    (lambda x, i, j: x[i, j], (arr(4, 6), jnp.array([0, 1]), jnp.array([2, 3])), "2 runtime tensors"),
+    (lambda x, i, j: x[j[i]], (arr(4, 6), jnp.array([0, 1]), jnp.array([2, 3, 1])), "by gather"),
+    (lambda x, i: x[i + 1], (arr(4, 6), jnp.array([0, 1])), "not one table element"),
     (lambda x: x[np.array([0, 3, 1])], (arr(4, 6),), "not a strided run"),
     (lambda x: x.at[np.array([0, 2])].set(0.0), (arr(4, 6),), "scatter"),
 ])
 def test_opaque_gather_scatter(fn, args, why):
     g = trace(fn, *args)
     ops = [op for op in g.ops if op.primitive in ("gather", "scatter")]
-    assert ops and all(rules(op, g) == () and is_movement_op(op, g) for op in ops)
-    assert why in explain_no_edges(ops[0], g)
+    op = ops[-1]   # the outermost (``x[j[i]]``: the inner ``j[i]`` reads j through table i)
+    assert rules(op, g) == () and is_movement_op(op, g)
+    assert why in explain_no_edges(op, g)
+
+
+@pytest.mark.parametrize("table", [[[3, 0, 7, 5], [1, 2, 4, 6], [8, 9, 10, 11]],      # a permutation
+                                   [[-1, 0, 40, 5], [1, -13, 4, -90], [8, 9, 12, 11]]])  # wrapped, clamped
+def test_indirect_gather_reads_a_paged_cache_through_its_block_table(table):
+    """vLLM's ``pages[block_table[:, t // page], t % page]``: the output reads the pages through a
+    table read (negative entries wrapped as jnp normalises them, out-of-range ones clamped as
+    XLA's gather clamps); ``check_edge`` evaluates the map on the table and compares values."""
+    def f(pages, tbl):
+        t = jnp.arange(16)
+        return pages[tbl[:, t // 4], t % 4]
+
+    g, edges = run(f, arr(13, 4, 2), jnp.array(table, jnp.int32), primitive="gather")
+    main = [e for e in edges if "indirect" in e.note]
+    assert len(main) == 1 and main[0].direction == R and main[0].klass == "II"
+    assert str(main[0].map) == "(d0, d1, d2) -> (t1[d0, (d1) floordiv 4], (d1) mod 4, d2)"
+    assert main[0].map.syms[0].is_table and main[0].map.syms[0].shape == (3, 4)
+
+
+def test_indirect_gather_embedding_lookup():
+    """``emb[tokens]``: each output row reads the row its token names."""
+    g, edges = run(lambda emb, tok: emb[tok], arr(10, 4), jnp.array([[1, 9, -2], [0, 3, 3]], jnp.int32),
+                   primitive="gather")
+    (e,) = edges
+    assert str(e.map) == "(d0, d1, d2) -> (t1[d0, d1], d2)"
 
 
 def test_repeat_with_array_repeats_folds_to_a_repeat_gather():

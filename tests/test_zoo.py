@@ -15,6 +15,7 @@ does not work today is an ``xfail(strict=True)`` with the exact error, listed in
 ``test_explain_paper`` analyses each step at paper size (ShapeDtypeStructs) and pins a lower bound
 on the movement ops eliminated (the count measured when the zoo was written).
 """
+import re
 import warnings
 
 import jax
@@ -143,7 +144,8 @@ def test_corpus_attention_matches_jit_in_every_mode(name, mode):
     ALiBi, a rolling cache written at ``pos % W``, a vLLM paged cache gathered through its block
     table) equals jit plain, donated, vmapped and nested in the user's jit, and reaches the
     attention kernel (unguarded: at these sizes the guard may rightly keep jit). The paged cache's
-    gathers and page writes stay XLA's (no indirect index maps yet)."""
+    keys and values are read by the kernel through the block table (indirect index maps); its
+    page writes stay XLA's in-place scatters."""
     from tests.zoo.corpus import CORPUS
     e = CORPUS[name]("small")
     with warnings.catch_warnings():
@@ -268,3 +270,52 @@ def _row_writers(step, args, donate):
         c = of_op[op.id]
         out.append(SimpleNamespace(id=c.id, kind=str(c.kind), primitives={g.ops[o].primitive for o in c.ops}))
     return out
+
+
+@pytest.mark.parametrize("entries", ["negative", "out of range"])
+def test_paged_cache_with_odd_block_table_entries_matches_jit(entries):
+    """A block table with negative entries (jnp wraps them) or entries past the last page (XLA's
+    gather clamps them): the kernel's in-kernel table reads give jit's numbers."""
+    from tests.zoo.corpus import CORPUS
+    e = CORPUS["paged_kv_decode"]("small")
+    table = np.array(e.args[5])
+    if entries == "negative":
+        table[0, 1], table[1, 0], table[2, 3] = -1, -13, -5
+    else:
+        table[0, 2], table[1, 1], table[2, 0] = 99, 13, -100
+    args = e.args[:5] + (jnp.asarray(table),) + e.args[6:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        f = vtc_jax.optimize(e.step, backend="interpret", guard=None)
+        check_close(f(*args), jax.jit(e.step)(*args))
+        text = str(jax.make_jaxpr(f)(*args))
+    cache = table.shape[0] * 16 * 2 * 8   # B x T x KV x D at the small size
+    gathers = re.findall(r":\w+\[([0-9,]+)\] = gather\[", text)
+    assert all(np.prod([int(n) for n in g.split(",")]) < cache for g in gathers), gathers
+
+
+def test_paged_cache_at_paper_size_reads_pages_in_the_attention_kernel():
+    """vLLM-style paged decode at paper size (batch 16, 256 pages of 16 per sequence, GQA 32/8,
+    D 128), lowered for CUDA: the attention runs in the decode kernel, which reads K and V through
+    the block table, and no gather of cache size is left (the page writes are XLA's in-place
+    scatters of one row per sequence). Explain names the indirect map."""
+    from tests.zoo.corpus import CORPUS
+    from vtc_jax.testing import cross_lower
+    e = CORPUS["paged_kv_decode"]("paper")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        mod = cross_lower(vtc_jax.optimize(e.step, backend="triton", donate_argnums=e.donate_argnums,
+                                           guard=None), *e.args)
+        report = vtc_jax.explain(e.step, donate_argnums=e.donate_argnums, guard=None)(*e.args)
+    names = [k.name for k in mod.triton_kernels]
+    assert any(n.startswith("vtc_decode_attention") for n in names), names
+    cache_elems = 16 * 256 * 16 * 8 * 128
+    big = [m for m in mod.movement_into_consumers() if _elements(m[2]) >= cache_elems]
+    assert {m[0] for m in big} <= {"stablehlo.scatter"}, big
+    notes = [row for row in str(report).splitlines() if "indirect gather through table" in row]
+    assert len(notes) == 2 and all("[d0, (d1) floordiv 16]" in n for n in notes), notes
+
+
+def _elements(ty):
+    m = re.search(r"tensor<([0-9x]+)x[a-z]", ty)
+    return int(np.prod([int(n) for n in m.group(1).split("x")])) if m else 0

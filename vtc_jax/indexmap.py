@@ -33,9 +33,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 __all__ = [
-    "Expr", "Atom", "Dim", "Sym", "FloorDiv", "Mod", "Cond", "SymInfo", "IndexMap", "Piece",
+    "Expr", "Atom", "Dim", "Sym", "FloorDiv", "Mod", "Load", "Cond", "SymInfo", "IndexMap", "Piece",
     "Contiguity", "FillRegion", "Layout", "Movements", "box_conds", "NotComposable", "dim", "sym", "const",
-    "row_major_strides", "Point", "point", "all_of", "conds_mask",
+    "row_major_strides", "Point", "point", "all_of", "conds_mask", "finish_read",
 ]
 
 
@@ -83,7 +83,29 @@ class Mod:
         return f"({self.expr}) mod {self.c}"
 
 
-Atom = Dim | Sym | FloorDiv | Mod
+@dataclass(frozen=True)
+class Load:
+    """An index read at run time from an integer table: ``clip(w(table[index]), lo, hi)`` with
+    ``w(v) = v + wrap`` where ``v < 0`` (numpy's negative indices, as jnp normalises them) and
+    ``v`` elsewhere; the clip is the gather's own clamp of a start index (XLA's semantics). A
+    paged KV cache's page ``block_table[b, t floordiv page]`` is one.
+
+    Composed like the other compound atoms (``index`` is substituted and simplified; the value
+    range is ``[lo, hi]`` whatever the table holds, so ``floordiv``/``mod`` of it simplify and
+    bounds stay proven). ``table`` names a runtime symbol (:class:`SymInfo` with a ``shape``):
+    the evaluator reads it from the :data:`Point` — a numpy/jax array, or inside a kernel an
+    object with ``read(load, bounds)`` (``kernels.vio`` loads one table element per block row)."""
+    table: str
+    index: tuple["Expr", ...]
+    lo: int
+    hi: int
+    wrap: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.table}[{', '.join(str(e) for e in self.index)}]"
+
+
+Atom = Dim | Sym | FloorDiv | Mod | Load
 
 
 def _atom_key(a: Atom) -> tuple:
@@ -177,6 +199,9 @@ class Expr:
                 out.add(a.i)
             elif isinstance(a, (FloorDiv, Mod)):
                 out |= a.expr.dims()
+            elif isinstance(a, Load):
+                for e in a.index:
+                    out |= e.dims()
         return frozenset(out)
 
     def symbols(self) -> frozenset[str]:
@@ -186,7 +211,23 @@ class Expr:
                 out.add(a.name)
             elif isinstance(a, (FloorDiv, Mod)):
                 out |= a.expr.symbols()
+            elif isinstance(a, Load):
+                out.add(a.table)
+                for e in a.index:
+                    out |= e.symbols()
         return frozenset(out)
+
+    def loads(self) -> tuple[Load, ...]:
+        """The table reads this expression makes (also inside floordiv/mod and other reads)."""
+        out: list[Load] = []
+        for a, _ in self.terms:
+            if isinstance(a, (FloorDiv, Mod)):
+                out += a.expr.loads()
+            elif isinstance(a, Load):
+                out.append(a)
+                for e in a.index:
+                    out += e.loads()
+        return tuple(dict.fromkeys(out))
 
     def coeff(self, a: Atom) -> int:
         return dict(self.terms).get(a, 0)
@@ -212,6 +253,8 @@ class Expr:
                 rep = _floordiv(a.expr.substitute(mapping, bounds), a.c, bounds)
             elif isinstance(a, Mod):
                 rep = _mod(a.expr.substitute(mapping, bounds), a.c, bounds)
+            elif isinstance(a, Load):
+                rep = Expr.of(dataclasses.replace(a, index=tuple(e.substitute(mapping, bounds) for e in a.index)))
             else:
                 rep = Expr.of(a)
             out = out + rep * k
@@ -230,6 +273,8 @@ class Expr:
         for a, k in self.terms:
             if isinstance(a, (Dim, Sym)):
                 v = at[a]
+            elif isinstance(a, Load):
+                v = _read(a, at, xp, bounds)
             else:
                 inner = a.expr.evaluate(at, xp, bounds)
                 nonneg = bounds is not None and a.expr.range(bounds)[0] >= 0
@@ -281,9 +326,31 @@ def _div_or_mod(x: Any, c: int, is_div: bool, nonneg: bool, xp: Any) -> Any:
     return lax.div(x, cc) if is_div else lax.rem(x, cc)
 
 
+def _read(a: Load, at: "Point", xp: Any, bounds: Bounds | None) -> Any:
+    """The value of a table read at ``at`` (see :class:`Load`): index lanes outside the table
+    (lanes a mask drops) are clipped into it, so they never read out of bounds."""
+    table = at[Sym(a.table)]
+    if hasattr(table, "read"):           # inside a kernel: the kernel's own table reader
+        return table.read(a, bounds)
+    idx = tuple(xp.clip(e.evaluate(at, xp, bounds), 0, n - 1) for e, n in zip(a.index, table.shape))
+    if idx:
+        idx = tuple(xp.broadcast_arrays(*idx)) if len(idx) > 1 else idx
+    v = table[idx] if idx else table
+    return finish_read(a, v, xp)
+
+
+def finish_read(a: Load, v: Any, xp: Any) -> Any:
+    """What a :class:`Load` makes of the table element ``v``: wrap a negative value, clamp."""
+    if a.wrap:
+        v = xp.where(v < 0, v + a.wrap, v)
+    return xp.clip(v, a.lo, a.hi)
+
+
 def _atom_range(a: Atom, bounds: Bounds) -> tuple[float, float]:
     if isinstance(a, (Dim, Sym)):
         return bounds.get(a, (-math.inf, math.inf))
+    if isinstance(a, Load):
+        return a.lo, a.hi
     lo, hi = a.expr.range(bounds)
     if isinstance(a, FloorDiv):
         return (math.floor(lo / a.c) if lo > -math.inf else -math.inf,
@@ -436,11 +503,18 @@ def conds_mask(conds: Iterable[Cond], at: Point, xp: Any = np, bounds: Bounds | 
 class SymInfo:
     """A runtime scalar and its range (already clamped the way lax clamps dynamic starts).
 
-    ``source`` is the graph tensor holding the scalar (None for symbols a kernel test makes up)."""
+    ``source`` is the graph tensor holding the scalar (None for symbols a kernel test makes up).
+    A ``shape`` makes it a table (an integer array :class:`Load` atoms read; ``lo``/``hi`` are
+    then unused: each read carries its own clamp)."""
     name: str
     lo: int
     hi: int
     source: int | None = None
+    shape: tuple[int, ...] = ()
+
+    @property
+    def is_table(self) -> bool:
+        return bool(self.shape)
 
 
 @dataclass(frozen=True)
@@ -590,7 +664,7 @@ class IndexMap(Movements):
     @property
     def bounds(self) -> dict[Atom, tuple[int, int]]:
         b: dict[Atom, tuple[int, int]] = {Dim(i): (0, n - 1) for i, n in enumerate(self.domain)}
-        b.update({Sym(s.name): (s.lo, s.hi) for s in self.syms})
+        b.update({Sym(s.name): (s.lo, s.hi) for s in self.syms if not s.is_table})
         return b
 
     @property
@@ -613,7 +687,7 @@ class IndexMap(Movements):
             raise NotComposable("two masks with different fill values")
         syms = _merge_syms(self.syms, inner.syms)
         b: dict[Atom, tuple[int, int]] = {Dim(i): (0, n - 1) for i, n in enumerate(inner.domain)}
-        b.update({Sym(s.name): (s.lo, s.hi) for s in syms})
+        b.update({Sym(s.name): (s.lo, s.hi) for s in syms if not s.is_table})
         b = _refine_bounds(b, refine)
         sub = {Dim(i): e for i, e in enumerate(inner.exprs)}
         exprs = tuple(e.substitute(sub, b) for e in self.exprs)
@@ -679,8 +753,8 @@ class IndexMap(Movements):
         flat = self.flat_expr()
         compound_dims: set[int] = set()
         for a, _ in flat.terms:
-            if isinstance(a, (FloorDiv, Mod)):
-                compound_dims |= a.expr.dims()
+            if isinstance(a, (FloorDiv, Mod, Load)):
+                compound_dims |= Expr.of(a).dims()
         cond_dims: set[int] = set()
         for c in self.conds:
             cond_dims |= c.expr.dims()

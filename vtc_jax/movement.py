@@ -16,25 +16,38 @@ profitable; anything else is Type II, for the cost model to decide):
 Runtime starts (dynamic_slice, dynamic_update_slice) become symbols named ``s{tensor id}`` whose
 value is the start *after* lax's clamping to ``[0, dim - size]``; the SymInfo carries that range.
 Starts that are compile-time constants (also when computed from constants) are folded.
+
+A gather whose indices are computed from a runtime integer table (a paged KV cache's
+``pages[block_table[:, t // page], t % page]``) maps through :class:`indexmap.Load` atoms: the
+index computation is probed with coded tables (:func:`_probe_indices`), which tells which index
+coordinates read which table element and how a negative entry is normalised.
 """
 from __future__ import annotations
 
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from .graph import Graph, Op
-from .indexmap import Expr, IndexMap, Layout, SymInfo, const, sym
+from .indexmap import Dim, Expr, IndexMap, Layout, Load, SymInfo, const, dim, sym
 from .primitives import CONTROL_FLOW, Direction, EdgeClass
 
 __all__ = ["Edge", "rules", "explain_no_edges", "static_value", "RULES"]
 
 SECTOR_BYTES = 32          # a partially contiguous run covers at least one 32-byte sector
 STATIC_FOLD_LIMIT = 1 << 16  # fold compile-time-constant tensors up to this many elements
+PROBE_LIMIT = 1 << 23        # largest index computation probed with coded tables (elements)
+TABLE_LIMIT = 1 << 22        # largest runtime index table a kernel reads
+# ops a value read from an index table may pass through on its way to a gather's indices: views
+# (with static indices/starts), integer casts, and jnp's normalisation of negative indices
+# (``where(v < 0, v + n, v)``). With these alone the index is ``v`` or ``v + c`` on each side of
+# 0, so two probes (non-negative and negative codes) determine it for every table value.
+_TABLE_VIEWS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "concatenate",
+                          "slice", "transpose", "gather", "copy", "copy_p", "dynamic_slice"})
 
 
 @dataclass(frozen=True)
@@ -321,7 +334,7 @@ def _gather(c: _Ctx) -> tuple[Edge, ...]:
     dn, xs = c.p["dimension_numbers"], c.shape(c.x)
     idx = static_value(c.op.inputs[1], c.graph)
     if idx is None:
-        raise NoEdges("gather indices are not a compile-time constant")
+        return _indirect_gather(c)
     (a,) = dn.start_index_map if len(dn.start_index_map) == 1 else (None,)
     sizes = tuple(1 if j == a else n for j, n in enumerate(xs))
     if (a is None or tuple(dn.collapsed_slice_dims) != (a,) or dn.operand_batching_dims
@@ -363,6 +376,173 @@ def _gather(c: _Ctx) -> tuple[Edge, ...]:
     if r > 1:
         return (c.edge(c.y, c.x, m, klass=EdgeClass.II, note="repeat-gather: repeated reads, read side only"),)
     return (c.edge(c.y, c.x, m),)
+
+
+def _indirect_gather(c: _Ctx) -> tuple[Edge, ...]:
+    """``x[idx]`` with whole-row slices at indices computed from a runtime integer table: the
+    output reads ``x`` through :class:`Load` atoms (read side only: a gather may repeat rows).
+    Each index coordinate is either table-independent (an expression of the output's batch
+    dims, found from its values) or one table element, wrapped if negative as jnp normalises it
+    and clamped as XLA clamps a gather's starts (``PROMISE_IN_BOUNDS``/``CLIP``; a gather that
+    fills out-of-bounds rows is declined: the map has no fill that depends on a table)."""
+    dn, xs, t_idx = c.p["dimension_numbers"], c.shape(c.x), c.op.inputs[1]
+    a_dims = tuple(dn.start_index_map)
+    if (dn.operand_batching_dims or sorted(dn.collapsed_slice_dims) != sorted(a_dims)
+            or tuple(c.p["slice_sizes"]) != tuple(1 if j in a_dims else n for j, n in enumerate(xs))
+            or c.shape(t_idx)[-1:] != (len(a_dims),)):
+        raise NoEdges("gather indices are not a compile-time constant (and not whole rows at table-read indices)")
+    if "FILL" in str(c.p["mode"]):
+        raise NoEdges("gather fills out-of-bounds rows at runtime indices")
+    table, coords = _probe_indices(t_idx, c.graph)
+    tinfo = c.graph.tensors[table]
+    name = f"t{table}"
+    batch = c.shape(t_idx)[:-1]
+    y_shape = c.shape(c.y)
+    offset_dims = tuple(dn.offset_dims)
+    batch_y = [o for o in range(len(y_shape)) if o not in offset_dims]
+    b = {Dim(i): (0, n - 1) for i, n in enumerate(y_shape)}
+    to_y = {Dim(j): dim(o) for j, o in enumerate(batch_y)}
+    kept = iter(offset_dims)
+    exprs = []
+    for j, n in enumerate(xs):
+        if j not in a_dims:
+            exprs.append(dim(next(kept)))
+            continue
+        k = a_dims.index(j)
+        kind, val = coords[k]
+        if kind == "static":
+            e = _fit(np.clip(val, 0, n - 1))
+        else:
+            parts = [_fit(v) for v in np.unravel_index(val, tinfo.shape)]
+            e = None if any(p is None for p in parts) else Expr.of(
+                Load(name, tuple(p.substitute(to_y, b) for p in parts), 0, n - 1, kind))
+        if e is None:
+            raise NoEdges("gather indices read a table in a pattern not modelled (not a repeat or stride of the output's indices)")
+        exprs.append(e if kind != "static" else e.substitute(to_y, b))
+    assert len(batch_y) == len(batch)
+    info = SymInfo(name, 0, 0, source=table, shape=tuple(tinfo.shape))
+    m = IndexMap(tuple(y_shape), tuple(exprs), tuple(xs), syms=(info,))
+    return (c.edge(c.y, c.x, m, klass=EdgeClass.II,
+                   note=f"indirect gather through table t{table}, read side only: {m}"),)
+
+
+def _probe_indices(t: int, graph: Graph) -> tuple[int, list[tuple[Any, np.ndarray]]]:
+    """Which table the gather indices ``t`` are read from, and per index coordinate either
+    ``("static", values)`` or ``(wrap, flat table positions)``.
+
+    The index computation is evaluated three times with the table replaced by codes (its flat
+    positions; those plus its size; those minus its size): a coordinate that moves with the
+    codes reads the table at the position its first probe shows, and the negative probe shows
+    what a negative entry becomes (``v + wrap``). Only the ops of ``_TABLE_VIEWS``, integer
+    casts and ``where(v < 0, v + c, v)`` may touch table values, so those three probes are the
+    whole function for every table content; anything else is declined."""
+    ops: dict[int, Op] = {}
+    leaves: set[int] = set()
+    stack, seen = [t], set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if static_value(u, graph) is not None:
+            continue
+        op = graph.producer(u)
+        if op is None:
+            leaves.add(u)
+            continue
+        _check_table_op(op, graph)
+        ops[op.id] = op
+        stack.extend(i for i in op.inputs if i not in seen)
+        if len(ops) > 256:
+            raise NoEdges("gather indices: index computation too large to probe")
+    if len(leaves) != 1:
+        raise NoEdges(f"gather indices depend on {len(leaves)} runtime tensors (one index table is modelled)")
+    (table,) = leaves
+    info = graph.tensors[table]
+    if table not in graph.inputs:
+        raise NoEdges("gather indices read a table computed in the program (tables that are inputs are modelled)")
+    if not np.issubdtype(info.dtype, np.integer) or not 0 < info.size <= TABLE_LIMIT or \
+            np.iinfo(info.dtype).max < 2 * info.size or np.iinfo(info.dtype).min > -info.size:
+        raise NoEdges("gather indices read a table that is not a small integer array")
+    if any(graph.tensors[o].size > PROBE_LIMIT for op in ops.values() for o in op.outputs):
+        raise NoEdges("gather indices: index computation too large to probe")
+    codes = np.arange(info.size, dtype=np.int64).reshape(info.shape)
+    order = sorted(ops.values(), key=lambda o: o.id)
+
+    def run(tbl: np.ndarray) -> np.ndarray:
+        env = {table: tbl.astype(info.dtype)}
+        try:
+            with jax.ensure_compile_time_eval():
+                for op in order:
+                    vals = [env[i] if i in env else static_value(i, graph) for i in op.inputs]
+                    out = op.bind(*vals)
+                    env.update(zip(op.outputs, out if op.prim.multiple_results else (out,)))
+        except Exception as e:  # noqa: BLE001 - an index computation that does not evaluate is not modelled
+            raise NoEdges(f"gather indices could not be probed ({type(e).__name__})") from None
+        return np.asarray(env[t]).astype(np.int64)
+
+    va, vb, vn = run(codes), run(codes + info.size), run(codes - info.size)
+    coords: list[tuple[Any, np.ndarray]] = []
+    for k in range(va.shape[-1]):
+        a, b2, n = va[..., k], vb[..., k], vn[..., k]
+        if np.array_equal(a, b2) and np.array_equal(a, n):
+            coords.append(("static", a))
+            continue
+        wrap = n - a + info.size
+        if not (np.all(b2 - a == info.size) and a.min() >= 0 and a.max() < info.size
+                and np.all(wrap == wrap.flat[0])):
+            raise NoEdges("gather indices mix table values with other terms (an index that is not one table element)")
+        coords.append((int(wrap.flat[0]), a))
+    return table, coords
+
+
+def _check_table_op(op: Op, graph: Graph) -> None:
+    """An op between an index table and a gather's indices must be one :func:`_probe_indices`
+    can see through (see ``_TABLE_VIEWS``)."""
+    p = op.primitive
+    dyn = [i for i in op.inputs[1:] if static_value(i, graph) is None]
+    if p in _TABLE_VIEWS and not (p in ("gather", "dynamic_slice") and dyn):
+        return
+    if p == "convert_element_type" and np.issubdtype(graph.tensors[op.outputs[0]].dtype, np.integer):
+        return
+    if p == "select_n":
+        return
+    if p == "lt":
+        v = static_value(op.inputs[1], graph)
+        if v is not None and not np.any(v):
+            return
+    if p == "add":
+        if any(static_value(i, graph) is not None for i in op.inputs):
+            return
+    raise NoEdges(f"gather indices computed from a table by {p} (only views, casts and negative-index "
+                  "normalisation are modelled)")
+
+
+def _fit(v: np.ndarray) -> Expr | None:
+    """An index expression over the dims of ``v`` whose value at each index is ``v``'s there:
+    a sum over dims of ``s·((d floordiv r) mod m)`` (repeats, strides, periods), or None."""
+    v = np.asarray(v, np.int64)
+    if v.ndim == 0:
+        return const(int(v))
+    b = {Dim(i): (0, n - 1) for i, n in enumerate(v.shape)}
+    base = int(v.flat[0])
+    e = const(base)
+    for i, n in enumerate(v.shape):
+        prof = v[tuple(slice(None) if j == i else 0 for j in range(v.ndim))] - base
+        if not prof.any():
+            continue
+        r = int(np.argmax(prof != 0))
+        q = prof[::r]
+        if not np.array_equal(prof, np.repeat(q, r)[:n]):
+            return None
+        zeros = np.flatnonzero(q[1:] == 0)
+        m = int(zeros[0]) + 1 if zeros.size else len(q)
+        s = int(q[1])
+        if not np.array_equal(q, s * (np.arange(len(q)) % m)):
+            return None
+        e = e + dim(i).floordiv(r, b).mod(m, b) * s
+    got = e.evaluate({Dim(i): x for i, x in enumerate(np.indices(v.shape))}, np) if v.ndim else None
+    return e if np.array_equal(np.broadcast_to(got, v.shape), v) else None
 
 
 def _opaque(reason: str) -> Callable[[_Ctx], tuple[Edge, ...]]:

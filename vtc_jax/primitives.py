@@ -140,8 +140,9 @@ def _rows() -> dict[str, PrimInfo]:
     add("pad", Role.MOVEMENT, data=(0,))
     add("dynamic_slice gather", Role.MOVEMENT, data=(0,))
     add("dynamic_update_slice", Role.MOVEMENT, data=(0, 1), inplace=0)
+    # a scatter updates its operand's buffer in place (XLA's in-place scatter), like a DUS
     add("scatter scatter-add scatter_add scatter-mul scatter_mul scatter-min scatter_min scatter-max "
-        "scatter_max scatter-sub scatter_sub", Role.MOVEMENT)
+        "scatter_max scatter-sub scatter_sub", Role.MOVEMENT, data=(0, 2), inplace=0)
     add("add sub mul div rem pow max min neg sign abs floor ceil round nextafter exp exp2 log log1p "
         "expm1 tanh logistic sin cos tan asin acos atan atan2 sinh cosh asinh acosh atanh sqrt rsqrt "
         "cbrt square integer_pow erf erfc erf_inv lgamma digamma is_finite reduce_precision "

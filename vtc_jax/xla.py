@@ -85,12 +85,19 @@ class Facts:
                         self.dus_copy[oid] = later or operand in outs
                     else:
                         self.dus_copy[oid] = operand in ins or operand in outs or later
-                    self.base[oid] = 2 * self.nbytes[op.inputs[1]] + (
+                    self.base[oid] = 2 * self.update_bytes(op) + (
                         2 * self.nbytes[operand] if self.dus_copy[oid] else 0)
                 else:
                     w = sum(self.nbytes[t] for t in op.outputs)
                     r = sum(self.nbytes[t] for t in data_inputs(op))
                     self.base[oid] = w + min(r, w)
+
+
+    def update_bytes(self, op: Any) -> int:
+        """What an in-place update writes: its data operands other than the updated buffer (a
+        DUS's update, a scatter's updates)."""
+        k = inplace_operand(op.primitive)
+        return sum(self.nbytes[t] for j, t in enumerate(op.inputs) if j != k and t in data_inputs(op))
 
 
 # Primitives a pointwise cluster may consist of and still be "only a cast": XLA fuses such a cluster
@@ -402,7 +409,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
       operand where XLA must keep it: not donated, or read later).
     * **element-wise work fuses**: pointwise clusters joined directly or through movement are one
       loop fusion; a lone cast, and pointwise work feeding only a reduction or an update, fold
-      into that consumer (input fusion / DUS fusion) — no launch of their own.
+      into that consumer (input fusion / DUS fusion) — no launch of their own; so does index
+      arithmetic read only as a gather's indices (jnp's negative-index
+      normalisation of a block table) read once, inside the gather's fusion.
     * **GEMM / conv / reduction**: one launch each (gemm fusion, cuDNN call, input fusion), and
       one more per GEMM operand computed by an elementwise prologue (XLA's loop fusion). cuDNN
       fuses a conv's bias + ReLU only: any other epilogue is one more loop fusion when another
@@ -498,9 +507,31 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     for k in range(len(cl)):
         if kind[k] == Kind.POINTWISE:
             islands.setdefault(find(k), []).append(k)
+    def gather_index(t: int) -> bool:
+        """``t`` is read once, as the indices of a gather a GEMM reads (directly or through a
+        chain of movement): XLA computes it inside the fusion that writes the gathered operand
+        out (:func:`_gathered`). Index arithmetic read by several ops, or by a gather XLA fuses
+        into a loop fusion, stays a launch of its own (read off the compiles of the MoE,
+        sequence-packing and U-Net resize programs)."""
+        users = g.consumers(t)
+        if t in outs or len(users) != 1:
+            return False
+        op = users[0]
+        if op.primitive == "gather":
+            return t not in _data(op) and _gemm_reads(g, op.outputs[0])
+        if (is_view(op, g) or op.primitive in _FUSED_VIEWS or op.primitive == "concatenate") and len(op.outputs) == 1:
+            return gather_index(op.outputs[0])
+        return False
+
     for members in islands.values():   # folded into the consumer: lone casts, prologues of reductions/updates
         if any(t in outs for m in members for t in cl[m].outputs):
             continue
+        if all(gather_index(t) for m in members for t in cl[m].outputs):
+            users = sorted({find(u) for m in members for t in cl[m].outputs
+                            for u in consumers_through_movement(t, set())} - {find(members[0])})
+            if users and not any(call[u] for u in users):   # index arithmetic: inside its reader
+                parent[find(members[0])] = users[0]
+                continue
         users = set().union(*[consumers_through_movement(t, set()) for m in members for t in cl[m].outputs]
                             or [set()])
         users = {find(u) for u in users if find(u) != find(members[0])}
@@ -776,7 +807,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 for o in cl[m].ops if is_dus(m) else ():
                     op = g.ops[o]
                     ins.discard(op.inputs[0])
-                    nbytes += ctx.nbytes[op.inputs[1]] + (ctx.base.get(o, 0) - 2 * ctx.nbytes[op.inputs[1]])
+                    nbytes += ctx.update_bytes(op) + (ctx.base.get(o, 0) - 2 * ctx.update_bytes(op))
             out = {t for t in out if not any(is_dus(m) and t in cl[m].outputs for m in members)}
         what = next((str(kind[m]) for m in members if kind[m] not in (Kind.POINTWISE, Kind.MOVEMENT, Kind.GLUE)),
                     "loop")
@@ -896,6 +927,43 @@ def _physical_order(g: Graph, t: int) -> tuple[int, ...] | None:
     return order if len(g.tensors[src].shape) == nd else None
 
 
+def _gathered(g: Graph, t: int) -> bool:
+    """Whether ``t`` is (a view of) the result of a gather at runtime indices (a paged cache's
+    pages gathered through its block table): XLA's GEMM fusions cannot read through a gather, so
+    it is written out first, by a fusion of its own (read off the H100 compile of a vLLM-style
+    paged decode: an ``input_transpose_fusion`` per gathered cache in front of its GEMM)."""
+    op = g.producer(t)
+    while op is not None and (op.primitive in _FUSED_VIEWS or op.primitive in CAST_ONLY):
+        op = g.producer(data_inputs(op)[0])
+    return op is not None and op.primitive == "gather" and _runtime(g, op.inputs[1])
+
+
+def _gemm_reads(g: Graph, t: int) -> bool:
+    """Whether a GEMM (a ``dot_general``) reads ``t``, directly or through views XLA fuses."""
+    for op in g.consumers(t):
+        if op.primitive == "dot_general":
+            return True
+        if (op.primitive in _FUSED_VIEWS or op.primitive in CAST_ONLY) and any(_gemm_reads(g, y) for y in op.outputs):
+            return True
+    return False
+
+
+def _runtime(g: Graph, t: int) -> bool:
+    """Whether ``t``'s value depends on a program input (else XLA folds it to a constant)."""
+    stack, seen = [t], set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if u in g.inputs:
+            return True
+        op = g.producer(u)
+        if op is not None:
+            stack.extend(op.inputs)
+    return False
+
+
 def _fixed_layout(g: Graph, t: int) -> bool:
     """Whether the buffer behind ``t`` (through movement) has a layout its producer cannot choose:
     a program input, a GEMM's or convolution's result, a kernel call's, or a buffer updated in
@@ -917,14 +985,14 @@ def _gemm_relayouts(g: Graph, op: Any) -> list[int]:
     prefill attention: heads moved next to the batch by a transpose of ``(B, S, H, D)`` are an
     ``input_transpose_fusion`` in front of the score GEMM, and the merged-heads output a
     ``loop_transpose_fusion`` in front of the output projection); a repeated (broadcast) operand
-    is written out too (``wrapped_broadcast``)."""
+    is written out too (``wrapped_broadcast``), and a gathered one (:func:`_gathered`)."""
     if op.primitive != "dot_general" or _vector_dot(g, op):
         return []
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
     out = []
     for x, c, b in zip(op.inputs[:2], (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))):
         shape = g.tensors[x].shape
-        if _repeated(g, x):
+        if _repeated(g, x) or _gathered(g, x):
             out.append(x)
             continue
         if not _fixed_layout(g, x):

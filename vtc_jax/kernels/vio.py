@@ -73,7 +73,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..compat import manual_axis_type, triton_compiler_params, vary, varying_axes
-from ..indexmap import Atom, Dim, Expr, FloorDiv, Layout, Mod, Piece, Sym, all_of, point, row_major_strides
+from ..indexmap import (Atom, Dim, Expr, FloorDiv, Layout, Load, Mod, Piece, Sym, all_of, finish_read, point,
+                        row_major_strides)
 from .tiling import InBounds, next_pow2
 
 __all__ = ["VTensor", "VRef", "Plan", "compiler_params", "next_pow2", "broadcast_input",
@@ -316,6 +317,7 @@ class Plan:
     args: tuple[Any, ...]
     out_shape: tuple[jax.ShapeDtypeStruct, ...]
     input_output_aliases: dict[int, int]
+    tables: tuple[tuple[str, tuple[int, ...]], ...] = ()   # symbols that are index tables: shapes
 
     @staticmethod
     def build(inputs: Sequence[Any], outputs: Sequence[VTensor], *, same_place: bool = False) -> "Plan":
@@ -400,20 +402,24 @@ class Plan:
             out_b.append(_Binding(v.layout, v.dtype, tuple(tuple(b.shape) for b in v.buffers),
                                   tuple(np.dtype(b.dtype) for b in v.buffers), flat, tuple(slots)))
         names = tuple(sorted(syms))
-        ranges = {}
+        ranges, tables = {}, {}
         for v in list(inputs) + list(outputs):
             if isinstance(v, VTensor):
                 for p in v.layout.pieces:
                     for s in p.map.syms:
-                        ranges[s.name] = (s.lo, s.hi)
-        sym_args = [jnp.asarray(syms[k], jnp.int32).reshape(1) for k in names]
+                        if s.is_table:
+                            tables[s.name] = tuple(s.shape)
+                        else:
+                            ranges[s.name] = (s.lo, s.hi)
+        # a scalar symbol is passed as a (1,) array, an index table flattened (read by Load atoms)
+        sym_args = [jnp.asarray(syms[k], jnp.int32).reshape(-1 if k in tables else 1) for k in names]
         # Inside a shard_map (check_vma): the outputs vary over every manual axis an input varies
         # over, and a buffer updated in place (aliased) is typed so too (compat.manual_axis_type)
         varying = frozenset().union(*(varying_axes(a) for a in (*args, *sym_args)))
         args = [vary(a, varying) if i in aliases else a for i, a in enumerate(args)]
         out_shape = [jax.ShapeDtypeStruct(s.shape, s.dtype, **manual_axis_type(varying)) for s in out_shape]
         return Plan(tuple(in_b), tuple(out_b), names, tuple(ranges.get(k, (0, 2**31 - 1)) for k in names),
-                    tuple(args) + tuple(sym_args), tuple(out_shape), aliases)
+                    tuple(args) + tuple(sym_args), tuple(out_shape), aliases, tuple(sorted(tables.items())))
 
     @property
     def n_args(self) -> int:
@@ -424,7 +430,9 @@ class Plan:
         n_in = self.n_args
         in_refs, out_refs = refs[:n_in], refs[n_in:]
         n_sym = len(self.sym_names)
-        sym_vals = {k: in_refs[n_in - n_sym + i][0] for i, k in enumerate(self.sym_names)}
+        tables = dict(self.tables)
+        sym_vals = {k: _TableRef(in_refs[n_in - n_sym + i], tables[k]) if k in tables else in_refs[n_in - n_sym + i][0]
+                    for i, k in enumerate(self.sym_names)}
         ins = [VRef(b, tuple(in_refs[s] for s in b.slots), sym_vals) for b in self.inputs]
         outs = [VRef(b, tuple(out_refs[s] for s in b.slots), sym_vals) for b in self.outputs]
         return ins, outs
@@ -490,7 +498,15 @@ class VRef:
         inb = all_of([None if ok else
                       (i < n) if n < b or not isinstance(o, int) or o + b > n else None
                       for i, n, b, o, ok in zip(idx, self.shape, block, origin, proven)])
-        return point(idx, {k: v.astype(jnp.int32) for k, v in self.syms.items()}), inb
+        scalars = {k: v.astype(jnp.int32) for k, v in self.syms.items() if not isinstance(v, _TableRef)}
+        at = point(idx, scalars)
+        if len(scalars) < len(self.syms):   # index tables: read at the lanes' own dims only
+            lanes = point([jnp.asarray(o, jnp.int32) + _iota(tuple(b if j == k else 1 for j, b in enumerate(block)), k)
+                           for k, o in enumerate(origin)], scalars)
+            for k, v in self.syms.items():
+                if isinstance(v, _TableRef):
+                    at[Sym(k)] = lanes[Sym(k)] = _KernelTable(v.ref, v.shape, lanes)
+        return at, inb
 
     def _piece_mask(self, p: Piece, env: dict[Atom, Any], inb: Any, block: Sequence[int]) -> Any:
         """The piece's lanes in this block (None: all). Conditions on runtime symbols alone (a
@@ -641,6 +657,38 @@ class VRef:
         plgpu.store(ref.at[idx], _to_target_order(val, sb, block, fold_first=True), mask=tmask)
 
 
+@dataclass(frozen=True, eq=False)
+class _TableRef:
+    """An index table inside a kernel: its flattened ref and its logical shape."""
+    ref: Any
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class _KernelTable:
+    """An index table as a :class:`Load` atom reads it in a kernel (``indexmap._read`` calls
+    ``read``): the index is evaluated on ``lanes`` — each block dim's lane indices in a shape
+    that is 1 along every other dim — so a table entry indexed by the block's row is loaded once
+    per row, not once per element (``block_table[b, t floordiv page]`` for a K block of
+    ``(1, 1, 64, 128)`` is 64 loads, broadcast along D)."""
+    ref: Any
+    shape: tuple[int, ...]
+    lanes: dict[Atom, Any]
+
+    def read(self, a: Load, bounds: Any) -> jax.Array:
+        flat: Any = 0
+        for e, n, st in zip(a.index, self.shape, row_major_strides(self.shape)):
+            i = jnp.clip(jnp.asarray(e.evaluate(self.lanes, jnp, bounds), jnp.int32), 0, n - 1)
+            flat = flat + i * st
+        flat = jnp.asarray(flat, jnp.int32)
+        v = self.ref[flat] if flat.ndim == 0 else plgpu.load(self.ref.at[flat])
+        return finish_read(a, v.astype(jnp.int32), jnp)
+
+
+def _has_loads(p: Piece) -> bool:
+    return any(e.loads() for e in p.map.exprs) or any(c.expr.loads() for c in p.where + p.map.conds)
+
+
 def _aligned(origin: Sequence[Any], block: Sequence[int], proven: Sequence[bool]) -> tuple[bool, ...]:
     """Per dim: the origin is known to be a multiple of the block (static, or InBounds)."""
     return tuple(ok or isinstance(o, int) and o % b == 0 for o, b, ok in zip(origin, block, proven))
@@ -667,7 +715,7 @@ def _maybe_block_strided(p: Piece) -> bool:
     non-affine parts are ``d_i floordiv D`` / ``d_i mod D`` (a contiguous merge of dims, e.g.
     ``(B, 1, H, D) -> (B, H*D)``). Its buffer is then not flattened; blocks that do not qualify
     take path 3 (per-dim indices) on the unflattened buffer."""
-    if p.map.conds:
+    if p.map.conds or _has_loads(p):
         return False
     found = False
     for e in p.map.exprs:
@@ -702,7 +750,7 @@ def _block_strided(p: Piece, origin: Sequence[Any], block: Sequence[int], aligne
     its first lane maps to valid, non-negative indices — or wholly masked, where the start is
     clamped to 0 (interpret mode clamps ``pl.ds`` starts; the GPU touches no masked lane).
     """
-    if p.map.conds:
+    if p.map.conds or _has_loads(p):
         return None
     for c in p.where:
         if all(block[d] == 1 for d in c.expr.dims()):
