@@ -430,10 +430,6 @@ def x_mask_scaled_down(q, kc, vc, pos):
     return _attend(q, kc, vc, lambda s: jax.nn.softmax(jnp.where(jnp.arange(T) <= pos, s, -1e5) * 1e-3, -1))
 
 
-def x_padding_mask(q, kc, vc, valid):
-    return _attend(q, kc, vc, lambda s: jax.nn.softmax(jnp.where(valid[:, None, None, :], s, -jnp.inf), -1))
-
-
 def x_grouped_mask_per_head(q, kc, vc, pos):
     """Heads grouped by a reshape, then a mask that differs between the grouped heads."""
     qg = q.reshape(B, 1, HKV, G, D)
@@ -514,12 +510,9 @@ def test_additive_biases_reach_the_kernels(fn, kind, args):
     (x_relu, "not a scale, soft-cap, mask or softmax step"),
     (x_small_neg, "not a mask value"),
     (x_mask_scaled_down, "no longer a mask"),
-    (x_padding_mask, "shape (2, 24)"),
-], ids=["alibi_after_mask", "grouped_mask_per_head", "grouped_into_pv", "key_axis_reshaped", "pos_per_head", "mask_before_cap", "relu", "small_neg", "scaled_down", "padding_mask"])
+], ids=["alibi_after_mask", "grouped_mask_per_head", "grouped_into_pv", "key_axis_reshaped", "pos_per_head", "mask_before_cap", "relu", "small_neg", "scaled_down"])
 def test_declined_forms_say_why(fn, why):
     args = decode_args()
-    if fn is x_padding_mask:
-        args = args[:3] + (jnp.arange(T)[None, :] < jnp.array([[10], [20]]),)
     if fn is x_pos_per_head:
         args = args[:3] + (jnp.array([3, 9, 0, 20], jnp.int32),)
     report = vtc_jax.explain(fn)(*args)
@@ -618,3 +611,64 @@ def test_per_sequence_decode_paper_size_cuda_module():
 def _elements(ty):
     m = re.search(r"tensor<([0-9x]+)x[a-z]", ty)
     return int(np.prod([int(n) for n in m.group(1).split("x")])) if m else 0
+
+
+# --------------------------------------------------------------------------------------------
+# Runtime (padding) masks: a boolean or 0/1 tensor per sequence, read by the kernels blockwise
+# --------------------------------------------------------------------------------------------
+
+def r_select_inf(q, kc, vc, valid):
+    return _attend(q, kc, vc, lambda s: jax.nn.softmax(jnp.where(valid[:, None, None, :], s, -jnp.inf), -1))
+
+
+def r_select_finfo_inverted(q, kc, vc, valid):
+    return _attend(q, kc, vc, lambda s: jax.nn.softmax(jnp.where(~valid[:, None, None, :], NEG32, s * 0.25), -1))
+
+
+def r_hf_additive(q, kc, vc, valid):
+    """HF's flax models: an int 0/1 ``attention_mask``, broadcast, compared, an additive bias."""
+    am = valid.astype(jnp.int32)[:, None, None, :]
+    bias = lax.select(am > 0, jnp.full(am.shape, 0.0), jnp.full(am.shape, NEG32))
+    return _attend(q, kc, vc, lambda s: jax.nn.softmax(s / math.sqrt(D) + bias, -1))
+
+
+def r_causal_and_padding(q, k, v, valid):
+    """A prefill's causal mask and the padding in one pred (flax's ``combine_masks``)."""
+    m = jnp.tril(jnp.ones((S, S), bool))[None, None] & valid[:, None, None, :S]
+    return _attend(q, k, v, lambda s: jax.nn.softmax(jnp.where(m, s, -1e9), -1))
+
+
+def _padding(lengths):
+    return jnp.arange(T)[None, :] < jnp.asarray(lengths)[:, None]
+
+
+@pytest.mark.parametrize("lengths", [(10, 24), (24, 0)], ids=["ragged", "one_empty"])
+@pytest.mark.parametrize("fn", [r_select_inf, r_select_finfo_inverted, r_hf_additive], ids=lambda f: f.__name__)
+def test_runtime_padding_masks_reach_the_kernels(fn, lengths):
+    """A padding mask from a runtime tensor, in the spellings codebases use, equals jax.jit —
+    also for a sequence with every key padded (NaN under -inf, the mean of V under finfo.min,
+    jax's softmax of ``s + finfo.min`` for the additive mask) — in the decode kernel, or in the
+    prefill kernel where jax's row of a finite fill needs the second pass (the decode kernel's
+    split programs cannot tell such a row)."""
+    q, kc, vc, _ = decode_args()
+    kernel = "decode" if fn is r_select_inf else "prefill"
+    check_attention(fn, (q, kc, vc, _padding(lengths)), kernel, lower=lengths == (10, 24))
+
+
+def test_runtime_padding_and_causal_in_one_prefill_mask():
+    q, k, v = prefill_args()
+    valid = jnp.arange(S)[None, :] < jnp.array([[5], [0]])
+    check_attention(r_causal_and_padding, (q, k, v, jnp.pad(valid, ((0, 0), (0, T - S)))), "prefill")
+
+
+def test_runtime_mask_needs_a_lanewise_boolean():
+    """A mask from a runtime int tensor that is not compared to a constant first (``t < len``
+    against positions per key) could take values two probes do not see: declined."""
+    def fn(q, kc, vc, lim):
+        return _attend(q, kc, vc, lambda s: jax.nn.softmax(
+            jnp.where(jnp.arange(T)[None, None, None, :] < lim[:, None, None, :], s, -jnp.inf), -1))
+    q, kc, vc, _ = decode_args()
+    lim = jnp.tile(jnp.arange(T, dtype=jnp.int32)[None], (B, 1)) + 1
+    report = vtc_jax.explain(fn)(q, kc, vc, lim)
+    reasons = [r for _, kind, r in report.templates if kind == "attention"]
+    assert reasons and all(r != "kernel" for r in reasons), reasons

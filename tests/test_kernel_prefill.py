@@ -240,3 +240,37 @@ def test_per_sequence_bounds(causal):
                for i in range(b * hk)]
         return jnp.nan_to_num(jnp.concatenate(per), nan=0.0)
     check_kernel(call, ref, (q, k, v, ends), **F32)
+
+
+@pytest.mark.parametrize("when", ["nonzero", "false", "zero"])
+def test_runtime_keep_mask_with_an_empty_row(when):
+    """A runtime (padding) mask read blockwise through a broadcast layout of its (Z, T) values:
+    keys it drops score -inf; a row with no kept key (program 1: every key padded) outputs jax's
+    softmax of its masked scores, here one finite fill (the mean of V), found by ``l == 0``."""
+    z, m, t, d = 3, 24, 40, 16
+    q, k, v = rand((z, m, d)), rand((z, t, d), seed=1), rand((z, t, d), seed=2)
+    keep = np.random.default_rng(5).random((z, t)) > 0.3
+    keep[1] = False
+    stored = {"nonzero": keep, "false": ~keep, "zero": np.where(keep, 0.0, -1e9).astype(np.float32)}[when]
+    fill = float(jnp.finfo(jnp.float32).min)
+
+    def call(q, k, v, kp, *, backend):
+        lay = Layout.physical(0, (z, t)).reshape((z, 1, t)).broadcast((z, m, t), (0, 1, 2))
+        kv = VTensor(lay, kp.dtype, (kp,))
+        return prefill_attention(q, k, v, keep=kv, keep_when=when, empty_rows=("fill", fill),
+                                 block_q=16, block_k=16, backend=backend)
+
+    def ref(q, k, v, kp):
+        s = np.einsum("zmd,ztd->zmt", np.asarray(q), np.asarray(k)) / math.sqrt(d)
+        s = np.where(keep[:, None, :], s, fill)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return jnp.asarray(np.einsum("zmt,ztd->zmd", p / p.sum(-1, keepdims=True), np.asarray(v)))
+
+    check_kernel(call, ref, (q, k, v, jnp.asarray(stored)), **F32)
+
+
+def test_decode_keep_mask_refuses_a_finite_fill():
+    from vtc_jax.kernels.attention import decode_attention
+    q, k = rand((2, 1, 4, 16)), rand((2, 1, 32, 16), seed=1)
+    with pytest.raises(ValueError, match="prefill_attention"):
+        decode_attention(q, k, k, keep=jnp.ones((2, 1, 4, 32), bool), empty_rows=("fill", -1e30))

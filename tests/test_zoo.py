@@ -134,7 +134,7 @@ def _cases():
 # corpus programs held to the zoo's four modes (issue #24's additions): name -> vmapped argnums
 CORPUS_MODES = {"t5_relative_attention_linen": (1,), "falcon_alibi_mqa_prefill": (1,),
                 "bloom_alibi_decode": (1, 2, 3), "rolling_kv_decode": (1, 2, 3),
-                "paged_kv_decode": (0, 1, 2)}
+                "paged_kv_decode": (0, 1, 2), "bert_padding_mask_linen": (1, 2)}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -142,7 +142,8 @@ CORPUS_MODES = {"t5_relative_attention_linen": (1,), "falcon_alibi_mqa_prefill":
 def test_corpus_attention_matches_jit_in_every_mode(name, mode):
     """Attention as other codebases write it (T5's bucketed relative bias, Falcon's and BLOOM's
     ALiBi, a rolling cache written at ``pos % W``, a vLLM paged cache gathered through its block
-    table) equals jit plain, donated, vmapped and nested in the user's jit, and reaches the
+    table, HF's BERT with an int padding mask as an additive bias) equals jit plain, donated,
+    vmapped and nested in the user's jit, and reaches the
     attention kernel (unguarded: at these sizes the guard may rightly keep jit). The paged cache's
     keys and values are read by the kernel through the block table (indirect index maps); its
     page writes stay XLA's in-place scatters."""

@@ -864,6 +864,43 @@ def t5_relative_attention_linen(size):
                  style="T5 encoder self-attention (HF FlaxT5): bucketed relative-position bias from an nn.Embed")
 
 
+@case
+def bert_padding_mask_linen(size):
+    """A BERT encoder layer in flax.linen as HF's FlaxBertSelfAttention computes it, on a right-padded
+    batch: an int 0/1 ``attention_mask`` expanded to ``(B, 1, 1, S)``, turned into an additive bias
+    by ``lax.select(mask > 0, 0, finfo.min)``, ``nn.dot_product_attention_weights`` with that bias,
+    q/k/v/o ``nn.Dense`` with biases, post-LN residuals and a GELU MLP; f32. One sequence of the
+    small batch is all padding (HF outputs jax's softmax of ``s + finfo.min`` for it)."""
+    import flax.linen as nn
+
+    B, S, H, D = _pick(size, (3, 16, 4, 8), (8, 512, 12, 64))
+    d = H * D
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x, attention_mask):
+            b, s, _ = x.shape
+            q, k, v = (nn.Dense(d, name=n)(x).reshape(b, s, H, D) for n in ("query", "key", "value"))
+            mask = jnp.expand_dims(attention_mask, axis=(-3, -2))
+            bias = lax.select(mask > 0, jnp.full(mask.shape, 0.0, F32), jnp.full(mask.shape, jnp.finfo(F32).min, F32))
+            w = nn.dot_product_attention_weights(q, k, bias=bias, dtype=F32)
+            o = jnp.einsum("...hqk,...khd->...qhd", w, v).reshape(b, s, d)
+            x = nn.LayerNorm(epsilon=1e-12, name="attn_ln")(x + nn.Dense(d, name="out")(o))
+            h = nn.Dense(d, name="down")(nn.gelu(nn.Dense(4 * d, name="up")(x), approximate=False))
+            return nn.LayerNorm(epsilon=1e-12, name="out_ln")(x + h)
+
+    m = Layer()
+    g = _Gen(size, 24)
+    x = g.normal(B, S, d)
+    if g.paper:
+        am = jax.ShapeDtypeStruct((B, S), jnp.int32)
+    else:
+        am = (jnp.arange(S)[None, :] < jnp.array([S, 5, 0])[:, None]).astype(jnp.int32)
+    variables = g.init(m.init, jax.random.PRNGKey(24), x, am)
+    return Entry(lambda v, x, am: m.apply(v, x, am), (variables, x, am),
+                 style="HF FlaxBert encoder layer: an int padding mask as an additive finfo.min bias")
+
+
 # ---- 11. LoRA --------------------------------------------------------------------------------
 
 

@@ -77,7 +77,7 @@ import numpy as np
 from jax import lax
 
 from .flash import (AttentionConfig, Flash, KeyEnd, NEG, SMEM_BUDGET, Planned, empty_rows_mode, int32_where,
-                    key_end, masked_scores, normalise, read_end, softmax_block)
+                    keep_lanes, key_end, masked_scores, normalise, read_end, softmax_block)
 from .tiling import MIN_DOT_BLOCK, NUM_SMS, check_pow2, next_pow2, program_id
 from .vio import Plan, VTensor, output, pack_results
 
@@ -130,6 +130,7 @@ class _Cfg(Planned):
     alibi: bool = False       # a (B, Hkv, G) slopes operand after q, k, v: ALiBi bias slope · t
     bias: bool = False        # a (B, Hkv, G, T) bias operand next: added to the scores
     bias_scale: float = 1.0   # times this (a bias added before a scaling of the scores)
+    keep: str | None = None   # a (B, Hkv, G, T) runtime mask operand next: which values keep a key
 
     @property
     def Gp(self) -> int:
@@ -142,7 +143,8 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
                      num_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, backend: str = "interpret",
                      empty_rows: Any = "zero", precision: Any = None, slopes: Any = None,
-                     bias: Any = None, bias_scale: float = 1.0) -> Any:
+                     bias: Any = None, bias_scale: float = 1.0, keep: Any = None,
+                     keep_when: str = "nonzero") -> Any:
     """Single-token (decode) attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` per query head.
 
     q: logical (B, Hkv, G, D); k: (B, Hkv, T, D); v: (B, Hkv, T, Dv) — :class:`vio.VTensor` or
@@ -175,6 +177,11 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         gather, a learned bias, broadcast layouts for the axes it does not vary along), added to
         the scaled (capped) scores before the mask, blockwise, times ``bias_scale`` (a bias added
         before a scaling: ``(s + b) / c``). None: no bias.
+    keep: a runtime mask (a padding mask), logical (B, Hkv, G, T), read blockwise: key ``t`` is
+        valid only where it keeps it (``keep_when`` as :func:`.flash.keep_lanes`). A row it leaves
+        with no valid key outputs 0 or NaN (``empty_rows`` "zero" / "nan"): the split programs
+        cannot tell such a row from their partials, so jax's masked softmax of it (a finite fill)
+        is :func:`.prefill_attention.prefill_attention`'s. None: no such mask.
 
     Returns like :func:`vtc_jax.kernels.matmul.matmul`: the array for a fresh/one-buffer output,
     else the tuple of ``out``'s physical buffers.
@@ -197,8 +204,19 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         bias = VTensor.of(bias)
         if tuple(bias.shape) != (B, H, G, k.shape[2]):
             raise ValueError(f"bias must have shape {(B, H, G, k.shape[2])}, got {bias.shape}")
-    cfg = dataclasses.replace(cfg, alibi=slopes is not None, bias=bias is not None, bias_scale=float(bias_scale))
-    return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes, bias=bias)
+    if keep is not None:
+        keep = VTensor.of(keep)
+        if tuple(keep.shape) != (B, H, G, k.shape[2]):
+            raise ValueError(f"keep must have shape {(B, H, G, k.shape[2])}, got {keep.shape}")
+        if keep_when not in ("nonzero", "zero", "false"):
+            raise ValueError(f"keep_when must be 'nonzero', 'zero' or 'false', got {keep_when!r}")
+        if cfg.flash.empty_fill is not None:
+            raise ValueError("decode_attention with a runtime keep mask outputs 0 or NaN for a row it "
+                             "empties (empty_rows 'zero' or 'nan'); use prefill_attention for jax's "
+                             "softmax of its masked scores")
+    cfg = dataclasses.replace(cfg, alibi=slopes is not None, bias=bias is not None, bias_scale=float(bias_scale),
+                              keep=None if keep is None else keep_when)
+    return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes, bias=bias, keep=keep)
 
 
 def _check(q: VTensor, k: VTensor, v: VTensor, *, block_k: int, pos: Any, kv_len: Any,
@@ -244,10 +262,11 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, block_k: int,
 
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any, *,
-            backend: str, slopes: Any = None, bias: Any = None) -> Any:
+            backend: str, slopes: Any = None, bias: Any = None, keep: Any = None) -> Any:
     """Grid and launch: one kernel when S == 1; else the split kernel into f32 partials, then the
     combine kernel. ``end``: the runtime end operand, or None (a static end)."""
-    ins = [q, k, v] + ([slopes] if c.alibi else []) + ([bias] if c.bias else []) + ([end] if end is not None else [])
+    ins = [q, k, v] + ([slopes] if c.alibi else []) + ([bias] if c.bias else []) + ([keep] if c.keep else []) \
+        + ([end] if end is not None else [])
     warps, stages = c.launch.num_warps, c.launch.num_stages
     if c.S == 1:
         plan = Plan.build(ins, [out])
@@ -277,7 +296,7 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
 
     # The valid keys [lo, hi): scalars (traced or static); a window counts back from the
     # unclamped end (jax's ``t > pos - window`` for any pos).
-    n_fixed = 3 + c.alibi + c.bias
+    n_fixed = 3 + c.alibi + c.bias + bool(c.keep)
     end = read_end(c.end, ins[n_fixed] if len(ins) > n_fixed else None, b)
     if c.end.static is None:
         hi: Any = jnp.minimum(end, c.T)
@@ -313,10 +332,15 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
         blk = bias_ref.load((b, h, 0, t0), (1, 1, c.Gp, c.bk)).reshape(c.Gp, c.bk).astype(jnp.float32)
         return blk if c.bias_scale == 1.0 else blk * c.bias_scale
 
+    keep_ref = ins[3 + c.alibi + c.bias] if c.keep else None
+
+    def load_keep(t0: Any) -> jax.Array:
+        return keep_lanes(keep_ref.load((b, h, 0, t0), (1, 1, c.Gp, c.bk)).reshape(c.Gp, c.bk), c.keep)
+
     # Stage 2: scores and the online softmax, in f32.
     m, l, acc = c.flash.loop(qt, load_kv, j0, j1, c.flash.init(c.Gp, c.Dvp), hi=hi,
                              lo=lo if c.window is not None else None, slope=slope,
-                             load_bias=load_bias if c.bias else None)
+                             load_bias=load_bias if c.bias else None, load_keep=load_keep if c.keep else None)
     if c.flash.empty_fill is not None:
         # No valid key (hi <= lo: pos < 0, say) under a finite mask: jax's softmax of the masked
         # scores over all T keys, the T blocks dealt out over the S programs like the valid ones.

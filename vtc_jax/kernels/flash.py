@@ -29,7 +29,7 @@ from jax import lax
 from .tiling import MIN_DOT_BLOCK, dot_precision, next_pow2
 from .vio import VRef
 
-__all__ = ["AttentionConfig", "Flash", "KeyEnd", "Planned", "SMEM_BUDGET", "NEG", "key_end", "read_end",
+__all__ = ["AttentionConfig", "Flash", "KeyEnd", "Planned", "SMEM_BUDGET", "NEG", "key_end", "read_end", "keep_lanes",
            "softmax_block", "empty_rows_mode", "masked_scores", "normalise", "int32_where"]
 
 SMEM_BUDGET = 128 * 1024  # bytes of staged K/V blocks; sm_90 allows 227 KiB, sm_80 163 KiB per block
@@ -225,6 +225,17 @@ def normalise(acc: jax.Array, l: jax.Array, empty_nan: bool) -> jax.Array:
     return jnp.where((l > 0)[:, None], o, jnp.nan) if empty_nan else o
 
 
+def keep_lanes(block: jax.Array, when: str) -> jax.Array:
+    """The lanes of a runtime mask's block that keep their key: where it is nonzero (a boolean
+    pred, ``when="nonzero"``), zero (``"false"``: the pred of ``where(~m, neg, s)``; ``"zero"``:
+    an additive mask of 0 and large negatives). Booleans are compared as int32 (Triton's i1
+    compares are not what every lowering accepts)."""
+    x = block.astype(jnp.int32) if block.dtype == jnp.bool_ else block
+    if when == "zero":
+        return x == 0
+    return (x != 0) if when == "nonzero" else (x == 0)
+
+
 def int32_where(cond: Any, a: Any, b: Any) -> jax.Array:
     """``where(cond, a, b)`` with both branches int32 arrays: a weak-typed Python int branch lowers
     to an ``arith.select`` with an i1 operand that MLIR's verifier (and XLA's Triton) rejects."""
@@ -265,15 +276,16 @@ class Flash:
                 jnp.zeros((rows, dvp), jnp.float32))
 
     def loop(self, qt: jax.Array, load_kv: LoadKV, j0: Any, j1: Any, carry: tuple, *, hi: Any,
-             lo: Any = None, slope: Any = None, load_bias: Any = None) -> tuple:
+             lo: Any = None, slope: Any = None, load_bias: Any = None, load_keep: Any = None) -> tuple:
         """The flash step over K/V blocks ``[j0, j1)``: keys ``lo <= t < hi`` valid (``hi``/``lo``
         scalars or per-row ``(rows, 1)`` columns; ``lo`` None: no lower bound); ``slope``: the
         rows' ALiBi slopes (:func:`softmax_block`), or None; ``load_bias``: key origin ->
-        the rows' bias block, or None."""
+        the rows' bias block, or None; ``load_keep``: key origin -> the rows' ``(rows, block)``
+        boolean block of keys a runtime mask keeps (a padding mask), or None."""
         def valid(t: jax.Array) -> jax.Array:
             v = t < hi
             return v if lo is None else v & (t >= lo)
-        return lax.fori_loop(j0, j1, self._step(qt, load_kv, valid, None, slope, load_bias), carry)
+        return lax.fori_loop(j0, j1, self._step(qt, load_kv, valid, None, slope, load_bias, load_keep), carry)
 
     def empty_pass(self, qt: jax.Array, load_kv: LoadKV, u0: Any, u1: Any, carry: tuple) -> tuple:
         """Blocks ``[u0, u1)`` of every key ``t < T`` at jax's masked value (:func:`masked_scores`):
@@ -283,13 +295,17 @@ class Flash:
                                                 masked_scores(self.empty_fill)), carry)
 
     def _step(self, qt: jax.Array, load_kv: LoadKV, valid: Callable[[jax.Array], jax.Array],
-              transform: Any, slope: Any = None, load_bias: Any = None) -> Callable[[Any, tuple], tuple]:
+              transform: Any, slope: Any = None, load_bias: Any = None,
+              load_keep: Any = None) -> Callable[[Any, tuple], tuple]:
         lanes = lax.broadcasted_iota(jnp.int32, (1, self.block_k), 1)
 
         def step(j: Any, carry: tuple) -> tuple:
             t0 = j * self.block_k
-            kb, vb = load_kv(t0)        # stage 1: one K and one V block (and the bias block)
-            return softmax_block(qt, kb, vb, valid(lanes + t0), carry, scale=self.scale,
+            kb, vb = load_kv(t0)        # stage 1: one K and one V block (and the bias/keep blocks)
+            ok = valid(lanes + t0)
+            if load_keep is not None:
+                ok = ok & load_keep(t0)
+            return softmax_block(qt, kb, vb, ok, carry, scale=self.scale,
                                  soft_cap=self.soft_cap, compute=self.compute,
                                  precision=self.precision, transform=transform, slope=slope,
                                  keys=lanes + t0, bias=None if load_bias is None else load_bias(t0))

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .flash import AttentionConfig, Flash, KeyEnd, Planned, int32_where, key_end, read_end
+from .flash import AttentionConfig, Flash, KeyEnd, Planned, int32_where, keep_lanes, key_end, read_end
 from .tiling import MIN_DOT_BLOCK, cdiv, check_pow2, next_pow2, program_id
 from .vio import Plan, VTensor, output, pack_results
 
@@ -81,6 +81,7 @@ class _Cfg(Planned):
     alibi: bool = False        # a (Z, M) slopes operand after q, k, v: ALiBi bias slope · t
     bias: bool = False         # a (Z, M, T) bias operand next: added to the scores
     bias_scale: float = 1.0    # times this (a bias added before a scaling of the scores)
+    keep: str | None = None    # a (Z, M, T) runtime mask operand next: which values keep a key
 
     @property
     def bq(self) -> int:
@@ -94,7 +95,7 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
                       num_warps: int | None = None, num_stages: int | None = None,
                       backend: str = "interpret", empty_rows: Any = "zero",
                       precision: Any = None, slopes: Any = None, bias: Any = None,
-                      bias_scale: float = 1.0) -> Any:
+                      bias_scale: float = 1.0, keep: Any = None, keep_when: str = "nonzero") -> Any:
     """Flash attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` for many query rows.
 
     q: logical (Z, M, D); k: (Z, T, D); v: (Z, T, Dv) — VTensors or arrays.
@@ -122,6 +123,11 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
         (capped) scores of key ``t`` before the mask. None: no bias.
     bias: any additive bias, logical (Z, M, T) (a VTensor read through its layout), added to the
         scaled (capped) scores before the mask, blockwise, times ``bias_scale``. None: no bias.
+    keep: a runtime mask (a padding mask), logical (Z, M, T), read blockwise through its layout:
+        key ``t`` of row ``r`` is valid only where ``keep`` is nonzero (``keep_when="nonzero"``:
+        a boolean pred), zero (``"zero"``: an additive mask of 0 and large negatives) or zero
+        (``"false"``: the pred of ``where(~m, neg, s)``). A row it leaves with no valid key outputs
+        what ``empty_rows`` says. None: no such mask.
 
     Returns the array for a fresh/one-buffer output, else the tuple of ``out``'s buffers.
     """
@@ -142,8 +148,15 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
         bias = VTensor.of(bias)
         if tuple(bias.shape) != (Z, M, k.shape[1]):
             raise ValueError(f"bias must have shape {(Z, M, k.shape[1])}, got {bias.shape}")
-    cfg = dataclasses.replace(cfg, alibi=slopes is not None, bias=bias is not None, bias_scale=float(bias_scale))
-    return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes, bias=bias)
+    if keep is not None:
+        keep = VTensor.of(keep)
+        if tuple(keep.shape) != (Z, M, k.shape[1]):
+            raise ValueError(f"keep must have shape {(Z, M, k.shape[1])}, got {keep.shape}")
+        if keep_when not in ("nonzero", "zero", "false"):
+            raise ValueError(f"keep_when must be 'nonzero', 'zero' or 'false', got {keep_when!r}")
+    cfg = dataclasses.replace(cfg, alibi=slopes is not None, bias=bias is not None, bias_scale=float(bias_scale),
+                              keep=None if keep is None else keep_when)
+    return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes, bias=bias, keep=keep)
 
 
 def _check(q: VTensor, k: VTensor, v: VTensor, *, block_q: int, block_k: int,
@@ -194,10 +207,10 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, causal: bool,
 
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any, *,
-            backend: str, slopes: Any = None, bias: Any = None) -> Any:
+            backend: str, slopes: Any = None, bias: Any = None, keep: Any = None) -> Any:
     """Grid ``(Z, cdiv(M, bq))`` and launch. ``end``: the runtime end operand, or None."""
     plan = Plan.build([q, k, v] + ([slopes] if c.alibi else []) + ([bias] if c.bias else [])
-                      + ([end] if end is not None else []), [out])
+                      + ([keep] if c.keep else []) + ([end] if end is not None else []), [out])
     bufs = plan.call(functools.partial(_body, c), grid=(c.Z, cdiv(c.M, c.bq)), backend=backend,
                      num_warps=c.launch.num_warps, num_stages=c.launch.num_stages,
                      name="vtc_prefill_attention")
@@ -211,7 +224,7 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     r0 = i * c.bq
 
     # The valid keys [lo, hi) of every row of this block, as (bq, 1) int32 columns.
-    n_fixed = 3 + c.alibi + c.bias
+    n_fixed = 3 + c.alibi + c.bias + bool(c.keep)
     end_ref = ins[n_fixed] if len(ins) > n_fixed else None
     per_seq = c.Z // end_ref.shape[0] if c.end.per_row else 1   # programs per sequence
     base = read_end(c.end, end_ref, z // per_seq if c.end.per_row else 0)
@@ -240,13 +253,21 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
         blk = bias_ref.load((z, r0, t0), (1, c.bq, c.bk)).reshape(c.bq, c.bk).astype(jnp.float32)
         return blk if c.bias_scale == 1.0 else blk * c.bias_scale
 
+    keep_ref = ins[3 + c.alibi + c.bias] if c.keep else None
+
+    def load_keep(t0: Any) -> jax.Array:
+        return keep_lanes(keep_ref.load((z, r0, t0), (1, c.bq, c.bk)).reshape(c.bq, c.bk), c.keep)
+
     init = c.flash.init(c.bq, c.Dvp)
     _, l, acc = c.flash.loop(qt, load_kv, j0, j1, init, hi=hi, lo=lo, slope=slope,
-                             load_bias=load_bias if c.bias else None)
+                             load_bias=load_bias if c.bias else None, load_keep=load_keep if c.keep else None)
     if c.flash.empty_fill is not None:
         # rows with no valid key under a finite mask: jax's softmax of the masked scores over all
-        # T keys (a second pass, only when this block has such a row)
+        # T keys (a second pass, only when this block has such a row); under a runtime mask, a
+        # row none of whose keys it kept summed nothing (``l == 0``: a valid key adds exp(0) = 1)
         empty = (hi <= lo if lo is not None else hi <= 0)[:, 0] & live[:, 0]
+        if c.keep:
+            empty = empty | ((l == 0) & live[:, 0])
         n_e = int32_where(jnp.max(empty.astype(jnp.int32)) > 0, cdiv(c.T, c.bk), 0)
         _, l_e, acc_e = c.flash.empty_pass(qt, load_kv, jnp.int32(0), n_e, init)
         l = jnp.where(empty, l_e, l)

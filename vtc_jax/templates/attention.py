@@ -46,9 +46,15 @@ and the result is fitted to the family the kernels implement::
 end as jax does). The runtime scalar is probed over [0, T) and outside it (negative, past the
 end): the kernels compute the same bounds for any position (|x| < 2^30), so a mask that leaves
 the family outside the cache (``t <= clip(pos, 0, T - 1)``) is declined, not extrapolated.
-Masks that vary along the batch or head axes (padding masks, say) or depend on a non-integer
-runtime tensor are declined with that reason. The one exception is a vector of positions, one per
-sequence (continuous batching: ``t <= pos[b]``): probed with every entry equal it must fit the
+A mask computed lane by lane from a runtime boolean tensor — a padding mask, ``where(valid[:, None,
+None, :], s, neg)``, or HF's additive ``select(attention_mask > 0, 0, finfo.min)`` of an int 0/1
+mask compared to a constant — is no bound: its tensor is read by the kernels blockwise through its
+layout (its broadcast is never written out) and keeps the keys it keeps (:func:`_runtime_mask`;
+probing the boolean with True and False is every case, as each lane's value depends on that
+boolean's lane alone). It can empty any row: jax's row (NaN, the mean of V, the softmax of
+``s + b``) as for the bounds, in the prefill kernel when that takes the second pass. Other masks
+that vary along the batch or head axes, or depend on a non-integer runtime tensor, are declined
+with that reason. The one exception is a vector of positions, one per sequence (continuous batching: ``t <= pos[b]``): probed with every entry equal it must fit the
 family like a scalar, then with distinct entries batch entry ``b`` must see the family at ``pos[b]`` (:func:`_check_per_row`); the decode kernel takes it as a
 ``(B,)`` operand, as does the prefill kernel (program ``z`` of ``B · Hkv`` reads entry ``z // Hkv``). An additive bias with other values
 is a bias (above), not a mask.
@@ -120,6 +126,8 @@ class _AttnMatch:
                                 # positions in increasing first-dot order, those first-dot axes,
                                 # canonical first-dot order, first-dot shape, the scaling after
                                 # it), read by the kernels
+    keep: Any = None            # a runtime mask (a padding mask): (its view as ``bias``'s, which
+                                # values keep a key: "nonzero" | "false" | "zero"), read by the kernels
 
     @property
     def kernel(self) -> str:
@@ -889,6 +897,95 @@ def _bias_masks_nothing(graph: Graph, m: _Mask, T: int) -> None:
                           "with every key masked would not be jax's")
 
 
+_COMPARE = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
+_LANE_VIEWS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose"})
+
+
+def _boolean_source(graph: Graph, x: int) -> int | None:
+    """The boolean tensor a runtime mask is a function of, lane by lane: ``x`` itself when it is
+    boolean, or the one comparison of ``x`` with a constant that reads it (``attention_mask > 0``,
+    an int 0/1 padding mask as HF's models compare it, also after broadcasts and reshapes of it);
+    None otherwise (the mask could then take
+    values no probe of two sees)."""
+    if np.dtype(graph.tensors[x].dtype) == np.bool_:
+        return x
+    users = graph.consumers(x)
+    while len(users) == 1 and users[0].primitive in _LANE_VIEWS:   # broadcast / reshape first
+        x = users[0].outputs[0]
+        users = graph.consumers(x)
+    if len(users) != 1 or users[0].primitive not in _COMPARE:
+        return None
+    op = users[0]
+    other = [t for t in op.inputs if t != x]
+    if len(other) != 1 or _fold_scalar(graph, other[0]) is None:
+        return None
+    return op.outputs[0]
+
+
+def _runtime_mask(graph: Graph, st: dict[str, Any], dims: dict[str, Any], shape: tuple[int, ...],
+                  bias_values: set[float]) -> _Mask | None:
+    """A mask computed from a runtime boolean tensor (a padding mask: ``where(mask[:, None, None, :],
+    s, neg)``, or HF's additive ``select(attention_mask > 0, 0, finfo.min)``), taken out of
+    ``st["masks"]``: the kernels read its tensor blockwise through its layout (a broadcast of the
+    ``(B, T)`` mask is never materialised) and keep the lanes it keeps.
+
+    Its value at each lane is a function of one boolean lane (and of constants and iotas): probing
+    that boolean with True and with False is every case. A select must fill one constant; an
+    additive mask must only take 0 and values <= NEG_BOUND (after the scaling that follows it) —
+    else it is a bias (and a bias of runtime integers is declined by :func:`_bias_masks_nothing`).
+    The masked values go to ``bias_values`` (what a row it empties outputs, :func:`_empty_rows`)."""
+    found = []
+    for m in st["masks"]:
+        if m.when is not None or any(isinstance(a, tuple) for a in m.axes):
+            continue
+        try:
+            leaves = _Eval(graph).leaves(m.tensor)
+        except _NoFold:
+            continue
+        if len(leaves) != 1 or graph.tensors[next(iter(leaves))].size == 1:
+            continue
+        y = _boolean_source(graph, next(iter(leaves)))
+        if y is None:
+            continue
+        masked: set[float] = set()
+        try:
+            for v in (True, False):
+                val = np.asarray(_Eval(graph, {y: v})(m.tensor))
+                if m.keep is None:
+                    b = val.astype(np.float64)
+                    if ((b != 0) & (b * m.factor > NEG_BOUND)).any():
+                        break
+                    masked.update(np.unique(b[b != 0]).tolist())
+            else:
+                found.append((m, masked))
+        except (_NoFold, ValueError, TypeError):
+            continue
+    if not found:
+        return None
+    if len(found) > 1:
+        raise Decline("two masks computed from runtime tensors (padding masks)")
+    m, masked = found[0]
+    if any(o.keep is None and o is not m and o.stage < m.stage for o in st["masks"]) and m.keep is None:
+        raise Decline("a runtime additive mask after another additive term")
+    bias_values.update(masked)
+    st["masks"] = [o for o in st["masks"] if o is not m]
+    return m
+
+
+def _operand_view(graph: Graph, m: _Mask, dims: dict[str, Any], qf_d1: list[int], shape: tuple[int, ...],
+                  what: str) -> tuple:
+    """How the kernels read a tensor applied to the scores (a bias, a runtime mask): (tensor, its
+    int axes' sizes, their positions in increasing first-dot order, those first-dot axes,
+    canonical first-dot order, first-dot shape, the scaling after it)."""
+    ints = [i for i, a in enumerate(m.axes) if isinstance(a, int)]
+    bshape = graph.tensors[m.tensor].shape
+    if any(bshape[i] != 1 for i, a in enumerate(m.axes) if not isinstance(a, int)):
+        raise Decline(f"{what} varies along an axis the scores do not have")
+    order = sorted(ints, key=lambda i: m.axes[i])
+    return (m.tensor, tuple(bshape[i] for i in ints), tuple(order), tuple(m.axes[i] for i in order),
+            tuple(range(dims["nb"])) + tuple(qf_d1) + (dims["key"],), tuple(shape), float(m.factor))
+
+
 def _biases(graph: Graph, st: dict[str, Any], dims: dict[str, Any], shape: tuple[int, ...]
             ) -> tuple[np.ndarray | None, _Mask | None]:
     """The additive terms on the scores that are no mask, taken out of ``st["masks"]``:
@@ -947,11 +1044,13 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     dims = _dims(graph, a)
     d1 = a["d1"]
     shape = graph.tensors[d1.outputs[0]].shape
-    alibi, bias = _biases(graph, st, dims, shape)
     bias_values: set[float] = set()
+    keep = _runtime_mask(graph, st, dims, shape, bias_values)
+    alibi, bias = _biases(graph, st, dims, shape)
     seq_axis, causal, hi_c, hi_x, window, empty, per_row = _fit_mask(graph, st["masks"], dims, shape,
                                                                       bias_values)
-    empty_rows = _empty_rows(st["masks"], bias_values, empty)
+    # a padding mask can empty any row
+    empty_rows = _empty_rows(st["masks"] + ([keep] if keep else []), bias_values, empty or keep is not None)
     inner, outer = st["inner"], st["outer"]
     if st["tanh"]:
         scale, cap = inner * outer, outer
@@ -981,18 +1080,17 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     T, D, Dv = ks[dims["kf"][0]], ks[dims["kc"][0]], vs[dims["vf"][0]]
     if window is not None and window < 1:
         raise Decline(f"sliding window of {window} keys")
-    decode = not causal and rows <= DECODE_MAX_ROWS
+    # the decode kernel's split programs cannot tell a row a runtime mask empties: jax's softmax of
+    # its masked scores (a finite fill) is the prefill kernel's
+    decode = not causal and rows <= DECODE_MAX_ROWS and (keep is None or empty_rows in ("zero", "nan"))
     if seq_axis is None:
         S = rows
-    bias_view = None
-    if bias is not None:   # the bias's axes onto the first-dot axes, then canonical order
-        ints = [i for i, a in enumerate(bias.axes) if isinstance(a, int)]
-        bshape = graph.tensors[bias.tensor].shape
-        if any(bshape[i] != 1 for i, a in enumerate(bias.axes) if not isinstance(a, int)):
-            raise Decline("an additive bias varies along an axis the scores do not have")
-        order = sorted(ints, key=lambda i: bias.axes[i])
-        bias_view = (bias.tensor, tuple(bshape[i] for i in ints), tuple(order), tuple(bias.axes[i] for i in order),
-                     tuple(range(nb)) + tuple(qf_d1) + (dims["key"],), tuple(shape), float(bias.factor))
+    # the bias's / runtime mask's axes onto the first-dot axes, then canonical order
+    bias_view = None if bias is None else _operand_view(graph, bias, dims, qf_d1, shape, "an additive bias")
+    keep_view = None
+    if keep is not None:
+        keep_view = (_operand_view(graph, keep, dims, qf_d1, shape, "a runtime mask"),
+                     "zero" if keep.keep is None else "nonzero" if keep.keep else "false")
     slopes = None
     if alibi is not None:   # one slope per kernel row: (batch..., query rows...) in canonical order
         full = np.broadcast_to(alibi, tuple(1 if a == dims["key"] else n for a, n in enumerate(shape)))
@@ -1001,7 +1099,7 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     return _AttnMatch(q, k, v, c.outputs[0], q_perm, k_perm, v_perm, out_perm, batch, rows, S, T, D, Dv,
                       float(scale), None if cap is None else float(cap), causal, int(hi_c), hi_x,
                       None if window is None else int(window), decode, empty_rows, per_row, precision,
-                      slopes, bias_view)
+                      slopes, bias_view, keep_view)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1035,12 +1133,12 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
     def re(x: VTensor, shape: tuple[int, ...]) -> VTensor:
         return VTensor(x.layout.reshape(shape), x.dtype, x.buffers, x.symbols)
 
-    def bias_of(run: Run) -> VTensor | None:
-        """The bias as a (B, H, R, T) VTensor: its own axes onto the first-dot axes (a broadcast
-        layout where it does not vary), then the canonical order (no copy)."""
-        if m.bias is None:
+    def bias_of(run: Run, view: Any) -> VTensor | None:
+        """The bias (or runtime mask) as a (B, H, R, T) VTensor: its own axes onto the first-dot
+        axes (a broadcast layout where it does not vary), then the canonical order (no copy)."""
+        if view is None:
             return None
-        t, sizes, order, axes, canon, full, _ = m.bias
+        t, sizes, order, axes, canon, full, _ = view
         x = VTensor.of(run.vtensor(t))
         lay = x.layout.reshape(tuple(x.shape[i] for i in sorted(order)) or (1,))
         pos = {i: j for j, i in enumerate(sorted(order))}
@@ -1086,7 +1184,9 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
             if m.slopes is not None:
                 kw["slopes"] = jnp.asarray(m.slopes.reshape(B, hk, g * R))
             if m.bias is not None:
-                kw.update(bias=re(bias_of(run), (B, hk, g * R, T)), bias_scale=m.bias[-1])
+                kw.update(bias=re(bias_of(run, m.bias), (B, hk, g * R, T)), bias_scale=m.bias[-1])
+            if m.keep is not None:
+                kw.update(keep=re(bias_of(run, m.keep[0]), (B, hk, g * R, T)), keep_when=m.keep[1])
             res = decode_attention(re(q, (B, hk, g * R, D)), per_group(k), per_group(v),
                                    sm_scale=m.scale, soft_cap=m.soft_cap, out=re(out, (B, hk, g * R, Dv)),
                                    backend=backend, empty_rows=m.empty_rows, precision=m.precision, **kw)
@@ -1099,7 +1199,9 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
             if m.slopes is not None:
                 kw["slopes"] = jnp.asarray(m.slopes.reshape(B * hk, g * R))
             if m.bias is not None:
-                kw.update(bias=re(bias_of(run), (B * hk, g * R, T)), bias_scale=m.bias[-1])
+                kw.update(bias=re(bias_of(run, m.bias), (B * hk, g * R, T)), bias_scale=m.bias[-1])
+            if m.keep is not None:
+                kw.update(keep=re(bias_of(run, m.keep[0]), (B * hk, g * R, T)), keep_when=m.keep[1])
             res = prefill_attention(re(q, (B * hk, g * R, D)), re(per_group(k), (B * hk, T, D)),
                                     re(per_group(v), (B * hk, T, Dv)), seq_len=m.seq, sm_scale=m.scale,
                                     soft_cap=m.soft_cap, out=re(out, (B * hk, g * R, Dv)),
