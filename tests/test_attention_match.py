@@ -672,3 +672,42 @@ def test_runtime_mask_needs_a_lanewise_boolean():
     report = vtc_jax.explain(fn)(q, kc, vc, lim)
     reasons = [r for _, kind, r in report.templates if kind == "attention"]
     assert reasons and all(r != "kernel" for r in reasons), reasons
+
+
+def _cb_step(x, wq, wk, wv, ck, cv, pos):
+    """Continuous batching with the new rows made in the program: k through an epilogue of its
+    projection, each row written at its sequence's own position."""
+    b, t, hk, d = ck.shape
+    h = wq.shape[1] // d
+    i = jnp.arange(b)
+    q = (x @ wq).reshape(b, 1, h, d)
+    kn = jnp.tanh((x @ wk).reshape(b, hk, d)) * 2.0
+    vn = (x @ wv).reshape(b, hk, d)
+    ck, cv = ck.at[i, pos].set(kn), cv.at[i, pos].set(vn)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(ck, h // hk, axis=2)) / jnp.sqrt(d).astype(q.dtype)
+    s = jnp.where(jnp.arange(t)[None, None, None, :] <= pos[:, None, None, None], s, -jnp.inf)
+    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), jnp.repeat(cv, h // hk, axis=2))
+    return o.reshape(b, h * d), ck, cv
+
+
+@pytest.mark.parametrize("pos", [(0, 13), (-1, T + 3)], ids=["inside", "wrapped_and_dropped"])
+def test_per_sequence_rows_written_in_place_by_their_kernels(pos):
+    """``cache.at[arange(B), pos].set(row)`` with rows computed in the program: each row is
+    written by the kernel that makes it, through ``pos[b]`` (no scatter left), wrapped when
+    negative and dropped past the end as jax does; equal to jit, donated."""
+    x, wq = rand((B, 32)), rand((32, H * D), seed=1)
+    wk, wv = rand((32, HKV * D), seed=2), rand((32, HKV * D), seed=3)
+    ck, cv = rand((B, T, HKV, D), seed=4), rand((B, T, HKV, D), seed=5)
+    args = (x, wq, wk, wv, ck, cv, jnp.array(pos, jnp.int32))
+    ref = jax.jit(_cb_step)(*args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        opt = vtc_jax.optimize(_cb_step, backend="interpret", donate_argnums=(4, 5), guard=None)
+        out = opt(*[jnp.array(a) for a in args])
+        report = opt.explain(*args)
+        text = cross_lower(vtc_jax.optimize(_cb_step, backend="triton", donate_argnums=(4, 5), guard=None),
+                           *args).text
+    check_close(out, ref, 1e-5)
+    rows = [m for m in report.movement if m.primitive == "scatter"]
+    assert len(rows) == 2 and all(m.eliminated for m in rows), rows
+    assert "stablehlo.scatter" not in text

@@ -11,7 +11,7 @@ import pytest
 from jax import lax
 
 from vtc_jax.graph import trace
-from vtc_jax.indexmap import Layout, Piece, box_conds
+from vtc_jax.indexmap import Layout, Piece, box_conds, point
 from vtc_jax.movement import Edge, explain_no_edges, rules, static_value
 from vtc_jax.primitives import is_movement_op
 
@@ -39,7 +39,7 @@ def check_edge(e: Edge, g, vals) -> None:
     assert e.map.domain == src.shape and e.map.target == dst.shape
     assert len(e.box) == src.ndim and e.klass in ("I", "II") and e.note
     if e.inplace:  # out lives in operand's buffer, which holds out's value after the update
-        assert e.map.is_identity and op.primitive == "dynamic_update_slice"
+        assert e.map.is_identity and op.primitive in ("dynamic_update_slice", "scatter")
         dst = src
     # a symbol s{t} is tensor t's value after lax's clamping (the SymInfo range)
     # an index table t{t} is tensor t's value as it is (each read wraps and clamps)
@@ -48,7 +48,12 @@ def check_edge(e: Edge, g, vals) -> None:
     lay = Layout.physical(e.dst, dst.shape).compose(e.map).restrict_box(e.box)
     got = lay.evaluate({e.dst: dst}, symbols)
     box = tuple(slice(lo, hi) for lo, hi in e.box)
-    np.testing.assert_array_equal(got[box], src[box], err_msg=f"{op.primitive}: {e}")
+    # a write that the map's conditions drop (a scatter's out-of-bounds row) lands nowhere
+    idx = list(np.indices(src.shape)) if src.shape else []
+    lands = e.map.valid(point(idx, symbols)) if e.direction == "write" else None
+    lands = np.ones(src.shape, bool) if lands is None else np.broadcast_to(lands, src.shape)
+    np.testing.assert_array_equal(np.where(lands, got, 0)[box], np.where(lands, src, 0)[box],
+                                  err_msg=f"{op.primitive}: {e}")
 
 
 def run(fn, *args, primitive=None):
@@ -212,7 +217,8 @@ def test_pad_with_runtime_fill_has_no_edge():
     (lambda x, i, j: x[j[i]], (arr(4, 6), jnp.array([0, 1]), jnp.array([2, 3, 1])), "by gather"),
     (lambda x, i: x[i + 1], (arr(4, 6), jnp.array([0, 1])), "not one table element"),
     (lambda x: x[np.array([0, 3, 1])], (arr(4, 6),), "not a strided run"),
-    (lambda x: x.at[np.array([0, 2])].set(0.0), (arr(4, 6),), "scatter"),
+    (lambda x: x.at[np.array([0, 2])].set(0.0), (arr(4, 6),), "constant indices"),
+    (lambda x, i, r: x.at[i].set(r), (arr(4, 6), jnp.array([0, 2]), arr(2, 6)), "may repeat"),
 ])
 def test_opaque_gather_scatter(fn, args, why):
     g = trace(fn, *args)
@@ -237,6 +243,20 @@ def test_indirect_gather_reads_a_paged_cache_through_its_block_table(table):
     assert len(main) == 1 and main[0].direction == R and main[0].klass == "II"
     assert str(main[0].map) == "(d0, d1, d2) -> (t1[d0, (d1) floordiv 4], (d1) mod 4, d2)"
     assert main[0].map.syms[0].is_table and main[0].map.syms[0].shape == (3, 4)
+
+
+@pytest.mark.parametrize("pos", [[0, 7, 15, 3], [-1, 20, -17, 15]], ids=["in range", "wrapped, dropped"])
+def test_indirect_scatter_writes_one_row_per_sequence(pos):
+    """Continuous batching's ``cache.at[arange(B), pos].set(row)``: out lives in the cache's buffer
+    (in place) and each row is written through ``pos[b]`` — wrapped when negative, dropped when out
+    of bounds (XLA skips it), which the map's condition says; ``check_edge`` compares the rows
+    that land."""
+    def f(c, r, p):
+        return c.at[jnp.arange(4), p].set(r)
+
+    g, edges = run(f, arr(4, 16, 2), arr(4, 2) * -1, jnp.array(pos, jnp.int32), primitive="scatter")
+    assert [(e.direction, e.inplace) for e in edges] == [(R, True), (W, False)]
+    assert str(edges[1].map) == "(d0, d1) -> (d0, t2[d0], d1) if 0 <= t2[d0] < 16 else None"
 
 
 def test_indirect_gather_embedding_lookup():

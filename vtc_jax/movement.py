@@ -20,7 +20,9 @@ Starts that are compile-time constants (also when computed from constants) are f
 A gather whose indices are computed from a runtime integer table (a paged KV cache's
 ``pages[block_table[:, t // page], t % page]``) maps through :class:`indexmap.Load` atoms: the
 index computation is probed with coded tables (:func:`_probe_indices`), which tells which index
-coordinates read which table element and how a negative entry is normalised.
+coordinates read which table element and how a negative entry is normalised. A scatter of whole
+rows at such indices (a cache row per sequence at its own position) is an in-place update whose
+rows are written through the same atoms, where the index is in bounds (:func:`_scatter`).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import jax
 import numpy as np
 
 from .graph import Graph, Op
-from .indexmap import Dim, Expr, IndexMap, Layout, Load, SymInfo, const, dim, sym
+from .indexmap import Cond, Dim, Expr, IndexMap, Layout, Load, SymInfo, const, dim, sym
 from .primitives import CONTROL_FLOW, Direction, EdgeClass
 
 __all__ = ["Edge", "rules", "explain_no_edges", "static_value", "RULES"]
@@ -426,6 +428,69 @@ def _indirect_gather(c: _Ctx) -> tuple[Edge, ...]:
                    note=f"indirect gather through table t{table}, read side only: {m}"),)
 
 
+UNCLAMPED = (-(2 ** 31), 2 ** 31 - 1)   # a table read's range when only a condition tests it
+
+
+def _scatter(c: _Ctx) -> tuple[Edge, ...]:
+    """``x.at[idx].set(rows)`` writing whole rows at indices read from one runtime table (a cache
+    row per sequence at its own position, ``cache.at[arange(B), pos].set(row)``; a paged cache's
+    ``pages.at[blk, off].set(row)`` where ``blk`` reads the block table): out ⇢ operand in place
+    (as ``dynamic_update_slice``), and the rows ⇢ out through :class:`Load` atoms, under the
+    condition that the index is in bounds (XLA skips an update whose row is out of bounds; a
+    negative index is wrapped first, as jnp does). The indices must not repeat whatever the table
+    holds: a table-independent coordinate (``arange(B)``) must tell every update apart (with a
+    repeated row, which update XLA keeps is unspecified)."""
+    dn, xs = c.p["dimension_numbers"], c.shape(c.x)
+    t_idx, upd = c.op.inputs[1], c.op.inputs[2]
+    a_dims = tuple(dn.scatter_dims_to_operand_dims)
+    window = tuple(dn.update_window_dims)
+    us = c.shape(upd)
+    kept = [j for j in range(len(xs)) if j not in dn.inserted_window_dims]
+    if (dn.operand_batching_dims or sorted(dn.inserted_window_dims) != sorted(a_dims)
+            or c.shape(t_idx)[-1:] != (len(a_dims),) or c.p.get("update_jaxpr") is not None
+            or [us[w] for w in window] != [xs[j] for j in kept]):
+        raise NoEdges("scatter writes at data-dependent indices (not whole rows at table-read indices)")
+    if static_value(t_idx, c.graph) is not None:
+        raise NoEdges("scatter writes at data-dependent indices (constant indices: not modelled)")
+    table, coords = _probe_indices(t_idx, c.graph)
+    static = [val for kind, val in coords if kind == "static"]
+    if not static or len({tuple(v) for v in np.stack([np.asarray(v).reshape(-1) for v in static], -1)}) \
+            != int(np.prod(c.shape(t_idx)[:-1])):
+        raise NoEdges("scatter indices may repeat (no table-independent coordinate tells every row apart)")
+    tinfo = c.graph.tensors[table]
+    name = f"t{table}"
+    batch_u = [o for o in range(len(us)) if o not in window]
+    b = {Dim(i): (0, n - 1) for i, n in enumerate(us)}
+    to_u = {Dim(j): dim(o) for j, o in enumerate(batch_u)}
+    win = iter(window)
+    exprs, conds = [], []
+    for j, n in enumerate(xs):
+        if j not in a_dims:
+            exprs.append(dim(next(win)))
+            continue
+        kind, val = coords[a_dims.index(j)]
+        if kind == "static":
+            if np.asarray(val).min() < 0 or np.asarray(val).max() >= n:
+                raise NoEdges("scatter rows out of bounds at constant indices")
+            e = _fit(val)
+            if e is None:
+                raise NoEdges("scatter indices not a repeat or stride of the updates' indices")
+            exprs.append(e.substitute(to_u, b))
+            continue
+        parts = [_fit(v) for v in np.unravel_index(val, tinfo.shape)]
+        if any(p is None for p in parts):
+            raise NoEdges("scatter indices read a table in a pattern not modelled")
+        index = tuple(p.substitute(to_u, b) for p in parts)
+        exprs.append(Expr.of(Load(name, index, 0, n - 1, kind)))
+        conds.append(Cond(Expr.of(Load(name, index, *UNCLAMPED, kind)), 0, n))
+    info = SymInfo(name, 0, 0, source=table, shape=tuple(tinfo.shape))
+    m = IndexMap(tuple(us), tuple(exprs), tuple(xs), tuple(conds), None, (info,))
+    return (c.edge(c.y, c.x, c.ident(c.x), klass=EdgeClass.I, inplace=True,
+                   note="in place: out is operand's buffer after the update (legality check)"),
+            c.edge(upd, c.y, m, klass=EdgeClass.II,
+                   note=f"indirect scatter through table t{table}, rows in bounds only: {m}"))
+
+
 def _probe_indices(t: int, graph: Graph) -> tuple[int, list[tuple[Any, np.ndarray]]]:
     """Which table the gather indices ``t`` are read from, and per index coordinate either
     ``("static", values)`` or ``(wrap, flat table positions)``.
@@ -562,8 +627,9 @@ RULES: dict[str, Callable[[_Ctx], tuple[Edge, ...]]] = {
     # the identity on values, but the type of its result (varying over a manual axis) is what the
     # ops reading it require: a kernel reads the typed buffer, so its outputs are typed alike
     "pvary": _opaque("pvary changes the varying manual axes of the type (shard_map), not the data"),
+    "scatter": _scatter,
     **{s: _opaque(f"{s} writes at data-dependent indices") for s in
-       ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
+       ("scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
         "scatter_min", "scatter-max", "scatter_max", "scatter-sub", "scatter_sub")},
 }
 
