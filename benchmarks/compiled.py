@@ -324,7 +324,7 @@ def _write(path: Path, text: str, rows: list[dict[str, Any]]) -> None:
         if f"{begin}\n{end}" in text:
             text = text.replace(f"{begin}\n{end}", block)
         elif begin not in text:
-            text = text.rstrip("\n") + "\n\n\n" + block + "\n"
+            text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
     import roofline
     ok = [r for r in rows if "error" not in r]

@@ -305,3 +305,31 @@ def test_zero_size_operands_are_xlas_by_choice(fn, shapes):
     np.testing.assert_array_equal(out, jax.jit(fn)(*args))
     reasons = [why for _, _, why in vtc_jax.explain(fn)(*args).templates]
     assert reasons and all("has no elements" in why for why in reasons), reasons
+
+
+def test_embedding_lookup_read_through_the_token_table_forward_and_grad():
+    """``emb[tokens]`` feeding an RMSNorm: the norm kernel reads the embedding rows through the
+    token table (no gathered copy), a negative token wraps and one past the table clamps as jax
+    does; the value, ``grad`` of the optimized function and the optimized ``grad`` equal jit's."""
+    rng = np.random.default_rng(0)
+    emb = jnp.asarray(rng.standard_normal((50, 32)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
+    tok = jnp.asarray([[1, 7, 49, -1], [0, 3, 3, 60]], jnp.int32)
+
+    def loss(emb, w, tok):
+        h = emb[tok]
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6)
+        return jnp.sum(jnp.tanh(h @ w) ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        opt = vtc_jax.optimize(loss, backend="interpret", guard=None)
+        got = (opt(emb, w, tok), jax.grad(opt, argnums=(0, 1))(emb, w, tok),
+               vtc_jax.optimize(grad, backend="interpret", guard=None)(emb, w, tok))
+        report = opt.explain(emb, w, tok)
+    want = (jax.jit(loss)(emb, w, tok), grad(emb, w, tok), grad(emb, w, tok))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    (gather,) = [m for m in report.movement if m.primitive == "gather"]
+    assert gather.eliminated and "indirect gather through table" in str(report)
