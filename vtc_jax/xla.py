@@ -585,9 +585,14 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                str(g.tensors[d.inputs[1]].dtype))
         siblings.setdefault(key, []).append(k)
     merged: set[int] = set()
+    merged_bytes: dict[int, int] = {}   # member -> its merged GEMM's whole output buffer
     for members in siblings.values():
         if len(members) > 1:
             merged.update(members)
+            whole = sum(ctx.nbytes[t] for k in members for t in cl[k].outputs)
+            if not any(call[u] for k in members for t in cl[k].outputs
+                       for u in consumers_through_movement(t, set())):   # (else slices are copied out)
+                merged_bytes.update((k, whole) for k in members)
             for k in members[1:]:
                 parent[find(k)] = find(members[0])
 
@@ -600,11 +605,16 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     def read_bytes(t: int, seen: set[int]) -> int:
         """Bytes a fusion reads for ``t``: through fused movement, what its sources hold."""
         k = ctx.producer.get(t)
+        if k in merged_bytes:   # a slice of a merged GEMM's output: the fusion reads its buffer
+            return merged_bytes[k]   # (the compile's buffer-level count; q/k/v transposes of BERT, T5)
         if k is None or not fused_movement(k) or k in seen or k in materialised or find(k) != k and k in feeds_call:
             return ctx.nbytes[t]
         seen.add(k)
-        src = sum(read_bytes(x, seen) for o in cl[k].ops for x in _data(g.ops[o]))
-        return min(ctx.nbytes[t], src) if kind[k] != Kind.GLUE else 0
+        xs = [x for o in cl[k].ops for x in _data(g.ops[o])]
+        src = sum(read_bytes(x, seen) for x in xs)
+        if kind[k] == Kind.GLUE:
+            return 0
+        return src if any(ctx.producer.get(x) in merged_bytes for x in xs) else min(ctx.nbytes[t], src)
 
     def read_src_is_input(t: int) -> bool:
         """``t`` is (a movement op's view of) a program input with more than one dimension."""
