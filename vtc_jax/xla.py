@@ -960,18 +960,11 @@ def _gemm_reads(g: Graph, t: int) -> bool:
 
 def _runtime(g: Graph, t: int) -> bool:
     """Whether ``t``'s value depends on a program input (else XLA folds it to a constant)."""
-    stack, seen = [t], set()
-    while stack:
-        u = stack.pop()
-        if u in seen:
-            continue
-        seen.add(u)
-        if u in g.inputs:
-            return True
-        op = g.producer(u)
-        if op is not None:
-            stack.extend(op.inputs)
-    return False
+    p = g.producer(t)
+    if p is None:
+        return t in g.inputs
+    ops = _ancestors(g, [p.id]) | {p.id}
+    return any(x in g.inputs for o in ops for x in g.ops[o].inputs)
 
 
 def _fixed_layout(g: Graph, t: int) -> bool:
