@@ -415,9 +415,7 @@ def _indirect_gather(c: _Ctx) -> tuple[Edge, ...]:
         if kind == "static":
             e = _fit(np.clip(val, 0, n - 1))
         else:
-            parts = [_fit(v) for v in np.unravel_index(val, tinfo.shape)]
-            e = None if any(p is None for p in parts) else Expr.of(
-                Load(name, tuple(p.substitute(to_y, b) for p in parts), 0, n - 1, kind))
+            e = Expr.of(Load(name, _table_index(val, tinfo.shape, to_y, b, "gather"), 0, n - 1, kind))
         if e is None:
             raise NoEdges("gather indices read a table in a pattern not modelled (not a repeat or stride of the output's indices)")
         exprs.append(e if kind != "static" else e.substitute(to_y, b))
@@ -477,10 +475,7 @@ def _scatter(c: _Ctx) -> tuple[Edge, ...]:
                 raise NoEdges("scatter indices not a repeat or stride of the updates' indices")
             exprs.append(e.substitute(to_u, b))
             continue
-        parts = [_fit(v) for v in np.unravel_index(val, tinfo.shape)]
-        if any(p is None for p in parts):
-            raise NoEdges("scatter indices read a table in a pattern not modelled")
-        index = tuple(p.substitute(to_u, b) for p in parts)
+        index = _table_index(val, tinfo.shape, to_u, b, "scatter")
         exprs.append(Expr.of(Load(name, index, 0, n - 1, kind)))
         conds.append(Cond(Expr.of(Load(name, index, *UNCLAMPED, kind)), 0, n))
     info = SymInfo(name, 0, 0, source=table, shape=tuple(tinfo.shape))
@@ -489,6 +484,18 @@ def _scatter(c: _Ctx) -> tuple[Edge, ...]:
                    note="in place: out is operand's buffer after the update (legality check)"),
             c.edge(upd, c.y, m, klass=EdgeClass.II,
                    note=f"indirect scatter through table t{table}, rows in bounds only: {m}"))
+
+
+def _table_index(positions: np.ndarray, shape: tuple[int, ...], to: dict, bounds: dict, what: str
+                 ) -> tuple[Expr, ...]:
+    """The index expressions (over the moved tensor's dims, ``to`` renaming the index batch dims)
+    of the table elements at flat ``positions`` (one per index batch element): each coordinate a
+    repeat/stride/period of the batch dims (:func:`_fit`)."""
+    parts = [_fit(v) for v in np.unravel_index(positions, shape)]
+    if any(p is None for p in parts):
+        raise NoEdges(f"{what} indices read a table in a pattern not modelled (not a repeat or stride of "
+                      "the indices' batch dims)")
+    return tuple(p.substitute(to, bounds) for p in parts)
 
 
 def _probe_indices(t: int, graph: Graph) -> tuple[int, list[tuple[Any, np.ndarray]]]:
