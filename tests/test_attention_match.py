@@ -674,6 +674,92 @@ def test_runtime_mask_needs_a_lanewise_boolean():
     assert reasons and all(r != "kernel" for r in reasons), reasons
 
 
+# --------------------------------------------------------------------------------------------
+# Masks computed from the scores themselves (an unwritten, zero cache row scores exactly 0)
+# --------------------------------------------------------------------------------------------
+
+def s_ne_zero(q, kc, vc):
+    """The pure-JAX port's trick: ``where(scores != 0, scores, -inf)`` masks the zero rows."""
+    def p(scores):
+        scores = scores / jnp.sqrt(jnp.float32(D))
+        return jax.nn.softmax(jnp.where(scores != 0, scores, -jnp.inf), -1)
+    return _attend(q, kc, vc, p)
+
+
+def s_eq_zero_inverted_finfo(q, kc, vc):
+    """``where(0 == s, finfo.min, s)`` after the scaling, the constant on the left; a finite fill."""
+    def p(s):
+        s = s * 0.25
+        return jax.nn.softmax(jnp.where(0.0 == s, NEG32, s), -1)
+    return _attend(q, kc, vc, p)
+
+
+def s_not_lt_zero_then_scale(q, kc, vc):
+    """``~(s < 0)`` keeps the non-negative scores; the scaling after the mask (positive) and a
+    soft-cap before it keep the sign the kernel compares."""
+    def p(s):
+        s = jnp.tanh(s / 4.0) * 4.0
+        s = jnp.where(~(s < 0), s, -jnp.inf)
+        return jax.nn.softmax(s * 0.5, -1)
+    return _attend(q, kc, vc, p)
+
+
+def s_ne_zero_causal(q, k, v):
+    """A prefill's causal mask, then the zero-score mask."""
+    def p(s):
+        s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s * 0.25, -jnp.inf)
+        return jax.nn.softmax(jnp.where(s != 0, s, -jnp.inf), -1)
+    return _attend(q, k, v, p)
+
+
+def _zero_tail(x, start, axis=1):
+    """Keys ``t >= start`` zero, as a zero-initialised cache not yet written there (one sequence
+    entirely, when ``start`` is a pair)."""
+    x = np.array(x)
+    for b, st in enumerate(np.broadcast_to(start, (x.shape[0],))):
+        x[b, st:] = 0
+    return jnp.asarray(x)
+
+
+@pytest.mark.parametrize("starts", [(10, 17), (13, 0)], ids=["ragged", "one_empty"])
+@pytest.mark.parametrize("fn", [s_ne_zero, s_eq_zero_inverted_finfo, s_not_lt_zero_then_scale],
+                         ids=lambda f: f.__name__)
+def test_masks_computed_from_the_scores_reach_the_kernels(fn, starts):
+    """A mask on the scores themselves, in three spellings, equals jax.jit — also for a sequence
+    whose every key is masked (NaN under -inf, the mean of V under finfo.min): -inf fills in the
+    decode kernel, the finite fill in the prefill kernel (its second pass gives jax's row)."""
+    q, kc, vc, _ = decode_args()
+    args = (q, _zero_tail(kc, starts), vc)
+    kernel = "prefill" if fn is s_eq_zero_inverted_finfo else "decode"
+    check_attention(fn, args, kernel, lower=starts == (10, 17))
+
+
+def test_mask_from_the_scores_with_a_causal_mask_in_prefill():
+    q, k, v = prefill_args()
+    check_attention(s_ne_zero_causal, (q, _zero_tail(k, (5, 3)), v), "prefill")
+
+
+@pytest.mark.parametrize("body, why", [
+    (lambda s: jnp.where(s != 1.0, s, -jnp.inf), "compares the scores with 1.0"),
+    (lambda s: jnp.where(s + jnp.arange(T) * 0.1 != 0, s + jnp.arange(T) * 0.1, -jnp.inf),
+     "an additive term was added"),
+    (lambda s: jnp.where(s > 0, s, 0.0), "not a mask value"),
+    (lambda s: jnp.where((s != 0) & (jnp.arange(T) < 9), s, -jnp.inf),
+     "other than to select the scores it compared"),
+], ids=["nonzero_constant", "after_a_bias", "zero_fill", "and_with_a_position_mask"])
+def test_masks_from_the_scores_declined_with_reasons(body, why):
+    """Only ``s op 0`` selecting the scores it compared against a mask value is taken: the kernels'
+    scores are the program's up to rounding and positive scaling (the sign is all they share)."""
+    def fn(q, kc, vc):
+        return _attend(q, kc, vc, lambda s: jax.nn.softmax(body(s * 0.25), -1))
+    q, kc, vc, _ = decode_args()
+    report = vtc_jax.explain(fn)(q, kc, vc)
+    reasons = [r for _, kind, r in report.templates if kind == "attention"]
+    assert reasons and all(why in r for r in reasons), reasons
+    np.testing.assert_allclose(vtc_jax.optimize(fn, backend="interpret")(q, kc, vc), jax.jit(fn)(q, kc, vc),
+                               rtol=1e-5, atol=1e-6)
+
+
 def _cb_step(x, wq, wk, wv, ck, cv, pos):
     """Continuous batching with the new rows made in the program: k through an epilogue of its
     projection, each row written at its sequence's own position."""

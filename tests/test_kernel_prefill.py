@@ -274,3 +274,42 @@ def test_decode_keep_mask_refuses_a_finite_fill():
     q, k = rand((2, 1, 4, 16)), rand((2, 1, 32, 16), seed=1)
     with pytest.raises(ValueError, match="prefill_attention"):
         decode_attention(q, k, k, keep=jnp.ones((2, 1, 4, 32), bool), empty_rows=("fill", -1e30))
+
+
+@pytest.mark.parametrize("keep", [("ne", True), ("lt", False)], ids=["ne_zero", "not_lt_zero"])
+@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+def test_score_keep_masks_keys_by_their_own_scores(keep, kernel):
+    """A mask computed from the scores (``jnp.where(s != 0, s, -inf)``, ``~(s < 0)``): zero key
+    rows (an unwritten cache) score exactly 0 in any summation order; program 1's keys are all
+    zero, so ``ne`` empties its rows (NaN, as jax's softmax of a row of -inf)."""
+    from vtc_jax.kernels.attention import decode_attention
+    z, m, t, d = 3, 4, 40, 16
+    q, v = rand((z, m, d)), rand((z, t, d), seed=2)
+    k = np.array(rand((z, t, d), seed=1))
+    k[:, 29:] = 0
+    k[1] = 0
+    k = jnp.asarray(k)
+    op, when = keep
+
+    def call(q, k, v, *, backend):
+        kw = dict(score_keep=keep, empty_rows="nan", block_k=16, backend=backend,
+                  precision=jax.lax.Precision.HIGHEST)
+        if kernel == "prefill":
+            return prefill_attention(q, k, v, block_q=16, **kw)
+        return decode_attention(q[:, None], k[:, None], v[:, None], **kw)[:, 0]
+
+    def ref(q, k, v):
+        s = np.einsum("zmd,ztd->zmt", np.asarray(q), np.asarray(k)) / math.sqrt(d)
+        hit = {"ne": s != 0, "lt": s < 0}[op]
+        s = np.where(hit == when, s, -np.inf)
+        with np.errstate(invalid="ignore"):
+            p = np.exp(s - s.max(-1, keepdims=True))
+            return jnp.asarray(np.einsum("zmt,ztd->zmd", p / p.sum(-1, keepdims=True), np.asarray(v)))
+
+    check_kernel(call, ref, (q, k, v), **F32)
+
+
+def test_score_keep_is_checked():
+    q, k = rand((2, 4, 16)), rand((2, 32, 16), seed=1)
+    with pytest.raises(ValueError, match="score_keep"):
+        prefill_attention(q, k, k, score_keep=("neq", True))

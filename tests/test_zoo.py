@@ -32,6 +32,7 @@ MODELS = {
     "llama_pure[where_finfo]": (llama_pure.make_step("where_finfo"), llama_pure.example_args, (2,), (1, 2)),
     "llama_pure[additive_1e30]": (llama_pure.make_step("additive_1e30"), llama_pure.example_args, (2,), (1, 2)),
     "llama_pure[realrope]": (llama_pure.make_step("where_ninf", rope="real"), llama_pure.example_args, (2,), (1, 2)),
+    "llama_pure[scores_nonzero]": (llama_pure.make_step("scores_nonzero"), llama_pure.zero_tail_args, (2,), (1, 2)),
     "gemma_flax": (gemma_flax.step, gemma_flax.example_args, (2, 3), (1, 2, 3)),
     "gemma_flax[cond]": (gemma_flax.step_cond, gemma_flax.example_args, (2, 3), (1, 2, 3)),
     "gemma_flax[heads]": (gemma_flax.step_heads, gemma_flax.example_args, (2, 3), (1, 2, 3)),
@@ -50,6 +51,7 @@ ELIMINATED = {
     "llama_pure[where_finfo]": 35,     # of 43
     "llama_pure[additive_1e30]": 35,   # of 43
     "llama_pure[realrope]": 46,        # of 48 (graph.py: slices tiling a tensor are one split)
+    "llama_pure[scores_nonzero]": 42,  # of 44 (no mask producers: the mask is the scores' own)
     "gemma_flax": 38,                  # of 39
     "gemma_flax[cond]": 40,            # of 41
     "gemma_flax[heads]": 40,           # of 41 (the scores' head reshapes are register-level views)
@@ -204,7 +206,7 @@ def test_llama_cache_out_of_range(pos, donate):
 
 
 DECODE = ("llama_pure[where_ninf]", "llama_pure[where_finfo]", "llama_pure[additive_1e30]",
-          "llama_pure[realrope]", "gemma_flax", "gemma_flax[cond]", "gemma_flax[heads]")
+          "llama_pure[realrope]", "llama_pure[scores_nonzero]", "gemma_flax", "gemma_flax[cond]", "gemma_flax[heads]")
 _ACTIVATION = 4096   # elements: smaller movement (a scalar position, a size-1 axis) is not counted
 
 

@@ -9,7 +9,9 @@ value einsums, output transpose + ``reshape`` merge, ``with_sharding_constraint`
 -1e30 bias. Scores are scaled by ``/ jnp.sqrt(head_dim)``.
 
 ``make_step(mask, rope)`` builds a ``step(params, x, cache, pos) -> (out, cache)`` for one mask
-variant; ``step`` is the ``"where_ninf"`` one. ``rope="real"`` rotates the pairs with real cos/sin
+variant; ``step`` is the ``"where_ninf"`` one. ``"scores_nonzero"`` masks on the scores themselves
+(``where(scores != 0, scores, -inf)``): a zero-initialised cache's unwritten rows score exactly 0
+(its arguments: :func:`zero_tail_args`). ``rope="real"`` rotates the pairs with real cos/sin
 instead of complex numbers (the control: the complex clusters have no Triton type and run in XLA).
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ SIZES = {
 }
 ROPE_THETA = 500000.0
 EPS = 1e-5
-MASKS = ("where_ninf", "where_finfo", "additive_1e30")
+MASKS = ("where_ninf", "where_finfo", "additive_1e30", "scores_nonzero")
 
 
 class KVCache(NamedTuple):
@@ -117,6 +119,9 @@ def make_step(mask: str = "where_ninf", rope: str = "complex"):
             scores = jnp.where(valid, scores, -jnp.inf)
         elif mask == "where_finfo":
             scores = jnp.where(valid, scores, jnp.finfo(scores.dtype).min)
+        elif mask == "scores_nonzero":
+            # ports that start from a zero cache mask what was never written by its zero score
+            scores = jnp.where(scores != 0, scores, -jnp.inf)
         else:
             scores = scores + jnp.where(valid, 0.0, -1e30)
         probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
@@ -148,3 +153,13 @@ def example_args(size: str = "small", seed: int = 0):
     arr = lambda sh, sc=1.0: jnp.asarray(rng.standard_normal(sh) * sc, dt)  # noqa: E731
     params = {k: arr(v, 1.0 if "norm" in k else v[0] ** -0.5) for k, v in shapes.items()}
     return params, arr((b, dm)), KVCache(arr(cshape), arr(cshape)), jnp.int32(t // 2 + 1)
+
+
+def zero_tail_args(size: str = "small", seed: int = 0):
+    """:func:`example_args` with the cache zero from ``pos`` on (a zero-initialised cache written up
+    to the previous token), the state ``"scores_nonzero"`` relies on."""
+    params, x, cache, pos = example_args(size, seed)
+    if size == "paper":
+        return params, x, cache, pos
+    keep = (jnp.arange(cache.k.shape[1]) < pos)[None, :, None, None]
+    return params, x, KVCache(jnp.where(keep, cache.k, 0), jnp.where(keep, cache.v, 0)), pos

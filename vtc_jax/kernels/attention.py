@@ -144,7 +144,7 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
                      num_stages: int | None = None, backend: str = "interpret",
                      empty_rows: Any = "zero", precision: Any = None, slopes: Any = None,
                      bias: Any = None, bias_scale: float = 1.0, keep: Any = None,
-                     keep_when: str = "nonzero") -> Any:
+                     keep_when: str = "nonzero", score_keep: Any = None) -> Any:
     """Single-token (decode) attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` per query head.
 
     q: logical (B, Hkv, G, D); k: (B, Hkv, T, D); v: (B, Hkv, T, Dv) — :class:`vio.VTensor` or
@@ -182,6 +182,10 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         with no valid key outputs 0 or NaN (``empty_rows`` "zero" / "nan"): the split programs
         cannot tell such a row from their partials, so jax's masked softmax of it (a finite fill)
         is :func:`.prefill_attention.prefill_attention`'s. None: no such mask.
+    score_keep: a mask computed from the scores themselves, ``(op, when)``: key ``t`` is valid only
+        where ``(score op 0) == when`` on the scaled, capped score (``jnp.where(s != 0, s, -inf)``,
+        an unwritten zero cache row: ``("ne", True)``; :func:`.flash.score_lanes`). Rows it empties
+        as for ``keep``. None: no such mask.
 
     Returns like :func:`vtc_jax.kernels.matmul.matmul`: the array for a fresh/one-buffer output,
     else the tuple of ``out``'s physical buffers.
@@ -199,7 +203,7 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         raise ValueError(f"per-sequence positions must have shape ({B},), got {end_operand.shape}")
     cfg = _config(q, k, v, end, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                   num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
-                  empty_rows=empty_rows, precision=precision)
+                  empty_rows=empty_rows, precision=precision, score_keep=score_keep)
     if bias is not None:
         bias = VTensor.of(bias)
         if tuple(bias.shape) != (B, H, G, k.shape[2]):
@@ -210,10 +214,10 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
             raise ValueError(f"keep must have shape {(B, H, G, k.shape[2])}, got {keep.shape}")
         if keep_when not in ("nonzero", "zero", "false"):
             raise ValueError(f"keep_when must be 'nonzero', 'zero' or 'false', got {keep_when!r}")
-        if cfg.flash.empty_fill is not None:
-            raise ValueError("decode_attention with a runtime keep mask outputs 0 or NaN for a row it "
-                             "empties (empty_rows 'zero' or 'nan'); use prefill_attention for jax's "
-                             "softmax of its masked scores")
+    if (keep is not None or score_keep is not None) and cfg.flash.empty_fill is not None:
+        raise ValueError("decode_attention with a runtime keep mask or a score mask outputs 0 or NaN for a "
+                         "row it empties (empty_rows 'zero' or 'nan'); use prefill_attention for jax's "
+                         "softmax of its masked scores")
     cfg = dataclasses.replace(cfg, alibi=slopes is not None, bias=bias is not None, bias_scale=float(bias_scale),
                               keep=None if keep is None else keep_when)
     return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes, bias=bias, keep=keep)
@@ -244,7 +248,7 @@ def _check(q: VTensor, k: VTensor, v: VTensor, *, block_k: int, pos: Any, kv_len
 def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, block_k: int,
             num_warps: int | None, num_stages: int | None, num_splits: int | None,
             sm_scale: float | None, soft_cap: float | None, window: int | None,
-            empty_rows: Any, precision: Any) -> _Cfg:
+            empty_rows: Any, precision: Any, score_keep: Any = None) -> _Cfg:
     """Tiles, launch and split count (see the module docstring)."""
     B, H, G, D = q.shape
     T, Dv = k.shape[2], v.shape[3]
@@ -258,7 +262,7 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, block_k: int,
     return _Cfg(B=B, H=H, G=G, D=D, Dv=Dv, Gs=next_pow2(G), Dp=Dp, Dvp=Dvp, S=S,
                 window=None if window is None else int(window), end=end, launch=launch,
                 flash=Flash.of(T, bk, D, compute, sm_scale=sm_scale, soft_cap=soft_cap,
-                               empty_rows=empty_rows, precision=precision))
+                               empty_rows=empty_rows, precision=precision, score_keep=score_keep))
 
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any, *,

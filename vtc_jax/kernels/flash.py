@@ -30,7 +30,7 @@ from .tiling import MIN_DOT_BLOCK, dot_precision, next_pow2
 from .vio import VRef
 
 __all__ = ["AttentionConfig", "Flash", "KeyEnd", "Planned", "SMEM_BUDGET", "NEG", "key_end", "read_end", "keep_lanes",
-           "softmax_block", "empty_rows_mode", "masked_scores", "normalise", "int32_where"]
+           "score_lanes", "softmax_block", "empty_rows_mode", "masked_scores", "normalise", "int32_where"]
 
 SMEM_BUDGET = 128 * 1024  # bytes of staged K/V blocks; sm_90 allows 227 KiB, sm_80 163 KiB per block
 NEG = -1e30               # initial running max: finite, so exp(m_prev - m_next) is never inf - inf
@@ -156,20 +156,40 @@ def read_end(end: KeyEnd, operand: VRef | None, row: Any = 0) -> Any:
 # The flash step and the empty-row pass
 # --------------------------------------------------------------------------------------------
 
+_COMPARE = {"eq": jnp.equal, "ne": jnp.not_equal, "lt": jnp.less, "le": jnp.less_equal,
+            "gt": jnp.greater, "ge": jnp.greater_equal}
+
+
+def score_lanes(sc: jax.Array, keep: tuple[str, bool]) -> jax.Array:
+    """The lanes a mask computed from the scores keeps: ``keep = (op, when)`` keeps key ``t``
+    where ``(score op 0) == when`` (``jnp.where(s != 0, s, -inf)``: ``("ne", True)``). The
+    program compares its scores at some stage; the kernel compares its own, the same scores up to
+    positive scalings applied after the comparison (the matcher refuses anything else), which
+    keep the sign, so against 0 the lanes are the program's. ``when=False`` negates (``~(s < 0)``
+    keeps a NaN score, as the program's ``not`` does)."""
+    op, when = keep
+    hit = _COMPARE[op](sc, 0.0)
+    return hit if when else jnp.logical_not(hit)
+
+
 def softmax_block(qt: jax.Array, kb: jax.Array, vb: jax.Array, valid: jax.Array, carry: tuple, *,
                   scale: float, soft_cap: float | None, compute: Any, precision: Any,
-                  transform: Any = None, slope: Any = None, keys: Any = None, bias: Any = None) -> tuple:
+                  transform: Any = None, slope: Any = None, keys: Any = None, bias: Any = None,
+                  score_keep: tuple[str, bool] | None = None) -> tuple:
     """Stage 2 of both attention kernels: fold one K/V block into the running (max, sum, acc)
     of the online softmax, in f32; lanes not ``valid`` score ``-inf``; ``transform`` (the
     empty-row pass, :func:`masked_scores`) rewrites the scores of the valid lanes first.
     ``slope`` (rows,) with ``keys`` (1, block) int32: an ALiBi bias ``slope · key position``
     added to the scaled scores (f32, as jax adds ``slopes[:, None] * arange(T)``); ``bias``
-    (rows, block): any other additive bias's block, added the same way."""
+    (rows, block): any other additive bias's block, added the same way. ``score_keep``: a mask
+    computed from the scaled, capped scores themselves (:func:`score_lanes`)."""
     m_prev, l_prev, acc_prev = carry
     sc = jnp.dot(qt, kb.T, preferred_element_type=jnp.float32, precision=precision)
     sc = sc * scale
     if soft_cap is not None:
         sc = soft_cap * jnp.tanh(sc / soft_cap)
+    if score_keep is not None:
+        valid = valid & score_lanes(sc, score_keep)
     if slope is not None:
         sc = sc + slope[:, None] * keys.astype(jnp.float32)
     if bias is not None:
@@ -250,7 +270,8 @@ class Flash:
     jax's default on TF32 tensor cores, at ``HIGHEST`` IEEE f32; 16-bit inputs keep scores and
     accumulators in f32 and round the probabilities to V's dtype for the P·V dot); a row
     with no valid key outputs 0, NaN (``empty_nan``) or jax's softmax of its masked scores
-    (``empty_fill``, :func:`empty_rows_mode`)."""
+    (``empty_fill``, :func:`empty_rows_mode`); ``score_keep``: a mask computed from the scores
+    (:func:`score_lanes`), applied in the main loop (the empty-row pass reads every key)."""
     T: int
     block_k: int
     scale: float
@@ -259,16 +280,26 @@ class Flash:
     precision: Any
     empty_nan: bool = False
     empty_fill: tuple | None = None
+    score_keep: tuple[str, bool] | None = None
 
     @classmethod
     def of(cls, T: int, block_k: int, D: int, compute: np.dtype, *, sm_scale: float | None,
-           soft_cap: float | None, empty_rows: Any, precision: Any = None) -> "Flash":
+           soft_cap: float | None, empty_rows: Any, precision: Any = None,
+           score_keep: Any = None) -> "Flash":
         """``sm_scale`` defaults to ``1/sqrt(D)``; ``empty_rows`` as :func:`empty_rows_mode`;
-        ``precision``: the replaced dots' (lax's meaning, resolved by :func:`tiling.dot_precision`)."""
+        ``precision``: the replaced dots' (lax's meaning, resolved by :func:`tiling.dot_precision`);
+        ``score_keep``: ``(op, when)`` as :func:`score_lanes`, or None."""
         empty_nan, empty_fill = empty_rows_mode(empty_rows)
+        if score_keep is not None:
+            op, when = score_keep
+            if op not in _COMPARE or not isinstance(when, (bool, np.bool_)):
+                raise ValueError(f"score_keep must be (op, bool) with op one of {sorted(_COMPARE)}, "
+                                 f"got {score_keep!r}")
+            score_keep = (str(op), bool(when))
         return cls(T=T, block_k=block_k, scale=float(1.0 / math.sqrt(D) if sm_scale is None else sm_scale),
                    soft_cap=None if soft_cap is None else float(soft_cap), compute=compute,
-                   precision=dot_precision(precision, compute)[0], empty_nan=empty_nan, empty_fill=empty_fill)
+                   precision=dot_precision(precision, compute)[0], empty_nan=empty_nan, empty_fill=empty_fill,
+                   score_keep=score_keep)
 
     def init(self, rows: int, dvp: int) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The running (max, sum, acc) of ``rows`` query rows before any key."""
@@ -308,7 +339,8 @@ class Flash:
             return softmax_block(qt, kb, vb, ok, carry, scale=self.scale,
                                  soft_cap=self.soft_cap, compute=self.compute,
                                  precision=self.precision, transform=transform, slope=slope,
-                                 keys=lanes + t0, bias=None if load_bias is None else load_bias(t0))
+                                 keys=lanes + t0, bias=None if load_bias is None else load_bias(t0),
+                                 score_keep=self.score_keep if transform is None else None)
         return step
 
     def normalise(self, acc: jax.Array, l: jax.Array) -> jax.Array:

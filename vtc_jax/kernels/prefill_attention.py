@@ -95,7 +95,8 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
                       num_warps: int | None = None, num_stages: int | None = None,
                       backend: str = "interpret", empty_rows: Any = "zero",
                       precision: Any = None, slopes: Any = None, bias: Any = None,
-                      bias_scale: float = 1.0, keep: Any = None, keep_when: str = "nonzero") -> Any:
+                      bias_scale: float = 1.0, keep: Any = None, keep_when: str = "nonzero",
+                      score_keep: Any = None) -> Any:
     """Flash attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` for many query rows.
 
     q: logical (Z, M, D); k: (Z, T, D); v: (Z, T, Dv) — VTensors or arrays.
@@ -128,6 +129,9 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
         a boolean pred), zero (``"zero"``: an additive mask of 0 and large negatives) or zero
         (``"false"``: the pred of ``where(~m, neg, s)``). A row it leaves with no valid key outputs
         what ``empty_rows`` says. None: no such mask.
+    score_keep: a mask computed from the scores themselves, ``(op, when)``: key ``t`` is valid only
+        where ``(score op 0) == when`` on the scaled, capped score (:func:`.flash.score_lanes`).
+        Rows it empties as for ``keep``. None: no such mask.
 
     Returns the array for a fresh/one-buffer output, else the tuple of ``out``'s buffers.
     """
@@ -143,7 +147,7 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
     end, end_operand = key_end(q_offset if causal else None, kv_len, k.shape[1])
     cfg = _config(q, k, v, end, causal=causal, window=window, seq_len=seq_len, sm_scale=sm_scale,
                   soft_cap=soft_cap, block_q=block_q, block_k=block_k, num_warps=num_warps,
-                  num_stages=num_stages, empty_rows=empty_rows, precision=precision)
+                  num_stages=num_stages, empty_rows=empty_rows, precision=precision, score_keep=score_keep)
     if bias is not None:
         bias = VTensor.of(bias)
         if tuple(bias.shape) != (Z, M, k.shape[1]):
@@ -191,7 +195,7 @@ def _check(q: VTensor, k: VTensor, v: VTensor, *, block_q: int, block_k: int,
 def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, causal: bool,
             window: int | None, seq_len: int | None, sm_scale: float | None,
             soft_cap: float | None, block_q: int, block_k: int, num_warps: int | None,
-            num_stages: int | None, empty_rows: Any, precision: Any) -> _Cfg:
+            num_stages: int | None, empty_rows: Any, precision: Any, score_keep: Any = None) -> _Cfg:
     """Tiles and launch (:meth:`.flash.AttentionConfig.prefill`) and the flash parameters."""
     Z, M, D = q.shape
     T, Dv = k.shape[1], v.shape[2]
@@ -203,7 +207,7 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, causal: bool,
                 causal=bool(causal), window=None if window is None else int(window), end=end,
                 launch=launch, flash=Flash.of(T, launch.block_k, D, compute, sm_scale=sm_scale,
                                               soft_cap=soft_cap, empty_rows=empty_rows,
-                                              precision=precision))
+                                              precision=precision, score_keep=score_keep))
 
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any, *,
@@ -266,7 +270,7 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
         # T keys (a second pass, only when this block has such a row); under a runtime mask, a
         # row none of whose keys it kept summed nothing (``l == 0``: a valid key adds exp(0) = 1)
         empty = (hi <= lo if lo is not None else hi <= 0)[:, 0] & live[:, 0]
-        if c.keep:
+        if c.keep or c.flash.score_keep is not None:
             empty = empty | ((l == 0) & live[:, 0])
         n_e = int32_where(jnp.max(empty.astype(jnp.int32)) > 0, cdiv(c.T, c.bk), 0)
         _, l_e, acc_e = c.flash.empty_pass(qt, load_kv, jnp.int32(0), n_e, init)

@@ -19,6 +19,13 @@ the step it did not recognise. Accepted between q·k and p·v:
   additive bias value (the mean of V, or the softmax of ``(s + b) * f`` rounded as jax rounds it);
   other combinations are declined when such a row can happen. Scaling after a mask must keep the
   masked value <= NEG_BOUND.
+* a mask computed from the scores themselves: ``jnp.where(s != 0, s, neg)`` (a port that starts
+  from a zero cache masks the rows never written by their zero score), any comparison of the
+  scores with 0, negated or mirrored (``0 == s``, ``~(s < 0)``). The kernels compare their own
+  scaled, capped scores (``kernels.flash.score_lanes``), which equal the program's at that stage
+  up to rounding and the positive scalings allowed after a mask: the same sign, so only a
+  comparison with 0 is the program's, and only before any additive term (the kernels add biases
+  after they compare). It can empty any row (:func:`_empty_rows`), as a padding mask can.
 * additive biases that are no mask (:func:`_biases`), added before every selecting mask and not
   scaled after: ALiBi as a constant ``slope · t`` (the key position ``t``, one slope per score
   row: BLOOM's and Falcon's ``slopes[:, None] * arange(T)``, equal bit for bit in f32), which the
@@ -89,6 +96,8 @@ NEG_BOUND = -1e4          # a mask value at or below this is -inf for the kernel
 DECODE_MAX_ROWS = 16      # query rows per batch·head the decode kernel takes (one MIN_DOT tile)
 _MAX_PROBE_ELEMS = 1 << 22
 _VIEWS = frozenset(n for n, r in TABLE.items() if r.score_view)
+_COMPARE = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
+_MIRROR = {"eq": "eq", "ne": "ne", "lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}   # c op s == s op' c
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,8 @@ class _AttnMatch:
                                 # it), read by the kernels
     keep: Any = None            # a runtime mask (a padding mask): (its view as ``bias``'s, which
                                 # values keep a key: "nonzero" | "false" | "zero"), read by the kernels
+    score_keep: tuple[str, bool] | None = None   # a mask computed from the scores: keys where
+                                # ``(s op 0) == when`` (``kernels.flash.score_lanes``)
 
     @property
     def kernel(self) -> str:
@@ -272,9 +283,10 @@ def _fold_scalar(graph: Graph, t: int) -> float | None:
 
 @dataclass
 class _Role:
-    kind: str                   # s | max | shift | exp | sum | rsum | p
+    kind: str                   # s | spred | max | shift | exp | sum | rsum | p
     stage: int
     axes: tuple[Any, ...]       # per axis: the first dot's output axis it is (None: size 1)
+    cmp: tuple[str, bool] | None = None   # spred: (op, when): the value is ``(s op 0) == when``
 
 
 @dataclass
@@ -287,6 +299,7 @@ class _Mask:
     factor: float = 1.0         # scaling applied to the scores after this mask
     stage: int = 0              # the scores' stage this mask produced
     when: tuple[int, bool] | None = None   # applied only where this scalar pred has this value
+    score: str | None = None    # computed from the scores: keeps lanes where ``(s score 0) == keep``
 
 
 def _view_axes(graph: Graph, op: Any, axes: tuple[Any, ...], sizes: dict[int, int]) -> tuple[Any, ...] | None:
@@ -384,6 +397,48 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
             m.when = (op.inputs[0], ib == 2)
         new_stage(op.outputs[0], b.axes)
 
+    def score_compare(op: Any, r: _Role, i0: int, other: int) -> None:
+        """``s op 0``: a mask computed from the scores (``where(s != 0, s, -inf)``). The kernels
+        compare their own scores, which equal these up to the positive scalings that may follow a
+        mask: the same sign, so only a comparison with 0 is the program's, and only of scores no
+        additive term has touched (the kernels add a bias after they compare)."""
+        c0 = _fold_scalar(graph, other)
+        if c0 != 0.0:
+            fail(op, f"compares the scores with {'a runtime value' if c0 is None else c0}: a mask computed "
+                     "from the scores is taken against 0 only (the kernels' scores equal the program's "
+                     "up to rounding, which keeps just their sign)")
+        if any(m.keep is None for m in st["masks"]):
+            fail(op, "compares scores an additive term was added to (the kernels compare them before "
+                     "adding it)")
+        role[op.outputs[0]] = _Role("spred", r.stage, r.axes,
+                                    (op.primitive if i0 == 0 else _MIRROR[op.primitive], True))
+
+    def score_select(op: Any, tagged: list[tuple[int, _Role]]) -> None:
+        """A comparison of the scores, negated by ``not`` or used by the ``select_n`` it feeds:
+        ``where(s op 0, s, neg)`` masks the lanes it does not keep."""
+        r, out = tagged[0][1], op.outputs[0]
+        if op.primitive == "not" and len(op.inputs) == 1:
+            role[out] = _Role("spred", r.stage, r.axes, (r.cmp[0], not r.cmp[1]))
+            return
+        if not (op.primitive == "select_n" and len(op.inputs) == 3 and tagged[0][0] == 0
+                and len(tagged) == 2 and tagged[1][1].kind == "s"):
+            fail(op, "uses a comparison of the scores other than to select the scores it compared")
+        i1, rs = tagged[1]
+        latest(op, rs)
+        if rs.stage != r.stage or rs.axes != r.axes:
+            fail(op, "selects scores by a comparison of other scores")
+        rng = _fold_range(graph, op.inputs[3 - i1])
+        v = None if rng is None else rng[1]
+        if v is None or v > NEG_BOUND:
+            fail(op, f"selects the scores against {'a runtime value' if v is None else v}, "
+                     f"not a mask value <= {NEG_BOUND:g} (-inf, finfo.min, -1e9, ...)")
+        if any(m.score for m in st["masks"]):
+            fail(op, "is a second mask computed from the scores")
+        op_, when = r.cmp   # case 2 (the scores) is taken where the pred is true
+        st["masks"].append(_Mask(op.inputs[0], when if i1 == 2 else not when, rs.axes, fill=v,
+                                 fill_lo=rng[0], stage=st["stage"] + 1, score=op_))
+        new_stage(out, rs.axes)
+
     def key_of(op: Any, r: _Role, axes_param: Any) -> None:
         ax = tuple(r.axes[a] for a in axes_param)
         if len(ax) != 1 or ax[0] is None or isinstance(ax[0], tuple):
@@ -417,7 +472,10 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
             if axes is None:
                 fail(op, f"regroups the axes of the {_NAMES[k]} ({graph.tensors[op.inputs[0]].shape}"
                          f" -> {graph.tensors[out].shape})")
-            role[out] = _Role(k, r.stage, axes)
+            role[out] = _Role(k, r.stage, axes, r.cmp)
+            continue
+        if k == "spred":
+            score_select(op, tagged)
             continue
         if p == "select_n" and len(op.inputs) == 3 and len(tagged) == 2 and \
                 all(t.kind == "s" for _, t in tagged) and graph.tensors[op.inputs[0]].shape == () \
@@ -467,6 +525,9 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
             if p == "exp":
                 st["nomax"] = True
                 role[out] = _Role("exp", r.stage, r.axes)
+                continue
+            if p in _COMPARE and len(others) == 1:
+                score_compare(op, r, i0, others[0])
                 continue
             fail(op, f"on the scores is not a scale, soft-cap, mask or softmax step")
         if k == "max" and p in ("max", "min") and len(others) == 1:
@@ -897,7 +958,6 @@ def _bias_masks_nothing(graph: Graph, m: _Mask, T: int) -> None:
                           "with every key masked would not be jax's")
 
 
-_COMPARE = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
 _LANE_VIEWS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose"})
 
 
@@ -1045,12 +1105,18 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     d1 = a["d1"]
     shape = graph.tensors[d1.outputs[0]].shape
     bias_values: set[float] = set()
+    score = [m for m in st["masks"] if m.score]          # computed from the scores: no tensor to fit
+    st["masks"] = [m for m in st["masks"] if not m.score]
     keep = _runtime_mask(graph, st, dims, shape, bias_values)
     alibi, bias = _biases(graph, st, dims, shape)
+    if score and (alibi is not None or bias is not None):
+        raise Decline("an additive bias with a mask computed from the scores (the kernels compare the "
+                      "scores before adding it)")
     seq_axis, causal, hi_c, hi_x, window, empty, per_row = _fit_mask(graph, st["masks"], dims, shape,
                                                                       bias_values)
-    # a padding mask can empty any row
-    empty_rows = _empty_rows(st["masks"] + ([keep] if keep else []), bias_values, empty or keep is not None)
+    # a padding mask, or a mask computed from the scores, can empty any row
+    empty_rows = _empty_rows(st["masks"] + ([keep] if keep else []) + score, bias_values,
+                             empty or keep is not None or bool(score))
     inner, outer = st["inner"], st["outer"]
     if st["tanh"]:
         scale, cap = inner * outer, outer
@@ -1082,7 +1148,8 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
         raise Decline(f"sliding window of {window} keys")
     # the decode kernel's split programs cannot tell a row a runtime mask empties: jax's softmax of
     # its masked scores (a finite fill) is the prefill kernel's
-    decode = not causal and rows <= DECODE_MAX_ROWS and (keep is None or empty_rows in ("zero", "nan"))
+    decode = not causal and rows <= DECODE_MAX_ROWS and (
+        (keep is None and not score) or empty_rows in ("zero", "nan"))
     if seq_axis is None:
         S = rows
     # the bias's / runtime mask's axes onto the first-dot axes, then canonical order
@@ -1099,7 +1166,7 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     return _AttnMatch(q, k, v, c.outputs[0], q_perm, k_perm, v_perm, out_perm, batch, rows, S, T, D, Dv,
                       float(scale), None if cap is None else float(cap), causal, int(hi_c), hi_x,
                       None if window is None else int(window), decode, empty_rows, per_row, precision,
-                      slopes, bias_view, keep_view)
+                      slopes, bias_view, keep_view, (score[0].score, bool(score[0].keep)) if score else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1187,6 +1254,8 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
                 kw.update(bias=re(bias_of(run, m.bias), (B, hk, g * R, T)), bias_scale=m.bias[-1])
             if m.keep is not None:
                 kw.update(keep=re(bias_of(run, m.keep[0]), (B, hk, g * R, T)), keep_when=m.keep[1])
+            if m.score_keep is not None:
+                kw["score_keep"] = m.score_keep
             res = decode_attention(re(q, (B, hk, g * R, D)), per_group(k), per_group(v),
                                    sm_scale=m.scale, soft_cap=m.soft_cap, out=re(out, (B, hk, g * R, Dv)),
                                    backend=backend, empty_rows=m.empty_rows, precision=m.precision, **kw)
@@ -1202,6 +1271,8 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
                 kw.update(bias=re(bias_of(run, m.bias), (B * hk, g * R, T)), bias_scale=m.bias[-1])
             if m.keep is not None:
                 kw.update(keep=re(bias_of(run, m.keep[0]), (B * hk, g * R, T)), keep_when=m.keep[1])
+            if m.score_keep is not None:
+                kw["score_keep"] = m.score_keep
             res = prefill_attention(re(q, (B * hk, g * R, D)), re(per_group(k), (B * hk, T, D)),
                                     re(per_group(v), (B * hk, T, Dv)), seq_len=m.seq, sm_scale=m.scale,
                                     soft_cap=m.soft_cap, out=re(out, (B * hk, g * R, Dv)),
