@@ -212,13 +212,11 @@ def test_pad_with_runtime_fill_has_no_edge():
 
 @pytest.mark.parametrize("fn, args, why", [
     (lambda x, i: jnp.take(x, i, axis=0), (arr(4, 6), jnp.array([0, 2])), "fills out-of-bounds rows"),
-    (lambda x, i: x[i * 2], (arr(4, 6), jnp.array([0, 1])), "by mul"),
-    (lambda x, i, j: x[i, j], (arr(4, 6), jnp.array([0, 1]), jnp.array([2, 3])), "2 runtime tensors"),
-    (lambda x, i, j: x[j[i]], (arr(4, 6), jnp.array([0, 1]), jnp.array([2, 3, 1])), "by gather"),
-    (lambda x, i: x[i + 1], (arr(4, 6), jnp.array([0, 1])), "not one table element"),
     (lambda x: x[np.array([0, 3, 1])], (arr(4, 6),), "not a strided run"),
     (lambda x: x.at[np.array([0, 2])].set(0.0), (arr(4, 6),), "constant indices"),
-    (lambda x, i, r: x.at[i].set(r), (arr(4, 6), jnp.array([0, 2]), arr(2, 6)), "may repeat"),
+    (lambda x, f: x[(f * 2).astype(jnp.int32)], (arr(4, 6), jnp.array([0.0, 1.0])), "integer index arithmetic"),
+    (lambda x, i: x[jnp.argmax(x[:2] * i[:, None], axis=0)], (arr(4, 6), jnp.array([1, 2])),
+     "integer index arithmetic"),
 ])
 def test_opaque_gather_scatter(fn, args, why):
     g = trace(fn, *args)
@@ -226,6 +224,49 @@ def test_opaque_gather_scatter(fn, args, why):
     op = ops[-1]   # the outermost (``x[j[i]]``: the inner ``j[i]`` reads j through table i)
     assert rules(op, g) == () and is_movement_op(op, g)
     assert why in explain_no_edges(op, g)
+
+
+@pytest.mark.parametrize("fn, args, expect", [
+    (lambda x, i: x[i * 2], (arr(4, 6), jnp.array([0, 1])), "(d0, d1) -> (T[d0, 0], d1)"),
+    (lambda x, i, j: x[i, j], (arr(4, 6), jnp.array([0, -1]), jnp.array([2, 9])),
+     "(d0) -> (T[d0, 0], T[d0, 1])"),
+    (lambda x, i, j: x[j[i]], (arr(4, 6), jnp.array([0, 1]), jnp.array([2, 3, 1])), "(d0, d1) -> (T[d0, 0], d1)"),
+    (lambda x, i: x[i + 1], (arr(4, 6), jnp.array([0, 5])), "(d0, d1) -> (T[d0, 0], d1)"),
+])
+def test_gathers_at_computed_indices_read_the_index_array(fn, args, expect):
+    """Indices computed from input tables by more than views (arithmetic, two tables, a table read
+    through another) are read from the index array XLA computes, as they are (clamped as XLA
+    clamps a gather's starts); ``check_edge`` evaluates the map on that array."""
+    g, edges = run(fn, *args, primitive="gather")
+    last = max(e.op for e in edges)      # the outermost gather (``x[j[i]]``: j[i] reads input table i)
+    main = [e for e in edges if "indirect" in e.note and e.op == last]
+    assert len(main) == 1 and main[0].direction == R, edges
+    (info,) = main[0].map.syms
+    assert info.is_table and g.producer(info.source) is not None   # computed in the program
+    assert str(main[0].map) == expect.replace("T", info.name)
+
+
+@pytest.mark.parametrize("lens", [[5, 16, 11], [0, 1, 99]], ids=["in range", "wrapped, dropped"])
+def test_paged_page_writes_through_two_tables(lens):
+    """vLLM's page write ``pages.at[block_table[b, (len[b] - 1) // page], (len[b] - 1) % page]``:
+    both coordinates computed from two tables (a nested read and integer arithmetic), read from
+    the index array; a row whose page index lands out of bounds is dropped, as XLA drops it."""
+    def f(pages, rows, tbl, lens):
+        pos = lens - 1
+        return pages.at[tbl[jnp.arange(3), pos // 4], pos % 4].set(rows)
+
+    tbl = jnp.array([[3, 0, 7, 5], [1, 2, 4, 6], [8, 9, 10, 40]], jnp.int32)
+    g, edges = run(f, arr(13, 4, 2), -arr(3, 2), tbl, jnp.array(lens, jnp.int32), primitive="scatter")
+    assert [(e.direction, e.inplace) for e in edges] == [(R, True), (W, False)]
+    m = edges[1].map
+    assert m.syms[0].is_table and m.conds, str(m)
+
+
+def test_a_scatter_may_send_two_rows_to_one_place():
+    """``x.at[i].set(r)`` with a repeated index: jax leaves which update lands unspecified
+    (``unique_indices=False``), so the write edge is offered as for distinct rows."""
+    g, edges = run(lambda x, i, r: x.at[i].set(r), arr(4, 6), jnp.array([0, 2]), arr(2, 6), primitive="scatter")
+    assert [(e.direction, e.inplace) for e in edges] == [(R, True), (W, False)]
 
 
 @pytest.mark.parametrize("table", [[[3, 0, 7, 5], [1, 2, 4, 6], [8, 9, 10, 11]],      # a permutation

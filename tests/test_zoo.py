@@ -136,7 +136,7 @@ def _cases():
 # corpus programs held to the zoo's four modes (issue #24's additions): name -> vmapped argnums
 CORPUS_MODES = {"t5_relative_attention_linen": (1,), "falcon_alibi_mqa_prefill": (1,),
                 "bloom_alibi_decode": (1, 2, 3), "rolling_kv_decode": (1, 2, 3),
-                "paged_kv_decode": (0, 1, 2), "bert_padding_mask_linen": (1, 2)}
+                "paged_kv_decode": (0, 1, 2), "paged_kv_decode_layer": (0,), "bert_padding_mask_linen": (1, 2)}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -157,6 +157,33 @@ def test_corpus_attention_matches_jit_in_every_mode(name, mode):
         check_close(out, ref)
         report = vtc_jax.explain(e.step, guard=None)(*e.args)
     assert [r for _, kind, r in report.templates if kind == "attention"] == ["kernel"], report.templates
+
+
+def _continuous_batching():
+    from tests.zoo.styles import CASES
+    step, args = CASES["continuous_batching_decode"]()
+    return step, args, (3, 4), (0, 1, 2)
+
+
+def _groupnorm_block():
+    from tests.zoo.corpus import CORPUS
+    e = CORPUS["unet_up_block_linen"]("small")
+    return e.step, e.args, (), (1, 2)
+
+
+# issue #24's other additions held to the four modes: continuous batching (a (B,) position vector,
+# rows scattered per sequence) and a GroupNorm conv block (flax's nn.GroupNorm in a U-Net step)
+OTHER_MODES = {"continuous_batching_decode": _continuous_batching, "unet_up_block_linen": _groupnorm_block}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(OTHER_MODES))
+def test_serving_and_groupnorm_programs_match_jit_in_every_mode(name, mode):
+    step, args, donate, axes = OTHER_MODES[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        out, ref = _run(mode, step, args, donate, axes, guard=None)
+    check_close(out, ref)
 
 
 @pytest.mark.parametrize("name,mode", list(_cases()))
@@ -317,6 +344,31 @@ def test_paged_cache_at_paper_size_reads_pages_in_the_attention_kernel():
     assert {m[0] for m in big} <= {"stablehlo.scatter"}, big
     notes = [row for row in str(report).splitlines() if "indirect gather through table" in row]
     assert len(notes) == 2 and all("[d0, (d1) floordiv 16]" in n for n in notes), notes
+
+
+def test_paged_layer_at_paper_size_writes_its_rows_into_their_pages():
+    """The paged decode layer (rows projected in the step) at paper size, lowered for CUDA: the
+    page writes, at indices read through two tables, are done by the kernels that make the rows
+    (no scatter left), the pages are read by the decode kernel through the block table (no gather
+    of cache size), and explain names both maps."""
+    from tests.zoo.corpus import CORPUS
+    from vtc_jax.testing import cross_lower
+    e = CORPUS["paged_kv_decode_layer"]("paper")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        mod = cross_lower(vtc_jax.optimize(e.step, backend="triton", donate_argnums=e.donate_argnums,
+                                           guard=None), *e.args)
+        report = vtc_jax.explain(e.step, donate_argnums=e.donate_argnums, guard=None)(*e.args)
+    names = [k.name for k in mod.triton_kernels]
+    assert any(n.startswith("vtc_decode_attention") for n in names), names
+    assert mod.count("stablehlo.scatter") == 0 and mod.count("stablehlo.dynamic_update_slice") == 0
+    cache_elems = 16 * 256 * 16 * 8 * 128
+    big = [m for m in mod.movement_into_consumers() if _elements(m[2]) >= cache_elems]
+    assert not big, big
+    text = str(report)
+    assert sum("indirect gather through table" in r for r in text.splitlines()) == 2
+    writes = [r for r in text.splitlines() if "indirect scatter through table" in r]
+    assert len(writes) == 2 and all("[d0, 0]" in r and "[d0, 1]" in r for r in writes), writes
 
 
 def _elements(ty):

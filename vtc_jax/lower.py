@@ -38,10 +38,13 @@ from .cluster import Cluster
 from .graph import Graph, Op
 from .indexmap import Layout, Piece, point
 from .kernels.vio import VTensor
+from .movement import TABLE_LIMIT
 from .primitives import CALL_LIKE, KERNEL_CALLS, Direction, Kind, Role, inplace_operand, role_of
 from .strategy import Resolution, Strategy
 from .templates import TEMPLATES, KernelBuildError, Match, Reject, Step
 from .testing import cross_lower
+
+EARLY_LIMIT = 32   # elements of a scalar index tensor (``pos`` glue) computed before its cluster's turn
 
 __all__ = ["lower", "Lowered"]
 
@@ -85,11 +88,13 @@ class _Run:
         out = {}
         for p in layout.pieces:
             for s in p.map.syms:
-                v = jnp.asarray(self.value(s.source), jnp.int32)
+                v = jnp.asarray(self.value(s.source, early=TABLE_LIMIT if s.is_table else EARLY_LIMIT), jnp.int32)
                 out[s.name] = v if s.is_table else jnp.clip(v, s.lo, s.hi)   # a table: each read clamps
         return tuple(sorted(out.items()))
 
-    def value(self, t: int) -> Any:
+    def value(self, t: int, early: int = 0) -> Any:
+        """``t``'s value now; ``early``: a physical tensor not computed yet of at most this many
+        elements is computed here from its producer (:meth:`_early`)."""
         info = self.graph.tensors[t]
         if info.const is not None:
             return info.const
@@ -97,7 +102,7 @@ class _Run:
             return self.vals[t]
         if not self.is_virtual(t):
             if t not in self.env:
-                self._early(t)
+                self._early(t, early)
             return self.env[t]
         v = self._by_ops(t)
         if v is None:
@@ -107,13 +112,15 @@ class _Run:
         self.vals[t] = v
         return v
 
-    def _early(self, t: int) -> None:
-        """Compute a scalar index tensor (``pos`` glue) before its cluster's turn: a kernel's map
-        may need it earlier than the cluster order reaches the glue that computes it."""
+    def _early(self, t: int, limit: int) -> None:
+        """Compute an index tensor before its cluster's turn: a kernel's map may need a scalar
+        (``pos`` glue, up to ``EARLY_LIMIT`` elements) or an index table computed from input tables
+        (``movement._computed_table``: up to ``TABLE_LIMIT``, its computation read-only on inputs)
+        earlier than the cluster order reaches the glue that computes it."""
         op = self.graph.producer(t)
-        if op is None or self.graph.tensors[t].size > 32:
+        if op is None or self.graph.tensors[t].size > max(limit, EARLY_LIMIT):
             raise RuntimeError(f"t{t} is needed before it is computed")
-        out = op.bind(*(self.value(x) for x in op.inputs))
+        out = op.bind(*(self.value(x, limit) for x in op.inputs))
         for x, v in zip(op.outputs, out if op.prim.multiple_results else (out,)):
             self.env[x] = v
 

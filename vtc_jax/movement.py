@@ -20,9 +20,11 @@ Starts that are compile-time constants (also when computed from constants) are f
 A gather whose indices are computed from a runtime integer table (a paged KV cache's
 ``pages[block_table[:, t // page], t % page]``) maps through :class:`indexmap.Load` atoms: the
 index computation is probed with coded tables (:func:`_probe_indices`), which tells which index
-coordinates read which table element and how a negative entry is normalised. A scatter of whole
-rows at such indices (a cache row per sequence at its own position) is an in-place update whose
-rows are written through the same atoms, where the index is in bounds (:func:`_scatter`).
+coordinates read which table element and how a negative entry is normalised; indices computed
+from input tables by more than views (a page write at ``block_table[b, (len[b] - 1) // page]``)
+are read from the index array XLA computes (:func:`_computed_table`). A scatter of whole rows at
+such indices (a cache row per sequence at its own position, a page write) is an in-place update
+whose rows are written through the same atoms, where the index is in bounds (:func:`_scatter`).
 """
 from __future__ import annotations
 
@@ -435,9 +437,10 @@ def _scatter(c: _Ctx) -> tuple[Edge, ...]:
     ``pages.at[blk, off].set(row)`` where ``blk`` reads the block table): out ⇢ operand in place
     (as ``dynamic_update_slice``), and the rows ⇢ out through :class:`Load` atoms, under the
     condition that the index is in bounds (XLA skips an update whose row is out of bounds; a
-    negative index is wrapped first, as jnp does). The indices must not repeat whatever the table
-    holds: a table-independent coordinate (``arange(B)``) must tell every update apart (with a
-    repeated row, which update XLA keeps is unspecified)."""
+    negative index is wrapped first, as jnp does). Where the table sends two updates to one row
+    (two sequences given one page), jax leaves which update lands unspecified (``.at[].set`` is a
+    scatter with ``unique_indices=False``: XLA writes the rows in no defined order, element by
+    element), and so does a kernel writing the rows from several programs."""
     dn, xs = c.p["dimension_numbers"], c.shape(c.x)
     t_idx, upd = c.op.inputs[1], c.op.inputs[2]
     a_dims = tuple(dn.scatter_dims_to_operand_dims)
@@ -451,10 +454,6 @@ def _scatter(c: _Ctx) -> tuple[Edge, ...]:
     if static_value(t_idx, c.graph) is not None:
         raise NoEdges("scatter writes at data-dependent indices (constant indices: not modelled)")
     table, coords = _probe_indices(t_idx, c.graph)
-    static = [val for kind, val in coords if kind == "static"]
-    if not static or len({tuple(v) for v in np.stack([np.asarray(v).reshape(-1) for v in static], -1)}) \
-            != int(np.prod(c.shape(t_idx)[:-1])):
-        raise NoEdges("scatter indices may repeat (no table-independent coordinate tells every row apart)")
     tinfo = c.graph.tensors[table]
     name = f"t{table}"
     batch_u = [o for o in range(len(us)) if o not in window]
@@ -499,7 +498,75 @@ def _table_index(positions: np.ndarray, shape: tuple[int, ...], to: dict, bounds
 
 
 def _probe_indices(t: int, graph: Graph) -> tuple[int, list[tuple[Any, np.ndarray]]]:
-    """Which table the gather indices ``t`` are read from, and per index coordinate either
+    """Which table the gather/scatter indices ``t`` are read from, and per index coordinate either
+    ``("static", values)`` or ``(wrap, flat table positions)``: one input table seen through views
+    (:func:`_probe_input_table`), else the indices themselves as XLA computes them
+    (:func:`_computed_table`)."""
+    try:
+        return _probe_input_table(t, graph)
+    except NoEdges as first:
+        try:
+            return _computed_table(t, graph)
+        except NoEdges as second:
+            raise NoEdges(f"{first}; read as computed indices: {second}") from None
+
+
+def _computed_table(t: int, graph: Graph) -> tuple[int, list[tuple[Any, np.ndarray]]]:
+    """The indices ``t`` as the table, where they are computed from input tables by more than
+    views: a paged cache's page write at ``(block_table[b, (len[b] - 1) // page], (len[b] - 1) %
+    page)`` reads two tables through integer arithmetic. XLA computes them — a few integers per
+    row, as it does for its own scatter — and a kernel reads each row's index from that array as
+    it is (the computation holds jnp's wrapping of negative indices; the Load's clamp and the
+    scatter's bounds condition are XLA's). A coordinate computed from constants alone
+    (``arange(B)`` in ``.at[arange(B), f(pos)]``) stays static. The computation reads only program
+    inputs and constants, so it can run before any kernel (``lower._Run.value``), and is small."""
+    info = graph.tensors[t]
+    if not _integer_or_bool(info.dtype) or info.dtype == np.bool_ or not 0 < info.size <= TABLE_LIMIT:
+        raise NoEdges("indices computed in the program that are not a small integer array")
+    stack, seen, n_ops = [t], set(), 0
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if static_value(u, graph) is not None:
+            continue
+        op = graph.producer(u)
+        if op is None:
+            if u not in graph.inputs:
+                raise NoEdges("indices computed from a value that is not a program input")
+            continue
+        n_ops += 1
+        if op.primitive in CONTROL_FLOW or n_ops > 256 or any(
+                graph.tensors[o].size > PROBE_LIMIT or not _integer_or_bool(graph.tensors[o].dtype)
+                for o in op.outputs):
+            raise NoEdges(f"indices computed by {op.primitive} (integer index arithmetic on input tables "
+                          "is modelled)")
+        stack.extend(op.inputs)
+    parts: list[Any] = [None] * info.shape[-1]      # coordinate -> (its part, column) when static
+    op = graph.producer(t)
+    if op is not None and op.primitive == "concatenate" and op.params["dimension"] == len(info.shape) - 1:
+        k = 0
+        for x in op.inputs:
+            for j in range(graph.tensors[x].shape[-1]):
+                parts[k] = (x, j)
+                k += 1
+    positions = np.arange(info.size).reshape(info.shape)
+    coords: list[tuple[Any, np.ndarray]] = []
+    for k in range(info.shape[-1]):
+        val = None if parts[k] is None else static_value(parts[k][0], graph)
+        coords.append(("static", np.asarray(val)[..., parts[k][1]]) if val is not None
+                      else (0, positions[..., k]))
+    return t, coords
+
+
+def _integer_or_bool(dtype: Any) -> bool:
+    """An integer or boolean numpy dtype (not a PRNG key's extended dtype, which numpy cannot read)."""
+    return isinstance(dtype, np.dtype) and (np.issubdtype(dtype, np.integer) or dtype == np.bool_)
+
+
+def _probe_input_table(t: int, graph: Graph) -> tuple[int, list[tuple[Any, np.ndarray]]]:
+    """Which input table the gather indices ``t`` are read from, and per index coordinate either
     ``("static", values)`` or ``(wrap, flat table positions)``.
 
     The index computation is evaluated three times with the table replaced by codes (its flat

@@ -818,6 +818,47 @@ def paged_kv_decode(size):
 
 
 @case
+def paged_kv_decode_layer(size):
+    """The paged decode step with its rows made in the step, as a model's attention layer runs it
+    over vLLM's block tables: q/k/v projections of the hidden state (bf16), RoPE-free; the new
+    rows written at ``pages[block_table[b, (len[b] - 1) // page], (len[b] - 1) % page]`` (two
+    tables and integer arithmetic: a nested read), the keys gathered through the block table, GQA
+    scores with a per-sequence length mask, f32 softmax, the output projection."""
+    B, page, M, H, KV, D, DM = _pick(size, (3, 4, 4, 4, 2, 8, 32), (16, 16, 256, 32, 8, 128, 4096))
+    P = B * M + 1
+    G = H // KV
+    g = _Gen(size, 17)
+    x = g.normal(B, DM, dtype=BF16)
+    wq, wk, wv = g.w(DM, H * D, dtype=BF16), g.w(DM, KV * D, dtype=BF16), g.w(DM, KV * D, dtype=BF16)
+    wo = g.w(H * D, DM, dtype=BF16)
+    kp, vp = g.normal(P, page, KV, D, dtype=BF16), g.normal(P, page, KV, D, dtype=BF16)
+    if g.paper:
+        table, lens = jax.ShapeDtypeStruct((B, M), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32)
+    else:
+        table = jax.random.permutation(jax.random.PRNGKey(17), P)[: B * M].reshape(B, M).astype(jnp.int32)
+        lens = jnp.array([5, 16, 11], jnp.int32)
+
+    def step(x, wq, wk, wv, wo, k_pages, v_pages, block_table, seq_lens):
+        q = (x @ wq).reshape(B, KV, G, D)
+        k_new, v_new = (x @ wk).reshape(B, KV, D), (x @ wv).reshape(B, KV, D)
+        pos = seq_lens - 1
+        blk = block_table[jnp.arange(B), pos // page]
+        k_pages = k_pages.at[blk, pos % page].set(k_new)
+        v_pages = v_pages.at[blk, pos % page].set(v_new)
+        t = jnp.arange(M * page)
+        k = k_pages[block_table[:, t // page], t % page]                    # (B, T, KV, D)
+        v = v_pages[block_table[:, t // page], t % page]
+        s = jnp.einsum("bkgd,btkd->bkgt", q, k).astype(F32) * D ** -0.5
+        s = jnp.where((t[None] < seq_lens[:, None])[:, None, None], s, -jnp.inf)
+        probs = jax.nn.softmax(s, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bkgt,btkd->bkgd", probs, v).reshape(B, H * D)
+        return out @ wo, k_pages, v_pages
+
+    return Entry(step, (x, wq, wk, wv, wo, kp, vp, table, lens), donate_argnums=(5, 6),
+                 style="vLLM paged decode layer: rows projected in the step, written through two tables")
+
+
+@case
 def t5_relative_attention_linen(size):
     """A T5 encoder self-attention sublayer in flax.linen as HF's FlaxT5Attention computes it: T5's
     RMS LayerNorm, q/k/v/o ``nn.Dense`` without bias, no 1/sqrt(d) scaling, the relative-position
