@@ -45,6 +45,8 @@ def models() -> dict:
         "llama_pure (additive -1e30)": (llama_pure.make_step("additive_1e30"), llama_pure.example_args, (2,)),
         "llama_pure (real RoPE, where -inf)": (llama_pure.make_step("where_ninf", rope="real"),
                                                 llama_pure.example_args, (2,)),
+        "llama_pure (mask on the scores, != 0)": (llama_pure.make_step("scores_nonzero"),
+                                                   llama_pure.zero_tail_args, (2,)),
         "gemma_flax": (gemma_flax.step, gemma_flax.example_args, (2, 3)),
         "gemma_flax (lax.cond window)": (gemma_flax.step_cond, gemma_flax.example_args, (2, 3)),
         "gemma_flax (heads by reshape)": (gemma_flax.step_heads, gemma_flax.example_args, (2, 3)),
@@ -74,6 +76,10 @@ NOTES = {
     "llama_pure (real RoPE, where -inf)": (
         "the control: the real RoPE is the same one fused kernel per rotated tensor (K row into the "
         "cache), the V row's guarded select in the same launch, as above"),
+    "llama_pure (mask on the scores, != 0)": (
+        "as llama_pure: the mask is the scores' own (`where(scores != 0, scores, -inf)`, a zero cache "
+        "row never written scores 0), computed by the decode kernel on its scores "
+        "(kernels.flash.score_lanes)"),
     "gemma_flax": (
         "none of activation size. K and V come from one einsum with a stacked [2, d, KV, hd] weight: "
         "`kv[0]`, `kv[1]` are traced as one split (graph._slices_as_split), and the projection "

@@ -85,7 +85,10 @@ import numpy as np
 
 from ..cluster import Cluster
 from ..graph import Graph
+from ..kernels.attention import decode_attention
+from ..kernels.prefill_attention import prefill_attention
 from ..kernels.tiling import more_precise, native_precision, precision_unsupported
+from ..kernels.vio import VTensor
 from ..primitives import TABLE, Kind
 from .base import Decline, Run, Step, Template
 from .stage2 import buffers_of
@@ -1188,7 +1191,6 @@ def _group_size(k: Any, heads: int) -> int:
 
 
 def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
-    from ..kernels.vio import VTensor
     H = m.batch[-1] if m.batch else 1
     B = int(np.prod(m.batch)) // H if m.batch else 1
     R, T, D, Dv = m.rows, m.T, m.D, m.Dv
@@ -1243,7 +1245,6 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
 
         kw: dict[str, Any] = {} if m.window is None else {"window": m.window}
         if m.decode:
-            from ..kernels.attention import decode_attention
             if m.hi_scalar is not None and m.hi_const == 1:
                 kw["pos"] = pos       # keys t <= pos: the decode kernel's own form
             elif m.hi_scalar is not None or m.hi_const < T or m.window is not None:
@@ -1260,7 +1261,6 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
                                    sm_scale=m.scale, soft_cap=m.soft_cap, out=re(out, (B, hk, g * R, Dv)),
                                    backend=backend, empty_rows=m.empty_rows, precision=m.precision, **kw)
         else:
-            from ..kernels.prefill_attention import prefill_attention
             if m.causal:
                 kw.update(causal=True, q_offset=end_minus(1))
             elif m.hi_scalar is not None or m.hi_const < T or m.window is not None:

@@ -23,6 +23,9 @@ import numpy as np
 
 from ..cluster import Cluster
 from ..graph import Graph
+from ..kernels.conv import conv
+from ..kernels.matmul import matmul
+from ..kernels.pointwise import f32_math
 from ..kernels.tiling import precision_unsupported
 from ..primitives import Kind
 from .base import Decline, Run, Step, Template
@@ -86,7 +89,6 @@ def _keeps_zero(graph: Graph, chain: tuple[int, ...], base: int, x: int) -> bool
 
 def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, ContractionMatch, str], Step]:
     def build(graph: Graph, c: Cluster, m: ContractionMatch, backend: str) -> Step:
-        from ..kernels.pointwise import f32_math
         op = graph.ops[m.op]
         lhs, rhs = m.operands or op.inputs[:2]
         pro = tuple(f32_math(block_fn(graph, ch, [base], [x])) if ch else None
@@ -111,14 +113,12 @@ def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, Contrac
 
 
 def _matmul(a: Any, b: Any, p: Mapping[str, Any], backend: str, **kw: Any) -> Any:
-    from ..kernels.matmul import matmul
     return matmul(a, b, dimension_numbers=p["dimension_numbers"],
                   preferred_element_type=p.get("preferred_element_type"), precision=p.get("precision"),
                   backend=backend, **kw)
 
 
 def _conv(x: Any, w: Any, p: Mapping[str, Any], backend: str, **kw: Any) -> Any:
-    from ..kernels.conv import conv
     return conv(x, w, window_strides=p["window_strides"], padding=p["padding"],
                 lhs_dilation=p.get("lhs_dilation"), rhs_dilation=p.get("rhs_dilation"),
                 dimension_numbers=p["dimension_numbers"], feature_group_count=p["feature_group_count"],

@@ -38,6 +38,8 @@ import numpy as np
 
 from ..graph import Graph
 from ..indexmap import IndexMap, Layout, NotComposable, Piece, box_conds, const, dim, point
+from ..kernels.vio import VTensor
+from ..movement import rules
 from ..primitives import TABLE, Direction, block_safe, is_movement_op
 from .base import Decline
 
@@ -194,7 +196,6 @@ MAX_VALUES = 1024
 def plan(graph: Graph, ops: Sequence[int], inputs: Sequence[int], outputs: Sequence[int]) -> IslandPlan:
     """The straight-line program of a pointwise cluster whose ops include movement (see module
     docstring). Raises :class:`Decline` for what it cannot recompute."""
-    from ..movement import rules
 
     made: dict[int, tuple[Any, int]] = {}
     for oid in ops:
@@ -331,7 +332,6 @@ def leaf_vtensor(x: Any, load: Load | Mask) -> Any:
     """The kernel input of a ``Load`` (``x``: the cluster input as the lowering gives it, an array
     or a VTensor) or a ``Mask`` (``x`` ignored): a VTensor over the same buffers, read through the
     composed map."""
-    from ..kernels.vio import VTensor
     if isinstance(load, Mask):
         return VTensor(load.where, np.dtype(np.int32), (jnp.ones((1,), jnp.int32),))
     v = VTensor.of(x)

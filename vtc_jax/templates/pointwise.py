@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..cluster import Cluster
 from ..graph import Graph
+from ..kernels.pointwise import choose_block, pointwise
 from ..primitives import Kind, is_movement_op
 from .island import IslandPlan, Load, leaf_vtensor
 from .island import plan as island_plan
@@ -52,7 +53,6 @@ def _match(graph: Graph, c: Cluster) -> PointwiseMatch:
 
 
 def _build(graph: Graph, c: Cluster, m: PointwiseMatch, backend: str) -> Step:
-    from ..kernels.pointwise import choose_block, pointwise
     iota_out = {graph.ops[o].outputs[0]: graph.ops[o] for o in m.iotas}
 
     def load(run: Run, t: int) -> object:

@@ -17,6 +17,8 @@ from typing import Any, Callable, Sequence
 
 from ..cluster import Cluster
 from ..graph import Graph
+from ..kernels.reduction import Stat, row_reduce
+from ..kernels.vio import VTensor
 from ..primitives import TABLE, Kind, Role, block_safe, role_of
 from .base import Decline, Run, Step, Template
 from .stage2 import broadcast_input, buffers_of, const_value, kernel_inputs
@@ -196,8 +198,6 @@ def _inline(graph: Graph, t: int) -> bool:
 
 
 def _build(graph: Graph, c: Cluster, m: ReductionMatch, backend: str) -> Step:
-    from ..kernels.reduction import Stat, row_reduce
-    from ..kernels.vio import VTensor
     n_in = len(m.inputs)
     order = [graph.ops[o].outputs[0] for p in m.passes for o in p]   # statistics in kernel order
     passes, done = [], 0
