@@ -42,6 +42,7 @@ LIBRARY_KINDS = frozenset(k for k, t in TEMPLATES.items() if t.library)   # XLA 
 # one is a reduction fusion writing the statistic plus a loop fusion applying it (read off the
 # compiles: Llama's 64-wide rows at test size fuse, its 4,096-wide ones do not).
 SHORT_ROW = 1024
+_NEVER_IN_A_LOOP = frozenset({Kind.MATMUL, Kind.CONV, Kind.ATTENTION})   # launches no loop fusion absorbs
 
 
 class Facts:
@@ -408,7 +409,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     * **dynamic_update_slice is in place**: one launch writing the update (plus a copy of the
       operand where XLA must keep it: not donated, or read later).
     * **element-wise work fuses**: pointwise clusters joined directly or through movement are one
-      loop fusion; a lone cast, and pointwise work feeding only a reduction or an update, fold
+      loop fusion, unless a GEMM, convolution, attention or kernel call runs between them (the
+      residual adds before and after an FFN: the fusion would depend on itself); a lone cast, and pointwise work feeding only a reduction or an update, fold
       into that consumer (input fusion / DUS fusion) — no launch of their own; so does index
       arithmetic read only as a gather's indices (jnp's negative-index
       normalisation of a block table) read once, inside the gather's fusion.
@@ -496,12 +498,41 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             k = ctx.producer.get(t)
         return t
 
+    succ = [{u for t in c.outputs for u in ctx.users.get(t, ())} for c in cl]
+    reach_memo: dict[int, frozenset[int]] = {}
+
+    def reach(k: int) -> frozenset[int]:
+        """Clusters reading what ``k`` computes, directly or through others (the program is a DAG)."""
+        if k not in reach_memo:
+            out: set[int] = set()
+            stack = list(succ[k])
+            while stack:
+                u = stack.pop()
+                if u not in out:
+                    out.add(u)
+                    stack.extend(reach_memo.get(u, succ[u]))
+            reach_memo[k] = frozenset(out)
+        return reach_memo[k]
+
+    def joins_around_a_launch(a: int, b: int) -> bool:
+        """Would one fusion of groups ``a`` and ``b`` contain a path through a GEMM, convolution,
+        attention or kernel call outside both (a residual add before the FFN and the one after
+        it: the FFN's GEMMs run between them)? XLA never fuses across such a path: the fusion
+        would depend on itself. (Element-wise work between them may join the same fusion.)"""
+        ga = {m for m in range(len(cl)) if find(m) == a}
+        gb = {m for m in range(len(cl)) if find(m) == b}
+        for x, y in ((ga, gb), (gb, ga)):
+            between = set().union(*(reach(m) for m in x)) - x - y
+            if any((call[m] or kind[m] in _NEVER_IN_A_LOOP) and reach(m) & y for m in between):
+                return True
+        return False
+
     for k, c in enumerate(cl):   # pointwise islands: one loop fusion
         if kind[k] != Kind.POINTWISE:
             continue
         for t in c.inputs:
             for p in producers_through_movement(t, set()):
-                if kind[p] == Kind.POINTWISE:
+                if kind[p] == Kind.POINTWISE and find(p) != find(k) and not joins_around_a_launch(find(p), find(k)):
                     parent[find(p)] = find(k)
     islands: dict[int, list[int]] = {}
     for k in range(len(cl)):
