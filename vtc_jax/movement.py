@@ -523,26 +523,9 @@ def _computed_table(t: int, graph: Graph) -> tuple[int, list[tuple[Any, np.ndarr
     info = graph.tensors[t]
     if not _integer_or_bool(info.dtype) or info.dtype == np.bool_ or not 0 < info.size <= TABLE_LIMIT:
         raise NoEdges("indices computed in the program that are not a small integer array")
-    stack, seen, n_ops = [t], set(), 0
-    while stack:
-        u = stack.pop()
-        if u in seen:
-            continue
-        seen.add(u)
-        if static_value(u, graph) is not None:
-            continue
-        op = graph.producer(u)
-        if op is None:
-            if u not in graph.inputs:
-                raise NoEdges("indices computed from a value that is not a program input")
-            continue
-        n_ops += 1
-        if op.primitive in CONTROL_FLOW or n_ops > 256 or any(
-                graph.tensors[o].size > PROBE_LIMIT or not _integer_or_bool(graph.tensors[o].dtype)
-                for o in op.outputs):
-            raise NoEdges(f"indices computed by {op.primitive} (integer index arithmetic on input tables "
-                          "is modelled)")
-        stack.extend(op.inputs)
+    _, leaves = _index_computation(t, graph, _check_index_op)
+    if not leaves <= set(graph.inputs):
+        raise NoEdges("indices computed from a value that is not a program input")
     parts: list[Any] = [None] * info.shape[-1]      # coordinate -> (its part, column) when static
     op = graph.producer(t)
     if op is not None and op.primitive == "concatenate" and op.params["dimension"] == len(info.shape) - 1:
@@ -560,6 +543,41 @@ def _computed_table(t: int, graph: Graph) -> tuple[int, list[tuple[Any, np.ndarr
     return t, coords
 
 
+def _check_index_op(op: Op, graph: Graph) -> None:
+    """An op of an index computation :func:`_computed_table` lets XLA run: small integer or
+    boolean arithmetic, no control flow."""
+    if op.primitive in CONTROL_FLOW or any(graph.tensors[o].size > PROBE_LIMIT
+                                           or not _integer_or_bool(graph.tensors[o].dtype) for o in op.outputs):
+        raise NoEdges(f"indices computed by {op.primitive} (integer index arithmetic on input tables "
+                      "is modelled)")
+
+
+def _index_computation(t: int, graph: Graph, check: Callable[[Op, Graph], None]) -> tuple[dict[int, Op], set[int]]:
+    """The ops computing the indices ``t`` from runtime values (constants folded away), each one
+    ``check`` accepts, and the runtime tensors they start from (no producer: program inputs, or
+    values bound inside a body)."""
+    ops: dict[int, Op] = {}
+    leaves: set[int] = set()
+    stack, seen = [t], set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if static_value(u, graph) is not None:
+            continue
+        op = graph.producer(u)
+        if op is None:
+            leaves.add(u)
+            continue
+        check(op, graph)
+        ops[op.id] = op
+        stack.extend(i for i in op.inputs if i not in seen)
+        if len(ops) > 256:
+            raise NoEdges("gather indices: index computation too large to probe")
+    return ops, leaves
+
+
 def _integer_or_bool(dtype: Any) -> bool:
     """An integer or boolean numpy dtype (not a PRNG key's extended dtype, which numpy cannot read)."""
     return isinstance(dtype, np.dtype) and (np.issubdtype(dtype, np.integer) or dtype == np.bool_)
@@ -575,25 +593,7 @@ def _probe_input_table(t: int, graph: Graph) -> tuple[int, list[tuple[Any, np.nd
     what a negative entry becomes (``v + wrap``). Only the ops of ``_TABLE_VIEWS``, integer
     casts and ``where(v < 0, v + c, v)`` may touch table values, so those three probes are the
     whole function for every table content; anything else is declined."""
-    ops: dict[int, Op] = {}
-    leaves: set[int] = set()
-    stack, seen = [t], set()
-    while stack:
-        u = stack.pop()
-        if u in seen:
-            continue
-        seen.add(u)
-        if static_value(u, graph) is not None:
-            continue
-        op = graph.producer(u)
-        if op is None:
-            leaves.add(u)
-            continue
-        _check_table_op(op, graph)
-        ops[op.id] = op
-        stack.extend(i for i in op.inputs if i not in seen)
-        if len(ops) > 256:
-            raise NoEdges("gather indices: index computation too large to probe")
+    ops, leaves = _index_computation(t, graph, _check_table_op)
     if len(leaves) != 1:
         raise NoEdges(f"gather indices depend on {len(leaves)} runtime tensors (one index table is modelled)")
     (table,) = leaves
