@@ -324,19 +324,26 @@ def test_paged_cache_with_odd_block_table_entries_matches_jit(entries):
     assert all(np.prod([int(n) for n in g.split(",")]) < cache for g in gathers), gathers
 
 
+def _paper_corpus_program(name, explain=True):
+    """A corpus program at paper size, unguarded, caches donated: its CUDA-lowered module and (with
+    ``explain``) its report."""
+    from tests.zoo.corpus import CORPUS
+    from vtc_jax.testing import cross_lower
+    e = CORPUS[name]("paper")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        mod = cross_lower(vtc_jax.optimize(e.step, backend="triton", donate_argnums=e.donate_argnums,
+                                           guard=None), *e.args)
+        report = vtc_jax.explain(e.step, donate_argnums=e.donate_argnums, guard=None)(*e.args) if explain else None
+    return mod, report
+
+
 def test_paged_cache_at_paper_size_reads_pages_in_the_attention_kernel():
     """vLLM-style paged decode at paper size (batch 16, 256 pages of 16 per sequence, GQA 32/8,
     D 128), lowered for CUDA: the attention runs in the decode kernel, which reads K and V through
     the block table, and no gather of cache size is left (the page writes are XLA's in-place
     scatters of one row per sequence). Explain names the indirect map."""
-    from tests.zoo.corpus import CORPUS
-    from vtc_jax.testing import cross_lower
-    e = CORPUS["paged_kv_decode"]("paper")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-        mod = cross_lower(vtc_jax.optimize(e.step, backend="triton", donate_argnums=e.donate_argnums,
-                                           guard=None), *e.args)
-        report = vtc_jax.explain(e.step, donate_argnums=e.donate_argnums, guard=None)(*e.args)
+    mod, report = _paper_corpus_program("paged_kv_decode")
     names = [k.name for k in mod.triton_kernels]
     assert any(n.startswith("vtc_decode_attention") for n in names), names
     cache_elems = 16 * 256 * 16 * 8 * 128
@@ -351,14 +358,7 @@ def test_paged_layer_at_paper_size_writes_its_rows_into_their_pages():
     page writes, at indices read through two tables, are done by the kernels that make the rows
     (no scatter left), the pages are read by the decode kernel through the block table (no gather
     of cache size), and explain names both maps."""
-    from tests.zoo.corpus import CORPUS
-    from vtc_jax.testing import cross_lower
-    e = CORPUS["paged_kv_decode_layer"]("paper")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-        mod = cross_lower(vtc_jax.optimize(e.step, backend="triton", donate_argnums=e.donate_argnums,
-                                           guard=None), *e.args)
-        report = vtc_jax.explain(e.step, donate_argnums=e.donate_argnums, guard=None)(*e.args)
+    mod, report = _paper_corpus_program("paged_kv_decode_layer")
     names = [k.name for k in mod.triton_kernels]
     assert any(n.startswith("vtc_decode_attention") for n in names), names
     assert mod.count("stablehlo.scatter") == 0 and mod.count("stablehlo.dynamic_update_slice") == 0
@@ -387,13 +387,7 @@ def test_corpus_attention_at_paper_size_leaves_no_cache_movement(name):
     attention kernels and no gather, scatter, dynamic_update_slice, transpose or concatenate of
     cache size (a million elements and more) reaches a consumer, but for the in-place updates
     named in ``CACHE_UPDATES_LEFT``."""
-    from tests.zoo.corpus import CORPUS
-    from vtc_jax.testing import cross_lower
-    e = CORPUS[name]("paper")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-        mod = cross_lower(vtc_jax.optimize(e.step, backend="triton", donate_argnums=e.donate_argnums,
-                                           guard=None), *e.args)
+    mod, _ = _paper_corpus_program(name, explain=False)
     assert any("attention" in k.name for k in mod.triton_kernels), [k.name for k in mod.triton_kernels]
     big = {m[0] for m in mod.movement_into_consumers() if _elements(m[2]) >= 1 << 20 and m[0] in (
         "stablehlo.gather", "stablehlo.scatter", "stablehlo.dynamic_update_slice", "stablehlo.transpose",
