@@ -183,6 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    if looped else ""))
         if other:
             text += "; not covered by that: " + ", ".join(f"{r['case']} {r['kernel']}" for r in other)
+        one = sorted({f"{r['case']} {r['kernel']} ({r['loop']})" for r in measured
+                      if r["tiles_cta"] < 2 and not r["loop"].startswith("no loop")})
+        if one:
+            text += (f". Loops that wait for a load in the iteration that issues it ({len(one)}): "
+                     + "; ".join(one))
         return text + "."
 
     text = "\n".join([
@@ -197,8 +202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(232,448 B). Warps/stages are what the template put in the launch configuration. "
         "Tiles in flight (`in_flight` in this script): *main loop* is the kernel's longest PTX loop — "
         "`cp.async.wait_group N` (Triton's pipeline; N >= 1 keeps >= 2 tiles in flight per CTA), plain "
-        "`ld.global`s (consumed in the iteration that issues them: 1), or no loop (the CTA loads its one "
-        "block at once: 1); *CTAs / SM* is how many of its CTAs an SM holds at once (registers, warps, shared "
+        "`ld.global`s — *prefetched* when nothing but a `mov` reads them before the back branch (carried into "
+        "the next iteration, `tiling.fori_prefetch`), else consumed in the iteration that issues them — or no "
+        "loop (the CTA loads its one block at once: 1). *Tiles / CTA* is 2 only when the loop waits for none "
+        "of its loads in the iteration that issues them (a pipeline with groups pending, prefetched loads, or "
+        "both); one plain load consumed in its own iteration makes it 1, whatever else is staged; *CTAs / SM* is how many of its CTAs an SM holds at once (registers, warps, shared "
         "memory; capped by grid / 132 SMs); *tiles / SM* their product — what covers DRAM latency (Little's "
         "law); *waves* = grid / (132 × CTAs an SM holds). This says the kernels build and fit and how they "
         "keep memory busy, nothing measured about their speed.", "",

@@ -332,12 +332,14 @@ def test_launch_heuristics():
     from vtc_jax.kernels.flash import SMEM_BUDGET, AttentionConfig
     bf16, f32 = np.dtype(jnp.bfloat16), np.dtype(np.float32)
     assert AttentionConfig.decode(4, 4096, 128, 128, bf16) == AttentionConfig(16, 64, 8, 3)
-    assert AttentionConfig.decode(4, 4096, 128, 128, f32) == AttentionConfig(16, 64, 8, 1)
+    assert AttentionConfig.decode(4, 4096, 128, 128, f32) == AttentionConfig(16, 32, 8, 3)   # TF32, smem
+    assert AttentionConfig.decode(4, 4096, 128, 128, f32, precision="highest") == AttentionConfig(16, 64, 8, 1)
     assert AttentionConfig.decode(32, 40, 64, 64, bf16) == AttentionConfig(32, 64, 8, 3)
     assert AttentionConfig.decode(1, 20, 16, 16, bf16).block_k == 32     # capped at next_pow2(T)
-    assert AttentionConfig.prefill(8192, 2048, 128, 128, bf16) == AttentionConfig(64, 64, 4, 2)
-    assert AttentionConfig.prefill(2048, 1024, 256, 256, bf16) == AttentionConfig(64, 64, 8, 2)
-    assert AttentionConfig.prefill(20, 2048, 128, 128, f32) == AttentionConfig(32, 64, 4, 1)
+    assert AttentionConfig.prefill(8192, 2048, 128, 128, bf16) == AttentionConfig(64, 64, 4, 3)
+    assert AttentionConfig.prefill(2048, 1024, 256, 256, bf16) == AttentionConfig(64, 32, 8, 3)   # smem
+    assert AttentionConfig.prefill(20, 2048, 128, 128, f32) == AttentionConfig(32, 32, 4, 3)     # TF32, smem
+    assert AttentionConfig.prefill(20, 2048, 128, 128, f32, precision="highest") == AttentionConfig(32, 64, 4, 1)
     # staged K/V blocks over the shared-memory budget: the key block is halved
     bk = AttentionConfig.fit_block_k(64, 4096, 256, 256, f32, 2)
     assert bk == 32 and 2 * bk * 512 * 4 <= SMEM_BUDGET
@@ -428,7 +430,7 @@ def test_default_config_compiles_sm90_no_spills(compiled_defaults, name):
         assert r.cubin_ok, table
         assert not r.spills, table
         assert r.smem_bytes <= SMEM_LIMIT["sm_90"], table
-    stages = 1 if "f32" in name else 3    # the default launch configuration per dtype
+    stages = 3    # tiling.pipeline_stages: 3 on tensor cores (bf16, and f32 at TF32, jax's default)
     assert (results[0].num_warps, results[0].num_stages) == (8, stages), table
     if stages > 1:   # K/V loads pipelined: the loop waits for all but the newest cp.async groups
         import re

@@ -105,6 +105,20 @@ def test_depthwise_channel_multiplier():
     check_conv(x, w, window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC, feature_group_count=12)
 
 
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_fori_prefetch_is_the_loop_it_replaces(n):
+    """``tiling.fori_prefetch`` (the depthwise loop's register prefetch) sums the same tiles in the
+    same order as the plain loop: tile t is loaded one iteration ahead, the last one re-read."""
+    from vtc_jax.kernels.tiling import fori_prefetch
+    tiles = jnp.arange(n * 6, dtype=jnp.float32).reshape(n, 2, 3) ** 1.5
+    seen = fori_prefetch(n, lambda t: tiles[t], lambda t, x, acc: acc * 0.5 + x * (t + 1),
+                         jnp.zeros((2, 3), jnp.float32))
+    want = np.zeros((2, 3), np.float32)
+    for t in range(n):
+        want = want * 0.5 + np.asarray(tiles[t]) * (t + 1)
+    np.testing.assert_allclose(np.asarray(seen), want, rtol=1e-6)
+
+
 @pytest.mark.parametrize("lhs_d,rhs_d,pad", [((1, 1), (2, 2), "SAME"), ((2, 2), (1, 1), ((1, 2), (2, 1)))],
                          ids=["rhs-dilation", "lhs-dilation"])
 def test_dilation(lhs_d, rhs_d, pad):
@@ -316,7 +330,7 @@ def test_bad_arguments_rejected():
 
 @pytest.mark.offline
 def test_default_config_compiles_sm90_no_spills():
-    from vtc_jax.offline import SMEM_LIMIT, compile_many, format_table
+    from vtc_jax.offline import SMEM_LIMIT, compile_many, format_table, main_loop
     from vtc_jax.testing import cross_lower
 
     sds = jax.ShapeDtypeStruct
@@ -338,7 +352,12 @@ def test_default_config_compiles_sm90_no_spills():
     assert len(results) == 6, table
     for r in results:
         assert r.cubin_ok, table
-        stages = 1 if r.name.endswith("float32") else 2  # f32: one stage by default (registers)
+        stages = 1 if r.name.startswith("dw") else 3  # tiling.pipeline_stages (f32 at TF32); no dot: 1
         assert (r.num_warps, r.num_stages) == (4, stages), table
+        # two tiles in flight per CTA: cp.async stages (dot path), registers (depthwise prefetch);
+        # or no loop left (jax 0.10.2's LLVM unrolls the 1x1's two K tiles: all loads at once)
+        loop = main_loop(r.ptx, r.name)
+        print(r.name, loop.describe())
+        assert not loop.loop or loop.tiles_per_cta == 2, (r.name, loop)
         assert not r.spills, table
         assert r.smem_bytes <= SMEM_LIMIT["sm_90"], table

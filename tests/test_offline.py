@@ -108,8 +108,10 @@ def test_cudnn_convolution_thunks_are_charged_their_operands():
 
 def test_main_loop_reads_how_a_kernel_keeps_tiles_in_flight(lowered):
     """``offline.main_loop`` on real PTX: a pointwise kernel has no loop (one block); a bf16 GEMM
-    pipelined by Triton waits with groups pending (>= 2 tiles per CTA); an f32 (FMA) conv loops
-    over plain loads (1 tile per CTA)."""
+    pipelined by Triton waits with groups pending (>= 2 tiles per CTA); a bf16 NCHW 3x3 conv, whose
+    odd-column 2-byte runs ``cp.async`` cannot copy, consumes its plain loads in the iteration
+    that issues them (1 tile per CTA); a depthwise conv (no dot for the pipeliner to stage)
+    carries every load into the next iteration (``tiling.fori_prefetch``: 2)."""
     from vtc_jax.kernels.conv import conv
     from vtc_jax.kernels.matmul import matmul
     from vtc_jax.offline import main_loop
@@ -121,13 +123,20 @@ def test_main_loop_reads_how_a_kernel_keeps_tiles_in_flight(lowered):
     main = [x for x in compile_lowered(mm) if x.name.startswith("vtc_matmul")][0]
     loop = main_loop(main.ptx, main.name)
     assert loop.loop and loop.waits and min(loop.waits) >= 1 and loop.tiles_per_cta == 2, loop
-    cv = cross_lower(lambda x, w: conv(x, w, window_strides=(1, 1), padding="SAME",
-                                       dimension_numbers=("NHWC", "HWIO", "NHWC"), backend="triton"),
-                     jax.ShapeDtypeStruct((1, 8, 8, 64), jnp.float32), jax.ShapeDtypeStruct((3, 3, 64, 32), jnp.float32))
-    [c] = compile_lowered(cv)
-    loop = main_loop(c.ptx, c.name)
-    assert loop.loop and not loop.waits and loop.loads > 0 and loop.tiles_per_cta == 1, loop
+
+    def conv_loop(x, w, groups=1):
+        cv = cross_lower(lambda x, w: conv(x, w, window_strides=(1, 1), padding="SAME", feature_group_count=groups,
+                                           dimension_numbers=("NCHW", "OIHW", "NCHW"), backend="triton"),
+                         jax.ShapeDtypeStruct(x, bf), jax.ShapeDtypeStruct(w, bf))
+        [c] = compile_lowered(cv)
+        return main_loop(c.ptx, c.name)
+
+    loop = conv_loop((1, 64, 16, 16), (32, 64, 3, 3))
+    assert loop.loop and not loop.waits and loop.loads > loop.prefetched and loop.tiles_per_cta == 1, loop
     assert "ld.global" in loop.describe()
+    loop = conv_loop((1, 64, 16, 16), (64, 1, 3, 3), groups=64)
+    assert loop.loop and not loop.waits and loop.loads == loop.prefetched > 0 and loop.tiles_per_cta == 2, loop
+    assert "prefetched" in loop.describe()
 
 
 def test_every_launch_of_a_deduplicated_kernel_is_charged():

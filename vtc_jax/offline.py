@@ -138,24 +138,36 @@ class MainLoop:
 
     ``loop``: the kernel has a loop (a backward branch); ``waits``: the ``cp.async.wait_group N``
     operands inside its longest loop (Triton's software pipeline: N groups stay in flight while
-    the oldest is consumed); ``loads``: plain ``ld.global`` instructions in that loop (consumed
-    in the iteration that issues them: one tile in flight)."""
+    the oldest is consumed); ``loads``: plain ``ld.global`` instructions in that loop;
+    ``prefetched``: those of them whose values nothing but a ``mov`` reads before the loop's
+    back branch — values carried into the next iteration (``tiling.fori_prefetch``), so the
+    iteration does not wait for them. Any other plain load is consumed in the iteration that
+    issues it: that loop waits one DRAM round trip per iteration, whatever else it pipelines."""
     loop: bool
     waits: tuple[int, ...] = ()
     loads: int = 0
+    prefetched: int = 0
 
     @property
     def tiles_per_cta(self) -> int:
-        """Tiles in flight per CTA, a lower bound: 2 for a pipeline that waits with at least one
-        group pending; 1 for plain loads, or for a kernel without a loop (its one block)."""
-        return 2 if self.waits and min(self.waits) >= 1 else 1
+        """Tiles in flight per CTA, a lower bound: 2 for a loop none of whose loads it waits for
+        in the iteration that issues them (a ``cp.async`` pipeline waiting with at least one group
+        pending, plain loads prefetched for the next iteration, or both); 1 for a loop that
+        consumes a plain load in its own iteration, or for a kernel without a loop (its one
+        block)."""
+        if not self.loop or self.loads > self.prefetched:
+            return 1
+        if self.waits:
+            return 2 if min(self.waits) >= 1 else 1
+        return 2 if self.prefetched else 1
 
     def describe(self) -> str:
         if not self.loop:
             return "no loop (one block)"
+        plain = f"{self.loads} ld.global" + (f" ({self.prefetched} prefetched)" if self.prefetched else "")
         if self.waits:
-            return f"cp.async.wait_group {min(self.waits)}"
-        return f"{self.loads} ld.global, no cp.async"
+            return f"cp.async.wait_group {min(self.waits)}" + (f" + {plain}" if self.loads else "")
+        return f"{plain}, no cp.async"
 
 
 _LABEL = re.compile(r"^\s*(\$L__\w+):")
@@ -185,9 +197,32 @@ def main_loop(ptx: str, entry: str | None = None) -> MainLoop:
                 best = (a, i)
     if best is None:
         return MainLoop(False)
-    seg = "\n".join(lines[best[0]:best[1] + 1])
-    waits = tuple(int(x) for x in re.findall(r"cp\.async\.wait_group\s+(\d+)", seg))
-    return MainLoop(True, waits, len(re.findall(r"\bld\.global", seg)))
+    seg = lines[best[0]:best[1] + 1]
+    waits = tuple(int(x) for x in re.findall(r"cp\.async\.wait_group\s+(\d+)", "\n".join(seg)))
+    loads = [i for i, line in enumerate(seg) if _LD_GLOBAL.search(line)]
+    return MainLoop(True, waits, len(loads), sum(_carried(seg, i) for i in loads))
+
+
+_LD_GLOBAL = re.compile(r"\bld\.global[\w.]*\s+\{?([^\[]*?)\}?\s*,\s*\[")
+_MOV = re.compile(r"^\s*mov\.\w+\s+(%\w+|\{[^}]*\})\s*,\s*(%\w+)\s*;")
+
+
+def _carried(seg: Sequence[str], i: int) -> bool:
+    """Whether the registers loaded by the ``ld.global`` at ``seg[i]`` are read by nothing but
+    ``mov`` up to the back branch: copies into the loop's carried registers, or the unpacking of a
+    32-bit word into its two 16-bit halves (a renaming of the halves, which ptxas keeps in the
+    word's register), whose results are followed the same way."""
+    regs = set(re.findall(r"%\w+", _LD_GLOBAL.search(seg[i]).group(1)))
+    for line in seg[i + 1:]:
+        code = line.split("//")[0]
+        used = {r for r in regs if re.search(re.escape(r) + r"\b", code)}
+        if not used:
+            continue
+        m = _MOV.match(code)
+        if m is None or m.group(2) not in regs:
+            return False
+        regs |= set(re.findall(r"%\w+", m.group(1)))
+    return True
 
 
 def _tail(text: str, lines: int = 8) -> str:

@@ -51,8 +51,8 @@ At ``HIGHEST`` f32 is a correctness configuration: the IEEE-f32 (FMA) dots spill
 every block/warp setting tried; bf16 is the fast path.
 
 Launch configuration (:meth:`.flash.AttentionConfig.decode`, with the sm_90 readings behind
-it): 8 warps, ``block_k`` 64, 3 stages for 16-bit inputs (one K/V block pair in flight while the
-current one is consumed), 1 for f32; ``block_k`` is halved while the staged K/V blocks would exceed
+it): 8 warps, ``block_k`` 64, 3 stages on tensor cores (one K/V block pair in flight while the
+current one is consumed), 1 for IEEE f32 (``HIGHEST``); ``block_k`` is halved while the staged K/V blocks would exceed
 ``SMEM_BUDGET``. The split count aims to give each of the GPU's ``NUM_SMS`` SMs a program
 (:func:`default_num_splits`). A grid axis of size 1 uses the Python int 0 as its program id, so vio
 sees a static in-bounds origin there.
@@ -165,7 +165,7 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
     num_splits: split-K programs per (batch, KV head); default :func:`default_num_splits`.
         1 runs a single kernel; > 1 adds the small combine kernel.
     num_warps, num_stages: Triton launch configuration of the main kernel; default
-        :meth:`.flash.AttentionConfig.decode` (8 warps; 3 stages for 16-bit inputs, 1 for f32).
+        :meth:`.flash.AttentionConfig.decode` (8 warps; 3 stages on tensor cores, 1 for IEEE f32).
     backend: "interpret" (CPU) or "triton".
     empty_rows: what a row with no valid key outputs (:func:`empty_rows_mode`).
     precision: of both dots, with ``lax.dot_general``'s meaning (None:
@@ -255,7 +255,7 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, block_k: int,
     compute = np.dtype(jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype))
     Dp, Dvp = max(MIN_DOT_BLOCK, next_pow2(D)), max(MIN_DOT_BLOCK, next_pow2(Dv))
     launch = AttentionConfig.decode(G, T, Dp, Dvp, compute, block_k=block_k, num_warps=num_warps,
-                                    num_stages=num_stages)
+                                    num_stages=num_stages, precision=precision)
     bk = launch.block_k
     S = default_num_splits(B * H, T, bk) if num_splits is None else int(num_splits)
     S = max(1, min(S, -(-T // bk)))  # never more splits than KV blocks

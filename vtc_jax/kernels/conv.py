@@ -51,8 +51,9 @@ import numpy as np
 from jax import lax
 
 from ..indexmap import IndexMap, Layout, dim
-from .tiling import (Group, cdiv, check_pow2, choose_blocks, dot_precision, fori, interpreter_dtype, next_pow2,
-                     program_id, split_block)
+from .tiling import (Group, cdiv, check_pow2, choose_blocks, dot_precision, fori, fori_prefetch, interpreter_dtype,
+                     next_pow2,
+                     pipeline_stages, program_id, split_block)
 from .vio import Plan, VTensor, epilogue_input, output, pack_results
 
 __all__ = ["conv", "conv_views"]
@@ -253,6 +254,10 @@ def _conv_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
         wb = wb.reshape(bk, bn).astype(c.compute_dtype)
         return acc + jnp.dot(xa, wb, preferred_element_type=c.acc_dtype, precision=c.precision)
 
+    # Triton stages both operands with cp.async (num_stages) where their lanes run >= 4 aligned
+    # bytes; a 16-bit NCHW input read through a window or a stride does not, and stays one tile in
+    # flight: register prefetch (tiling.fori_prefetch) was tried there and is not used — ptxas gave
+    # 50% more registers and the weight tile's shared-memory layout change still waited in-iteration.
     acc = fori(c.k.ntiles, step, jnp.zeros((bm, bn), c.acc_dtype))
     if c.epilogue is not None:
         extra = [e.load((m0, gi, n0), (bm, 1, bn), fill=0.0).reshape(bm, bn) for e in e_refs]
@@ -268,13 +273,18 @@ def _depthwise_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
     m0 = program_id(0, c.tiles_m) * bm
     c0 = program_id(1, c.tiles_n) * bn
 
-    def step(t: Any, acc: jax.Array) -> jax.Array:
+    def load(t: Any) -> tuple[jax.Array, jax.Array]:
         k = c.k.origins(t)
         xa = a_ref.load((m0, *k, c0), (bm, *ones, bn), fill=0.0).reshape(bm, bn)
         wb = b_ref.load((*k, c0), (*ones, bn), fill=0.0).reshape(1, bn)
+        return xa, wb
+
+    def step(t: Any, tiles: tuple[jax.Array, jax.Array], acc: jax.Array) -> jax.Array:
+        xa, wb = tiles
         return acc + xa.astype(c.acc_dtype) * wb.astype(c.acc_dtype)
 
-    acc = fori(c.k.ntiles, step, jnp.zeros((bm, bn), c.acc_dtype))
+    # no tt.dot: Triton's pipeliner leaves these loads alone, so the next tap is prefetched in registers
+    acc = fori_prefetch(c.k.ntiles, load, step, jnp.zeros((bm, bn), c.acc_dtype))
     if c.epilogue is not None:
         extra = [e.load((m0, c0), (bm, bn), fill=0.0) for e in e_refs]
         acc = c.epilogue(acc, *extra)
@@ -344,8 +354,8 @@ def conv(x: Any, w: Any, *, window_strides: Sequence[int], padding: Any,
     cfg = _plan(g, compute_dtype, out.dtype, precision, epilogue, block_m, block_n, block_k, num_warps)
     cfg = dataclasses.replace(cfg, compute_dtype=interpreter_dtype(cfg.compute_dtype, backend))
     kernel, name = (_depthwise_kernel, "vtc_conv_depthwise") if g.depthwise else (_conv_kernel, "vtc_conv")
-    if num_stages is None:  # IEEE f32 dots need the registers a 2nd stage takes (spills); TF32 unmeasured
-        num_stages = 1 if np.dtype(compute_dtype).itemsize >= 4 else 2
+    if num_stages is None:  # depthwise: no tt.dot, whose operands are all Triton's pipeliner stages
+        num_stages = 1 if g.depthwise else pipeline_stages(precision, compute_dtype)
     plan = Plan.build([a, b, *extras], [y])
     bufs = plan.call(functools.partial(kernel, cfg), grid=cfg.grid, backend=backend,
                      num_warps=num_warps, num_stages=num_stages, name=name)

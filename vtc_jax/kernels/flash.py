@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .tiling import MIN_DOT_BLOCK, dot_precision, next_pow2
+from .tiling import MIN_DOT_BLOCK, dot_precision, next_pow2, pipeline_stages
 from .vio import VRef
 
 __all__ = ["AttentionConfig", "Flash", "KeyEnd", "Planned", "SMEM_BUDGET", "NEG", "key_end", "read_end", "keep_lanes",
@@ -58,23 +58,24 @@ class AttentionConfig:
 
     @classmethod
     def decode(cls, G: int, T: int, Dp: int, Dvp: int, compute: np.dtype, *, block_k: int = 64,
-               num_warps: int | None = None, num_stages: int | None = None) -> "AttentionConfig":
+               num_warps: int | None = None, num_stages: int | None = None,
+               precision: Any = None) -> "AttentionConfig":
         """The decode kernel's launch.
 
         * ``block_q = max(16, next_pow2(G))``: the G query heads of a KV head are the rows of one
           ``tt.dot`` tile (M >= 16).
         * 8 warps: compiles without spills for bf16 Llama-3 (G = 4, D = 128) and MHA (D = 128);
           4 warps spill there.
-        * 3 stages for 16-bit inputs: at 2 the PTX waits ``cp.async.wait_group 0`` in the loop (the
-          next K/V block is only requested once the current one has landed), at 3 ``wait_group 2``
-          (one K/V block pair in flight while the current one is consumed), at 64 registers and
-          72 KB of shared memory (B = 16 and 1, G = 4, D = 128; 4 stages: 104 KB). 1 stage for
-          f32: measured with IEEE dots (``HIGHEST``), which need the registers a second stage
-          would take (255 registers and spills at 2 stages, 88 and none at 1, block_k 64); kept
-          for f32 at TF32 (jax's default precision) until that is measured.
+        * 3 stages on tensor cores, 1 for IEEE f32 (:func:`.tiling.pipeline_stages`): at 2 the PTX
+          waits ``cp.async.wait_group 0`` in the loop (the next K/V block is only requested once
+          the current one has landed), at 3 ``wait_group 2`` (one K/V block pair in flight while
+          the current one is consumed), at 64 registers and 72 KB of shared memory for bf16 (B = 16
+          and 1, G = 4, D = 128; 4 stages: 104 KB) and 80 registers for f32 at TF32. IEEE dots
+          (``HIGHEST``) need the registers a second stage would take (255 registers and spills at
+          2 and 3 stages, 94 and none at 1).
         * ``block_k`` 64, fitted by :meth:`fit_block_k`.
         """
-        stages = (1 if compute.itemsize >= 4 else 3) if num_stages is None else num_stages
+        stages = pipeline_stages(precision, compute) if num_stages is None else num_stages
         return cls(block_q=max(MIN_DOT_BLOCK, next_pow2(G)),
                    block_k=cls.fit_block_k(block_k, T, Dp, Dvp, compute, stages),
                    num_warps=8 if num_warps is None else num_warps, num_stages=stages)
@@ -82,16 +83,20 @@ class AttentionConfig:
     @classmethod
     def prefill(cls, M: int, T: int, Dp: int, Dvp: int, compute: np.dtype, *, block_q: int = 64,
                 block_k: int = 64, num_warps: int | None = None,
-                num_stages: int | None = None) -> "AttentionConfig":
+                num_stages: int | None = None, precision: Any = None) -> "AttentionConfig":
         """The prefill kernel's launch.
 
         * ``block_q`` 64 query rows (capped at the padded M), ``block_k`` 64 (:meth:`fit_block_k`).
         * 4 warps, 8 for head dims > 128: bf16, blocks 64x64: 234 registers and no spills at
           D = 128 with 4 warps; D = 256 spills with 4 warps, none with 8.
-        * 2 stages for 16-bit inputs, 1 for f32 (IEEE-f32 dots, ``HIGHEST``, spill at D = 128 in
-          every setting tried; kept for f32 at TF32, jax's default precision, until measured).
+        * 3 stages on tensor cores, 1 for IEEE f32 (:func:`.tiling.pipeline_stages`): at 2 the loop
+          waits ``cp.async.wait_group 0`` (the QKᵀ wgmma of one K block runs with no load in
+          flight), at 3 ``wait_group 2``: the next K/V blocks load while this one's dots run. bf16
+          D = 128: 201 registers, 112 KB of shared memory (198 and 80 KB at 2 stages); f32 at TF32
+          D = 128: 244 registers, no spills (2 stages spilled 136 B). IEEE-f32 dots (``HIGHEST``)
+          spill at D = 128 in every staged setting tried.
         """
-        stages = (1 if compute.itemsize >= 4 else 2) if num_stages is None else num_stages
+        stages = pipeline_stages(precision, compute) if num_stages is None else num_stages
         warps = (8 if max(Dp, Dvp) > 128 else 4) if num_warps is None else num_warps
         return cls(block_q=min(block_q, max(MIN_DOT_BLOCK, next_pow2(M))),
                    block_k=cls.fit_block_k(block_k, T, Dp, Dvp, compute, stages),

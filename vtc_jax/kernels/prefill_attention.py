@@ -115,7 +115,7 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
     out: VTensor (Z, M, Dv) written in place when its buffers are arrays; default fresh, q's dtype.
     block_q, block_k: powers of two >= 16 (capped at the padded M / T).
     num_warps, num_stages: default :meth:`.flash.AttentionConfig.prefill` (4 warps, 8 for head
-        dims > 128; 2 stages for 16-bit inputs, 1 for f32).
+        dims > 128; 3 stages on tensor cores, 1 for IEEE f32).
     empty_rows: what a row with no valid key outputs (:func:`.flash.empty_rows_mode`).
     precision: of both dots, with ``lax.dot_general``'s meaning (None:
         ``jax_default_matmul_precision``, else ``DEFAULT``: TF32 for f32 on the GPU; ``HIGHEST``:
@@ -202,7 +202,7 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, causal: bool,
     compute = np.dtype(jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype))
     Dp, Dvp = max(MIN_DOT_BLOCK, next_pow2(D)), max(MIN_DOT_BLOCK, next_pow2(Dv))
     launch = AttentionConfig.prefill(M, T, Dp, Dvp, compute, block_q=block_q, block_k=block_k,
-                                     num_warps=num_warps, num_stages=num_stages)
+                                     num_warps=num_warps, num_stages=num_stages, precision=precision)
     return _Cfg(Z=Z, M=M, S=M if seq_len is None else int(seq_len), D=D, Dv=Dv, Dp=Dp, Dvp=Dvp,
                 causal=bool(causal), window=None if window is None else int(window), end=end,
                 launch=launch, flash=Flash.of(T, launch.block_k, D, compute, sm_scale=sm_scale,

@@ -40,9 +40,9 @@ from ..primitives import CALL_LIKE, TABLE
 
 __all__ = ["MIN_DOT_BLOCK", "NUM_SMS", "DECODE_MAX_M", "GemmConfig", "gemm_config", "next_pow2", "cdiv",
            "check_pow2", "choose_block", "choose_blocks",
-           "split_block", "Group", "InBounds", "program_id", "grid_origin", "fori", "dot_precision",
+           "split_block", "Group", "InBounds", "program_id", "grid_origin", "fori", "fori_prefetch", "dot_precision",
            "resolve_precision", "precision_unsupported", "more_precise", "TRITON_DOT_ALGORITHMS", "f32_math",
-           "F32_MATH_PRIMITIVES"]
+           "F32_MATH_PRIMITIVES", "ieee_f32", "pipeline_stages"]
 
 MIN_DOT_BLOCK = 16  # tt.dot needs M, N, K >= 16 (and K >= 16 for 16-bit types in the front end)
 NUM_SMS = CPU_LOWERING_CORES
@@ -211,6 +211,30 @@ def fori(n: int, step: Callable[[Any, Any], Any], init: Any) -> Any:
     return step(0, init) if n == 1 else lax.fori_loop(0, n, step, init)
 
 
+def fori_prefetch(n: int, load: Callable[[Any], Any], step: Callable[[Any, Any, Any], Any], init: Any) -> Any:
+    """``acc = step(t, load(t), acc)`` for ``t < n``, with ``load(t + 1)`` issued before
+    ``step(t, ...)``: the loaded tile rides in the loop carry, so two tiles are in flight per CTA
+    (register prefetch).
+
+    Why: Triton's software pipeliner stages only loads that feed a ``tt.dot`` (a loop without one,
+    such as the depthwise convolution's, would need a loop-level ``num_stages``, which Pallas does
+    not set), and only loads of at least 4 contiguous bytes (``cp.async``'s smallest copy). A loop
+    whose loads are neither waits a DRAM round trip per iteration; prefetching into registers
+    overlaps that trip with the current iteration's arithmetic, as CUTLASS's pre-``cp.async``
+    mainloops did. The last iteration re-reads tile ``n - 1`` (no branch in the loop; an L2 hit).
+    ``load(t)`` returns any pytree; ``n == 1`` is one plain step.
+    """
+    if n == 1:
+        return step(0, load(0), init)
+
+    def body(t: Any, carry: Any) -> Any:
+        acc, cur = carry
+        nxt = load(jnp.minimum(t + 1, n - 1))
+        return step(t, cur, acc), nxt
+
+    return lax.fori_loop(0, n, body, (init, load(0)))[0]
+
+
 # --------------------------------------------------------------------------------------------
 # Dots
 # --------------------------------------------------------------------------------------------
@@ -324,6 +348,34 @@ def dot_precision(precision: Any, compute_dtype: Any) -> tuple[Any, np.dtype]:
     if isinstance(p, lax.DotAlgorithmPreset):
         return p, acc
     return (p if compute_dtype == np.float32 else None), acc
+
+
+def ieee_f32(precision: Any, compute_dtype: Any) -> bool:
+    """Whether an in-kernel dot over ``compute_dtype`` operands at ``precision`` (an op's param, as
+    :func:`dot_precision` takes it) runs as IEEE f32 FMAs rather than on tensor cores."""
+    p, _ = dot_precision(precision, compute_dtype)
+    return np.dtype(compute_dtype) == np.float32 and p in (lax.Precision.HIGHEST,
+                                                             lax.DotAlgorithmPreset.F32_F32_F32)
+
+
+def pipeline_stages(precision: Any, compute_dtype: Any) -> int:
+    """Triton's ``num_stages`` for a conv or attention kernel whose main loop feeds ``tt.dot`` ops at
+    ``precision`` over ``compute_dtype`` operands: 3 on tensor cores, 1 for IEEE f32.
+
+    Why 3: Triton's pipeliner gives a loop ``num_stages - 1`` loads in flight; at 2 the PTX waits
+    ``cp.async.wait_group 0`` at the loop head (the next tile is only asked for once the current
+    one has landed: one tile in flight), at 3 ``wait_group`` 1-2 (two). ptxas on sm_90 (jax
+    0.12's Triton; ``benchmarks/kernels.md``): TF32 convolutions take no more registers at 3 stages
+    than at 1 (56/95/84 against 52/110/92 for YOLO's 3x3, its batch-16 1x1 and EfficientViT's 1x1);
+    the f32 prefill kernel at D = 128 spills 136 B at 2 stages and none at 3 (244 registers); the
+    f32 decode kernel takes 80 registers at 3 stages (120 at 1).
+
+    Why 1 for IEEE f32 (``HIGHEST``): its dots are FMAs in registers, and the registers a staged
+    tile takes spill — the decode kernel at 255 registers with 132-168 B spilled at 2 and 3
+    stages, a batch-16 1x1 convolution 24 B at 3 — while a loop that computes at the FMA rate is
+    not waiting on its loads.
+    """
+    return 1 if ieee_f32(precision, compute_dtype) else 3
 
 
 def interpreter_dtype(compute_dtype: Any, backend: str) -> np.dtype:

@@ -538,9 +538,11 @@ class VRef:
         dtype = self.binding.dtype
         layout = self.binding.layout
         access = [self._access(p, origin, block, aligned) for p in layout.pieces]
-        if len(layout.pieces) == 1 and not layout.fills and _is_plus_zero(fill) and \
-                self._zeroes_masked_lanes(layout.pieces[0], block, access[0]):
-            # The masked load itself reads +0 on exactly the masked lanes: nothing to merge.
+        if len(layout.pieces) == 1 and all(_is_plus_zero(r.value) for r in layout.fills) and \
+                _is_plus_zero(fill) and self._zeroes_masked_lanes(layout.pieces[0], block, access[0]):
+            # The masked load itself reads +0 on exactly the masked lanes (a zero pad's border
+            # included): nothing to merge, and no select waits on the loaded value (a prefetching
+            # loop, ``tiling.fori_prefetch``, consumes it only in the next iteration).
             p = layout.pieces[0]
             return self._load_piece(p, origin, block, env, self._piece_mask(p, env, inb, block),
                                     access[0]).astype(dtype)
@@ -600,8 +602,6 @@ class VRef:
             return _masked_load(ref.at[idx], mask)
         if sb is None:
             offs = _flat_offsets(p, env, self.binding.shapes[p.target], block)
-            if mask is not None:
-                offs = jnp.where(mask, offs, 0)
             return _masked_load(ref.at[offs], mask)
         idx = self._strided_index(p, sb, origin, block, env, box[1])
         tmask = None if mask is None else _to_target_order(mask, sb, block)
