@@ -41,9 +41,9 @@ def check_edge(e: Edge, g, vals) -> None:
     if e.inplace:  # out lives in operand's buffer, which holds out's value after the update
         assert e.map.is_identity and op.primitive in ("dynamic_update_slice", "scatter")
         dst = src
-    # a symbol s{t} is tensor t's value after lax's clamping (the SymInfo range)
-    # an index table t{t} is tensor t's value as it is (each read wraps and clamps)
-    symbols = {s.name: vals[int(s.name[1:])] if s.is_table else int(np.clip(vals[int(s.name[1:])], s.lo, s.hi))
+    # a symbol is its source tensor's value after lax's wrap and clamp (SymInfo.normalise)
+    # an index table is its source tensor's value as it is (each read wraps and clamps)
+    symbols = {s.name: vals[s.source] if s.is_table else int(s.normalise(vals[s.source]))
                for s in e.map.syms}
     lay = Layout.physical(e.dst, dst.shape).compose(e.map).restrict_box(e.box)
     got = lay.evaluate({e.dst: dst}, symbols)
@@ -189,8 +189,11 @@ def test_dynamic_slice_symbol_and_static_start():
     (e,) = edges
     op = g.ops[e.op]
     (s,) = e.map.syms
-    assert s.name == f"s{op.inputs[1]}" and (s.lo, s.hi) == (0, 2)
-    assert str(e.map) == f"(d0, d1) -> (d0 + s{op.inputs[1]}, d1 + 2)"
+    # lax's wrap of a negative start (select_n(i < 0, i, i + 4)) is folded into the symbol: its
+    # source is the raw index, the program input, which kernels then take as it is
+    assert s.source == g.inputs[1] and (s.lo, s.hi, s.wrap) == (0, 2, 4) and s.name == f"s{g.inputs[1]}w4"
+    assert str(e.map) == f"(d0, d1) -> (d0 + {s.name}, d1 + 2)"
+    assert [int(s.normalise(np.int32(i))) for i in (-5, -4, -1, 0, 1, 2, 3, 9)] == [0, 0, 2, 0, 1, 2, 2, 2]
     g, edges = run(lambda x: lax.dynamic_slice(x, (7, 2), (2, 3)), arr(4, 6), primitive="dynamic_slice")
     assert not edges[0].map.syms and str(edges[0].map) == "(d0, d1) -> (d0 + 2, d1 + 2)"  # clamped like lax
 
@@ -425,7 +428,7 @@ def test_fig2_qkv_written_through_pieces():
             (f,) = nxt
             m, t = f.map.compose(m), f.dst
         pieces.append(Piece(t, m, box_conds(e.box, g.tensors[qkv].shape)))
-        symbols.update({s.name: int(np.clip(vals[int(s.name[1:])], s.lo, s.hi)) for s in m.syms})
+        symbols.update({s.name: int(s.normalise(vals[s.source])) for s in m.syms})
         # a cache is the graph input, holding the updated value once written in place
         buffers[t] = vals[g.consumers(t)[0].outputs[0]] if g.tensors[t].shape == (1, T, KV, D) else vals[t]
     lay = Layout(g.tensors[qkv].shape, tuple(pieces))

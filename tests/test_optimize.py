@@ -283,6 +283,53 @@ def test_donated_cache_is_updated_in_place():
     assert "tf.aliasing_output = 1" in text and "tf.aliasing_output = 2" in text
 
 
+def _fused_qkv_decode(p, x, k_cache, v_cache, pos):
+    """A BLOOM-style step (HF ``modeling_bloom``): one fused QKV GEMM + bias, its (B, 1, H, 3, D)
+    view split per head, the K row transposed into a (B*H, D, T) cache and the V row into a
+    (B*H, T, D) cache by ``dynamic_update_slice`` at a traced ``pos``."""
+    B, H, D = x.shape[0], 2, x.shape[-1] // 2
+    fused = (x @ p["qkv"] + p["b"]).reshape(B, 1, H, 3, D)
+    q, k, v = fused[..., 0, :], fused[..., 1, :], fused[..., 2, :]
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 3, 1).reshape(B * H, D, 1), (0, 0, pos))
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3).reshape(B * H, 1, D), (0, pos, 0))
+    return q * 2.0, k_cache, v_cache
+
+
+def _fused_qkv_args(pos):
+    rng = np.random.default_rng(3)
+    B, H, D, T = 2, 2, 16, 12
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    return ({"qkv": f(H * D, 3 * H * D), "b": f(3 * H * D)}, f(B, 1, H * D), f(B * H, D, T), f(B * H, T, D),
+            jnp.int32(pos))
+
+
+@pytest.mark.parametrize("pos", [0, 5, 11, 40, -1, -5, -40])
+def test_fused_qkv_rows_are_written_into_the_caches_by_the_gemm(pos):
+    """The GEMM's reduce writes the K and V rows into the caches (strategy.update_by_producer): no
+    dynamic_update_slice is left, the caches are updated in place, and the values equal jit's at
+    any ``pos`` — negative ones wrap and out-of-range ones clamp as lax does, in the kernel
+    (``indexmap.normalise_start``: the raw ``pos`` is the kernel's symbol, no XLA launch for it)."""
+    args = _fused_qkv_args(pos)
+    ref = jax.jit(_fused_qkv_decode)(*args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        f = vtc_jax.optimize(_fused_qkv_decode, backend="interpret", guard=None, donate_argnums=(2, 3))
+        report = f.explain(*args)
+        text = f.lower(*args).as_text()
+        out = f(*jax.tree.map(jnp.array, args))
+        mod = cross_lower(vtc_jax.optimize(_fused_qkv_decode, backend="triton", guard=None,
+                                           donate_argnums=(2, 3)), *args)
+    assert _max_rel(out, ref) <= F32_RTOL
+    rows = [r for r in str(report).splitlines() if "dynamic_update_slice" in r and r.strip().startswith("#")]
+    assert len(rows) == 2 and all("eliminated" in r and "(write" in r for r in rows), rows
+    assert "tf.aliasing_output = 1" in text and "tf.aliasing_output = 2" in text
+    assert not [m for m in mod.movement_into_consumers() if m[0] == "stablehlo.dynamic_update_slice"]
+    assert [k.name for k in mod.triton_kernels if k.name.startswith("vtc_matmul")]
+    # pos reaches the kernels raw: no scalar select/clamp for XLA to launch before them
+    glue = [l for l in mod.text.splitlines() if re.search(r"stablehlo\.(select|clamp|minimum|maximum|compare)", l)]
+    assert not glue, glue
+
+
 def test_user_errors_are_not_swallowed():
     f = vtc_jax.optimize(lambda x, y: jnp.dot(x, y), backend="interpret")
     with pytest.raises(TypeError, match="dot_general requires contracting dimensions to have the same shape"):

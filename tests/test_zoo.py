@@ -374,8 +374,6 @@ def test_paged_layer_at_paper_size_writes_its_rows_into_their_pages():
 # issue #24's corpus programs at paper size: the in-place updates of cache size still left, with why
 CACHE_UPDATES_LEFT = {
     "paged_kv_decode": "stablehlo.scatter",   # its rows are program inputs: XLA's in-place scatter is the copy
-    "bloom_alibi_decode": "stablehlo.dynamic_update_slice",   # the greedy reads the rows through the
-    # fused QKV split for q.k, which takes them from the update's write edge: XLA writes the row in place
 }
 
 

@@ -511,10 +511,33 @@ class SymInfo:
     hi: int
     source: int | None = None
     shape: tuple[int, ...] = ()
+    # lax's wrap of a negative dynamic start (``i + dim`` where ``i < 0``), folded into the symbol
+    # so the raw index is its source (0: none): ``normalise`` applies it before the clamp
+    wrap: int = 0
 
     @property
     def is_table(self) -> bool:
         return bool(self.shape)
+
+    @property
+    def bounds(self) -> tuple[int, int, int]:
+        """(lo, hi, wrap): what :meth:`normalise` needs, for a kernel that clamps the raw value."""
+        return self.lo, self.hi, self.wrap
+
+    def normalise(self, v: Any, xp: Any = np) -> Any:
+        """The symbol's value from its source's: wrapped (``wrap``) and clamped to [lo, hi]."""
+        return normalise_start(v, self.bounds, xp)
+
+
+def normalise_start(v: Any, bounds: tuple[int, int, int], xp: Any = np) -> Any:
+    """A dynamic start as lax takes it: ``v + wrap`` if ``v < 0`` (with a ``wrap``), then clamped to
+    ``[lo, hi]``. One definition for the XLA side (``lower``) and the kernels (``vio``)."""
+    lo, hi, wrap = (int(b) for b in bounds)
+    dt = getattr(v, "dtype", None)
+    c = (lambda k: k) if dt is None else (lambda k: xp.asarray(k, dt))   # no weak-typed literals
+    if wrap:
+        v = xp.where(v < c(0), v + c(wrap), v)
+    return xp.clip(v, c(lo), c(hi))
 
 
 @dataclass(frozen=True)

@@ -84,12 +84,16 @@ class _Run:
     def is_virtual(self, t: int) -> bool:
         return t in self.res.layouts
 
-    def symbols(self, layout: Layout) -> tuple[tuple[str, Any], ...]:
+    def symbols(self, layout: Layout, *, in_kernel: bool = False) -> tuple[tuple[str, Any], ...]:
+        """The layout's runtime symbols, clamped to their ranges as lax clamps dynamic starts.
+        ``in_kernel``: for a kernel operand, unclamped — the kernel clamps them itself
+        (``vio.Plan.sym_ranges``), so XLA needs no launch for the clamp of a ``pos`` input (a
+        ``loop_minimum_fusion`` of one scalar before the first kernel)."""
         out = {}
         for p in layout.pieces:
             for s in p.map.syms:
                 v = jnp.asarray(self.value(s.source, early=TABLE_LIMIT if s.is_table else EARLY_LIMIT), jnp.int32)
-                out[s.name] = v if s.is_table else jnp.clip(v, s.lo, s.hi)   # a table: each read clamps
+                out[s.name] = v if s.is_table or in_kernel else s.normalise(v, jnp)   # a table: each read clamps
         return tuple(sorted(out.items()))
 
     def value(self, t: int, early: int = 0) -> Any:
@@ -174,7 +178,8 @@ class _Run:
                 bufs.append(self.fresh.setdefault(tid, jax.ShapeDtypeStruct(ti.shape, ti.dtype)))
             else:
                 raise RuntimeError(f"t{tid} is read before any kernel wrote it")
-        return VTensor(dataclasses.replace(layout, pieces=pieces), dtype, tuple(bufs), self.symbols(layout))
+        return VTensor(dataclasses.replace(layout, pieces=pieces), dtype, tuple(bufs),
+                       self.symbols(layout, in_kernel=True))
 
     def written(self, t: int, out: VTensor, buffers: Sequence[Any]) -> None:
         """Record a kernel's result buffers as the current versions of their tensors."""

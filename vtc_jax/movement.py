@@ -109,6 +109,10 @@ class _Ctx:
         if v is not None:
             return const(int(np.clip(int(v), 0, dim - size))), ()
         t = self.graph.same_value(t)   # one symbol for one value (jax recomputes index normalisation)
+        raw = _wrapped_start(t, dim, self.graph)
+        if raw is not None:   # the kernels wrap and clamp the raw index: no XLA launch for a scalar
+            name = f"s{raw}w{dim}"
+            return sym(name), (SymInfo(name, 0, dim - size, source=raw, wrap=dim),)
         name = f"s{t}"
         return sym(name), (SymInfo(name, 0, dim - size, source=t),)
 
@@ -173,6 +177,39 @@ def _norm(dims, rank: int) -> tuple[int, ...]:
 # --------------------------------------------------------------------------------------------
 
 _STATIC: "weakref.WeakKeyDictionary[Graph, dict[int, np.ndarray | None]]" = weakref.WeakKeyDictionary()
+
+
+def _wrapped_start(t: int, dim: int, graph: Graph) -> int | None:
+    """``x`` when ``t`` is lax's normalisation of a dynamic start ``x`` against a dim of ``dim``
+    (``select_n(x < 0, x, x + dim)``, what ``lax.dynamic_slice``/``dynamic_update_slice`` trace for
+    a traced index), else None."""
+    op = graph.producer(t)
+    if op is None or op.primitive != "select_n" or len(op.inputs) != 3:
+        return None
+    pred, wrapped = graph.producer(op.inputs[0]), graph.producer(op.inputs[2])
+    x = _uncast(op.inputs[1], graph)   # select_n(p, on_false, on_true)
+    if pred is None or pred.primitive != "lt" or wrapped is None or wrapped.primitive != "add":
+        return None
+    zero = static_value(pred.inputs[1], graph)
+    if _uncast(pred.inputs[0], graph) != x or zero is None or zero.shape != () or int(zero) != 0:
+        return None
+    a, b = (_uncast(u, graph) for u in wrapped.inputs)
+    other = b if a == x else a if b == x else None
+    c = None if other is None else static_value(other, graph)
+    if c is None or c.shape != () or int(c) != dim:
+        return None
+    return x
+
+
+def _uncast(t: int, graph: Graph) -> int:
+    """``t``'s value behind casts that keep its dtype (jax's weak-type ``convert_element_type``),
+    as :meth:`Graph.same_value` names it."""
+    while True:
+        op = graph.producer(t)
+        if op is None or op.primitive != "convert_element_type" or \
+                graph.tensors[op.inputs[0]].dtype != graph.tensors[t].dtype:
+            return graph.same_value(t)
+        t = op.inputs[0]
 
 
 def static_value(t: int, graph: Graph) -> np.ndarray | None:

@@ -622,6 +622,66 @@ def producer_writes(strategy: Strategy, op_id: int) -> Strategy:
     return trial
 
 
+def update_by_producer(strategy: Strategy, op_id: int) -> Strategy:
+    """Let the producer of an in-place update's row write it into the cache: flip the chain of
+    chosen read edges behind the update to the same ops' write edges, and take the update's own.
+
+    Why: BLOOM's fused QKV (HF ``modeling_bloom``) is GEMM -> reshape -> split -> squeeze ->
+    transpose -> reshape -> ``dynamic_update_slice`` into each cache. Each view's read edge saves
+    as much as the update's write edge, and the greedy takes the reads first: the row is then a
+    view of the GEMM's output and XLA still runs the update (one launch per cache, copying the
+    row). Walking back from the row, each single read edge ``x ⇢ y`` becomes the op's write edge
+    ``y ⇢ x``; a piece of a split read back from the whole makes the split write every piece (the
+    other pieces become the buffers the producer fills, as in :func:`producer_writes`). The walk
+    ends at a tensor that is not virtual: its producer writes through the composed layout. Returns
+    ``strategy`` unchanged when the move does not apply or does not validate; ``plan`` keeps it
+    only where the cost model is not slower (it can turn a library GEMM into a kernel).
+    """
+    v = strategy.vtog
+    own = [i for i, e in enumerate(v.edges)
+           if e.op == op_id and e.direction == Direction.WRITE and not e.inplace]
+    if len(own) != 1 or own[0] in strategy.chosen or not strategy.is_virtual(v.edges[own[0]].src):
+        return strategy
+    drop: set[int] = set()
+    add = [own[0]]
+    x = v.edges[own[0]].src
+    while strategy.is_virtual(x):
+        held = [i for i in strategy.chosen if v.edges[i].src == x]
+        if len(held) != 1 or v.edges[held[0]].direction != Direction.READ:
+            return strategy
+        e = v.edges[held[0]]
+        back = [i for i, w in enumerate(v.edges) if w.op == e.op and w.direction == Direction.WRITE
+                and w.src == e.dst and w.dst == x]
+        if len(back) != 1:
+            return strategy
+        drop.add(held[0])
+        if box_volume(v.edges[back[0]].box) == v.volume(e.dst):
+            add.append(back[0])
+        else:   # x is one piece of e.dst (a split's output): the producer writes every piece
+            group = [i for i, w in enumerate(v.edges) if w.op == e.op and w.direction == Direction.WRITE
+                     and w.src == e.dst]
+            if not exact_cover(v, group, e.dst):
+                return strategy
+            drop |= {i for i in strategy.chosen
+                     if v.edges[i].op == e.op and v.edges[i].direction == Direction.READ}
+            add += group
+        x = e.dst
+    # the update's output must be the operand's buffer (complete_inplace's rule): its in-place
+    # edge, which the VTOG only offers where no later reader needs the old contents
+    add += [i for i, e in enumerate(v.edges) if e.op == op_id and e.inplace and i not in strategy.chosen]
+    base = tuple(i for i in strategy.chosen if i not in drop)
+    if any(v.in_conflict(i, j) for i in add for j in (*base, *add) if i != j):
+        return strategy
+    trial = Strategy(base + tuple(add), strategy.total_saving,
+                     tuple(p for p in strategy.trace if not set(p.edges) & drop)
+                     + tuple(Pick(v.edges[i].src, (i,), 0.0, (0.0,)) for i in add), v)
+    try:
+        trial.validate()
+    except StrategyError:
+        return strategy
+    return trial
+
+
 def consumer_reads(strategy: Strategy, edge: int) -> Strategy:
     """Trade a chosen write edge ``u ⇢ d`` (``u`` written in ``d``'s layout by its producer) for
     the same op's read edge ``d ⇢ u`` plus a full read edge out of ``u`` through another op.
@@ -719,6 +779,13 @@ def plan(vtog: VTOG, graph: "Graph", clusters: Sequence["Cluster"], savings: Sav
                 continue
             if any(e.direction == Direction.WRITE for o in op.outputs for e in s.points_to(o)):
                 s = priced(s, producer_writes(s, oid))
+    for c in clusters:   # a cache row still copied by its in-place update: written by its producer
+        if c.kind != Kind.MOVEMENT:
+            continue
+        for oid in c.ops:
+            op = graph.ops[oid]
+            if inplace_operand(op.primitive) is not None and oid not in eliminated_ops(graph, s):
+                s = priced(s, update_by_producer(s, oid))
     for i in [i for i in s.chosen if vtog.edges[i].direction == Direction.WRITE]:
         if i in s.chosen:   # a write edge the greedy took over two read edges that tie with it
             s = priced(s, consumer_reads(s, i))

@@ -73,8 +73,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..compat import manual_axis_type, triton_compiler_params, vary, varying_axes
-from ..indexmap import (Atom, Dim, Expr, FloorDiv, Layout, Load, Mod, Piece, Sym, all_of, finish_read, point,
-                        row_major_strides)
+from ..indexmap import (Atom, Dim, Expr, FloorDiv, Layout, Load, Mod, Piece, Sym, all_of, finish_read,
+                        normalise_start, point, row_major_strides)
 from .tiling import InBounds, next_pow2
 
 __all__ = ["VTensor", "VRef", "Plan", "compiler_params", "next_pow2", "broadcast_input",
@@ -313,7 +313,9 @@ class Plan:
     inputs: tuple[_Binding, ...]
     outputs: tuple[_Binding, ...]
     sym_names: tuple[str, ...]
-    sym_ranges: tuple[tuple[int, int], ...]
+    # per symbol, the range a map's SymInfo gives it (lax's clamp of a dynamic start), applied in
+    # the kernel to the value passed (None: a symbol no map declares, passed as it is)
+    sym_ranges: tuple[tuple[int, int, int] | None, ...]   # SymInfo.bounds: (lo, hi, wrap)
     args: tuple[Any, ...]
     out_shape: tuple[jax.ShapeDtypeStruct, ...]
     input_output_aliases: dict[int, int]
@@ -409,8 +411,8 @@ class Plan:
                     for s in p.map.syms:
                         if s.is_table:
                             tables[s.name] = tuple(s.shape)
-                        else:
-                            ranges[s.name] = (s.lo, s.hi)
+                        else:   # the first range wins, as the first VTensor's value does (collect_syms)
+                            ranges.setdefault(s.name, s.bounds)
         # a scalar symbol is passed as a (1,) array, an index table flattened (read by Load atoms)
         sym_args = [jnp.asarray(syms[k], jnp.int32).reshape(-1 if k in tables else 1) for k in names]
         # Inside a shard_map (check_vma): the outputs vary over every manual axis an input varies
@@ -418,7 +420,7 @@ class Plan:
         varying = frozenset().union(*(varying_axes(a) for a in (*args, *sym_args)))
         args = [vary(a, varying) if i in aliases else a for i, a in enumerate(args)]
         out_shape = [jax.ShapeDtypeStruct(s.shape, s.dtype, **manual_axis_type(varying)) for s in out_shape]
-        return Plan(tuple(in_b), tuple(out_b), names, tuple(ranges.get(k, (0, 2**31 - 1)) for k in names),
+        return Plan(tuple(in_b), tuple(out_b), names, tuple(ranges.get(k) for k in names),
                     tuple(args) + tuple(sym_args), tuple(out_shape), aliases, tuple(sorted(tables.items())))
 
     @property
@@ -431,8 +433,9 @@ class Plan:
         in_refs, out_refs = refs[:n_in], refs[n_in:]
         n_sym = len(self.sym_names)
         tables = dict(self.tables)
-        sym_vals = {k: _TableRef(in_refs[n_in - n_sym + i], tables[k]) if k in tables else in_refs[n_in - n_sym + i][0]
-                    for i, k in enumerate(self.sym_names)}
+        sym_vals = {k: _TableRef(in_refs[n_in - n_sym + i], tables[k]) if k in tables
+                    else _clamped(in_refs[n_in - n_sym + i][0], r)
+                    for i, (k, r) in enumerate(zip(self.sym_names, self.sym_ranges))}
         ins = [VRef(b, tuple(in_refs[s] for s in b.slots), sym_vals) for b in self.inputs]
         outs = [VRef(b, tuple(out_refs[s] for s in b.slots), sym_vals) for b in self.outputs]
         return ins, outs
@@ -472,6 +475,12 @@ class Plan:
 # --------------------------------------------------------------------------------------------
 # In-kernel access
 # --------------------------------------------------------------------------------------------
+
+def _clamped(v: Any, bounds: tuple[int, int, int] | None) -> Any:
+    """A scalar symbol read in the kernel, wrapped and clamped as its SymInfo says
+    (``indexmap.normalise_start``; None: as passed)."""
+    return v if bounds is None else normalise_start(v, bounds, jnp)
+
 
 def _iota(block: Sequence[int], k: int) -> jax.Array:
     return jax.lax.broadcasted_iota(jnp.int32, tuple(block), k)
