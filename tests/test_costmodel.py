@@ -716,8 +716,9 @@ def test_effvit_reads_k_and_v_through_maps_at_paper_size():
 
 def test_xla_program_merges_sibling_gemms_and_norms_over_long_rows():
     """Q, K and V projections of one activation with weights passed in are one GEMM launch (XLA's
-    dot merger), reading the activation once; an RMSNorm over 4,096-wide rows is a reduction plus
-    a loop fusion applying it (over 64-wide rows, one fusion)."""
+    dot merger), reading the activation once; an RMSNorm over several rows of up to 16,384 is one
+    launch (XLA's Triton normalization fusion), over one row a reduction plus a loop fusion
+    applying it, over 32,768-wide rows a split reduction (two) plus the loop fusion."""
     from vtc_jax.xla import xla_program
     x = jnp.ones((4, 256))
     ws = [jnp.ones((256, n)) for n in (256, 64, 64)]
@@ -729,9 +730,36 @@ def test_xla_program_merges_sibling_gemms_and_norms_over_long_rows():
 
     def norm(x, w):
         return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * w
-    for width, launches in ((4096, 2), (64, 1)):
-        g = trace(norm, jnp.ones((8, width)), jnp.ones((width,)))
-        assert xla_program(g, cluster(g)).launches == launches, width
+    for rows, width, launches in ((8, 4096, 1), (8, 64, 1), (1, 4096, 2), (1, 64, 2), (8, 32768, 3)):
+        g = trace(norm, jnp.ones((rows, width)), jnp.ones((width,)))
+        assert xla_program(g, cluster(g)).launches == launches, (rows, width)
+
+
+def _rms_norm(x, w):
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6) * w).astype(x.dtype)
+
+
+def _layer_norm(x, w):
+    xf = x.astype(jnp.float32)
+    m = xf.mean(-1, keepdims=True)
+    v = ((xf - m) ** 2).mean(-1, keepdims=True)
+    return ((xf - m) * jax.lax.rsqrt(v + 1e-5) * w).astype(x.dtype)
+
+
+@pytest.mark.offline
+@pytest.mark.parametrize("norm", [_rms_norm, _layer_norm], ids=["rms", "layer"])
+def test_xla_norm_launches_against_xlas_compile(norm):
+    """``xla.TRITON_NORM_MAX_ROW``: the model's launches for a norm equal the deviceless H100
+    compile's — one Triton normalization fusion from two rows up to 16,384 wide; over one row a
+    reduction fusion per statistic and a loop fusion; 32,768 wide, split reductions."""
+    from vtc_jax.offline import compile_program
+    from vtc_jax.xla import xla_program
+    for rows, width in ((1, 4096), (2, 512), (16, 4096), (16, 16384), (16, 32768)):
+        x, w = jax.ShapeDtypeStruct((rows, width), jnp.bfloat16), jax.ShapeDtypeStruct((width,), jnp.float32)
+        g = trace(norm, jnp.ones(x.shape, x.dtype), jnp.ones(w.shape, w.dtype))
+        compiled = len(compile_program(norm, x, w, kernels=False).launches)
+        assert xla_program(g, cluster(g)).launches == compiled, (norm.__name__, rows, width, compiled)
 
 
 def test_guard_trusts_the_model_only_on_a_clear_win():
@@ -796,7 +824,10 @@ def test_xla_relayout_of_a_returned_cache_against_xlas_compile():
     """flax's Gemma-2 decode (G = 2 heads per KV head: the scores are a GEMM): XLA gives the cache
     update the GEMM's layout — each cache is transposed in, copied for the in-place update and
     transposed back for the output. The model of plain jit is within 10% of the compile's bytes
-    (it was -52%: the copies were not modelled) and within one launch."""
+    (it was -52%: the copies were not modelled) and within two launches: its three norms are
+    XLA's three Triton normalization fusions exactly, and the two split-K reduces XLA runs after
+    the output and down projections (each before a norm, so no loop fusion absorbs it) are not
+    modelled (issue #20's remaining error)."""
     from vtc_jax.analysis import analyze
     from vtc_jax.offline import compile_program
     from vtc_jax.xla import xla_plain
@@ -806,7 +837,7 @@ def test_xla_relayout_of_a_returned_cache_against_xlas_compile():
     model = xla_plain(a.graph, a.clusters, a.donated)
     p = compile_program(jax.jit(gemma_flax.step, donate_argnums=donate), *args, kernels=False)
     assert abs(model["bytes_xla"] - p.bytes) <= 0.10 * p.bytes, (model, p.bytes)
-    assert abs(model["kernels_xla"] - len(p.launches)) <= 1, (model, len(p.launches))
+    assert abs(model["kernels_xla"] - len(p.launches)) <= 2, (model, len(p.launches))
 
 
 @pytest.mark.offline

@@ -38,10 +38,13 @@ __all__ = ["Facts", "LIBRARY_KINDS", "CAST_ONLY", "MATH_CLASSES", "Fusion", "Pri
            "pointwise_islands", "xla_fuses", "xla_plain", "xla_program"]
 
 LIBRARY_KINDS = frozenset(k for k, t in TEMPLATES.items() if t.library)   # XLA calls cuBLAS / cuDNN
-# A row this long or shorter is reduced and normalised in one fusion (one block per row); a longer
-# one is a reduction fusion writing the statistic plus a loop fusion applying it (read off the
-# compiles: Llama's 64-wide rows at test size fuse, its 4,096-wide ones do not).
-SHORT_ROW = 1024
+# A normalisation (statistics over a row applied back to it: RMSNorm, LayerNorm, softmax) of at
+# least two rows of at most this many elements is one launch: XLA's Triton normalization fusion.
+# One row, or longer rows, are a reduction fusion per statistic (two beyond this length: a split
+# reduction) plus a loop fusion applying them. Read off the deviceless H100 compile, jax 0.10.2 and
+# 0.12 alike (RMSNorm and LayerNorm, rows 1 / 2 / 16 / 512 of 512 ... 32,768: one launch from 2
+# rows up to 16,384 wide; one row 2 and 3; 32,768 wide 3 and 5).
+TRITON_NORM_MAX_ROW = 16384
 _NEVER_IN_A_LOOP = frozenset({Kind.MATMUL, Kind.CONV, Kind.ATTENTION})   # launches no loop fusion absorbs
 
 
@@ -813,15 +816,19 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             for x in (x for o in dots for x in _gemm_relayouts(g, g.ops[o]) if x not in made_in):
                 n_, b_ = relayout(x)
                 n, nbytes = n + n_, nbytes + b_
-        for m in members:   # a norm: XLA's reduction fusion writes the statistic, and applying
-            if kind[m] != Kind.REDUCTION:   # it to the rows is a loop fusion of its own (reading them again)
-                continue
+        for m in members:   # a norm (TRITON_NORM_MAX_ROW): one Triton fusion, or a reduction
+            if kind[m] != Kind.REDUCTION:   # fusion per statistic and a loop fusion applying them,
+                continue                    # each reading the rows again
             reds = [g.ops[o] for o in cl[m].ops if g.ops[o].primitive.startswith("reduce_")]
-            row = max((g.tensors[x].size // max(1, g.tensors[r.outputs[0]].size) for r in reds for x in _data(r)),
-                      default=0)
-            if row > SHORT_ROW and any(g.tensors[t].size > g.tensors[reds[-1].outputs[0]].size for t in cl[m].outputs):
-                n += 1
-                nbytes += sum(read_bytes(x, set()) for x in _data(reds[-1]))
+            if not reds or not any(g.tensors[t].size > g.tensors[reds[-1].outputs[0]].size for t in cl[m].outputs):
+                continue
+            row = max(g.tensors[x].size // max(1, g.tensors[r.outputs[0]].size) for r in reds for x in _data(r))
+            rows = min(g.tensors[r.outputs[0]].size for r in reds)
+            if rows >= 2 and row <= TRITON_NORM_MAX_ROW:
+                continue
+            extra = len(reds) * (2 if row > TRITON_NORM_MAX_ROW else 1)
+            n += extra
+            nbytes += extra * sum(read_bytes(x, set()) for x in _data(reds[-1]))
         if any(kind[m] == Kind.ATTENTION for m in members):
             red = [o for m in members for o in cl[m].ops
                    if g.ops[o].primitive == "dot_general" or g.ops[o].primitive.startswith("reduce_")]
