@@ -40,10 +40,10 @@ __all__ = ["Facts", "LIBRARY_KINDS", "CAST_ONLY", "MATH_CLASSES", "Fusion", "Pri
 LIBRARY_KINDS = frozenset(k for k, t in TEMPLATES.items() if t.library)   # XLA calls cuBLAS / cuDNN
 # A normalisation (statistics over a row applied back to it: RMSNorm, LayerNorm, softmax) of at
 # least two rows of at most this many elements is one launch: XLA's Triton normalization fusion.
-# One row, or longer rows, are a reduction fusion per statistic (two beyond this length: a split
-# reduction) plus a loop fusion applying them. Read off the deviceless H100 compile, jax 0.10.2 and
-# 0.12 alike (RMSNorm and LayerNorm, rows 1 / 2 / 16 / 512 of 512 ... 32,768: one launch from 2
-# rows up to 16,384 wide; one row 2 and 3; 32,768 wide 3 and 5).
+# One row is a reduction fusion per statistic plus a loop fusion applying them; longer rows a
+# reduction plus the loop fusion (see the norm rule in xla_program). Read off the deviceless H100
+# compile, jax 0.10.2 and 0.12 alike (RMSNorm and LayerNorm, rows 1 / 2 / 16 / 512 of 512 ...
+# 16,384: one launch from 2 rows on; one row 2 and 3 launches).
 TRITON_NORM_MAX_ROW = 16384
 _NEVER_IN_A_LOOP = frozenset({Kind.MATMUL, Kind.CONV, Kind.ATTENTION})   # launches no loop fusion absorbs
 
@@ -805,6 +805,20 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             if epi and not {"add", "max"} <= epi and (direct or any(t in outs for t in cl[m].outputs)):
                 n += 1   # cuDNN fuses bias + ReLU only; another epilogue is a loop fusion of its
                 # own where nothing else reads the result (else it fuses into that reader)
+        for m in members:   # a split-K decode GEMM: its reduce is a loop fusion of its own
+            if kind[m] != Kind.MATMUL:   # unless one element-wise consumer absorbs it
+                continue
+            split = max((_xla_split_k(g, g.ops[o]) for o in cl[m].ops if g.ops[o].primitive == "dot_general"),
+                        default=1)
+            if split > 1:
+                users = {u for t in cl[m].outputs for u in consumers_through_movement(t, set())
+                         if find(u) != find(m)}
+                # a norm (XLA's Triton normalization fusion) or another GEMM reading the sum
+                # cannot take the reduce in; a loop fusion or a kernel call's operand fusion does
+                if any(kind[u] in (Kind.REDUCTION, Kind.MATMUL) and not call[u] for u in users):
+                    out_bytes = sum(g.tensors[t].size * 4 for t in cl[m].outputs)
+                    n += 1
+                    nbytes += 2 * split * out_bytes
         for m in members:   # a matmul prologue (cluster._grow_prologue) is XLA's loop fusion
             if kind[m] != Kind.MATMUL:   # of its own: it writes the operand the GEMM then reads
                 continue
@@ -826,7 +840,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             rows = min(g.tensors[r.outputs[0]].size for r in reds)
             if rows >= 2 and row <= TRITON_NORM_MAX_ROW:
                 continue
-            extra = len(reds) * (2 if row > TRITON_NORM_MAX_ROW else 1)
+            # one row: a reduction fusion per statistic; rows longer than the Triton fusion takes:
+            # one reduction fusion (flax's GroupNorm over 40,960-wide groups, U-Net: the compile's
+            # count; a lone RMSNorm/LayerNorm 32,768 wide splits its reductions further, 3-7
+            # launches, which this does not model)
+            extra = 1 if row > TRITON_NORM_MAX_ROW else len(reds)
             n += extra
             nbytes += extra * sum(read_bytes(x, set()) for x in _data(reds[-1]))
         if any(kind[m] == Kind.ATTENTION for m in members):
@@ -1055,6 +1073,28 @@ def _free_sizes(g: Graph, op: Any) -> list[int]:
     shapes = [g.tensors[x].shape for x in op.inputs[:2]]
     return [math.prod(s[d] for d in range(len(s)) if d not in (tuple(c) + tuple(b)))
             for s, c, b in zip(shapes, (lc, rc), (lb, rb))]
+
+
+def _xla_split_k(g: Graph, op: Any) -> int:
+    """How many K splits XLA's GEMM fusion gives a decode GEMM (1: none), read off the deviceless
+    H100 compile (jax 0.10.2 and 0.12; bf16, M 1-128, K 1,024-14,336, N 1,024-28,672): a GEMM of
+    2 to 128 rows, K >= 4,096 and N <= 6,144 (no batch dims) writes f32 partials, about
+    ``32,768 / N`` of them (16 for N = 1,024, 8 for 3,584 and 4,096, 4 for 6,144), and a loop
+    fusion sums them. Wider N (the FFN's 14,336 and up) and shorter K mostly do not split; the
+    exceptions (K = 14,336 with N up to 28,672; M = 16, K = 4,096, N = 14,336) are not modelled."""
+    dn = op.params.get("dimension_numbers")
+    if dn is None:
+        return 1
+    (lc, rc), (lb, rb) = dn
+    a, b = g.tensors[op.inputs[0]].shape, g.tensors[op.inputs[1]].shape
+    if lb or rb:
+        return 1
+    k = math.prod(a[i] for i in lc)
+    m = math.prod(n for i, n in enumerate(a) if i not in lc)
+    n = math.prod(x for i, x in enumerate(b) if i not in rc)
+    if m < 2 or m > 128 or k < 4096 or n > 6144:   # one row: a GEMV the whole programs do not split
+        return 1
+    return max(2, min(16, 1 << max(0, (32768 // max(n, 1)).bit_length() - 1)))
 
 
 def _vector_dot(g: Graph, op: Any) -> bool:
