@@ -571,6 +571,20 @@ def physical_inplace(strategy: Strategy) -> Strategy:
     return physical_inplace(Strategy(chosen, strategy.total_saving, picks, v))
 
 
+def _read_and_reverse(strategy: Strategy, x: int) -> tuple[int, int] | None:
+    """``(read, write)``: the one chosen edge of a virtual ``x``, when it is a read edge ``x ⇢ y``,
+    and the same op's write edge ``y ⇢ x`` that would let ``y``'s producer write ``x`` instead
+    (the flip both :func:`producer_writes` and :func:`update_by_producer` make); else None."""
+    v = strategy.vtog
+    held = [i for i in strategy.chosen if v.edges[i].src == x]
+    if len(held) != 1 or v.edges[held[0]].direction != Direction.READ:
+        return None
+    e = v.edges[held[0]]
+    back = [i for i, w in enumerate(v.edges) if w.op == e.op and w.direction == Direction.WRITE
+            and w.src == e.dst and w.dst == x]
+    return (held[0], back[0]) if len(back) == 1 else None
+
+
 def producer_writes(strategy: Strategy, op_id: int) -> Strategy:
     """Let the producer of a movement op's input write every output instead (all write edges).
 
@@ -594,14 +608,12 @@ def producer_writes(strategy: Strategy, op_id: int) -> Strategy:
         # producer can write through that view instead — the op's reverse write edge — and on
         # through this op's write edges (Gemma's fused K/V projection: kv transposed, split, the
         # V part into the cache at pos)
-        held = [i for i in strategy.chosen if v.edges[i].src == src]
-        if len(held) != 1 or v.edges[held[0]].direction != Direction.READ:
+        pair = _read_and_reverse(strategy, src)
+        if pair is None:
             return strategy
-        e = v.edges[held[0]]
-        back = [i for i, w in enumerate(v.edges) if w.op == e.op and w.direction == Direction.WRITE
-                and w.src == e.dst and w.dst == src]
-        if len(back) != 1 or strategy.is_virtual(e.dst) or \
-                any(v.edges[i].src == e.dst for i in strategy.chosen):
+        held, back = [pair[0]], [pair[1]]
+        e = v.edges[pair[0]]
+        if strategy.is_virtual(e.dst) or any(v.edges[i].src == e.dst for i in strategy.chosen):
             return strategy
         reads |= set(held)
         flip = back
@@ -646,14 +658,11 @@ def update_by_producer(strategy: Strategy, op_id: int) -> Strategy:
     add = [own[0]]
     x = v.edges[own[0]].src
     while strategy.is_virtual(x):
-        held = [i for i in strategy.chosen if v.edges[i].src == x]
-        if len(held) != 1 or v.edges[held[0]].direction != Direction.READ:
+        pair = _read_and_reverse(strategy, x)
+        if pair is None:
             return strategy
-        e = v.edges[held[0]]
-        back = [i for i, w in enumerate(v.edges) if w.op == e.op and w.direction == Direction.WRITE
-                and w.src == e.dst and w.dst == x]
-        if len(back) != 1:
-            return strategy
+        held, back = [pair[0]], [pair[1]]
+        e = v.edges[pair[0]]
         drop.add(held[0])
         if box_volume(v.edges[back[0]].box) == v.volume(e.dst):
             add.append(back[0])
