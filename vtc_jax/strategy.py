@@ -611,12 +611,12 @@ def producer_writes(strategy: Strategy, op_id: int) -> Strategy:
         pair = _read_and_reverse(strategy, src)
         if pair is None:
             return strategy
-        held, back = [pair[0]], [pair[1]]
-        e = v.edges[pair[0]]
-        if strategy.is_virtual(e.dst) or any(v.edges[i].src == e.dst for i in strategy.chosen):
+        read, back = pair
+        y = v.edges[read].dst
+        if strategy.is_virtual(y) or any(v.edges[i].src == y for i in strategy.chosen):
             return strategy
-        reads |= set(held)
-        flip = back
+        reads.add(read)
+        flip = [back]
     base = Strategy(tuple(i for i in strategy.chosen if i not in reads), strategy.total_saving,
                     tuple(p for p in strategy.trace if not set(p.edges) & reads), v)
     group = [i for i in writes if v.edges[i].src == src]
@@ -661,11 +661,11 @@ def update_by_producer(strategy: Strategy, op_id: int) -> Strategy:
         pair = _read_and_reverse(strategy, x)
         if pair is None:
             return strategy
-        held, back = [pair[0]], [pair[1]]
-        e = v.edges[pair[0]]
-        drop.add(held[0])
-        if box_volume(v.edges[back[0]].box) == v.volume(e.dst):
-            add.append(back[0])
+        read, back = pair
+        e = v.edges[read]
+        drop.add(read)
+        if box_volume(v.edges[back].box) == v.volume(e.dst):
+            add.append(back)
         else:   # x is one piece of e.dst (a split's output): the producer writes every piece
             group = [i for i, w in enumerate(v.edges) if w.op == e.op and w.direction == Direction.WRITE
                      and w.src == e.dst]
