@@ -82,8 +82,41 @@ def test_gpu_render_compares_at_the_same_position(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert proc.returncode == 0, proc.stderr
-    speeds = [line.split("|")[7].strip() for line in proc.stdout.splitlines() if "| vtc |" in line]
+    speeds = [line.split("|")[8].strip() for line in proc.stdout.splitlines() if "| vtc |" in line]
     assert speeds == ["5.00×", "2.00×"], proc.stdout
+
+
+def test_gpu_render_reads_speed_ups_back_to_back_where_both_rows_have_them(tmp_path):
+    """Rows with a back-to-back time compare by it (per-call latencies carry a VM's host jitter);
+    a pair where either row lacks it compares per-call medians, like with like."""
+    rows = [dict(kind="workload", name="w", batch=b, pos=0, variant=v, median_ms=m, p10_ms=m, p90_ms=m, **extra)
+            for b, v, m, extra in ((1, "jit", 0.30, {"b2b_ms": 0.20}), (1, "vtc", 0.40, {"b2b_ms": 0.10}),
+                                   (16, "jit", 0.60, {}), (16, "vtc", 0.30, {"b2b_ms": 0.5}))]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu.py"), "--render", str(path), "--info", "test"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr
+    speeds = [line.split("|")[8].strip() for line in proc.stdout.splitlines() if "| vtc |" in line]
+    assert speeds == ["2.00×", "2.00×"], proc.stdout
+
+
+def test_gpu_back_to_back_timing_runs_with_donation():
+    """``gpu.py``'s back-to-back timing (the code path, run on the CPU: no figure is read from it):
+    a donating program gets a fresh copy of its donated input per call, and a positive time."""
+    import importlib.util
+    import jax
+    import jax.numpy as jnp
+    spec = importlib.util.spec_from_file_location("gpu_bench", BENCH / "gpu.py")
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    fn = jax.jit(lambda c, x: c.at[0].set(x), donate_argnums=0)
+    args = (jnp.zeros((4, 8)), jnp.ones(8))
+    out = fn(*(jnp.zeros((4, 8)), jnp.ones(8)))
+    seconds = gpu._back_to_back(fn, args, (0,), out, runs=3)
+    assert 0 < seconds < 1.0
+    assert not args[0].is_deleted()   # the caller's own input was never donated
 
 
 def test_kernel_examples_cross_lower():

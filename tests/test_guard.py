@@ -245,6 +245,41 @@ def test_timing_only_where_the_gpu_has_room():
     assert not G.room_to_time(closed, _Device(None))
 
 
+def test_a_timing_sample_is_calls_back_to_back_bounded_by_memory():
+    """A timing sample issues calls back to back (one sync at its end) for at least
+    ``SAMPLE_SECONDS``: a 0.2 ms program 10 calls, a 5 ms one a single call; never more than the
+    memory bound, which counts a fresh copy of the donated inputs and the outputs per call in half
+    the memory free beside one set of inputs."""
+    from vtc_jax import guard as G
+    from vtc_jax import profiling as P
+    assert P.calls_per_sample(0.2e-3) == 10 and P.calls_per_sample(5e-3) == 1
+    assert P.calls_per_sample(1e-6) == P.MAX_CALLS and P.calls_per_sample(1e-6, 4) == 4
+    closed = jax.make_jaxpr(lambda c, x: c.at[0].set(x))(jnp.ones((1024, 1024)), jnp.ones(1024))  # 4 MiB cache
+    free_30 = _Device({"bytes_limit": 100 << 20, "bytes_in_use": 70 << 20})
+    # not donated: each call holds its 4 MiB output; (30 - 4) / 2 = 13 MiB: 3 calls
+    assert G.calls_that_fit(closed, (), free_30) == 3
+    # donated: a 4 MiB copy of the cache and the 4 MiB output per call: 1
+    assert G.calls_that_fit(closed, (0,), free_30) == 1
+    assert G.calls_that_fit(closed, (0,), _Device(None)) == 1
+    assert G.calls_that_fit(closed, (), _Device({"bytes_limit": 1 << 40, "bytes_in_use": 0})) == P.MAX_CALLS
+    # however much is free, the samples hold at most TIMING_BYTES: 1 GiB / 64 MiB of outputs = 16
+    big = jax.make_jaxpr(lambda x: x * 2)(jax.ShapeDtypeStruct((4096, 4096), jnp.float32))
+    assert G.calls_that_fit(big, (), _Device({"bytes_limit": 1 << 40, "bytes_in_use": 0})) == G.TIMING_BYTES // (64 << 20)
+
+
+def test_back_to_back_timing_ranks_work_and_reuses_no_donated_input():
+    """``profiling.time_interleaved`` with several calls per sample (the code path, on the CPU: a
+    program doing 400x the work times slower; a donating program is given a fresh copy per call,
+    so no call sees a deleted buffer)."""
+    from vtc_jax import profiling as P
+    x, y = jnp.ones((128, 128)), jnp.full((128, 128), 0.01)
+    fast = jax.jit(lambda x, y: (jnp.tanh(x @ y),), donate_argnums=0)
+    slow = jax.jit(_slow, donate_argnums=0)
+    t_fast, t_slow = P.time_interleaved([fast, slow], lambda: (x.copy(), y), repeats=3, max_calls=4)
+    assert 0 < t_fast < t_slow
+    assert not x.is_deleted()
+
+
 def test_default_guard_times_on_a_gpu_where_the_model_is_unsure(monkeypatch):
     """The wiring of the default guard on a GPU (``program._price``): where the model shows no
     clear win and the GPU has room, the verdict is a timing (``by the measure``), not XLA's

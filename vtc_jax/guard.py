@@ -34,10 +34,10 @@ from .costmodel import ENGINE_OF_KIND, GPU, GPUS, cluster_math, kernel_flops
 from .graph import Graph, trace
 from .offline import compile_program, h100_devices
 from .primitives import KERNEL_CALLS, is_movement_op
-from .profiling import device_inputs, time_interleaved
+from .profiling import MAX_CALLS, device_inputs, time_interleaved
 from .xla import Price, xla_program
 
-__all__ = ["GUARDS", "PLAIN", "UNDONE", "Verdict", "price_plain", "price_emitted", "kernel_math", "emitted_graph", "judge", "clear", "blame", "compiled", "measured", "room_to_time", "MiB"]
+__all__ = ["GUARDS", "PLAIN", "UNDONE", "Verdict", "price_plain", "price_emitted", "kernel_math", "emitted_graph", "judge", "clear", "blame", "compiled", "measured", "room_to_time", "calls_that_fit", "MiB"]
 
 GUARDS = ("model", "compile", "measure", None)
 PLAIN = "plain jax.jit"          # how the guard's note starts when the whole program runs as jit
@@ -184,6 +184,27 @@ def room_to_time(closed: Any, device: Any = None) -> bool:
     return 3 * need <= stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
+# The most memory a timing sample's extra calls may hold (copies of donated inputs, outputs).
+TIMING_BYTES = 1 << 30
+
+
+def calls_that_fit(closed: Any, donate: tuple[int, ...], device: Any = None) -> int:
+    """How many calls one timing sample may issue back to back (``profiling.time_interleaved``):
+    each holds a fresh copy of the donated inputs and its own outputs until the sample ends, and
+    together they may take half of what is free beside one set of inputs, and at most
+    ``TIMING_BYTES`` (the timing raises the user's first-call peak memory: bounded); at least one,
+    at most ``profiling.MAX_CALLS``."""
+    stats = (device or jax.devices()[0]).memory_stats() or {}
+    nbytes = lambda v: int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize  # noqa: E731
+    inputs = sum(nbytes(v) for v in closed.jaxpr.invars)
+    per_call = (sum(nbytes(v) for i, v in enumerate(closed.jaxpr.invars) if i in donate)
+                + sum(nbytes(v) for v in closed.jaxpr.outvars if hasattr(v, "aval")))
+    if "bytes_limit" not in stats or per_call == 0:
+        return MAX_CALLS if per_call == 0 else 1
+    room = min((stats["bytes_limit"] - stats.get("bytes_in_use", 0) - inputs) // 2, TIMING_BYTES)
+    return int(max(1, min(MAX_CALLS, room // per_call)))
+
+
 def clear(v: Verdict) -> bool:
     """The model shows VTC winning by more than its own error: a roofline time at most
     ``1 - TIME_TRUST`` of jit's and buffers at most ``1 - MEMORY_TRUST`` of jit's. Anything closer
@@ -256,7 +277,8 @@ def _alone(plain_fn: Any, vtc_fn: Any, axes: tuple[tuple[str, int], ...], closed
 def measured(plain: Price, vtc: Price, plain_fn: Any, vtc_fn: Any, closed: Any, donate: tuple[int, ...],
              gpu: GPU = GPUS["h100-sxm"], repeats: int = 20) -> Verdict:
     """The verdict by timing both programs on this GPU (``profiling.time_interleaved``: medians of
-    ``repeats`` interleaved rounds after a warm-up) and by their compiled buffer assignment.
+    ``repeats`` interleaved rounds of back-to-back calls after a warm-up, as many calls per sample
+    as :func:`calls_that_fit`) and by their compiled buffer assignment.
 
     It runs while the user's function is being traced and sees only the call's shapes, so its inputs
     are ``profiling.device_inputs`` (floats normal × 0.05, integers zero: a decode position is 0, and
@@ -272,7 +294,7 @@ def measured(plain: Price, vtc: Price, plain_fn: Any, vtc_fn: Any, closed: Any, 
 
     exes = [jax.jit(fn, donate_argnums=donate).lower(*args).compile() for fn in (plain_fn, vtc_fn)]
     mem = [int(e.memory_analysis().temp_size_in_bytes) for e in exes]
-    seconds = time_interleaved(exes, fresh, repeats)
+    seconds = time_interleaved(exes, fresh, repeats, calls_that_fit(closed, donate))
     why = []
     if seconds[1] > (1 - MEASURE_MARGIN) * seconds[0]:
         why.append(f"{seconds[1] * 1e6:,.1f} µs against jit's {seconds[0] * 1e6:,.1f} µs (timed; a win "
