@@ -764,6 +764,44 @@ def test_xla_norm_launches_against_xlas_compile(norm):
         assert xla_program(g, cluster(g)).launches == compiled, (norm.__name__, rows, width, compiled)
 
 
+def _rope_step(q, k, s, pos, cache):
+    """A decode step's RoPE as model code writes it — the frequencies computed inside each call
+    (jnp's pow and cos/sin of ``pos``), q returned, k written into a cache at ``pos`` — and the
+    scores masked by ``iota <= pos``: what XLA's CSE and its cost model decide about (the tables
+    materialised once, or recomputed in their readers; the mask made inside its reader)."""
+    def rope(x):
+        d = x.shape[-1]
+        inv = 1.0 / (500000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+        ang = pos.astype(jnp.float32) * inv
+        cos, sin = jnp.concatenate([jnp.cos(ang)] * 2), jnp.concatenate([jnp.sin(ang)] * 2)
+        xf = x.astype(jnp.float32)
+        rot = jnp.concatenate([-xf[..., d // 2:], xf[..., : d // 2]], axis=-1)
+        return (xf * cos + rot * sin).astype(x.dtype)
+    cache = jax.lax.dynamic_update_slice(cache, rope(k)[:, None], (0, pos, 0, 0))
+    return rope(q), cache, jnp.where(jnp.arange(s.shape[-1]) <= pos, s, -jnp.inf)
+
+
+@pytest.mark.offline
+def test_xla_table_and_mask_launches_against_xlas_compile():
+    """``xla.TABLE_REUSE`` and the mask rule: the model's launches equal the deviceless H100
+    compile's for a decode step's two RoPE calls and its position mask. At batch 16 XLA computes
+    the shared cos and sin tables once, each in a loop fusion of its own; at batch 1 it recomputes
+    them inside their readers; the mask ``iota <= pos`` is made inside the fusion that reads it
+    (no launch) either way."""
+    from vtc_jax.offline import compile_program
+    from vtc_jax.xla import xla_program
+    for batch in (1, 16):
+        args = (jax.ShapeDtypeStruct((batch, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((batch, 8, 128), jnp.bfloat16),
+                jax.ShapeDtypeStruct((batch, 32, 4096), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32),
+                jax.ShapeDtypeStruct((batch, 4096, 8, 128), jnp.bfloat16))
+        g = trace(_rope_step, *[jnp.zeros(a.shape, a.dtype) for a in args])
+        compiled = compile_program(jax.jit(_rope_step, donate_argnums=4), *args, kernels=False)
+        price = xla_program(g, cluster(g), donated=(g.inputs[4],))
+        assert price.launches == len(compiled.launches), (batch, [x.name for x in compiled.launches],
+                                                            [(f.what, f.launches) for f in price.fusions])
+        assert sum(f.what == "table" for f in price.fusions) == (2 if batch == 16 else 0), batch
+
+
 def test_guard_trusts_the_model_only_on_a_clear_win():
     """``guard.clear``: the model decides alone only when VTC wins by more than its error."""
     from vtc_jax import guard

@@ -111,6 +111,10 @@ class PrimInfo:
     # backend has no 16-bit transcendental or division); kernels/tiling.f32_math applies it to a
     # template's stage 2 so that the kernel rounds where jax.jit does.
     f32_math: bool = False
+    # XLA's ``IsExpensive`` (floating point): a producer XLA does not duplicate into several
+    # consumer fusions; a position table computed with one (``pow``, ``cos``) and read by two
+    # fusions is a loop fusion of its own (xla.xla_program).
+    expensive: bool = False
     # Role.CALL: the params holding the body the tracer inlines (graph.trace), in the order tried.
     # custom_jvp/custom_vjp calls keep only the primal computation (what the forward pass runs).
     call_body: tuple[str, ...] = ()
@@ -177,6 +181,8 @@ def _rows() -> dict[str, PrimInfo]:
          "reduce_precision pvary", score_view=True)
     flag("div rem pow atan2 nextafter logistic tanh tan sin cos asin acos atan sinh cosh asinh acosh atanh "
          "exp exp2 expm1 log log1p sqrt rsqrt cbrt erf erfc erf_inv lgamma digamma", f32_math=True)
+    flag("div rem pow atan2 logistic tanh tan sin cos asin acos atan sinh cosh asinh acosh atanh "
+         "exp exp2 expm1 log log1p sqrt rsqrt cbrt erf erfc erf_inv lgamma digamma", expensive=True)
     return rows
 
 

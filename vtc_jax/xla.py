@@ -31,7 +31,7 @@ from .cluster import Cluster
 from .compat import XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA, XLA_TRANSPOSES_REPEATED_VALUES
 from .graph import Graph
 from .kernels.tiling import resolve_precision
-from .primitives import KERNEL_CALLS, TABLE, Kind, data_inputs, inplace_operand, is_view, kernel_aliases
+from .primitives import KERNEL_CALLS, TABLE, Kind, Role, data_inputs, inplace_operand, is_view, kernel_aliases
 from .templates import TEMPLATES, Match
 
 __all__ = ["Facts", "LIBRARY_KINDS", "CAST_ONLY", "MATH_CLASSES", "Fusion", "Price", "op_flops", "math_class",
@@ -45,6 +45,11 @@ LIBRARY_KINDS = frozenset(k for k, t in TEMPLATES.items() if t.library)   # XLA 
 # compile, jax 0.10.2 and 0.12 alike (RMSNorm and LayerNorm, rows 1 / 2 / 16 / 512 of 512 ...
 # 16,384: one launch from 2 rows on; one row 2 and 3 launches).
 TRITON_NORM_MAX_ROW = 16384
+# An expensive table (a RoPE frequency table at ``pos``) shared by fusions whose outputs read each
+# of its values at least this many times in all is materialised by XLA instead of recomputed in
+# them: between the compiles' 80 (Llama-3 decode at batch 1: fused) and 1,280 (batch 16: a loop
+# fusion of its own).
+TABLE_REUSE = 256
 _NEVER_IN_A_LOOP = frozenset({Kind.MATMUL, Kind.CONV, Kind.ATTENTION})   # launches no loop fusion absorbs
 
 
@@ -557,7 +562,39 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             return gather_index(op.outputs[0])
         return False
 
+    table_memo: dict[int, bool] = {}
+
+    def from_scalars(t: int) -> bool:
+        """``t`` is computed from iotas, literals and scalars alone (a position table: RoPE's
+        frequencies and angles at ``pos``; a mask ``iota <= pos``)."""
+        if t not in table_memo:
+            info, op = g.tensors[t], g.producer(t)
+            table_memo[t] = info.size <= 1 or info.const is not None or op is not None and (
+                op.primitive == "iota" or op.primitive in _TABLE_STEPS and all(from_scalars(x) for x in _data(op)))
+        return table_memo[t]
+
+    def table_of(members: Sequence[int]) -> list[int]:
+        """The ops of an island that compute a table from scalars (outputs larger than a scalar)."""
+        return [o for m in members for o in cl[m].ops
+                if all(from_scalars(t) and g.tensors[t].size > 1 for t in g.ops[o].outputs)]
+
+    def island_users(members: Sequence[int]) -> set[int]:
+        users = set().union(*[consumers_through_movement(t, set()) for m in members for t in cl[m].outputs]
+                            or [set()])
+        return {find(u) for u in users if find(u) != find(members[0])}
+
     for members in islands.values():   # folded into the consumer: lone casts, prologues of reductions/updates
+        table = table_of(members)
+        if (table and len(table) == sum(len(cl[m].ops) for m in members)
+                and not any(t in outs for m in members for t in cl[m].outputs)):
+            # all of it a table made from scalars: XLA computes it inside each fusion reading it
+            # (a mask ``iota <= pos`` in the attention's select), unless it is expensive and read
+            # by several (IsExpensive: not duplicated; a loop fusion of its own)
+            users = island_users(members)
+            expensive = any(TABLE[g.ops[o].primitive].expensive for o in table)
+            if users and not any(call[u] for u in users) and (len(users) == 1 or not expensive):
+                parent[find(members[0])] = min(users)
+                continue
         if any(t in outs for m in members for t in cl[m].outputs):
             continue
         if all(gather_index(t) for m in members for t in cl[m].outputs):
@@ -741,6 +778,41 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     n, nbytes = n + 1, nbytes + full + ctx.nbytes[t]
         return n, nbytes
 
+    # an expensive table (``pow``, ``cos``) made inside two fusions, from the same scalars (two
+    # RoPE calls each computing the frequencies at ``pos``), or made in one and read by another:
+    # XLA's CSE makes it once, and where its readers would recompute each value many times
+    # (TABLE_REUSE) each value read is a loop fusion of its own (XLA's cost model against
+    # duplicating an expensive producer: the cos and the sin table, read off the H100 compiles
+    # of the pure-JAX Llama and the examples' Llama-3 at batch 16 — which XLA sometimes merges
+    # into one, the rolling-cache decode; at batch 1 a decode step's readers are small and the
+    # tables are recomputed inside them; RoPE'd q and k that are both program outputs keep the
+    # two fusions even at batch 1, which this does not model)
+    holders: dict[int, set[int]] = {}   # table value -> clusters computing something from it
+    for members in islands.values():
+        table = set(table_of(members))
+        if not any(TABLE[g.ops[o].primitive].expensive for o in table):
+            continue
+        for o in table:
+            for t in g.ops[o].outputs:
+                readers: set[int] = set()
+                for u in g.consumers(t):
+                    k = ctx.pos.get(u.id)
+                    if u.id in table or k is None:
+                        continue
+                    if fused_movement(k):   # through a broadcast or reshape: who reads that
+                        readers |= {r for x in cl[k].outputs for r in consumers_through_movement(x, set())}
+                    else:
+                        readers.add(k)
+                if readers:
+                    holders.setdefault(g.same_value(t), set()).update(readers)
+
+    def reused(v: int) -> bool:
+        """Computed in more than one fusion, whose outputs hold TABLE_REUSE elements per value."""
+        readers = holders[v]
+        elements = sum(max((g.tensors[x].size for x in cl[k].outputs), default=0) for k in readers)
+        return len({find(k) for k in readers}) > 1 and elements >= TABLE_REUSE * g.tensors[v].size
+
+    shared = [v for v in holders if reused(v)]
     groups: dict[int, list[int]] = {}
     for k in range(len(cl)):
         groups.setdefault(find(k), []).append(k)
@@ -915,9 +987,16 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 shape = g.tensors[op.inputs[1]].shape
                 if len(shape) == 4 and shape[0] > 1 and shape[1] > 1 and shape[2] * shape[3] > 1:
                     add((k,), "layout", 1, 2 * ctx.nbytes[op.inputs[1]])
+    for v in shared:   # a loop fusion per shared value (XLA's loop_cosine_fusion, loop_sine_fusion)
+        add((), "table", 1, 2 * ctx.nbytes[v], (v,))
     return Price(sum(f.launches for f in fusions), sum(f.bytes for f in fusions),
                  _buffers(ctx, fusions, written), tuple(fusions))
 
+
+# what a table made from scalars passes through (xla_program's from_scalars): element-wise math
+# and the views and rearrangements that shape it (a scalar broadcast, RoPE's doubled angles)
+_TABLE_STEPS = frozenset(n for n, r in TABLE.items() if r.role in (Role.ELEMENTWISE, Role.GENERATOR)) | {
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "concatenate", "slice", "transpose", "rev"}
 
 # movement XLA fuses into the fusion reading its result (followed back to the buffer read)
 _FUSED_VIEWS = ("transpose", "broadcast_in_dim", "squeeze", "expand_dims", "reshape", "slice",
