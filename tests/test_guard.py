@@ -5,6 +5,7 @@ launches × 2 µs + bytes / 3.35 TB/s — or more buffer memory than ``jax.jit``
 on: never worse than jit, and still equal to it. Plus the model of XLA on kernel calls, and the
 options' errors and reports.
 """
+import re
 import warnings
 
 import jax
@@ -172,9 +173,9 @@ def test_guard_prices_a_template_conv_by_its_math():
 
 
 def test_every_kernel_undone_runs_jits_own_program():
-    """When the guard has undone every kernel, what is left is VTC's re-emission of jit's program
-    with nothing gained; jit's own program runs instead (measured on an H200: YOLO's C3k2 block so
-    re-emitted ran at 0.80× and 0.91× of jit at batch 1 and 16)."""
+    """When the guard gives the program back — every kernel undone, or what is left still losing —
+    jit's own program runs, not VTC's re-emission of it (measured on an H200: YOLO's C3k2 block so
+    re-emitted ran at 0.80× and 0.91× of jit at batch 1 and 16): the HLO VTC lowers is jit's."""
     rnd = np.random.default_rng(0)
     q, table = (jnp.asarray(rnd.normal(size=s), jnp.float32) for s in ((2, 4, 8, 16), (32, 4)))
 
@@ -191,8 +192,13 @@ def test_every_kernel_undone_runs_jits_own_program():
         out = opt(*args)
     notes = opt.last[0].guard
     assert any(n.startswith("undid") for n in notes), notes
-    assert notes[-1] == "plain jax.jit: every kernel undone", notes
+    assert notes[-1] == "plain jax.jit: every kernel undone" or (
+        notes[-1].startswith("plain jax.jit: VTC's program still loses")), notes
     check_close(out, jax.jit(step)(*args))
+    strip = lambda text: re.sub(r"(module @\S+|loc\(.*?\)|#loc\d*( = .*)?)", "", text)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert strip(opt.lower(*args).as_text()) == strip(jax.jit(step).lower(*args).as_text())
 
 
 def _slow(x, y):

@@ -583,6 +583,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                             or [set()])
         return {find(u) for u in users if find(u) != find(members[0])}
 
+    recomputed: set[int] = set()   # tables XLA computes inside each reader: no launch, no bytes
     for members in islands.values():   # folded into the consumer: lone casts, prologues of reductions/updates
         table = table_of(members)
         if (table and len(table) == sum(len(cl[m].ops) for m in members)
@@ -593,7 +594,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             users = island_users(members)
             expensive = any(TABLE[g.ops[o].primitive].expensive for o in table)
             if users and not any(call[u] for u in users) and (len(users) == 1 or not expensive):
-                parent[find(members[0])] = min(users)
+                # its own group at no cost (not merged into a reader: guard.blame shares a
+                # group's cost among the clusters in it, and the table would take the reader's)
+                recomputed.add(find(members[0]))
                 continue
         if any(t in outs for m in members for t in cl[m].outputs):
             continue
@@ -818,6 +821,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         groups.setdefault(find(k), []).append(k)
     for members in groups.values():
         head = members[0]
+        if find(head) in recomputed:
+            add(members, "recomputed", 0, 0)
+            continue
         if find(head) in glue_launches:
             add(members, "loop", 1, sum(ctx.nbytes[t] for m in members for t in cl[m].outputs))
             continue
