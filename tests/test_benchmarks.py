@@ -70,20 +70,25 @@ def test_gpu_script_without_gpu_exits_cleanly():
     assert "no GPU: nothing measured (this script only runs on a GPU)" in proc.stdout
 
 
-def test_gpu_render_compares_at_the_same_position(tmp_path):
-    """``gpu.py --render``: each speed-up is against jit at the same batch and decode position (a
-    position sweep once divided by jit's time at another position)."""
-    rows = [dict(kind="attention", name="llama3_attention", batch=16, pos=p, variant=v, median_ms=t,
-                 p10_ms=t, p90_ms=t) for p, v, t in ((511, "jit", 0.5), (511, "vtc", 0.1),
-                                                     (4095, "jit", 0.4), (4095, "vtc", 0.2))]
+def _rendered_speed_ups(tmp_path, rows):
+    """``gpu.py --render`` on ``rows`` (a jsonl file): the VTC rows' speed-up cells, and the table."""
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     proc = subprocess.run([sys.executable, str(BENCH / "gpu.py"), "--render", str(path), "--info", "test"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert proc.returncode == 0, proc.stderr
-    speeds = [line.split("|")[8].strip() for line in proc.stdout.splitlines() if "| vtc |" in line]
-    assert speeds == ["5.00×", "2.00×"], proc.stdout
+    return [line.split("|")[8].strip() for line in proc.stdout.splitlines() if "| vtc |" in line], proc.stdout
+
+
+def test_gpu_render_compares_at_the_same_position(tmp_path):
+    """``gpu.py --render``: each speed-up is against jit at the same batch and decode position (a
+    position sweep once divided by jit's time at another position)."""
+    rows = [dict(kind="attention", name="llama3_attention", batch=16, pos=p, variant=v, median_ms=t,
+                 p10_ms=t, p90_ms=t) for p, v, t in ((511, "jit", 0.5), (511, "vtc", 0.1),
+                                                     (4095, "jit", 0.4), (4095, "vtc", 0.2))]
+    speeds, table = _rendered_speed_ups(tmp_path, rows)
+    assert speeds == ["5.00×", "2.00×"], table
 
 
 def test_gpu_render_reads_speed_ups_from_jit_timed_beside_the_row(tmp_path):
@@ -94,14 +99,8 @@ def test_gpu_render_reads_speed_ups_from_jit_timed_beside_the_row(tmp_path):
     rows = [dict(kind="workload", name="w", batch=b, pos=0, variant=v, median_ms=m, p10_ms=m, p90_ms=m, **extra)
             for b, v, m, extra in ((1, "jit", 0.30, {"b2b_ms": 0.50}), (1, "vtc", 0.40, {"b2b_ms": 0.10, "jit_b2b_ms": 0.20}),
                                    (16, "jit", 0.60, {"b2b_ms": 0.1}), (16, "vtc", 0.30, {}))]
-    path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = subprocess.run([sys.executable, str(BENCH / "gpu.py"), "--render", str(path), "--info", "test"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert proc.returncode == 0, proc.stderr
-    speeds = [line.split("|")[8].strip() for line in proc.stdout.splitlines() if "| vtc |" in line]
-    assert speeds == ["2.00×", "2.00×"], proc.stdout
+    speeds, table = _rendered_speed_ups(tmp_path, rows)
+    assert speeds == ["2.00×", "2.00×"], table
 
 
 def test_gpu_back_to_back_timing_runs_with_donation():
