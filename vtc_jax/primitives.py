@@ -179,10 +179,11 @@ def _rows() -> dict[str, PrimInfo]:
          componentwise=True)
     flag("convert_element_type reshape squeeze transpose broadcast_in_dim copy copy_p stop_gradient "
          "reduce_precision pvary", score_view=True)
-    flag("div rem pow atan2 nextafter logistic tanh tan sin cos asin acos atan sinh cosh asinh acosh atanh "
-         "exp exp2 expm1 log log1p sqrt rsqrt cbrt erf erfc erf_inv lgamma digamma", f32_math=True)
-    flag("div rem pow atan2 logistic tanh tan sin cos asin acos atan sinh cosh asinh acosh atanh "
-         "exp exp2 expm1 log log1p sqrt rsqrt cbrt erf erfc erf_inv lgamma digamma", expensive=True)
+    # division and the transcendentals: computed in f32 on 16-bit operands, and XLA's expensive ops
+    costly = ("div rem pow atan2 logistic tanh tan sin cos asin acos atan sinh cosh asinh acosh atanh "
+              "exp exp2 expm1 log log1p sqrt rsqrt cbrt erf erfc erf_inv lgamma digamma")
+    flag(costly + " nextafter", f32_math=True)
+    flag(costly, expensive=True)
     return rows
 
 
