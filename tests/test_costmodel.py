@@ -802,6 +802,110 @@ def test_xla_table_and_mask_launches_against_xlas_compile():
         assert sum(f.what == "table" for f in price.fusions) == (2 if batch == 16 else 0), batch
 
 
+def _linear_recurrence(a, b):
+    """h_t = a_t h_{t-1} + b_t by ``lax.associative_scan`` (Mamba's and RG-LRU's scan)."""
+    return jax.lax.associative_scan(lambda p, q: (p[0] * q[0], q[0] * p[1] + q[1]), (a, b), axis=0)[1]
+
+
+def _conv1d_stem(x, w1, w2):
+    """Two NCW 1-D convs with OIW filters and an erf GELU between them (Whisper's stem)."""
+    dn = ("NCH", "OIH", "NCH")
+    h = jax.nn.gelu(jax.lax.conv_general_dilated(x, w1, (1,), [(1, 1)], dimension_numbers=dn), approximate=False)
+    return jax.lax.conv_general_dilated(h, w2, (2,), [(1, 1)], dimension_numbers=dn)
+
+
+_WINDOW_INDEX = np.random.RandomState(0).randint(0, 169, size=(49 * 49,)).astype(np.int32)
+
+
+def _window_attention(x, w, b, table):
+    """Swin's window attention: one QKV GEMM with a bias split into q, k and v, and a relative
+    position bias gathered from a table by a constant index, added to the scores."""
+    qkv = (x @ w + b).reshape(x.shape[0], 49, 3, 3, 32).transpose(2, 0, 3, 1, 4)
+    q, k, v = qkv[0] * 32 ** -0.5, qkv[1], qkv[2]
+    bias = table[_WINDOW_INDEX].reshape(49, 49, 3).transpose(2, 0, 1)
+    p = jax.nn.softmax(q @ k.swapaxes(-1, -2) + bias[None], axis=-1)
+    return (p @ v).transpose(0, 2, 1, 3).reshape(x.shape[0], 49, 96)
+
+
+def _exp_bias(x, t):
+    """An expensive value broadcast into a larger reader (Mamba's ``-exp(A_log)``)."""
+    return x + jnp.exp(t)
+
+
+@pytest.mark.offline
+@pytest.mark.parametrize("fn,shapes,launches", [
+    (lambda x: jax.lax.associative_scan(jnp.add, x, axis=0), [(2048, 4096)], None),
+    (_linear_recurrence, [(2048, 4096), (2048, 4096)], None),
+    (_conv1d_stem, [(16, 80, 3000), (1280, 80, 3), (1280, 1280, 3)], 7),
+    (_exp_bias, [(16, 1500, 1280), (1280,)], 2),
+    (_exp_bias, [(1, 256, 1280), (1280,)], 1),
+    (_window_attention, [(1024, 49, 96), (96, 288), (288,), (169, 3)], 9),
+], ids=["cumsum_tree", "linear_recurrence_tree", "conv1d_stem", "exp_reused_24000x", "exp_reused_256x",
+        "window_attention"])
+def test_xla_duplication_limits_and_conv_layouts_against_xlas_compile(fn, shapes, launches):
+    """What XLA will not recompute inside one loop fusion, and cuDNN's layouts, against the
+    deviceless H100 compile:
+
+    * ``xla.CODE_DUPLICATION``: an associative scan's tree of strided slices, pads and
+      concatenations is a loop fusion per level or two, not one fusion — a value read through
+      slices is emitted once per distinct indexing, and past the limit it is written out. The
+      model's launches are within one of the compile's (several, not one), its bytes within 10%
+      for the plain sum (the recurrence's compile reads more than the model, which stays under).
+    * an expensive value repeated more than ``xla.TABLE_REUSE`` times by its reader is a loop
+      fusion of its own (``wrapped_exponential``); repeated 256 times it is recomputed.
+    * a 1-D conv's OIW filters are transposed for cuDNN like OIHW ones, and the erf GELU between
+      two convs is a loop fusion of its own (Whisper's stem).
+    * Swin's window attention: q, k and v split out of one GEMM's result are each written out
+      for the attention's GEMMs (``loop_slice_fusion``), and the gathered relative-position bias
+      is a launch of its own in front of XLA's Triton softmax (``wrapped_gather``). (Its bytes
+      are not checked: the model reads 28% less than the compile.)
+
+    Where ``launches`` is given, the compile's count is checked too (so a change of XLA shows)."""
+    from vtc_jax.offline import compile_program
+    from vtc_jax.xla import xla_program
+    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    g = trace(fn, *[jnp.zeros(a.shape, a.dtype) for a in args])
+    compiled = compile_program(jax.jit(fn), *args, kernels=False)
+    price = xla_program(g, cluster(g))
+    got = len(compiled.launches)
+    detail = (got, [x.name for x in compiled.launches], [(f.what, f.launches) for f in price.fusions])
+    if launches is None:
+        assert abs(price.launches - got) <= 1 and price.launches >= 6, detail
+    else:
+        assert price.launches == got == launches, detail
+    nbytes = sum(x.bytes for x in compiled.launches)
+    if fn not in (_linear_recurrence, _window_attention):
+        assert abs(price.bytes - nbytes) <= 0.1 * nbytes, (price.bytes, nbytes)
+
+
+def _two_dropouts(key, x):
+    """Two dropout masks from one key split in two (a training step's PRNG)."""
+    a, b = jax.random.split(key)
+    return jnp.where(jax.random.bernoulli(a, 0.9, x.shape), x, 0) + jax.random.normal(b, x.shape)
+
+
+@pytest.mark.offline
+@pytest.mark.parametrize("fn,shape,launches", [
+    (lambda k, x: jnp.where(jax.random.bernoulli(k, 0.9, x.shape), x, 0), (512, 1024), 1),
+    (lambda k, x: jnp.where(jax.random.bernoulli(jax.random.fold_in(k, 3), 0.9, x.shape), x, 0), (512, 1024), 2),
+    (_two_dropouts, (512, 1024), 3),
+], ids=["mask_from_key", "mask_from_fold_in", "two_masks_from_split"])
+def test_xla_prng_launches_against_xlas_compile(fn, shape, launches):
+    """``xla._prng_launches``: a split or fold-in of a key is a launch of its own in XLA's compile,
+    and a threefry counter vector two masks share (a 512-vector each of 524,288 elements reads
+    twice: more than ``PRNG_COUNTER_REUSE`` times per element) a loop fusion of its own; one
+    mask's counters are computed inside its reader. The model's launches equal the deviceless H100
+    compile's."""
+    from vtc_jax.offline import compile_program
+    from vtc_jax.xla import xla_program
+    key, x = jax.random.key(0), jnp.zeros(shape)
+    g = trace(fn, key, x)
+    compiled = compile_program(jax.jit(fn), key, jax.ShapeDtypeStruct(shape, jnp.float32), kernels=False)
+    price = xla_program(g, cluster(g))
+    assert price.launches == len(compiled.launches) == launches, (
+        [x.name for x in compiled.launches], [(f.what, f.launches) for f in price.fusions])
+
+
 def test_guard_trusts_the_model_only_on_a_clear_win():
     """``guard.clear``: the model decides alone only when VTC wins by more than its error."""
     from vtc_jax import guard

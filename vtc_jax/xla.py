@@ -50,6 +50,19 @@ TRITON_NORM_MAX_ROW = 16384
 # them: between the compiles' 80 (Llama-3 decode at batch 1: fused) and 1,280 (batch 16: a loop
 # fusion of its own).
 TABLE_REUSE = 256
+# XLA fuses a producer into a loop fusion only while the fusion would emit it at most this many
+# times (``FusionNodeIndexingEvaluation::kAllowedCodeDuplication``: each distinct indexing of a
+# value — a slice, a pad, a concatenation reading it — emits it again); past it the producer is
+# written out and read back (an associative scan's tree of strided slices: a fusion every level
+# or two instead of one; read off the compiles of 2048-step scans. On small arrays XLA's cost
+# model fuses further — a 64-step scan is 3 fusions, the model says 8 — which this does not model)
+CODE_DUPLICATION = 15
+# a PRNG counter vector (:func:`_prng_launches`) read more than this many times per element is a
+# loop fusion of its own: between the compiles' 1,024 (a (512, 1024) mask: fused) and 2,048 (two
+# such masks sharing it: written out)
+PRNG_COUNTER_REUSE = 1024
+# what a launch of scalar-sized work (a key schedule, a counter vector) moves, for its bytes
+SMALL_LAUNCH_BYTES = 64
 _NEVER_IN_A_LOOP = frozenset({Kind.MATMUL, Kind.CONV, Kind.ATTENTION})   # launches no loop fusion absorbs
 
 
@@ -421,13 +434,18 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
       residual adds before and after an FFN: the fusion would depend on itself); a lone cast, and pointwise work feeding only a reduction or an update, fold
       into that consumer (input fusion / DUS fusion) — no launch of their own; so does index
       arithmetic read only as a gather's indices (jnp's negative-index
-      normalisation of a block table) read once, inside the gather's fusion.
+      normalisation of a block table) read once, inside the gather's fusion. A value the fusion
+      computes and reads back through movement (a slice of it) costs no bytes; a value it would
+      emit more than CODE_DUPLICATION times, or an expensive one a reader repeats more than
+      TABLE_REUSE times, is written out and read back, a launch more (:func:`duplicated`).
     * **GEMM / conv / reduction**: one launch each (gemm fusion, cuDNN call, input fusion), and
       one more per GEMM operand computed by an elementwise prologue (XLA's loop fusion). cuDNN
       fuses a conv's bias + ReLU only: any other epilogue is one more loop fusion when another
       conv reads the result directly; it runs NHWC, so each NCHW program input a conv reads (and
       each output one writes) is transposed once, and each OIHW filter larger than 1×1 (not
       depthwise); movement in front of a conv (a split half, a concat) is materialised.
+    * **PRNG**: the key schedule and the threefry counters are tiny launches of their own
+      (:func:`_prng_launches`); the random bits fuse into their readers.
     * **attention left to XLA**: one fusion per reduction (the M=1 dots become reductions) and one
       element-wise fusion between each pair, ``2 n - 1``; each writes its intermediate once.
     * **buffers**: arguments and outputs (a donated input aliased to an output counted once) plus
@@ -475,6 +493,16 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             if fused_movement(k):
                 for o in cl[k].outputs:
                     found |= consumers_through_movement(o, seen)
+            else:
+                found.add(k)
+        return found
+
+    def readers_through_views(t: int) -> set[int]:
+        """Clusters reading ``t`` directly or through bitcasts (a copy, a reshape)."""
+        found: set[int] = set()
+        for k in ctx.users.get(t, ()):
+            if bitcasts_only(k):
+                found |= {u for x in cl[k].outputs for u in readers_through_views(x)}
             else:
                 found.add(k)
         return found
@@ -591,9 +619,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             # all of it a table made from scalars: XLA computes it inside each fusion reading it
             # (a mask ``iota <= pos`` in the attention's select), unless it is expensive and read
             # by several (IsExpensive: not duplicated; a loop fusion of its own)
+            # (indices of a gather excepted: T5's relative-position buckets are a loop fusion
+            # the gather then reads)
             users = island_users(members)
             expensive = any(TABLE[g.ops[o].primitive].expensive for o in table)
-            if users and not any(call[u] for u in users) and (len(users) == 1 or not expensive):
+            indices = any(_indexes_a_gather(g, t) for m in members for t in cl[m].outputs)
+            if users and not indices and not any(call[u] for u in users) and (len(users) == 1 or not expensive):
                 # its own group at no cost (not merged into a reader: guard.blame shares a
                 # group's cost among the clusters in it, and the table would take the reader's)
                 recomputed.add(find(members[0]))
@@ -676,16 +707,19 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         return k is not None and all(g.ops[o].primitive in ("iota", *CAST_ONLY) or is_view(g.ops[o], g)
                                      for o in cl[k].ops)
 
-    def read_bytes(t: int, seen: set[int]) -> int:
-        """Bytes a fusion reads for ``t``: through fused movement, what its sources hold."""
+    def read_bytes(t: int, seen: set[int], inside: frozenset[int] = frozenset()) -> int:
+        """Bytes a fusion reads for ``t``: through fused movement, what its sources hold; nothing
+        for what the fusion's own clusters ``inside`` compute (a slice of a value made in it)."""
         k = ctx.producer.get(t)
+        if k in inside:
+            return 0
         if k in merged_bytes:   # a slice of a merged GEMM's output: the fusion reads its buffer
             return merged_bytes[k]   # (the compile's buffer-level count; q/k/v transposes of BERT, T5)
         if k is None or not fused_movement(k) or k in seen or k in materialised or find(k) != k and k in feeds_call:
             return ctx.nbytes[t]
         seen.add(k)
         xs = [x for o in cl[k].ops for x in _data(g.ops[o])]
-        src = sum(read_bytes(x, seen) for x in xs)
+        src = sum(read_bytes(x, seen, inside) for x in xs)
         if kind[k] == Kind.GLUE:
             return 0
         return src if any(ctx.producer.get(x) in merged_bytes for x in xs) else min(ctx.nbytes[t], src)
@@ -810,12 +844,81 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     holders.setdefault(g.same_value(t), set()).update(readers)
 
     def reused(v: int) -> bool:
-        """Computed in more than one fusion, whose outputs hold TABLE_REUSE elements per value."""
+        """Computed in more than one fusion, whose outputs hold more than TABLE_REUSE elements per value."""
         readers = holders[v]
         elements = sum(max((g.tensors[x].size for x in cl[k].outputs), default=0) for k in readers)
-        return len({find(k) for k in readers}) > 1 and elements >= TABLE_REUSE * g.tensors[v].size
+        return len({find(k) for k in readers}) > 1 and elements > TABLE_REUSE * g.tensors[v].size
 
     shared = [v for v in holders if reused(v)]
+
+    def duplicated(members: Sequence[int], roots: Iterable[int]) -> list[int]:
+        """Ops of a loop fusion XLA writes out instead of recomputing (CODE_DUPLICATION), walking
+        the fusion from its ``roots`` (the tensors it writes) to its operands as XLA's indexing
+        evaluation does: an operand of the op's own shape (or transposed) is indexed as the op
+        is; any other read (slice, pad, concatenation, reshape) indexes it anew, once per
+        emission of the reader. A broadcast is always fused (its operand is what may be cut);
+        an expensive value it repeats more than TABLE_REUSE times is written out (XLA does not
+        duplicate an expensive producer into a reader that reuses it: Mamba's ``-exp(A_log)``,
+        a loop fusion of its own in front of the scan)."""
+        head = find(members[0])
+
+        def expensive(o: int, depth: int = 0) -> bool:
+            """``o``, or an op of its size feeding it in the fusion (element-wise, a view), is
+            expensive."""
+            op = g.ops[o]
+            if TABLE[op.primitive].expensive if op.primitive in TABLE else False:
+                return True
+            size = g.tensors[op.outputs[0]].size
+            return depth < 8 and any((p := g.producer(x)) is not None and p.id in seen
+                                     and g.tensors[x].size == size and expensive(p.id, depth + 1)
+                                     for x in _data(op))
+
+        def fused(op_id: int) -> bool:
+            k = ctx.pos.get(op_id)
+            return k is not None and (find(k) == head or fused_movement(k) and k not in materialised
+                                      and kind[k] == Kind.MOVEMENT)
+
+        indexers: dict[int, set[int]] = {}
+        for t in roots:
+            p = g.producer(t)
+            if p is not None:
+                indexers.setdefault(p.id, set()).add(-1 - t)   # the fusion's output: emitted once
+        count: dict[int, int] = {-1 - t: 1 for t in roots}
+        cuts: list[int] = []
+        order: list[int] = []
+        stack, seen = [o for o in indexers], set(indexers)
+        while stack:
+            o = stack.pop()
+            order.append(o)
+            for x in _data(g.ops[o]):
+                p = g.producer(x)
+                if p is not None and p.id not in seen and fused(p.id):
+                    seen.add(p.id)
+                    stack.append(p.id)
+        forced: set[int] = set()
+        for o in sorted(order, reverse=True):   # op ids are in program order: consumers first
+            op = g.ops[o]
+            n = sum(count[i] for i in indexers.get(o, ()))
+            if (n > CODE_DUPLICATION and op.primitive != "broadcast_in_dim" or o in forced) and not any(
+                    g.same_value(t) in shared for t in op.outputs):   # (shared tables: their own rule)
+                cuts.append(o)
+                n, indexers[o] = 1, {-1 - op.outputs[0]}
+                count[-1 - op.outputs[0]] = 1
+            count[o] = n
+            shape = g.tensors[op.outputs[0]].shape
+            for x in _data(op):
+                p = g.producer(x)
+                if p is None or p.id not in seen:
+                    continue
+                if g.tensors[op.outputs[0]].size > TABLE_REUSE * g.tensors[x].size and expensive(p.id):
+                    while is_view(p, g) and (q := g.producer(_data(p)[0])) is not None and q.id in seen:
+                        p = q   # the value itself, not a view of it
+                    forced.add(p.id)
+                if tuple(g.tensors[x].shape) == tuple(shape) or op.primitive == "transpose":
+                    indexers.setdefault(p.id, set()).update(indexers.get(o, ()))
+                else:
+                    indexers.setdefault(p.id, set()).add(o)
+        return cuts
     groups: dict[int, list[int]] = {}
     for k in range(len(cl)):
         groups.setdefault(find(k), []).append(k)
@@ -851,6 +954,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             add(members, "copy", 1, nbytes, cl[head].outputs)
             continue
         if len(members) == 1 and fused_movement(head):
+            if kind[head] == Kind.GLUE and (prng := _prng_launches(g, [g.ops[o] for o in cl[head].ops])):
+                add(members, "prng", prng, prng * 2 * SMALL_LAUNCH_BYTES)
             if kind[head] == Kind.MOVEMENT:
                 for o in cl[head].ops:
                     op = g.ops[o]
@@ -871,18 +976,36 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             continue
         inside = {t for m in members for t in cl[m].outputs}
         ins = {t for m in members for t in cl[m].inputs if t not in inside}
-        out = {t for m in members for t in cl[m].outputs
-               if t in outs or any(find(u) != find(m) for u in ctx.users.get(t, ()))}
+        own = frozenset(members)
+
+        def leaves(t: int, seen: set[int]) -> bool:
+            """``t`` is read outside the group: a program output, or read by another group (through
+            fused movement: a slice of it read back inside the group is not)."""
+            if t in outs:
+                return True
+            for u in ctx.users.get(t, ()):
+                if u in own or u in seen:
+                    continue
+                seen.add(u)
+                if not fused_movement(u) or u in materialised or u in feeds_call or find(u) != u:
+                    return True
+                if any(leaves(x, seen) for x in cl[u].outputs):
+                    return True
+            return False
+
+        out = {t for m in members for t in cl[m].outputs if leaves(t, set())}
         nbytes = 0
         n = 1
         for m in members:
             if kind[m] != Kind.CONV:
                 continue
             epi = {g.ops[o].primitive for o in cl[m].ops} - {"conv_general_dilated"}
-            direct = [u for t in cl[m].outputs for u in ctx.users.get(t, ()) if kind[u] == Kind.CONV]
+            direct = [u for t in cl[m].outputs for u in readers_through_views(t) if kind[u] == Kind.CONV]
             if epi and not {"add", "max"} <= epi and (direct or any(t in outs for t in cl[m].outputs)):
                 n += 1   # cuDNN fuses bias + ReLU only; another epilogue is a loop fusion of its
-                # own where nothing else reads the result (else it fuses into that reader)
+                # own where nothing else reads the result (else it fuses into that reader),
+                # reading cuDNN's output and writing the result
+                nbytes += 2 * sum(ctx.nbytes[t] for t in cl[m].outputs)
         for m in members:   # a split-K decode GEMM: its reduce is a loop fusion of its own
             if kind[m] != Kind.MATMUL:   # unless one element-wise consumer absorbs it
                 continue
@@ -946,6 +1069,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     for x in _gemm_relayouts(g, d):   # one, heads not next to the batch: copied
                         n_, b_ = relayout(x)
                         n, nbytes = n + n_, nbytes + b_
+                # a gathered bias (Swin's relative-position table at its index): the Triton
+                # softmax fusion cannot contain the gather, which is a launch of its own
+                # (``wrapped_gather``) writing what the softmax then reads
+                for op in {_source_gather(g, t) for t in ins} - {None}:
+                    if _gemm_reads(g, op.outputs[0]) or not np.issubdtype(g.tensors[op.outputs[0]].dtype, np.floating):
+                        continue   # a gathered GEMM operand (relaid above), or indices
+                    n, nbytes = n + 1, nbytes + 2 * sum(ctx.nbytes[y] for y in op.outputs)
         if any(is_dus(m) for m in members):   # the update fused into the in-place DUS fusion:
             for m in members:                    # it writes the update (and the copy, if any)
                 for o in cl[m].ops if is_dus(m) else ():
@@ -955,8 +1085,15 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             out = {t for t in out if not any(is_dus(m) and t in cl[m].outputs for m in members)}
         what = next((str(kind[m]) for m in members if kind[m] not in (Kind.POINTWISE, Kind.MOVEMENT, Kind.GLUE)),
                     "loop")
-        nbytes += sum(read_bytes(t, set()) for t in ins) + sum(ctx.nbytes[t] for t in out)
-        add(members, what, n, nbytes, out)
+        made = set(out)
+        if all(kind[m] == Kind.POINTWISE for m in members):   # values past XLA's duplication limit:
+            for o in duplicated(members, out):                # written out, read back by each reader
+                t = g.ops[o].outputs[0]
+                reads = [min(ctx.nbytes[t], sum(ctx.nbytes[y] for y in u.outputs)) for u in g.consumers(t)]
+                n, nbytes = n + 1, nbytes + ctx.nbytes[t] + sum(reads)
+                made.add(t)
+        nbytes += sum(read_bytes(t, set(), own) for t in ins) + sum(ctx.nbytes[t] for t in out)
+        add(members, what, n, nbytes, made)
     for k in sorted(merged):   # a merged GEMM's result read by a kernel call: a slice copied out
         for t in cl[k].outputs:
             if any(call[u] for u in consumers_through_movement(t, set())):
@@ -984,14 +1121,18 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             fed.add(t)
         if fed:
             add((), "copy", len(fed), sum(read_bytes(t, set()) + ctx.nbytes[t] for t in fed), fed)
-        # filters are OIHW; cuDNN wants them transposed (free for 1x1 and depthwise filters)
+        # cuDNN wants filters OHWI: any other layout (OIHW, a 1-D conv's OIW, HWIO) is transposed
+        # once (free for 1x1 and depthwise filters)
         for k in convs:
             for o in cl[k].ops:
                 op = g.ops[o]
                 if op.primitive != "conv_general_dilated" or op.inputs[1] not in inputs:
                     continue
                 shape = g.tensors[op.inputs[1]].shape
-                if len(shape) == 4 and shape[0] > 1 and shape[1] > 1 and shape[2] * shape[3] > 1:
+                spec = op.params["dimension_numbers"].rhs_spec   # (out, in, spatial...)
+                ohwi = spec[0] == 0 and spec[1] == len(shape) - 1
+                if (shape[spec[0]] > 1 and shape[spec[1]] > 1 and not ohwi
+                        and math.prod(shape[d] for d in spec[2:]) > 1):
                     add((k,), "layout", 1, 2 * ctx.nbytes[op.inputs[1]])
     for v in shared:   # a loop fusion per shared value (XLA's loop_cosine_fusion, loop_sine_fusion)
         add((), "table", 1, 2 * ctx.nbytes[v], (v,))
@@ -1005,7 +1146,7 @@ _TABLE_STEPS = frozenset(n for n, r in TABLE.items() if r.role in (Role.ELEMENTW
     "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "concatenate", "slice", "transpose", "rev"}
 
 # movement XLA fuses into the fusion reading its result (followed back to the buffer read)
-_FUSED_VIEWS = ("transpose", "broadcast_in_dim", "squeeze", "expand_dims", "reshape", "slice",
+_FUSED_VIEWS = ("transpose", "broadcast_in_dim", "squeeze", "expand_dims", "reshape", "slice", "split",
                 "dynamic_slice", "pad", "rev")
 
 
@@ -1089,6 +1230,48 @@ def _gathered(g: Graph, t: int) -> bool:
     return op is not None and op.primitive == "gather" and _runtime(g, op.inputs[1])
 
 
+def _prng_launches(g: Graph, ops: Sequence[Any]) -> int:
+    """Launches of XLA's threefry key schedule and counters around the random bits it fuses into
+    their readers (read off the H100 compiles of dropout and samplers): a ``random_split`` or
+    ``random_fold_in`` is a launch hashing the key; the counters of ``random_bits`` of shape
+    ``S`` are a sum over the axes of ``iota(S[i]) * stride[i]`` in 64 bits, and each such vector
+    (the same one computed for several calls once) is a loop fusion of its own where its
+    readers repeat each element more than ``PRNG_COUNTER_REUSE`` times (T5's dropout masks of
+    ``(16, 512, 2816)``: the 16- and the 512-vector; a ``(512, 1024)`` mask: none). The key
+    schedule's ``xor`` XLA sometimes writes out too is not modelled."""
+    n = 0
+    reads: dict[tuple[int, int], int] = {}
+    for op in ops:
+        if op.primitive in ("random_split", "random_fold_in"):
+            n += 1
+        elif op.primitive == "random_bits":
+            shape, stride = tuple(op.params["shape"]), 1
+            for i in reversed(range(len(shape))):
+                if i < len(shape) - 1 and shape[i] > 1:
+                    reads[(shape[i], stride)] = reads.get((shape[i], stride), 0) + math.prod(shape)
+                stride *= shape[i]
+    return n + sum(r > PRNG_COUNTER_REUSE * size for (size, _), r in reads.items())
+
+
+def _indexes_a_gather(g: Graph, t: int) -> bool:
+    """``t`` (through views XLA fuses) is the indices operand of a ``gather``."""
+    for op in g.consumers(t):
+        if op.primitive == "gather" and op.inputs[1] == t:
+            return True
+        if (op.primitive in _FUSED_VIEWS or op.primitive in CAST_ONLY) and any(
+                _indexes_a_gather(g, y) for y in op.outputs):
+            return True
+    return False
+
+
+def _source_gather(g: Graph, t: int) -> Any:
+    """The ``gather`` op ``t`` is a view of (through movement XLA fuses), or None."""
+    op = g.producer(t)
+    while op is not None and (op.primitive in _FUSED_VIEWS or op.primitive in CAST_ONLY):
+        op = g.producer(data_inputs(op)[0])
+    return op if op is not None and op.primitive == "gather" else None
+
+
 def _gemm_reads(g: Graph, t: int) -> bool:
     """Whether a GEMM (a ``dot_general``) reads ``t``, directly or through views XLA fuses."""
     for op in g.consumers(t):
@@ -1108,14 +1291,39 @@ def _runtime(g: Graph, t: int) -> bool:
     return any(x in g.inputs for o in ops for x in g.ops[o].inputs)
 
 
+def _epilogue_of(g: Graph, op: Any) -> Any:
+    """The ``dot_general`` whose result ``op`` computes element-wise from (a bias add, an
+    activation: one operand of the result's shape, the rest broadcast), else None."""
+    while op is not None and op.primitive != "dot_general":
+        row = TABLE.get(op.primitive)
+        if row is None or row.role is not Role.ELEMENTWISE:
+            return None
+        shape = g.tensors[op.outputs[0]].shape
+        full = [x for x in data_inputs(op) if g.tensors[x].shape == shape]
+        if len(full) != 1:
+            return None
+        op = g.producer(full[0])
+    return op
+
+
 def _fixed_layout(g: Graph, t: int) -> bool:
     """Whether the buffer behind ``t`` (through movement) has a layout its producer cannot choose:
     a program input, a GEMM's or convolution's result, a kernel call's, or a buffer updated in
     place. Any other producer (a loop fusion, a gather) XLA lets write the layout its reader
-    wants (the paged KV cache's gathered keys come out of the gather already transposed)."""
-    op = g.producer(t)
-    while op is not None and (op.primitive in _FUSED_VIEWS or op.primitive in CAST_ONLY):
-        op = g.producer(data_inputs(op)[0])
+    wants (the paged KV cache's gathered keys come out of the gather already transposed; BERT's
+    per-head q, k and v come out of their GEMMs with the bias added already in the attention's
+    layout). A GEMM's result with its epilogue (a bias add) split into several (Swin's one QKV
+    projection cut into q, k and v) has one layout for all its readers: fixed."""
+    op, split = g.producer(t), False
+    while op is not None:
+        if op.primitive in _FUSED_VIEWS or op.primitive in CAST_ONLY:
+            split = split or op.primitive == "split"
+            op = g.producer(data_inputs(op)[0])
+            continue
+        gemm = _epilogue_of(g, op) if split else None
+        if gemm is not None:
+            op = gemm
+        break
     return op is None or op.primitive in ("dot_general", "conv_general_dilated", *KERNEL_CALLS) \
         or inplace_operand(op.primitive) is not None
 
