@@ -814,6 +814,14 @@ def _conv1d_stem(x, w1, w2):
     return jax.lax.conv_general_dilated(h, w2, (2,), [(1, 1)], dimension_numbers=dn)
 
 
+def _nhwc_block(x, w1, w2, w3, b):
+    """flax's layout: NHWC activations, HWIO filters (1x1, depthwise 3x3, 1x1), bias (+ ReLU)."""
+    dn = ("NHWC", "HWIO", "NHWC")
+    h = jax.nn.relu(jax.lax.conv_general_dilated(x, w1, (1, 1), "SAME", dimension_numbers=dn) + b)
+    h = jax.lax.conv_general_dilated(h, w2, (1, 1), "SAME", dimension_numbers=dn, feature_group_count=58) + b
+    return jax.nn.relu(jax.lax.conv_general_dilated(h, w3, (1, 1), "SAME", dimension_numbers=dn) + b)
+
+
 _WINDOW_INDEX = np.random.RandomState(0).randint(0, 169, size=(49 * 49,)).astype(np.int32)
 
 
@@ -840,8 +848,9 @@ def _exp_bias(x, t):
     (_exp_bias, [(16, 1500, 1280), (1280,)], 2),
     (_exp_bias, [(1, 256, 1280), (1280,)], 1),
     (_window_attention, [(1024, 49, 96), (96, 288), (288,), (169, 3)], 9),
+    (_nhwc_block, [(16, 28, 28, 58), (1, 1, 58, 58), (3, 3, 1, 58), (1, 1, 58, 58), (58,)], 7),
 ], ids=["cumsum_tree", "linear_recurrence_tree", "conv1d_stem", "exp_reused_24000x", "exp_reused_256x",
-        "window_attention"])
+        "window_attention", "nhwc_convs"])
 def test_xla_duplication_limits_and_conv_layouts_against_xlas_compile(fn, shapes, launches):
     """What XLA will not recompute inside one loop fusion, and cuDNN's layouts, against the
     deviceless H100 compile:
@@ -855,6 +864,9 @@ def test_xla_duplication_limits_and_conv_layouts_against_xlas_compile(fn, shapes
       fusion of its own (``wrapped_exponential``); repeated 256 times it is recomputed.
     * a 1-D conv's OIW filters are transposed for cuDNN like OIHW ones, and the erf GELU between
       two convs is a loop fusion of its own (Whisper's stem).
+    * flax's NHWC convs: no layout transpose of the activations, but every HWIO filter is
+      transposed to OHWI (1x1 and depthwise ones too: O moves), and the depthwise conv's
+      bias-only epilogue is a loop fusion of its own (a conv reads it).
     * Swin's window attention: q, k and v split out of one GEMM's result are each written out
       for the attention's GEMMs (``loop_slice_fusion``), and the gathered relative-position bias
       is a launch of its own in front of XLA's Triton softmax (``wrapped_gather``). (Its bytes

@@ -441,9 +441,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     * **GEMM / conv / reduction**: one launch each (gemm fusion, cuDNN call, input fusion), and
       one more per GEMM operand computed by an elementwise prologue (XLA's loop fusion). cuDNN
       fuses a conv's bias + ReLU only: any other epilogue is one more loop fusion when another
-      conv reads the result directly; it runs NHWC, so each NCHW program input a conv reads (and
-      each output one writes) is transposed once, and each OIHW filter larger than 1×1 (not
-      depthwise); movement in front of a conv (a split half, a concat) is materialised.
+      conv reads the result directly (or through bitcasts) or it is returned channels-last; it
+      runs NHWC, so each channels-first program input a conv reads (and each output one writes)
+      is transposed once, and each filter that is not OHWI up to unit axes (OIHW larger than
+      1×1 and not depthwise; flax's HWIO, any); movement in front of a conv (a split half, a
+      concat) is materialised.
     * **PRNG**: the key schedule and the threefry counters are tiny launches of their own
       (:func:`_prng_launches`); the random bits fuse into their readers.
     * **attention left to XLA**: one fusion per reduction (the M=1 dots become reductions) and one
@@ -1001,10 +1003,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 continue
             epi = {g.ops[o].primitive for o in cl[m].ops} - {"conv_general_dilated"}
             direct = [u for t in cl[m].outputs for u in readers_through_views(t) if kind[u] == Kind.CONV]
-            if epi and not {"add", "max"} <= epi and (direct or any(t in outs for t in cl[m].outputs)):
+            returned = any(t in outs for t in cl[m].outputs) and not any(
+                _channels_first(g.ops[o], "out_spec") for o in cl[m].ops if g.ops[o].primitive == "conv_general_dilated")
+            if epi and not {"add", "max"} <= epi and (direct or returned):
                 n += 1   # cuDNN fuses bias + ReLU only; another epilogue is a loop fusion of its
-                # own where nothing else reads the result (else it fuses into that reader),
-                # reading cuDNN's output and writing the result
+                # own where nothing else reads the result (else it fuses into that reader: the
+                # layout transpose of a channels-first result too), reading cuDNN's output and
+                # writing the result
                 nbytes += 2 * sum(ctx.nbytes[t] for t in cl[m].outputs)
         for m in members:   # a split-K decode GEMM: its reduce is a loop fusion of its own
             if kind[m] != Kind.MATMUL:   # unless one element-wise consumer absorbs it
@@ -1100,12 +1105,16 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 add((k,), "copy", 1, 2 * ctx.nbytes[t], (t,))
     convs = [k for k in range(len(cl)) if kind[k] == Kind.CONV]
     if convs:   # cuDNN runs NHWC: each NCHW program input a conv reads, and each output a conv
-        # produces, is transposed once (one launch reading and writing it)
-        lhs = [g.ops[o].inputs[0] for k in convs for o in cl[k].ops
-               if g.ops[o].primitive == "conv_general_dilated"]
-        srcs = {x for t in lhs if read_src_is_input(t) for x in _inputs_behind(t)}
+        # produces, is transposed once (one launch reading and writing it); a conv whose operand
+        # or result is channels-last already (flax's NHWC) needs none
+        convs_ops = [g.ops[o] for k in convs for o in cl[k].ops if g.ops[o].primitive == "conv_general_dilated"]
+        lhs = [op.inputs[0] for op in convs_ops]
+        srcs = {x for op in convs_ops if _channels_first(op, "lhs_spec") and read_src_is_input(op.inputs[0])
+                for x in _inputs_behind(op.inputs[0])}
+        cf = {k for k in convs if any(g.ops[o].primitive == "conv_general_dilated" and _channels_first(g.ops[o], "out_spec")
+                                      for o in cl[k].ops)}
         made = {t for t in outs if len(g.tensors[t].shape) >= 3
-                and any(kind[p] == Kind.CONV for p in producers_through_movement(t, set()))}
+                and any(p in cf for p in producers_through_movement(t, set()))}
         if srcs | made:
             add((), "layout", len(srcs) + len(made), sum(2 * ctx.nbytes[t] for t in srcs | made))
         # a conv reads a buffer: movement (a split half, a concat) in front of it is materialised
@@ -1122,7 +1131,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         if fed:
             add((), "copy", len(fed), sum(read_bytes(t, set()) + ctx.nbytes[t] for t in fed), fed)
         # cuDNN wants filters OHWI: any other layout (OIHW, a 1-D conv's OIW, HWIO) is transposed
-        # once (free for 1x1 and depthwise filters)
+        # once, unless only unit axes move (OIHW 1x1 and depthwise filters; HWIO ones move O)
         for k in convs:
             for o in cl[k].ops:
                 op = g.ops[o]
@@ -1130,9 +1139,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     continue
                 shape = g.tensors[op.inputs[1]].shape
                 spec = op.params["dimension_numbers"].rhs_spec   # (out, in, spatial...)
-                ohwi = spec[0] == 0 and spec[1] == len(shape) - 1
-                if (shape[spec[0]] > 1 and shape[spec[1]] > 1 and not ohwi
-                        and math.prod(shape[d] for d in spec[2:]) > 1):
+                ohwi = [a for a in (spec[0], *spec[2:], spec[1]) if shape[a] != 1]
+                if ohwi != sorted(ohwi):   # not a bitcast of OHWI (OIHW 1x1 and depthwise are)
                     add((k,), "layout", 1, 2 * ctx.nbytes[op.inputs[1]])
     for v in shared:   # a loop fusion per shared value (XLA's loop_cosine_fusion, loop_sine_fusion)
         add((), "table", 1, 2 * ctx.nbytes[v], (v,))
@@ -1251,6 +1259,13 @@ def _prng_launches(g: Graph, ops: Sequence[Any]) -> int:
                     reads[(shape[i], stride)] = reads.get((shape[i], stride), 0) + math.prod(shape)
                 stride *= shape[i]
     return n + sum(r > PRNG_COUNTER_REUSE * size for (size, _), r in reads.items())
+
+
+def _channels_first(op: Any, spec: str) -> bool:
+    """A convolution's operand (``lhs_spec``) or result (``out_spec``) has its feature axis
+    before the spatial ones (NCHW): cuDNN's NHWC needs it transposed."""
+    dims = getattr(op.params["dimension_numbers"], spec)
+    return dims[1] != len(dims) - 1
 
 
 def _indexes_a_gather(g: Graph, t: int) -> bool:
