@@ -930,7 +930,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             add(members, "recomputed", 0, 0)
             continue
         if find(head) in glue_launches:
-            add(members, "loop", 1, sum(ctx.nbytes[t] for m in members for t in cl[m].outputs))
+            ops = [g.ops[o] for m in members for o in cl[m].ops]
+            bits = sum(op.primitive == "random_bits" for op in ops)   # random bits a kernel reads:
+            # a loop fusion writing each, besides the key schedule and counters
+            add(members, "loop", max(1, bits) + _prng_launches(g, ops),
+                sum(ctx.nbytes[t] for m in members for t in cl[m].outputs))
             continue
         if len(members) == 1 and call[head]:
             nbytes, made = 0, []
