@@ -164,12 +164,22 @@ def attention_program(batch: int, variant: str) -> tuple[Callable, tuple, tuple[
 # One measurement (runs in its own subprocess)
 # --------------------------------------------------------------------------------------------
 
+def _numbers(x: Any) -> Any:
+    """An output as f32 numbers to compare: a PRNG key array (a sampler returns its next key) by
+    its key data, which no float conversion accepts."""
+    import jax
+    import jax.numpy as jnp
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return jnp.asarray(x, jnp.float32)
+
+
 def _max_rel(a: Any, b: Any) -> float:
     import jax
     import jax.numpy as jnp
     worst = 0.0
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        x, y = jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
+        x, y = _numbers(x), _numbers(y)
         worst = max(worst, float(jnp.max(jnp.abs(x - y))) / max(float(jnp.max(jnp.abs(y))), 1e-30))
     return worst
 
@@ -321,7 +331,7 @@ def measure_corpus(ns: argparse.Namespace) -> list[dict[str, Any]]:
                     again = fns["jit"](*tuple(jax.tree.map(lambda x: x.copy(), a) if i in donate else a
                                               for i, a in enumerate(args)))
                     row["jit"]["jit_vs_itself"] = _max_rel(again, outs["jit"])
-                    row["jit"]["finite"] = all(bool(jax.numpy.isfinite(jax.numpy.asarray(x, jax.numpy.float32)).all())
+                    row["jit"]["finite"] = all(bool(jax.numpy.isfinite(_numbers(x)).all())
                                                for x in jax.tree.leaves(outs["jit"]))
                 else:
                     row[key]["max_rel_err_vs_jit"] = _max_rel(outs[key], outs["jit"])

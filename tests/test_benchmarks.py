@@ -123,6 +123,23 @@ def test_gpu_back_to_back_timing_runs_with_donation():
     assert not args[0].is_deleted()   # the caller's own input was never donated
 
 
+def test_gpu_compares_outputs_that_are_prng_keys():
+    """``gpu.py`` compares each output with jit's as f32 numbers: a sampler returning its next
+    key (a typed PRNG key array) is compared by its key data (the first H100 run failed the row:
+    "Cannot convert_element_type from key<fry> to float32")."""
+    import importlib.util
+    import jax
+    import jax.numpy as jnp
+    spec = importlib.util.spec_from_file_location("gpu_bench", BENCH / "gpu.py")
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    keys = jax.random.split(jax.random.key(0), 2)
+    out = (jnp.array([1.0, 2.0]), keys[0])
+    assert gpu._max_rel(out, out) == 0.0
+    assert gpu._max_rel((jnp.array([1.0, 2.0]), keys[1]), out) > 0.0
+    assert bool(jnp.isfinite(gpu._numbers(keys[0])).all())
+
+
 def test_kernel_examples_cross_lower():
     """benchmarks/kernels.py's examples(): unique names, and a case cross-lowers to Triton IR."""
     pytest.importorskip("jax_plugins.xla_cuda12", reason="cross-lowering for CUDA needs jax-cuda12-plugin")
