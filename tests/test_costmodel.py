@@ -918,6 +918,30 @@ def test_xla_prng_launches_against_xlas_compile(fn, shape, launches):
         [x.name for x in compiled.launches], [(f.what, f.launches) for f in price.fusions])
 
 
+@pytest.mark.offline
+@pytest.mark.parametrize("fn,m,launches", [
+    (lambda x, w, r: x @ w + r, 4096, 1),                   # a residual add: the GEMM's epilogue
+    (lambda x, w, r: x @ w + r, 256, 2),                    # too few rows: a loop fusion
+    (lambda x, w, r: jax.nn.relu(x @ w + r), 4096, 1),
+    (lambda x, w, r: jax.nn.silu(x @ w), 4096, 2),          # reads the product twice
+    (lambda x, w, r: (x @ w) * 0.5 + r[0], 16, 2),          # a decode GEMM takes no epilogue
+], ids=["residual_4096_rows", "residual_256_rows", "residual_relu", "silu", "decode_scale"])
+def test_xla_gemm_epilogues_against_xlas_compile(fn, m, launches):
+    """``xla._epilogue_gemm`` / ``_read_once``: XLA's Triton GEMM takes an element-wise epilogue —
+    its cluster's own, or a consumer's (the residual add after a projection) — when the GEMM has
+    at least ``GEMM_EPILOGUE_MIN_ROWS`` rows and the epilogue reads the product once; else the
+    epilogue is a loop fusion of its own. The model's launches equal the deviceless H100
+    compile's (bf16)."""
+    from vtc_jax.offline import compile_program
+    from vtc_jax.xla import xla_program
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(m, 1024), (1024, 1024), (m, 1024)]]
+    g = trace(fn, *[jnp.zeros(a.shape, a.dtype) for a in args])
+    compiled = compile_program(jax.jit(fn), *args, kernels=False)
+    price = xla_program(g, cluster(g))
+    assert price.launches == len(compiled.launches) == launches, (
+        [x.name for x in compiled.launches], [(f.what, f.launches) for f in price.fusions])
+
+
 def test_guard_trusts_the_model_only_on_a_clear_win():
     """``guard.clear``: the model decides alone only when VTC wins by more than its error."""
     from vtc_jax import guard

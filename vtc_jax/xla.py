@@ -57,6 +57,8 @@ TABLE_REUSE = 256
 # or two instead of one; read off the compiles of 2048-step scans. On small arrays XLA's cost
 # model fuses further — a 64-step scan is 3 fusions, the model says 8 — which this does not model)
 CODE_DUPLICATION = 15
+# a GEMM with at least this many rows takes an element-wise consumer as its epilogue (:func:`_epilogue_gemm`)
+GEMM_EPILOGUE_MIN_ROWS = 512
 # a PRNG counter vector (:func:`_prng_launches`) read more than this many times per element is a
 # loop fusion of its own: between the compiles' 1,024 (a (512, 1024) mask: fused) and 2,048 (two
 # such masks sharing it: written out)
@@ -439,7 +441,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
       emit more than CODE_DUPLICATION times, or an expensive one a reader repeats more than
       TABLE_REUSE times, is written out and read back, a launch more (:func:`duplicated`).
     * **GEMM / conv / reduction**: one launch each (gemm fusion, cuDNN call, input fusion), and
-      one more per GEMM operand computed by an elementwise prologue (XLA's loop fusion). cuDNN
+      one more per GEMM operand computed by an elementwise prologue (XLA's loop fusion). A GEMM
+      of GEMM_EPILOGUE_MIN_ROWS rows or more (no batch axes, no split K) takes an element-wise
+      epilogue that reads the product once — its cluster's own, or a consumer's (the residual
+      add after a projection) whose result no GEMM reads; any other epilogue (a decode GEMM's
+      bias, SiLU's ``x * sigmoid(x)``) is a loop fusion of its own, unless an element-wise
+      fusion reading the result computes it. cuDNN
       fuses a conv's bias + ReLU only: any other epilogue is one more loop fusion when another
       conv reads the result directly (or through bitcasts) or it is returned channels-last; it
       runs NHWC, so each channels-first program input a conv reads (and each output one writes)
@@ -702,6 +709,26 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 merged_bytes.update((k, whole) for k in members)
             for k in members[1:]:
                 parent[find(k)] = find(members[0])
+    # an element-wise consumer of a large GEMM is its epilogue (XLA's Triton GEMM fusion takes
+    # it: the residual add after an output projection at prefill and training sizes), when it
+    # and the GEMM's own epilogue read the product once
+    for k in range(len(cl)):
+        if kind[k] != Kind.MATMUL or call[k] or k in merged or find(k) != k or len(cl[k].outputs) != 1:
+            continue
+        dot = _epilogue_gemm(g, cl[k].ops)
+        (t,) = cl[k].outputs
+        if dot is None or t in outs or not _read_once(g, dot.outputs[0], set(cl[k].ops)):
+            continue
+        users = {find(u) for u in readers_through_views(t)}
+        u = next(iter(users)) if len(users) == 1 else None
+        if u not in islands or not _read_once(g, t, {o for m in islands[u] for o in cl[m].ops}):
+            continue
+        moved = any(fused_movement(r) and not bitcasts_only(r) for m in islands[u] for x in cl[m].outputs
+                    for r in ctx.users.get(x, ()))
+        gemm_read = any(kind[r] in (Kind.MATMUL, Kind.ATTENTION) for m in islands[u] for x in cl[m].outputs
+                        for r in readers_through_views(x))
+        if not moved and not gemm_read:   # (a result a GEMM reads, or transposed for its reader,
+            parent[u] = find(k)            # is a loop fusion's: LoRA's q, relaid for the scores)
 
     def _generated(t: int) -> bool:
         """``t`` is an iota (through casts and broadcasts): XLA makes it inside its reader."""
@@ -1015,6 +1042,22 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 # layout transpose of a channels-first result too), reading cuDNN's output and
                 # writing the result
                 nbytes += 2 * sum(ctx.nbytes[t] for t in cl[m].outputs)
+        for m in members:   # an epilogue XLA's GEMM does not take (below GEMM_EPILOGUE_MIN_ROWS
+            if kind[m] != Kind.MATMUL or call[m] or len(cl[m].outputs) != 1:   # rows, or one
+                continue                                                       # reading the
+            dots = [o for o in cl[m].ops if g.ops[o].primitive == "dot_general"]   # product twice)
+            if len(dots) != 1:
+                continue
+            after = {o for o in cl[m].ops if o > dots[0] and g.ops[o].primitive not in CAST_ONLY}   # (a cast
+            dot = _epilogue_gemm(g, cl[m].ops)                                 # is the GEMM's output type)
+            if not after or dot is not None and _read_once(g, dot.outputs[0], after):
+                continue
+            (t,) = cl[m].outputs
+            readers = readers_through_views(t) - {m}
+            if t in outs or any(kind[u] in _NEVER_IN_A_LOOP or call[u] or any(
+                    g.ops[o].primitive in SORTS for o in cl[u].ops) for u in readers):
+                n += 1   # a loop fusion of its own where a library call or a kernel reads the
+                nbytes += 2 * ctx.nbytes[t]   # result (else the fusion reading it computes it)
         for m in members:   # a split-K decode GEMM: its reduce is a loop fusion of its own
             if kind[m] != Kind.MATMUL:   # unless one element-wise consumer absorbs it
                 continue
@@ -1263,6 +1306,35 @@ def _prng_launches(g: Graph, ops: Sequence[Any]) -> int:
                     reads[(shape[i], stride)] = reads.get((shape[i], stride), 0) + math.prod(shape)
                 stride *= shape[i]
     return n + sum(r > PRNG_COUNTER_REUSE * size for (size, _), r in reads.items())
+
+
+def _epilogue_gemm(g: Graph, ops: Sequence[int]) -> Any:
+    """The ``dot_general`` among ``ops`` if XLA runs it as a Triton GEMM that takes an
+    element-wise epilogue: no batch axes, no split K, at least GEMM_EPILOGUE_MIN_ROWS rows (read
+    off the deviceless H100 compile: a residual add is fused at 512 rows and more, not at 256)."""
+    dots = [g.ops[o] for o in ops if g.ops[o].primitive == "dot_general"]
+    if len(dots) != 1:
+        return None
+    op = dots[0]
+    (lc, _), (lb, _) = op.params["dimension_numbers"]
+    a = g.tensors[op.inputs[0]].shape
+    rows = math.prod(n for i, n in enumerate(a) if i not in lc)
+    if lb or _xla_split_k(g, op) > 1 or rows < GEMM_EPILOGUE_MIN_ROWS:
+        return None
+    return op
+
+
+def _read_once(g: Graph, t: int, ops: set[int]) -> bool:
+    """``t`` and every value computed from it by ``ops`` is read by at most one op: an epilogue
+    XLA's Triton GEMM fusion takes (``x @ w + r``, ``relu``, ``exp(x @ w + b)``); one reading it
+    twice (SiLU's ``x * sigmoid(x)``, a tanh GELU) it leaves to a loop fusion."""
+    frontier = [t]
+    while frontier:
+        readers = g.consumers(frontier.pop())
+        if len(readers) > 1:
+            return False
+        frontier.extend(y for op in readers if op.id in ops for y in op.outputs)
+    return True
 
 
 def _channels_first(op: Any, spec: str) -> bool:
