@@ -895,7 +895,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             """``o``, or an op of its size feeding it in the fusion (element-wise, a view), is
             expensive."""
             op = g.ops[o]
-            if TABLE[op.primitive].expensive if op.primitive in TABLE else False:
+            if (row := TABLE.get(op.primitive)) is not None and row.expensive:
                 return True
             size = g.tensors[op.outputs[0]].size
             return depth < 8 and any((p := g.producer(x)) is not None and p.id in seen
@@ -1042,14 +1042,16 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 # layout transpose of a channels-first result too), reading cuDNN's output and
                 # writing the result
                 nbytes += 2 * sum(ctx.nbytes[t] for t in cl[m].outputs)
-        for m in members:   # an epilogue XLA's GEMM does not take (below GEMM_EPILOGUE_MIN_ROWS
-            if kind[m] != Kind.MATMUL or call[m] or len(cl[m].outputs) != 1:   # rows, or one
-                continue                                                       # reading the
-            dots = [o for o in cl[m].ops if g.ops[o].primitive == "dot_general"]   # product twice)
+        # an epilogue XLA's GEMM does not take (below GEMM_EPILOGUE_MIN_ROWS rows, or one reading
+        # the product twice); a cast is the GEMM's output type, not an epilogue
+        for m in members:
+            if kind[m] != Kind.MATMUL or call[m] or len(cl[m].outputs) != 1:
+                continue
+            dots = [o for o in cl[m].ops if g.ops[o].primitive == "dot_general"]
             if len(dots) != 1:
                 continue
-            after = {o for o in cl[m].ops if o > dots[0] and g.ops[o].primitive not in CAST_ONLY}   # (a cast
-            dot = _epilogue_gemm(g, cl[m].ops)                                 # is the GEMM's output type)
+            after = {o for o in cl[m].ops if o > dots[0] and g.ops[o].primitive not in CAST_ONLY}
+            dot = _epilogue_gemm(g, cl[m].ops)
             if not after or dot is not None and _read_once(g, dot.outputs[0], after):
                 continue
             (t,) = cl[m].outputs
