@@ -1281,10 +1281,8 @@ def _gathered(g: Graph, t: int) -> bool:
     pages gathered through its block table): XLA's GEMM fusions cannot read through a gather, so
     it is written out first, by a fusion of its own (read off the H100 compile of a vLLM-style
     paged decode: an ``input_transpose_fusion`` per gathered cache in front of its GEMM)."""
-    op = g.producer(t)
-    while op is not None and (op.primitive in _FUSED_VIEWS or op.primitive in CAST_ONLY):
-        op = g.producer(data_inputs(op)[0])
-    return op is not None and op.primitive == "gather" and _runtime(g, op.inputs[1])
+    op = _source_gather(g, t)
+    return op is not None and _runtime(g, op.inputs[1])
 
 
 def _prng_launches(g: Graph, ops: Sequence[Any]) -> int:
