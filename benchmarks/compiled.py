@@ -328,7 +328,8 @@ GPU_BEGIN, GPU_END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
 def _write(path: Path, text: str, rows: list[dict[str, Any]]) -> None:
     """Write the compiled tables and their roofline (``benchmarks/roofline.py``), keeping every
     block other scripts maintain in the same file (``<!-- name:begin -->`` ... ``<!-- name:end
-    -->``: benchmarks/gpu.py's measured section, zoo.py's, guard.py's, tp.py's, positions.py's,
+    -->``: benchmarks/gpu.py's measured section, zoo.py's, guard.py's and its other-jax line
+    (``guard312``, written by hand from ``guard.py --dry`` on that leg), tp.py's, positions.py's,
     firstcall.py's): in place of an empty placeholder of the same name, else after the tables, in
     their order in the file."""
     old = path.read_text() if path.exists() else ""

@@ -942,6 +942,52 @@ def test_xla_gemm_epilogues_against_xlas_compile(fn, m, launches):
         [x.name for x in compiled.launches], [(f.what, f.launches) for f in price.fusions])
 
 
+def _cumsum(x):
+    return jnp.cumsum(x, axis=-1)
+
+
+def _positions(x):
+    return jnp.where(x > 0, jnp.cumsum(x, axis=-1) - 1, 1)
+
+
+@pytest.mark.offline
+@pytest.mark.parametrize("fn,n,launches", [(_cumsum, 128, 1), (_cumsum, 2048, 2), (_cumsum, 8192, 3),
+                                           (_cumsum, 65536, 4), (_cumsum, 131072, 5), (_positions, 704, 2)])
+def test_xla_cumsum_launches_against_xlas_compile(fn, n, launches):
+    """``xla.cumulative_launches``: XLA rewrites a long ``jnp.cumsum`` into a tree of
+    reduce-windows, more launches the longer the scanned axis (the vLLM sampler's cumsum over a
+    128,256-token vocabulary is five); the last level's add fuses into an element-wise reader
+    (LLaVA's position ids: a reduce-window and the select). The model's launches equal the deviceless H100 compile's (16 rows,
+    f32)."""
+    from vtc_jax.offline import compile_program
+    from vtc_jax.xla import xla_program
+    g = trace(fn, jnp.zeros((16, n)))
+    compiled = compile_program(jax.jit(fn), jax.ShapeDtypeStruct((16, n), jnp.float32), kernels=False)
+    price = xla_program(g, cluster(g))
+    assert price.launches == len(compiled.launches) == launches, (
+        [x.name for x in compiled.launches], [(f.what, f.launches) for f in price.fusions])
+
+
+@pytest.mark.offline
+@pytest.mark.parametrize("above,launches", [(False, 3), (True, 2)])
+def test_xla_dot_merger_threshold_against_xlas_compile(above, launches):
+    """``xla.DOT_MERGER_MAX_BYTES``: two projections of one activation are one GEMM (and a slice
+    copied out per program output) where a dot reads and writes at most the threshold (64 MiB on
+    jax 0.10.2's XLA, 126 on jax 0.12's), two GEMMs above it (a prefill's Q/K/V at 16 x 4096
+    tokens). The model's launches equal the deviceless H100 compile's (bf16, K = N = 1024, M
+    rows: 4 KiB of operand and result a row, plus the 2 MiB weight)."""
+    from vtc_jax.offline import compile_program
+    from vtc_jax.xla import DOT_MERGER_MAX_BYTES, xla_program
+    m = (DOT_MERGER_MAX_BYTES - (2 << 20)) // 4096 + (256 if above else 0)
+    fn = lambda x, a, b: (x @ a, x @ b)  # noqa: E731
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(m, 1024), (1024, 1024), (1024, 1024)]]
+    g = trace(fn, *[jnp.zeros(a.shape, a.dtype) for a in args])
+    compiled = compile_program(jax.jit(fn), *args, kernels=False)
+    price = xla_program(g, cluster(g))
+    assert price.launches == len(compiled.launches) == launches, (
+        [x.name for x in compiled.launches], [(f.what, f.launches) for f in price.fusions])
+
+
 def test_guard_trusts_the_model_only_on_a_clear_win():
     """``guard.clear``: the model decides alone only when VTC wins by more than its error."""
     from vtc_jax import guard

@@ -172,6 +172,92 @@ def test_guard_prices_a_template_conv_by_its_math():
     assert sum(m[0] for m in math2 if m[1] == "conv") <= in_kernels
 
 
+def test_guard_prices_the_math_of_every_launched_kernel():
+    """LoRA's attention (flax, causal mask): the emitted program keeps a kernel whose result
+    nothing reads (the mask, which the attention kernel recomputes). The tracer drops it, as
+    XLA does; the guard's list of kernels (``lower.kernel_clusters``) must drop it too, or the
+    kernels no longer line up with the emitted graph's calls and none of their math is priced
+    (the paper-size program then modelled 2x faster than jit and ran 0.94x on an H100)."""
+    from tests.zoo.corpus import CORPUS
+    from vtc_jax import guard
+    from vtc_jax.lower import kernel_clusters
+    from vtc_jax.primitives import KERNEL_CALLS
+    from vtc_jax.program import BuildOptions, build
+    from vtc_jax.xla import op_flops
+
+    e = CORPUS["lora_attention_linen"]("paper")   # traced and lowered only: nothing runs
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tuple(e.args))
+    opts = BuildOptions("interpret", False, {}, lambda m: None, RuntimeError, guard=None)
+    a, _, closed = build(e.step, args, {}, jax.tree.leaves(args), donate=(), opts=opts, rejected={})
+    emitted = guard.emitted_graph(closed)
+    calls = [op for op in emitted.ops if op.primitive in KERNEL_CALLS]
+    launched = kernel_clusters(closed.jaxpr)
+    assert len(launched) == len(calls) > 0, (launched, len(calls))
+    math = guard.kernel_math(a.graph, a.clusters, launched)
+    vtc = guard.price_emitted(a.graph, emitted, a.donated, math)
+    total = sum(op_flops(op, a.graph) for op in a.graph.ops)
+    assert sum(f.flops for f in vtc.fusions) == total > 0          # every dot priced, once
+    assert any(f.engine == "attention" and f.flops for f in vtc.fusions), vtc.fusions
+
+
+def _falcon_prefill():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import guard as corpus_bench
+    return corpus_bench.corpus()["corpus falcon_alibi_mqa_prefill"]
+
+
+def _explain_guarded(step, args, donate):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return vtc_jax.explain(step, donate_argnums=donate, guard="model")(*args)
+
+
+def _templates(rep):
+    return {t["cluster"]: (t["kind"], t["template"]) for t in rep.to_dict()["templates"]}
+
+
+def test_a_winning_program_gives_back_the_kernels_that_lose():
+    """Falcon's ALiBi MQA prefill (the corpus, paper size: traced, priced, compiled deviceless):
+    VTC's program wins by its attention kernel, while its output projection's kernel costs more
+    than XLA's GEMM of the same ops (the template's measured rate against cuBLAS's). The guard
+    undoes that kernel alone, keeps the attention kernel, and the pruned program prices lower
+    than the winning one it came from."""
+    step, make_args, donate = _falcon_prefill()
+    rep = _explain_guarded(step, make_args(), donate)
+    assert len(rep.guard) == 2 and "in a program that won" in rep.guard[0], rep.guard
+    assert rep.guard[1].startswith("kept"), rep.guard
+    won, final = (float(re.findall(r"VTC's program ([\d,.]+) µs", g)[-1].replace(",", "")) for g in rep.guard)
+    assert final < won
+    templates = _templates(rep)
+    assert [k for k, (kind, t) in templates.items() if kind == "attention" and t == "kernel"], templates
+    undone = [k for k, (_, t) in templates.items() if t.startswith("undone by the guard")]
+    assert undone and all("in a program that won" in templates[k][1] for k in undone), templates
+
+
+def test_a_pruned_program_that_prices_slower_leaves_the_winning_one(monkeypatch):
+    """``program.build``'s pruning is kept only where it pays: with ``guard.blame`` made to blame
+    Falcon's attention kernel (the program's whole win), the pruned program prices slower, and the
+    winning program stands as it was, attention kernel and note."""
+    from vtc_jax import guard
+    step, make_args, donate = _falcon_prefill()
+    rep = _explain_guarded(step, make_args(), donate)
+    attention = [k for k, (kind, t) in _templates(rep).items() if kind == "attention" and t == "kernel"]
+    assert attention
+    blamed = []
+
+    def blame(*a, **k):
+        blamed.append(attention[0])
+        return [(attention[0], 1.0, "blamed by the test")]
+
+    monkeypatch.setattr(guard, "blame", blame)
+    rep2 = _explain_guarded(step, make_args(), donate)
+    assert blamed, "the guard never asked which kernels lose"
+    assert len(rep2.guard) == 1 and rep2.guard[0].startswith("kept"), rep2.guard
+    assert _templates(rep2)[attention[0]] == ("attention", "kernel")
+
+
 def test_every_kernel_undone_runs_jits_own_program():
     """When the guard gives the program back — every kernel undone, or what is left still losing —
     jit's own program runs, not VTC's re-emission of it (measured on an H200: YOLO's C3k2 block so

@@ -85,6 +85,12 @@ XLA_TRANSPOSES_REPEATED_VALUES = JAX_VERSION < (0, 11)
 # (``argsort``); jax 0.12's uses that one.
 XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA = JAX_VERSION < (0, 11)
 
+# XLA's dot merger joins sibling dots (one operand shared) only where one of them reads and writes
+# at most this many bytes, read off the H100 compile of two bf16 projections of one activation
+# (K = N = 1024): jax 0.10.2's XLA merges at 64 MiB a dot and not at 65; jax 0.12's at 126 and
+# not at 127.
+XLA_DOT_MERGER_MAX_BYTES = (64 << 20) if JAX_VERSION < (0, 11) else (126 << 20)
+
 
 def needs_abstract_gpu() -> bool:
     """True on jax >= 0.11, where Pallas needs an abstract GPU device to lower for CUDA without one."""

@@ -131,25 +131,28 @@ class GPU:
 
 
 # Fraction of the math class's dense peak each engine achieves on the GEMMs and convolutions of
-# this project's programs. Measured where a figure is given: H100 SXM, `benchmarks/gpu.py --corpus`
-# (BENCHMARKS.md, "Measured on an H100"; rows in benchmarks/measured/), whole-program flops over
-# the median time of the program with those kernels — a lower bound on the engine (the rest of the
-# program ran in that time too), which is the side to err on: the guard then prefers XLA. Assumed
-# where none is given.
+# this project's programs. Measured where a figure is given, on an H100 SXM (BENCHMARKS.md,
+# "Measured on an H100"; rows in benchmarks/measured/): "kernel by kernel" is one kernel's flops
+# over its own device time in the program's trace (`benchmarks/kernel_times.py`); otherwise
+# whole-program flops over the program's time (`benchmarks/gpu.py --corpus`) — a lower bound on the
+# engine, the side to err on: the guard then prefers XLA. Assumed where none is given.
 ENGINE_EFFICIENCY: Mapping[tuple[str, str], float] = {
     ("xla", "bf16"): 0.70,        # measured: GShard MoE expert einsums, 692 TFLOP/s
     ("xla", "tf32"): 0.60,        # measured ≥ 0.31 (f32 U-Net convs via cuDNN: 154 TFLOP/s whole program)
     ("xla", "ieee"): 0.80,        # assumed (cuBLAS SGEMM)
-    ("matmul", "bf16"): 0.30,     # assumed (decode GEMMs are bandwidth-bound: decode_gemm_loss prices them)
-    ("matmul", "tf32"): 0.15,     # measured ≥ 0.13: Mamba's projections (with the program around them);
-    #                               EfficientViT's per-head products reached 0.03 of peak: their tiles are
-    #                               mostly padding (kernel_flops counts the padded tiles)
-    ("matmul", "ieee"): 0.15,     # measured: the same with IEEE dots, 10 TFLOP/s
+    ("matmul", "bf16"): 0.30,     # measured kernel by kernel (2026-11-27, benchmarks/kernel_times.py and
+    #                               gemm_tiles.py): 0.16 inside LoRA's program with the old 64 x 64 tiles
+    #                               (0.28 alone), 0.64 alone with tiling.prefill_tiles' 128 x 256; not yet
+    #                               measured inside a program with them (decode GEMMs: decode_gemm_loss)
+    ("matmul", "tf32"): 0.085,    # measured kernel by kernel: BERT's f32 projections and MLP, 42-43 TFLOP/s
+    #                               inside the program (0.12 alone); EfficientViT's per-head products
+    #                               reached 0.03: their tiles are mostly padding (kernel_flops counts them)
+    ("matmul", "ieee"): 0.15,     # measured: Mamba's projections with IEEE dots, 10 TFLOP/s
     ("conv", "bf16"): 0.014,      # measured: the zoo's bf16 C3k2, 14 TFLOP/s against cuDNN's 82
     ("conv", "tf32"): 0.017,      # measured: ESPCN 8.6, U-Net 16–46 TFLOP/s (cuDNN: 33–154)
     ("conv", "ieee"): 0.05,       # measured: ConvNeXt 3.4, ESPCN 4.2 TFLOP/s (IEEE f32 FMAs; depthwise always)
-    ("attention", "bf16"): 0.30,  # assumed (flash-style kernels; decode attention is bandwidth-bound)
-    ("attention", "tf32"): 0.15,  # assumed: the matmul template's TF32 figure
+    ("attention", "bf16"): 0.30,  # measured ≥ 0.37: LoRA's causal prefill (full S² counted), 365 TFLOP/s
+    ("attention", "tf32"): 0.08,  # measured kernel by kernel: BERT's and T5's f32 prefill, 40 and 46 TFLOP/s
     ("attention", "ieee"): 0.15,
 }
 

@@ -17,7 +17,9 @@ XLA's compile showed. The emitted program has them by construction.
 Where VTC loses, :func:`blame` ranks the kernel clusters by what each costs in VTC's program
 beyond what XLA's fusions of the same ops cost in jit's, and the build loop (``program.build``)
 undoes the worst ones (they go back to the selection as ``rejected``, with the reason) until the
-program no longer loses; if it still does, the function runs as plain ``jax.jit``.
+program no longer loses; if it still does, the function runs as plain ``jax.jit``. Where VTC wins,
+the kernels that each lose more than :data:`PRUNE_MIN` of jit's time by :func:`blame` are undone
+too, and the pruned program replaces the winning one only if it prices faster still.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from .primitives import KERNEL_CALLS, is_movement_op
 from .profiling import MAX_CALLS, device_inputs, time_interleaved
 from .xla import Price, xla_program
 
-__all__ = ["GUARDS", "PLAIN", "UNDONE", "Verdict", "price_plain", "price_emitted", "kernel_math", "emitted_graph", "judge", "clear", "blame", "compiled", "measured", "room_to_time", "calls_that_fit", "MiB"]
+__all__ = ["GUARDS", "PLAIN", "UNDONE", "PRUNE_MIN", "Verdict", "price_plain", "price_emitted", "kernel_math", "emitted_graph", "judge", "clear", "blame", "compiled", "measured", "room_to_time", "calls_that_fit", "MiB"]
 
 GUARDS = ("model", "compile", "measure", None)
 PLAIN = "plain jax.jit"          # how the guard's note starts when the whole program runs as jit
@@ -50,6 +52,9 @@ MEMORY_SLACK = 0.01
 MEMORY_SLACK_BYTES = 64 * 1024   # and so is a few scalars' worth on a tiny program
 TIME_TRUST = 0.25     # the model decides alone only on a win larger than this (see clear())
 MEASURE_MARGIN = 0.03  # a timed win below this is run-to-run spread (medians of repeated jit runs on an H100/H200 differ by 1-3%)
+# A kernel of a winning program is undone when it costs more than XLA's fusions of its ops by
+# more than this fraction of jit's time (guard.blame is a model: a smaller loss is within its error)
+PRUNE_MIN = 0.02
 MEMORY_TRUST = 0.50   # buffers: the model misses what XLA's buffer assignment keeps (DenseNet: -6% modelled, +7% compiled)
 
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend.core import Literal
 
 from .cluster import Cluster
 from .graph import Graph, Op
@@ -420,12 +421,27 @@ def _pallas_eqns(jaxpr: Any) -> list[Any]:
     return out
 
 
+def _live_eqns(jaxpr: Any) -> list[Any]:
+    """The equations some output of ``jaxpr`` needs (or with effects), in program order: what the
+    tracer (``graph.trace``'s dead-code elimination) and XLA keep. Why: a kernel whose result the
+    program no longer reads (a mask the attention kernel recomputes) is not launched, and counting
+    it misaligned the guard's kernels with the emitted graph's calls (LoRA's attention: three
+    kernel equations, two calls), which left every kernel's math unpriced."""
+    needed = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    live = []
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(v in needed for v in eqn.outvars):
+            live.append(eqn)
+            needed.update(v for v in eqn.invars if not isinstance(v, Literal))
+    return live[::-1]
+
+
 def kernel_clusters(jaxpr: Any) -> list[int | None]:
     """The cluster id of each Pallas kernel the program launches itself, in program order: the
-    kernels of its equations and of the calls the tracer inlines (``jit``), not of control-flow
-    bodies (those are built, and guarded, on their own)."""
+    kernels of its live equations (:func:`_live_eqns`) and of the calls the tracer inlines
+    (``jit``), not of control-flow bodies (those are built, and guarded, on their own)."""
     out: list[int | None] = []
-    for eqn in jaxpr.eqns:
+    for eqn in _live_eqns(jaxpr):
         if eqn.primitive.name in KERNEL_CALLS:
             out.append(_cluster_of(eqn))
         elif eqn.primitive.name in CALL_LIKE:

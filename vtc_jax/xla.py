@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from .cluster import Cluster
-from .compat import XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA, XLA_TRANSPOSES_REPEATED_VALUES
+from .compat import XLA_DOT_MERGER_MAX_BYTES, XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA, XLA_TRANSPOSES_REPEATED_VALUES
 from .graph import Graph
 from .kernels.tiling import resolve_precision
 from .primitives import KERNEL_CALLS, TABLE, Kind, Role, data_inputs, inplace_operand, is_view, kernel_aliases
@@ -388,6 +388,24 @@ SORT_TILE_BYTES = 48 * 1024
 TOPK_KERNEL_MAX_K, TOPK_KERNEL_MIN_ROW = 16, 1024
 
 
+# XLA's dot merger joins sibling dots only where one of them reads and writes at most
+# compat.XLA_DOT_MERGER_MAX_BYTES (a prefill's Q/K/V at 16 x 4096 tokens stay three GEMMs; a
+# decode step's are one)
+DOT_MERGER_MAX_BYTES = XLA_DOT_MERGER_MAX_BYTES
+
+# ``jnp.cumsum`` and its kin on the GPU: XLA rewrites a scan along a long axis into a tree of
+# reduce-windows (its ``ReduceWindowRewriter``), more launches the longer the axis. The launches
+# by the scanned length, read off the H100 compile of a 16-row f32 cumsum: up to 128 one, up to
+# 2,049 two, 8,192 three, 65,536 four, 262,144 five, longer (1M) six.
+CUMULATIVE = ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
+CUMULATIVE_LAUNCHES = ((128, 1), (2049, 2), (8192, 3), (65536, 4), (262144, 5))
+
+
+def cumulative_launches(n: int) -> int:
+    """Launches of XLA's scan of length ``n`` (:data:`CUMULATIVE_LAUNCHES`; 6 beyond them)."""
+    return next((k for bound, k in CUMULATIVE_LAUNCHES if n <= bound), 6)
+
+
 def sort_launches(n: int, element_bytes: int) -> int:
     """Launches XLA's bitonic sort takes to sort rows of ``n`` elements of ``element_bytes`` (all
     operands together). Why this shape: rows padded to ``2^k``; a tile of ``2^t`` sorts in shared
@@ -700,10 +718,17 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         siblings.setdefault(key, []).append(k)
     merged: set[int] = set()
     merged_bytes: dict[int, int] = {}   # member -> its merged GEMM's whole output buffer
+    merged_whole: dict[int, int] = {}   # (the same, for every merged member)
+
+    def dot_bytes(k: int) -> int:
+        d = next(g.ops[o] for o in cl[k].ops if g.ops[o].primitive == "dot_general")
+        return sum(ctx.nbytes[t] for t in (*d.inputs[:2], *d.outputs))
+
     for members in siblings.values():
-        if len(members) > 1:
+        if len(members) > 1 and min(dot_bytes(k) for k in members) <= DOT_MERGER_MAX_BYTES:
             merged.update(members)
             whole = sum(ctx.nbytes[t] for k in members for t in cl[k].outputs)
+            merged_whole.update((k, whole) for k in members)
             if not any(call[u] for k in members for t in cl[k].outputs
                        for u in consumers_through_movement(t, set())):   # (else slices are copied out)
                 merged_bytes.update((k, whole) for k in members)
@@ -1102,6 +1127,16 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             extra = 1 if row > TRITON_NORM_MAX_ROW else len(reds)
             n += extra
             nbytes += extra * sum(read_bytes(x, set()) for x in _data(reds[-1]))
+        for o in (o for m in members for o in cl[m].ops if g.ops[o].primitive in CUMULATIVE):
+            op = g.ops[o]   # a long scan: the levels of the reduce-window tree, each a launch
+            extra = cumulative_launches(g.tensors[op.inputs[0]].shape[op.params["axis"]]) - 1
+            (t,) = op.outputs   # reading or writing about the scanned tensor once; the last level's
+            readers = readers_through_views(t)   # add fuses into a loop fusion reading the result
+            if extra and t not in outs and readers and not any(   # (LLaVA's positions by cumsum)
+                    kind[u] in _NEVER_IN_A_LOOP or call[u] for u in readers):
+                extra -= 1
+            n += extra
+            nbytes += extra * ctx.nbytes[t]
         if any(kind[m] == Kind.ATTENTION for m in members):
             red = [o for m in members for o in cl[m].ops
                    if g.ops[o].primitive == "dot_general" or g.ops[o].primitive.startswith("reduce_")]
@@ -1152,6 +1187,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         for t in cl[k].outputs:
             if any(call[u] for u in consumers_through_movement(t, set())):
                 add((k,), "copy", 1, 2 * ctx.nbytes[t], (t,))
+            elif t in outs:   # a program output: a slice copied out of the merged buffer (the
+                # compile's ``wrapped_slice`` reads the whole buffer)
+                add((k,), "copy", 1, merged_whole[k] + ctx.nbytes[t], (t,))
     convs = [k for k in range(len(cl)) if kind[k] == Kind.CONV]
     if convs:   # cuDNN runs NHWC: each NCHW program input a conv reads, and each output a conv
         # produces, is transposed once (one launch reading and writing it); a conv whose operand

@@ -135,8 +135,8 @@ class _Config:
 
 def _plan(a: VTensor, b: VTensor, dimension_numbers: Any, out: VTensor | None,
           epilogue: Callable[..., jax.Array] | None, epilogue_args: Sequence[Any],
-          preferred_element_type: Any, precision: Any, block_m: int, block_n: int,
-          block_k: int | None, num_warps: int, num_stages: int | None, split_k: int | None,
+          preferred_element_type: Any, precision: Any, block_m: int | None, block_n: int | None,
+          block_k: int | None, num_warps: int | None, num_stages: int | None, split_k: int | None,
           prologue_dtypes: tuple[Any, Any] = (None, None)
           ) -> tuple[VTensor, VTensor, list[VTensor], VTensor, _Config]:
     """Check the operands, normalise the dimension numbers into groups and view every operand so
@@ -307,8 +307,8 @@ def _reduce_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
 def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None,
            epilogue: Callable[..., jax.Array] | None = None, epilogue_args: Sequence[Any] = (),
            preferred_element_type: Any = None, precision: Any = None,
-           block_m: int = 64, block_n: int = 64, block_k: int | None = None,
-           num_warps: int = 4, num_stages: int | None = None, split_k: int | None = None,
+           block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+           num_warps: int | None = None, num_stages: int | None = None, split_k: int | None = None,
            prologue: tuple[Any, Any] = (None, None), prologue_dtypes: tuple[Any, Any] = (None, None),
            backend: str = "interpret") -> Any:
     """``lax.dot_general(a, b, dimension_numbers)`` (+ ``epilogue``) as Pallas Triton kernels:
@@ -335,9 +335,11 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
         ``DEFAULT``/``HIGH`` run on TF32 tensor cores, at ``HIGHEST`` as IEEE f32 FMAs. Interpret
         mode computes exact f32 at every level.
     block_m/n/k: caps on the block of each group (powers of two >= 16); the effective block is
-        ``max(16, next_pow2(group size))`` capped here (see :func:`choose_blocks`). ``block_k``,
-        ``num_stages`` and ``split_k`` None: :func:`tiling.gemm_config`'s choice (32 / 3 / 1 for
-        M > 64; ~16 KB weight tiles, 4 stages and enough splits for two waves of SMs otherwise).
+        ``max(16, next_pow2(group size))`` capped here (see :func:`choose_blocks`). All None (and
+        ``num_warps`` None): :func:`tiling.gemm_config`'s choice — a big prefill GEMM takes
+        :func:`tiling.prefill_tiles` (128 x 256 x 64 and 8 warps for 16-bit operands), others
+        64 x 64 with ``bk`` 32 / 3 stages (M > 64), or ~16 KB weight tiles, 4 stages and enough
+        splits for two waves of SMs (M <= 64).
     prologue: per operand, ``None`` or an elementwise ``f(tile) -> tile`` applied to each loaded
         tile before the dot (a ReLU on q or k). Masked lanes (ragged edges, read as 0) go
         through it too: at most one operand's ``f`` may map 0 elsewhere than 0.
@@ -349,10 +351,9 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
     Returns what ``Plan.unflatten`` gives for ``out``: the array for a fresh physical output,
     else the tuple of ``out``'s physical buffers (updated).
     """
-    for name, v in (("block_m", block_m), ("block_n", block_n)):
-        check_pow2(name, v)
-    if block_k is not None:
-        check_pow2("block_k", block_k)
+    for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        if v is not None:
+            check_pow2(name, v)
     a, b, extras, out, cfg = _plan(VTensor.of(a), VTensor.of(b), dimension_numbers, out, epilogue,
                                    epilogue_args, preferred_element_type, precision,
                                    block_m, block_n, block_k, num_warps, num_stages, split_k,
@@ -360,7 +361,7 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
     if any(f is not None for f in prologue):
         cfg = dataclasses.replace(cfg, prologue=tuple(prologue))
     cfg = dataclasses.replace(cfg, compute_dtype=interpreter_dtype(cfg.compute_dtype, backend))
-    stages = cfg.launch.num_stages
+    stages, num_warps = cfg.launch.num_stages, cfg.launch.num_warps
     if cfg.split == 1:
         plan = Plan.build([a, b, *extras], [out])
         bufs = plan.call(functools.partial(_matmul_kernel, cfg), grid=cfg.grid, backend=backend,

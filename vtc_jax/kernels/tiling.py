@@ -38,7 +38,7 @@ from ..compat import CPU_LOWERING_CORES
 from ..interpret import interpret
 from ..primitives import CALL_LIKE, TABLE
 
-__all__ = ["MIN_DOT_BLOCK", "NUM_SMS", "DECODE_MAX_M", "GemmConfig", "gemm_config", "next_pow2", "cdiv",
+__all__ = ["MIN_DOT_BLOCK", "NUM_SMS", "DECODE_MAX_M", "GemmConfig", "gemm_config", "prefill_tiles", "next_pow2", "cdiv",
            "check_pow2", "choose_block", "choose_blocks",
            "split_block", "Group", "InBounds", "program_id", "grid_origin", "fori", "fori_prefetch", "dot_precision",
            "resolve_precision", "precision_unsupported", "more_precise", "TRITON_DOT_ALGORITHMS", "f32_math",
@@ -400,6 +400,17 @@ _DECODE_B_TILE = 16384     # ... streaming weight tiles of about this many bytes
 _DECODE_STAGES = 4         # pipeline depth of the decode path (3 tiles in flight per CTA)
 _DECODE_SMEM = 128 * 1024  # cap on the staged A + B tiles of the decode path (sm_90: 227 KiB)
 
+# Prefill tiles by operand width: (block_m, block_n, block_k, num_warps), 3 stages. Measured on an
+# H100 (benchmarks/gemm_tiles.py, rows in benchmarks/measured/h100-2026-11-27-gemm-tiles.jsonl;
+# XLA's GEMM timed beside each): bf16 8192 x 4096 x 4096 ran at 636 TFLOP/s with 128 x 256 x 64 and
+# 8 warps against 277 with the old 64 x 64 x 32 and 4 warps (XLA: 659-691). f32 keeps the small
+# tiles: 256 x 128 x 64 ran BERT's 4096-row GEMMs on TF32 at 93 / 74 / 67 TFLOP/s against 58 / 60 /
+# 52 alone (XLA: 104-197), but inside the program it took 224 KiB of shared memory, 255 registers
+# and spilled behind a GELU epilogue, and one of Swin's batched products asked for 672 KiB (XLA's
+# deviceless compile); 128 x 256 x 64 f32 asks for 256 KiB and fails.
+_PREFILL_TILES = {2: (128, 256, 64, 8)}
+_SMALL_TILES = (64, 64, 4)         # block_m, block_n, num_warps of every other GEMM
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -494,13 +505,27 @@ class GemmConfig:
         return 0 if self.split_k == 1 else 2 * self.split_k * self.batch * self.m * self.n * 4
 
 
+def prefill_tiles(m: int, n: int, *, batch: int = 1, itemsize: int = 2,
+                  sms: int = NUM_SMS) -> tuple[int, int, int, int] | None:
+    """The big prefill tile ``(block_m, block_n, block_k, num_warps)`` for an ``m x n`` product of
+    operands ``itemsize`` bytes wide, or None where it does not fit: f32 operands, a decode shape, a group
+    smaller than the tile (the tile would be mostly padding: per-head attention products), or a
+    grid of fewer than half a wave of big tiles (on the H100 a 0.73-wave grid of big tiles, BERT's
+    4096 x 768 f32 outputs as 96 tiles of 256 x 128, still ran 1.3x faster than 768 small ones)."""
+    tile = _PREFILL_TILES.get(itemsize)
+    if tile is None or m <= DECODE_MAX_M or m < tile[0] or n < tile[1]:
+        return None
+    return tile if batch * cdiv(m, tile[0]) * cdiv(n, tile[1]) >= sms // 2 else None
+
+
 def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, b_itemsize: int = 2,
-                block_m: int = 64, block_n: int = 64, block_k: int | None = None,
-                num_warps: int = 4, num_stages: int | None = None, split_k: int | None = None,
+                block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+                num_warps: int | None = None, num_stages: int | None = None, split_k: int | None = None,
                 sms: int = NUM_SMS) -> GemmConfig:
     """The launch the matmul template uses for these sizes (``None`` = the template's choice).
 
-    Why two regimes: a prefill-sized GEMM (``m > DECODE_MAX_M``) has enough output tiles to fill
+    Why three regimes: a 16-bit prefill GEMM with enough big tiles takes :func:`prefill_tiles`
+    (measured on an H100: 2.3x the bf16 rate of the small tiles). Otherwise: a prefill-sized GEMM (``m > DECODE_MAX_M``) has enough output tiles to fill
     the GPU and is compute-heavy, so it keeps ``bk = 32``, with 3 stages (two stages made the K
     loop wait for the tile it had just issued, ``cp.async.wait_group 0``: one tile in flight;
     three keep two, and ptxas gives the f32 kernel fewer registers, 109 against 222). A decode GEMM (``m`` up to
@@ -514,6 +539,13 @@ def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, 
     GEMMs (``batch > 1``) never split.
     """
     decode = m <= DECODE_MAX_M
+    big = (prefill_tiles(m, n, batch=batch, itemsize=max(a_itemsize, b_itemsize), sms=sms)
+           if block_m is None and block_n is None and block_k is None and num_warps is None else None)
+    if big is not None:
+        block_m, block_n, block_k, num_warps = big
+    block_m = _SMALL_TILES[0] if block_m is None else block_m
+    block_n = _SMALL_TILES[1] if block_n is None else block_n
+    num_warps = _SMALL_TILES[2] if num_warps is None else num_warps
     bm, bn, _ = choose_blocks(m, n, k, block_m=block_m, block_n=block_n, block_k=256)
     auto_k = block_k is None
     if auto_k:
