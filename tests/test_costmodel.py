@@ -988,6 +988,30 @@ def test_xla_dot_merger_threshold_against_xlas_compile(above, launches):
         [x.name for x in compiled.launches], [(f.what, f.launches) for f in price.fusions])
 
 
+def _gqa_prefill(q, k, v):
+    k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 8.0
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s.astype(jnp.float32), -1).astype(q.dtype), v)
+
+
+@pytest.mark.offline
+def test_xla_gqa_prefill_relayouts_against_xlas_compile():
+    """``xla._repeat_transposed``: in a GQA prefill the ``jnp.repeat``'d K and V need their heads
+    next to the batch: jax 0.10.2's XLA writes each twice in front of the score and value GEMMs
+    (a transpose and a broadcast), jax 0.12's transposes the source and its GEMM reads through
+    the broadcast (``compat.XLA_WRITES_REPEATED_GEMM_OPERANDS``). The model's launches equal the
+    deviceless H100 compile's (bf16, 8 query heads on 2 KV heads)."""
+    from vtc_jax.offline import compile_program
+    from vtc_jax.xla import xla_program
+    shapes = [(2, 1024, 8, 64), (2, 1024, 2, 64), (2, 1024, 2, 64)]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+    g = trace(_gqa_prefill, *[jnp.zeros(a.shape, a.dtype) for a in args])
+    compiled = compile_program(jax.jit(_gqa_prefill), *args, kernels=False)
+    price = xla_program(g, cluster(g))
+    assert price.launches == len(compiled.launches), (
+        [x.name for x in compiled.launches], [(f.what, f.launches) for f in price.fusions])
+
+
 def test_guard_trusts_the_model_only_on_a_clear_win():
     """``guard.clear``: the model decides alone only when VTC wins by more than its error."""
     from vtc_jax import guard

@@ -89,6 +89,11 @@ XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA = JAX_VERSION < (0, 11)
 # at most this many bytes, read off the H100 compile of two bf16 projections of one activation
 # (K = N = 1024): jax 0.10.2's XLA merges at 64 MiB a dot and not at 65; jax 0.12's at 126 and
 # not at 127.
+# A repeated (broadcast, GQA) GEMM operand: jax 0.10.2's XLA writes it out (``wrapped_broadcast``)
+# before the GEMM; jax 0.12's Triton GEMM reads it through the broadcast (read off the H100
+# compile of a GQA prefill).
+XLA_WRITES_REPEATED_GEMM_OPERANDS = JAX_VERSION < (0, 11)
+
 XLA_DOT_MERGER_MAX_BYTES = (64 << 20) if JAX_VERSION < (0, 11) else (126 << 20)
 
 

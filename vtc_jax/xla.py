@@ -28,7 +28,8 @@ import numpy as np
 from jax import lax
 
 from .cluster import Cluster
-from .compat import XLA_DOT_MERGER_MAX_BYTES, XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA, XLA_TRANSPOSES_REPEATED_VALUES
+from .compat import (XLA_DOT_MERGER_MAX_BYTES, XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA, XLA_TRANSPOSES_REPEATED_VALUES,
+                     XLA_WRITES_REPEATED_GEMM_OPERANDS)
 from .graph import Graph
 from .kernels.tiling import resolve_precision
 from .primitives import KERNEL_CALLS, TABLE, Kind, Role, data_inputs, inplace_operand, is_view, kernel_aliases
@@ -1156,8 +1157,16 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 nbytes += 2 * sum(ctx.nbytes[d.inputs[0]] for d in dots[1:])
                 for d in dots:   # operands a GEMM cannot read where they are: a repeated (GQA)
                     for x in _gemm_relayouts(g, d):   # one, heads not next to the batch: copied
-                        n_, b_ = relayout(x)
-                        n, nbytes = n + n_, nbytes + b_
+                        (_, (lb, rb)) = d.params["dimension_numbers"]
+                        moved = (_repeat_transposed(g, x, lb if x == d.inputs[0] else rb)
+                                 if x not in relaid else None)
+                        if _repeated(g, x) and not XLA_WRITES_REPEATED_GEMM_OPERANDS:
+                            relaid.add(x)   # the GEMM reads it through the broadcast
+                        else:
+                            n_, b_ = relayout(x)
+                            n, nbytes = n + n_, nbytes + b_
+                        if moved is not None:   # a repeat whose heads move too: one more launch
+                            n, nbytes = n + 1, nbytes + 2 * ctx.nbytes[moved]
                 # a gathered bias (Swin's relative-position table at its index): the Triton
                 # softmax fusion cannot contain the gather, which is a launch of its own
                 # (``wrapped_gather``) writing what the softmax then reads
@@ -1256,6 +1265,33 @@ def _repeated(g: Graph, t: int) -> bool:
             return True
         op = g.producer(src)
     return False
+
+
+def _repeat_transposed(g: Graph, t: int, batch: Sequence[int]) -> int | None:
+    """For a repeated (GQA) GEMM operand ``t`` (:func:`_repeated`) with batch axes ``batch``: the
+    tensor XLA transposes in a launch of its own beside the broadcast's, where the heads must also
+    move next to the batch — the broadcast's source where the transpose comes first (an explicit
+    one, or the GEMM's layout: ``jnp.repeat``'d K and V of ``(B, S, H, D)``), the broadcast
+    result where an explicit one comes after. Read off the H100 compiles of GQA prefills: K is a
+    transpose then a ``wrapped_broadcast``, V sometimes a broadcast then a
+    ``loop_transpose_fusion``. None: nothing to move, or no repeat."""
+    op, transposed, after, source = g.producer(t), None, True, None
+    while op is not None and (op.primitive in _FUSED_VIEWS or op.primitive in CAST_ONLY):
+        src = data_inputs(op)[0]
+        if op.primitive == "transpose" and transposed is None:
+            transposed = op.outputs[0] if after else src
+        if op.primitive == "broadcast_in_dim" and g.tensors[op.outputs[0]].size > g.tensors[src].size:
+            if transposed is not None:
+                return t            # transposed after the broadcast: the repeated tensor
+            after, source = False, src
+        op = g.producer(src)
+    if source is None:
+        return None
+    if transposed is not None:
+        return transposed
+    shape = g.tensors[t].shape
+    lead = tuple(a for a in range(len(shape)) if shape[a] != 1)[:len([a for a in batch if shape[a] != 1])]
+    return None if lead == tuple(a for a in batch if shape[a] != 1) else source
 
 
 def _minor_axis(g: Graph, t: int) -> int | None:
