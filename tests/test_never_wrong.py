@@ -211,7 +211,7 @@ def test_attention_equals_jit_at_any_position(case):
     fn, declined = _ANY_POS_CASES[case]
     prefill = case.startswith("prefill")
     q, k, v = _rand((2, 4, _D) if prefill else (2, _D), (2, _T, _D), (2, _T, _D))
-    opt = vtc_jax.optimize(fn, backend="interpret")
+    opt = vtc_jax.optimize(fn, backend="interpret", guard=None)   # the kernels, whatever they win
     for pos in (-3, -1, 0, 5, _T - 1, _T, _T + 4, 3 * _T):
         ref = jax.jit(fn)(np.int32(pos), q, k, v)
         with warnings.catch_warnings():
@@ -224,7 +224,7 @@ def test_attention_equals_jit_at_any_position(case):
     if not declined:    # the empty-row pass lowers for CUDA too
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-            mod = cross_lower(vtc_jax.optimize(fn, backend="triton"), np.int32(0), q, k, v)
+            mod = cross_lower(vtc_jax.optimize(fn, backend="triton", guard=None), np.int32(0), q, k, v)
         names = [kern.name for kern in mod.triton_kernels]
         assert any("attention" in n for n in names), names
 

@@ -73,7 +73,10 @@ def test_style_matches_jit(name):
     assert jax.tree.structure(out) == jax.tree.structure(ref)
     _exact(out, ref)
     got = [str(w.message) for w in caught if issubclass(w.category, vtc_jax.VTCFallbackWarning)]
-    want = FALLBACKS.get(name, ())
+    # where the guard runs the whole function as plain jit, nothing is left to XLA beside a kernel:
+    # no fallback to warn about (the guard's decision is in explain, never a warning)
+    plain = opt.last[0].guard and opt.last[0].guard[-1].startswith("plain jax.jit")
+    want = () if plain else FALLBACKS.get(name, ())
     assert len(got) == len(want) and all(any(s in g for g in got) for s in want), got
 
 
