@@ -272,7 +272,7 @@ def test_bf16_transposed_dot_runs_on_the_cpu_interpreter(form):
         (lambda a, b: jax.lax.dot(a.T, b, preferred_element_type=jnp.float32))
     rng = np.random.default_rng(0)
     a, b = (jnp.asarray(rng.standard_normal((16, 8)), jnp.bfloat16) for _ in range(2))
-    opt = vtc_jax.optimize(fn, backend="interpret")
+    opt = vtc_jax.optimize(fn, backend="interpret", guard=None)   # the GEMM kernel, whatever it wins
     out, ref = opt(a, b), jax.jit(fn)(a, b)
     assert out.dtype == ref.dtype
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=1e-2, atol=1e-2)
