@@ -120,22 +120,16 @@ def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequ
                 return result
             best = (ratio, result)
             guard_steps += 1
-            for cid, loss, what in picks:
-                rejected[cid] = (f"{guard.UNDONE}: its kernel costs {loss * 1e6:,.2f} µs more than "
-                                 f"XLA's fusions of the same ops ({what}), in a program that won ({kept})")
-            undone.append(f"undid {len(picks)} kernel(s) ({', '.join(f'#{c}' for c, _, _ in picks)}) costing "
-                          f"more than XLA's fusions of their ops, in a program that won: {kept}")
+            _undo(picks, rejected, undone, f", in a program that won ({kept})",
+                  f" costing more than XLA's fusions of their ops, in a program that won: {kept}")
             continue
         if best is not None:
             return best[1]   # the pruned build loses: the winning build stands
         picks = _worst(analysis, closed, emitted, verdict, opts) if guard_steps < MAX_GUARD_STEPS else []
         if picks:
             guard_steps += 1
-            for cid, loss, what in picks:
-                rejected[cid] = (f"{guard.UNDONE}: its kernel costs {loss * 1e6:,.2f} µs more than "
-                                 f"XLA's fusions of the same ops ({what}); VTC's program lost ({verdict.loses})")
-            undone.append(f"undid {len(picks)} kernel(s) ({', '.join(f'#{c}' for c, _, _ in picks)}): "
-                          f"VTC's program lost ({verdict.loses})")
+            _undo(picks, rejected, undone, f"; VTC's program lost ({verdict.loses})",
+                  f": VTC's program lost ({verdict.loses})")
             continue
         undone.append(f"{guard.PLAIN}: VTC's program still loses ({verdict.loses}), by the {verdict.by}")
         return _plain(f, _noted(analysis, undone), flat)
@@ -241,6 +235,16 @@ def _worst(analysis: Analysis, closed: Any, emitted: Graph, verdict: guard.Verdi
         if total >= deficit:
             break
     return picks
+
+
+def _undo(picks: Sequence[tuple[int, float, str]], rejected: dict[int, str], undone: list[str],
+          cluster_why: str, note_why: str) -> None:
+    """Give the guard's picks back to XLA: each cluster rejected with its loss (reason starting
+    ``guard.UNDONE``, then ``cluster_why``), one note for them all (then ``note_why``)."""
+    for cid, loss, what in picks:
+        rejected[cid] = (f"{guard.UNDONE}: its kernel costs {loss * 1e6:,.2f} µs more than "
+                         f"XLA's fusions of the same ops ({what}){cluster_why}")
+    undone.append(f"undid {len(picks)} kernel(s) ({', '.join(f'#{c}' for c, _, _ in picks)}){note_why}")
 
 
 def _losers(analysis: Analysis, closed: Any, emitted: Graph, verdict: guard.Verdict,
