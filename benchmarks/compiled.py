@@ -83,7 +83,7 @@ def measure(name: str, batch: int) -> dict[str, Any]:
         warnings.simplefilter("ignore")
         built, _, closed = build(mod.step, args, {}, jax.tree.leaves(args), donate=donate, opts=opts, rejected={})
     emitted = G.price_emitted(built.graph, G.emitted_graph(closed), built.donated,
-                              G.kernel_math(built.graph, built.clusters, kernel_clusters(closed.jaxpr)))
+                              G.kernel_math(built.graph, built.clusters, kernel_clusters(closed.jaxpr), built.strategy))
     row["model_vtc"] = dict(launches=emitted.launches, bytes=emitted.bytes, buffers=emitted.buffers)
     t0 = time.perf_counter()
     row["jit"] = _program_row(offline.compile_program(jax.jit(mod.step, donate_argnums=donate), *args))

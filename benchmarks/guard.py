@@ -110,7 +110,7 @@ def measure(step: Callable, args: tuple, donate: tuple[int, ...]) -> dict[str, A
             opts = BuildOptions("triton", False, {}, lambda m: None, RuntimeError, guard=how, function=step)
             a, _, closed = build(step, tuple(args), {}, flat, donate=donate, opts=opts, rejected={})
             priced[key] = G.price_emitted(a.graph, G.emitted_graph(closed), a.donated,
-                                          G.kernel_math(a.graph, a.clusters, kernel_clusters(closed.jaxpr)))
+                                          G.kernel_math(a.graph, a.clusters, kernel_clusters(closed.jaxpr), a.strategy))
             if key == "raw":
                 plain = G.price_plain(a.graph, a.donated)
                 row["model_seconds"] = time.perf_counter() - t0

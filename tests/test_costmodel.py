@@ -1111,7 +1111,7 @@ def test_xla_paged_cache_against_xlas_compile():
         a, _, closed = build(e.step, tuple(e.args), {}, flat, donate=e.donate_argnums, opts=opts, rejected={})
         plain = G.price_plain(a.graph, a.donated)
         vtc = G.price_emitted(a.graph, G.emitted_graph(closed), a.donated,
-                              G.kernel_math(a.graph, a.clusters, kernel_clusters(closed.jaxpr)))
+                              G.kernel_math(a.graph, a.clusters, kernel_clusters(closed.jaxpr), a.strategy))
         pj = compile_program(jax.jit(e.step, donate_argnums=e.donate_argnums), *e.args, kernels=False)
         pv = compile_program(vtc_jax.optimize(e.step, backend="triton", donate_argnums=e.donate_argnums,
                                               guard=None), *e.args, kernels=False)
@@ -1119,3 +1119,59 @@ def test_xla_paged_cache_against_xlas_compile():
         assert abs(model.launches - len(p.launches)) <= 1, (model, [l.name for l in p.launches])
         assert abs(model.bytes - p.bytes) <= 0.10 * p.bytes, (model.bytes, p.bytes)
     assert pv.bytes < 0.4 * pj.bytes and len(pv.launches) < len(pj.launches)
+
+
+def test_a_unit_stride_dim_the_kernel_does_not_tile_coalesces_nothing():
+    """T5's relative bias read as (head, query, key) from the (query, key, head) buffer its
+    embedding lookup wrote: the head is unit-stride, but the attention kernel's blocks are
+    (queries, keys) with the head a grid axis, so each load takes 4 bytes of a 32-byte sector
+    (8x); XLA's copy of the same view tiles through shared memory (1x)."""
+    bias = Layout.physical(0, (512, 512, 16)).transpose((2, 0, 1))
+    assert access_penalty(bias, 4) == pytest.approx(1.0)                                # XLA's copy
+    assert access_penalty(bias, 4, tiled=frozenset({1, 2})) == pytest.approx(8.0)      # the kernel's blocks
+    assert access_penalty(bias, 4, tiled=frozenset({0, 1, 2})) == pytest.approx(1.0)   # blocks spanning heads
+
+
+def test_block_dims_follow_the_kernels_blocks():
+    """A dot's operands are tiled along every dim but its batch dims; any other tensor along its
+    trailing dims up to a block's budget, at least the last two longer than one."""
+    from vtc_jax.costmodel import block_dims
+
+    def f(q, k, b):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        return jnp.exp(s + b)
+
+    q = jax.ShapeDtypeStruct((2, 64, 4, 32), jnp.float32)
+    b = jax.ShapeDtypeStruct((1, 4, 64, 64), jnp.float32)
+    g = trace(f, q, q, b)
+    cl = cluster(g)
+    dot = next(op for op in g.ops if op.primitive == "dot_general")
+    mm = next(c for c in cl if dot.id in c.ops)
+    assert block_dims(g, mm, dot.inputs[0]) == {1, 3}        # q's (query, head dim): b and h are batch
+    assert block_dims(g, mm, dot.outputs[0]) == {2, 3}       # (query, key) of (b, h, q, k)
+    ew = next(c for c in cl if g.inputs[2] in c.inputs)       # the bias, in the GEMM's epilogue
+    assert block_dims(g, ew, g.inputs[2]) == {2, 3}          # 64 x 64 spends the budget: heads are grid
+
+
+def test_the_strategy_and_the_guard_price_a_kernel_read_through_a_strided_map():
+    """An element-wise kernel over a (head, query, key) view of a (query, key, head) f32 buffer: a
+    virtual read gathers 4-byte elements 64 bytes apart, 8 sectors' traffic for one. The greedy
+    leaves the transpose to XLA (a copy that tiles through shared memory), and where the view is
+    forced virtual, the guard charges the kernel the 7x the buffer does not show
+    (``costmodel.kernel_waste``)."""
+    from vtc_jax.costmodel import kernel_waste, strategy_oracles
+
+    def f(x):
+        return jnp.exp(jnp.transpose(x, (2, 0, 1)))
+
+    x = jax.ShapeDtypeStruct((512, 512, 16), jnp.float32)
+    a = vtc_jax.explain(f)(x)
+    tr = next(op for op in a.graph.ops if op.primitive == "transpose")
+    assert not any(a.strategy.is_virtual(t) for t in tr.outputs)      # the greedy keeps the copy
+    g, cl = a.graph, a.clusters
+    ew = next(c for c in cl if c.kind == Kind.POINTWISE)
+    e = next(i for i, e in enumerate(a.strategy.vtog.edges) if e.op == tr.id and e.src == tr.outputs[0])
+    forced = from_edges(a.strategy.vtog, [e])
+    nbytes = 512 * 512 * 16 * 4
+    assert kernel_waste(g, ew, strategy_oracles(forced)[0]) == 7 * nbytes
+    assert kernel_waste(g, ew, strategy_oracles(a.strategy)[0]) == 0

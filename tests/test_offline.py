@@ -155,6 +155,28 @@ def test_the_big_prefill_tile_compiles_without_spills_and_keeps_tiles_in_flight(
     assert loop.loop and loop.waits and min(loop.waits) >= 1 and loop.tiles_per_cta == 2, loop
 
 
+def test_a_gemm_operand_read_through_a_reshape_is_loaded_like_a_plain_one():
+    """T5's and LoRA's output projections read the attention output ``(B, S, H, D)`` as
+    ``(B·S, H·D)``: through the map, the K loop's blocks gathered it with 32 scalar 2-byte
+    ``ld.global`` per thread and step. ``vio`` passes a buffer read through a whole row-major
+    reshape reshaped (a bitcast), and the main loop takes that operand with ``cp.async`` like the
+    other: no ``ld.global`` left in it."""
+    from vtc_jax.kernels.matmul import matmul
+    from vtc_jax.kernels.vio import VTensor
+    from vtc_jax.offline import main_loop
+    bf = jnp.bfloat16
+
+    def proj(o, w):
+        a = VTensor.physical(o).reshape((8 * 512, 16 * 64))
+        return matmul(a, w, dimension_numbers=(((1,), (0,)), ((), ())), backend="triton")
+
+    mm = cross_lower(proj, jax.ShapeDtypeStruct((8, 512, 16, 64), bf), jax.ShapeDtypeStruct((1024, 1024), bf))
+    [k] = [x for x in compile_lowered(mm) if x.name.startswith("vtc_matmul")]
+    loop = main_loop(k.ptx, k.name)
+    assert k.cubin_ok and not k.spills, k
+    assert loop.loop and loop.waits and loop.loads == 0, loop
+
+
 def test_every_launch_of_a_deduplicated_kernel_is_charged():
     """XLA compiles identical fusions once and names each launch of that kernel after the first
     fusion: every launch is still matched to its own fusion and charged its buffers (two GEMMs of

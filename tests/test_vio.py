@@ -61,6 +61,23 @@ def test_read_paths(name, layout, bufs, block):
     check_read_case(layout, bufs, block)
 
 
+def test_a_whole_row_major_reshape_is_read_as_a_reshaped_buffer():
+    """A buffer read through a row-major reshape of all of it (``(4, 5, 3, 12) -> (20, 36)``,
+    merged dims' floordiv/mod in the map) is passed reshaped to the kernel and read through the
+    identity (``vio._reshaped``), in blocks that do not line up with the merged dims; equal to
+    numpy's reshape, bit for bit. A reshape of a transpose, or a buffer the kernel also writes,
+    keeps its map."""
+    x = A.reshape(4, 5, 3, 12)
+    lay = Layout.physical(0, (4, 5, 3, 12)).reshape((20, 36))
+    plan = Plan.build([VTensor(lay, x.dtype, (x,))], [VTensor.fresh((20, 36), x.dtype)])
+    assert plan.inputs[0].shapes == ((20, 36),) and plan.inputs[0].layout.pieces[0].map.is_identity
+    check_read_case(lay, (x,), (8, 16))
+    moved = Layout.physical(0, (36, 20)).transpose((1, 0)).reshape((20, 36))
+    assert Plan.build([VTensor(moved, A.dtype, (A.T,))], [VTensor.fresh((20, 36), A.dtype)]).inputs[0].shapes == ((36, 20),)
+    y = VTensor(lay, x.dtype, (x,))
+    assert Plan.build([y], [VTensor.physical(x)]).inputs[0].shapes == ((4, 5, 3, 12),)
+
+
 def test_write_qkv_into_three_buffers_at_pos():
     """The paper's Fig. 3: one (B, 48) output lands in Q, the K cache and the V cache at ``pos``."""
     nb, t = 3, 10

@@ -81,7 +81,7 @@ if TYPE_CHECKING:
     from .strategy import Strategy
 
 __all__ = ["GPU", "GPUS", "ENGINE_EFFICIENCY", "ENGINE_OF_KIND", "cluster_math", "kernel_flops", "CostModel", "BoundCostModel", "Context", "Cost", "cluster_cost", "strategy_oracles",
-           "access_penalty", "piece_penalty", "decode_gemm_loss"]
+           "access_penalty", "piece_penalty", "block_dims", "kernel_waste", "KERNEL_BLOCK", "decode_gemm_loss"]
 
 INF = float("inf")
 ENGINE_OF_KIND = {Kind.MATMUL: "matmul", Kind.CONV: "conv", Kind.ATTENTION: "attention"}   # template of a cluster kind
@@ -173,8 +173,10 @@ GPUS: Mapping[str, GPU] = {
 # Access penalty of a layout (the Type II cost)
 # --------------------------------------------------------------------------------------------
 
-def _map_run_bytes(m: Any, itemsize: int) -> tuple[bool, int]:
-    """(fully contiguous?, best contiguous run in bytes) of one piece map.
+def _map_run_bytes(m: Any, itemsize: int, tiled: frozenset[int] | None = None) -> tuple[bool, int]:
+    """(fully contiguous?, best contiguous run in bytes) of one piece map, read in blocks that
+    span the virtual dims ``tiled`` (None: any dim, as XLA's copies tile through shared memory;
+    a kernel's: :func:`block_dims`).
 
     Besides the innermost run of the paper's contiguity, any virtual dim that maps to consecutive
     physical elements (coefficient 1, not inside a floordiv/mod) gives a run as long as the tile a
@@ -199,25 +201,29 @@ def _map_run_bytes(m: Any, itemsize: int) -> tuple[bool, int]:
             if isinstance(a, (FloorDiv, Mod)):
                 blocked |= a.expr.dims()
     for i, n in enumerate(m.domain):
-        if n > 1 and i not in blocked and flat.coeff(Dim(i)) == 1:
+        if n > 1 and i not in blocked and flat.coeff(Dim(i)) == 1 and (tiled is None or i in tiled):
             run = max(run, min(n, TILE) * itemsize)
     return False, run
 
 
-def piece_penalty(p: Any, itemsize: int, sector: int = 32) -> tuple[int, float]:
-    """(volume, traffic multiplier) of one piece, its map looked at inside its own box."""
+def piece_penalty(p: Any, itemsize: int, sector: int = 32,
+                  tiled: frozenset[int] | None = None) -> tuple[int, float]:
+    """(volume, traffic multiplier) of one piece, its map looked at inside its own box, read in
+    blocks spanning the dims ``tiled`` (:func:`_map_run_bytes`)."""
     box = p.box()
     m = p.map
     if box is not None and any(b != (0, n) for b, n in zip(box, m.domain)):
         m = m.restrict(box)
     vol = max(1, math.prod(m.domain))
-    full, run = _map_run_bytes(m, itemsize)
+    full, run = _map_run_bytes(m, itemsize, tiled)
     return vol, 1.0 if full else (math.ceil(max(run, 1) / sector) * sector) / max(run, 1)
 
 
 def access_penalty(layout: Layout | None, itemsize: int, sector: int = 32,
-                   piece_fn: Callable[[Any, int], tuple[int, float]] | None = None) -> float:
-    """Traffic multiplier of reading/writing a tensor through ``layout`` (1.0 when physical).
+                   piece_fn: Callable[[Any, int], tuple[int, float]] | None = None,
+                   tiled: frozenset[int] | None = None) -> float:
+    """Traffic multiplier of reading/writing a tensor through ``layout`` (1.0 when physical), in
+    blocks spanning the dims ``tiled`` (None: any; a kernel's: :func:`block_dims`).
 
     Volume-weighted over the pieces; each piece's map is looked at inside its own box (a slab of a
     concat is contiguous in its target even if the full map is not).
@@ -226,10 +232,68 @@ def access_penalty(layout: Layout | None, itemsize: int, sector: int = 32,
         return 1.0
     tot, acc = 0, 0.0
     for p in layout.pieces:
-        vol, pen = piece_fn(p, itemsize) if piece_fn is not None else piece_penalty(p, itemsize, sector)
+        vol, pen = piece_fn(p, itemsize) if piece_fn is not None else piece_penalty(p, itemsize, sector, tiled)
         tot += vol
         acc += vol * pen
     return acc / tot if tot else 1.0
+
+
+# Elements a kernel's block spans along a tensor's trailing dims: the pointwise template's block
+# budget (``kernels.tiling.choose_block``); the matmul, attention and reduction templates tile two
+# dims, whatever their sizes
+KERNEL_BLOCK = 2048
+
+
+def block_dims(graph: "Graph", c: "Cluster", t: int) -> frozenset[int]:
+    """The dims of tensor ``t`` along which the kernel of cluster ``c`` loads (or stores) blocks
+    longer than one element: only along these can Triton's coalescing pass order its threads on a
+    unit-stride run (:func:`_map_run_bytes`). A GEMM's or an attention's dot operand or result:
+    every dim but the dot's batch dims (each batch element, each head, is a grid program). Any other tensor: the trailing dims, filled
+    from the last outwards up to :data:`KERNEL_BLOCK` elements and at least the last two longer
+    than one (the attention kernels' (queries, keys) blocks, the reduction's (rows, columns)); the
+    leading dims are grid axes of block 1.
+
+    Why: T5's relative-position bias is read by the attention kernel as (head, query, key) from the
+    (query, key, head) buffer its embedding lookup wrote. Its unit-stride dim, the head, is a grid
+    axis of the kernel, so every load gathers 4-byte elements 64 bytes apart: the H100 ran that
+    kernel at 46 TFLOP/s, 187 µs where XLA's softmax and GEMMs took about 120
+    (benchmarks/measured/h100-2026-11-27-kernels.jsonl). Counting any unit-stride dim as coalesced
+    priced that read as contiguous."""
+    shape = graph.tensors[t].shape
+    dot = next((graph.ops[o] for o in c.ops if graph.ops[o].primitive == "dot_general"
+                and (t in graph.ops[o].inputs or t in graph.ops[o].outputs)), None)
+    if c.kind in (Kind.MATMUL, Kind.ATTENTION) and dot is not None:
+        (_, _), (lb, rb) = dot.params["dimension_numbers"]
+        batch = (set(lb) if t == dot.inputs[0] else set(rb) if t in dot.inputs else set(range(len(lb))))
+        return frozenset(range(len(shape))) - batch
+    dims, vol, long = set(), 1, 0
+    for i in reversed(range(len(shape))):
+        if shape[i] > 1 and long >= 2 and vol * shape[i] > KERNEL_BLOCK:
+            break
+        dims.add(i)
+        vol *= shape[i]
+        long += shape[i] > 1
+    return frozenset(dims)
+
+
+def kernel_waste(graph: "Graph", c: "Cluster", layout_of: Callable[[int], Layout | None]) -> int:
+    """Bytes of memory sectors cluster ``c``'s kernel moves beyond the elements it uses: each piece
+    of a tensor it reads or writes through a virtual layout (``layout_of``: None when physical)
+    costs the bytes it touches in its target (an element repeated by a broadcast once, as
+    ``Context.read_bytes`` counts them) times its :func:`piece_penalty` in the kernel's blocks
+    (:func:`block_dims`) less one. The guard prices a kernel call by its buffers' bytes (what
+    XLA's compile counts); this is the traffic the buffers do not show."""
+    waste = 0.0
+    for t in dict.fromkeys((*c.inputs, *c.outputs)):
+        lay = layout_of(t)
+        if lay is None:
+            continue
+        itemsize = np.dtype(graph.tensors[t].dtype).itemsize
+        tiled = block_dims(graph, c, t)
+        for p in lay.pieces:
+            vol, pen = piece_penalty(p, itemsize, tiled=tiled)
+            waste += (pen - 1.0) * min(vol, graph.tensors[p.target].size) * itemsize
+    return int(waste)
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,7 +406,8 @@ class Context(Facts):
             for i, e in enumerate(vtog.edges):
                 self.edge_bytes.append(self._edge_bytes(e))
                 self.by_op.setdefault(e.op, []).append(i)
-        self._pen: dict[int, tuple] = {}
+        self._pen: dict[tuple[int, frozenset[int] | None], tuple] = {}
+        self._blocks: dict[tuple[int, int], frozenset[int]] = {}
 
     def _edge_bytes(self, e: Edge) -> int:
         if e.inplace and not self.dus_copy.get(e.op, True):
@@ -351,15 +416,28 @@ class Context(Facts):
         dst_elems = self.graph.tensors[e.dst].size
         return vol * self.itemsize[e.src] + min(vol, dst_elems) * self.itemsize[e.dst]
 
-    def penalty(self, t: int, layout: Layout | None) -> float:
-        return 1.0 if layout is None else access_penalty(layout, self.itemsize[t], piece_fn=self._piece)
+    def penalty(self, t: int, layout: Layout | None, k: int | None = None) -> float:
+        """Traffic multiplier of ``t`` read or written through ``layout`` by cluster ``k``'s kernel
+        (its :func:`block_dims`), or by XLA's copy (``k`` None)."""
+        if layout is None:
+            return 1.0
+        tiled = self.block_dims(k, t) if k is not None else None
+        return access_penalty(layout, self.itemsize[t], piece_fn=lambda p, i: self._piece(p, i, tiled))
 
-    def _piece(self, p: Any, itemsize: int) -> tuple[int, float]:
+    def block_dims(self, k: int, t: int) -> frozenset[int]:
+        """Cached :func:`block_dims` of tensor ``t`` in cluster ``k``'s kernel."""
+        hit = self._blocks.get((k, t))
+        if hit is None:
+            hit = self._blocks[(k, t)] = block_dims(self.graph, self.clusters[k], t)
+        return hit
+
+    def _piece(self, p: Any, itemsize: int, tiled: frozenset[int] | None = None) -> tuple[int, float]:
         """Cached :func:`piece_penalty` (pieces are reused across evaluations by identity)."""
-        hit = self._pen.get(id(p))
+        key = (id(p), tiled)
+        hit = self._pen.get(key)
         if hit is None or hit[0] is not p or hit[1] != itemsize:
-            hit = (p, itemsize, piece_penalty(p, itemsize))
-            self._pen[id(p)] = hit
+            hit = (p, itemsize, piece_penalty(p, itemsize, tiled=tiled))
+            self._pen[key] = hit
         return hit[2]
 
     def read_bytes(self, t: int, layout: Layout | None) -> int:
@@ -417,12 +495,12 @@ def cluster_cost(ctx: Context, k: int, layout: Callable[[int], Layout | None],
         touched |= lay is not None
         b = ctx.read_bytes(t, lay)
         raw += b
-        eff += b * ctx.penalty(t, lay)
+        eff += b * ctx.penalty(t, lay, k)
     for t in c.outputs:
         lay = layout(t)
         touched |= lay is not None
         raw += ctx.nbytes[t]
-        eff += ctx.nbytes[t] * ctx.penalty(t, lay)
+        eff += ctx.nbytes[t] * ctx.penalty(t, lay, k)
     extra = lib_loss(k) if touched and c.kind in LIBRARY_KINDS else 0.0
     return Cost(raw, eff, 1, extra)
 

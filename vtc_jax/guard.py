@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from .cluster import cluster
 from .compat import abstract, varying_axes, vary
-from .costmodel import ENGINE_OF_KIND, GPU, GPUS, cluster_math, kernel_flops
+from .costmodel import ENGINE_OF_KIND, GPU, GPUS, cluster_math, kernel_flops, kernel_waste, strategy_oracles
 from .graph import Graph, trace
 from .offline import compile_program, h100_devices
 from .primitives import KERNEL_CALLS, is_movement_op
@@ -87,27 +87,31 @@ def emitted_graph(closed: Any) -> Graph:
     return trace(lambda *xs: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *xs), *avals)
 
 
-def kernel_math(graph: Graph, clusters: Sequence[Any], kernel_clusters: Sequence[int | None]) -> list[tuple[int, str, str]]:
-    """``(flops, template, math class)`` of each kernel call of the emitted program, in program
-    order (``kernel_clusters``: the cluster each call came from): the flops the kernel issues for
-    the dots and convolutions of the cluster it replaces (``costmodel.kernel_flops``: a GEMM's
-    padded to whole tiles), charged to the cluster's first call (a split-K reduce or an attention
-    combine does none of them)."""
+def kernel_math(graph: Graph, clusters: Sequence[Any], kernel_clusters: Sequence[int | None],
+                strategy: Any) -> list[tuple[int, str, str, int]]:
+    """``(flops, template, math class, waste)`` of each kernel call of the emitted program, in
+    program order (``kernel_clusters``: the cluster each call came from): the flops the kernel
+    issues for the dots and convolutions of the cluster it replaces (``costmodel.kernel_flops``: a
+    GEMM's padded to whole tiles), and the sector bytes its reads and writes through ``strategy``'s
+    virtual layouts waste (``costmodel.kernel_waste``; none where ``strategy`` is None), both charged to
+    the cluster's first call (a split-K reduce or an attention combine does none of them)."""
     by_id = {c.id: c for c in clusters}
+    layout_of = strategy_oracles(strategy)[0] if strategy is not None else (lambda t: None)
     out, seen = [], set()
     for cid in kernel_clusters:
         c = by_id.get(cid) if cid is not None else None
         if c is None or cid in seen:
-            out.append((0, "xla", ""))
+            out.append((0, "xla", "", 0))
             continue
         seen.add(cid)
         flops = kernel_flops(graph, c)
-        out.append((flops, ENGINE_OF_KIND.get(c.kind, str(c.kind)), cluster_math(graph, c)[1] if flops else ""))
+        out.append((flops, ENGINE_OF_KIND.get(c.kind, str(c.kind)), cluster_math(graph, c)[1] if flops else "",
+                    kernel_waste(graph, c, layout_of)))
     return out
 
 
 def price_emitted(graph: Graph, emitted: Graph, donated: frozenset[int],
-                  math: Sequence[tuple[int, str, str]] = ()) -> Price:
+                  math: Sequence[tuple[int, str, str, int]] = ()) -> Price:
     """The emitted program as XLA fuses it around its kernel calls (modelled). ``donated`` are
     tensor ids of ``graph``'s inputs; the emitted program takes the same flat inputs; ``math`` is
     :func:`kernel_math` of its kernel calls."""
@@ -143,7 +147,7 @@ def blame(graph: Graph, clusters: Sequence[Any], plain: Price, emitted: Graph, v
     the lowering's name stack). A kernel is charged its own launches and bytes plus the copies XLA
     makes to feed it (movement materialised in front of it); jit is charged, for each of its
     fusions, the share of that fusion's ops that belong to the cluster."""
-    sec = lambda f: (max(f.bytes / gpu.hbm_bandwidth, f.flops / gpu.flop_rate(f.engine, f.math) if f.flops else 0.0)  # noqa: E731
+    sec = lambda f: (max(f.memory_seconds(gpu), f.flops / gpu.flop_rate(f.engine, f.math) if f.flops else 0.0)  # noqa: E731
                      + f.launches * gpu.launch_overhead)
     calls = [op for op in emitted.ops if op.primitive in KERNEL_CALLS]
     if len(calls) != len(kernel_clusters):

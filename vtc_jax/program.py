@@ -165,7 +165,8 @@ def _price(analysis: Analysis, closed: Any, emitted: Graph, opts: BuildOptions,
     gpu = _gpu(opts)
     plain = guard.price_plain(analysis.graph, analysis.donated)
     vtc = guard.price_emitted(analysis.graph, emitted, analysis.donated,
-                              guard.kernel_math(analysis.graph, analysis.clusters, kernel_clusters(closed.jaxpr)))
+                              guard.kernel_math(analysis.graph, analysis.clusters, kernel_clusters(closed.jaxpr),
+                                                analysis.strategy))
     model = guard.judge(plain, vtc, gpu)
     if opts.guard == "model" and guard.clear(model):
         return model

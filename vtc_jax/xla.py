@@ -351,6 +351,13 @@ class Fusion:
     flops: int = 0
     engine: str = "xla"
     math: str = ""
+    # sector traffic beyond ``bytes``: a kernel's tensors read or written through strided virtual
+    # maps (``costmodel.kernel_waste``). Not a buffer byte (the compile's count has none of it),
+    # but time at HBM bandwidth all the same
+    waste: int = 0
+
+    def memory_seconds(self, gpu: Any) -> float:
+        return (self.bytes + self.waste) / gpu.hbm_bandwidth
 
 
 @dataclass(frozen=True)
@@ -368,13 +375,19 @@ class Price:
         """What math adds to the memory time: each launch group runs for the longer of its bytes at
         HBM bandwidth and its flops at what its engine achieves (``gpu.flop_rate``); the excess
         over the bytes is the math's share."""
-        return sum(max(0.0, f.flops / gpu.flop_rate(f.engine, f.math) - f.bytes / gpu.hbm_bandwidth)
+        return sum(max(0.0, f.flops / gpu.flop_rate(f.engine, f.math) - f.memory_seconds(gpu))
                    for f in self.fusions if f.flops)
+
+    def waste_seconds(self, gpu: Any) -> float:
+        """The sector traffic of the kernels' strided reads and writes (:attr:`Fusion.waste`)."""
+        return sum(f.waste for f in self.fusions) / gpu.hbm_bandwidth
 
     def seconds(self, gpu: Any) -> float:
         """The roofline time the guard compares: bytes at HBM bandwidth, a fixed cost per launch,
-        and the time the compute-bound launch groups take beyond their bytes."""
-        return self.bytes / gpu.hbm_bandwidth + self.launches * gpu.launch_overhead + self.compute_seconds(gpu)
+        the sectors the kernels' strided accesses waste, and the time the compute-bound launch
+        groups take beyond their memory time."""
+        return (self.bytes / gpu.hbm_bandwidth + self.launches * gpu.launch_overhead
+                + self.waste_seconds(gpu) + self.compute_seconds(gpu))
 
 
 # XLA's GPU sort emitter (read off the deviceless H100 compile, jax 0.10.2 and 0.12): one block
@@ -429,7 +442,7 @@ def xla_plain(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] 
 
 
 def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] = (),
-                kernel_math: Sequence[tuple[int, str, str]] = ()) -> Price:
+                kernel_math: Sequence[tuple[int, str, str, int]] = ()) -> Price:
     """Launches, HBM bytes and buffers of a program as XLA's GPU pipeline fuses it (a model): plain
     ``jax.jit(fn)`` on ``fn``'s graph, and the program VTC emits on *its* graph, where each Pallas
     kernel is a kernel call (``Role.KERNEL``) — one model prices both sides of the guard.
@@ -480,8 +493,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
       the peak of the materialised intermediates, each live from its group to its last reader.
     * **math**: each group carries the flops of its dots and convolutions, on XLA's engines in
       the class its precision gives (:func:`math_class`); a kernel call carries what
-      ``kernel_math`` says of it (``(flops, template, class)`` per kernel call, in program order:
-      the caller knows what each kernel replaced). :meth:`Price.seconds` turns them into time.
+      ``kernel_math`` says of it (``(flops, template, class, waste)`` per kernel call, in program
+      order: the caller knows what each kernel replaced; ``waste``: the sector bytes its strided
+      virtual accesses move beyond its buffers). :meth:`Price.seconds` turns them into time.
     """
     ctx = Facts(graph, clusters, donated)
     _data = data_inputs
@@ -804,15 +818,16 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     def add(members: Sequence[int], what: str, n: int, nbytes: int, made: Iterable[int] = ()) -> None:
         # copies and layout transposes charged to a GEMM / conv cluster do none of its math
         ops = [g.ops[o] for m in members for o in cl[m].ops] if what not in ("copy", "layout") else []
-        flops, engine, cls = 0, "xla", ""
+        flops, engine, cls, waste = 0, "xla", "", 0
         for op in ops:
             if op.id in call_math:
-                f, engine, cls = call_math[op.id]
+                f, engine, cls, w = call_math[op.id]
                 flops += f
+                waste += w
             elif (f := op_flops(op, g)):
                 flops += f
                 cls = cls or _op_math(op, g)
-        fusions.append(Fusion(tuple(members), what, int(n), int(nbytes), int(flops), engine, cls))
+        fusions.append(Fusion(tuple(members), what, int(n), int(nbytes), int(flops), engine, cls, int(waste)))
         for t in made:
             written[t] = len(fusions) - 1
 

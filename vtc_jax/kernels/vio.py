@@ -34,6 +34,8 @@ Contract for someone adding a template
 
 How a piece is accessed (cheapest first)
 ----------------------------------------
+0. *A whole row-major reshape* of an input's buffer (``(B, S, H, D)`` read as ``(B·S, H·D)``):
+   the buffer is passed reshaped (a bitcast in XLA) and read as physical (:func:`_reshaped`).
 1. *Strided box with unit strides* (identity, transpose, slice, dynamic_slice at ``pos``, reshape
    that merges cleanly, broadcast): the buffer keeps its shape and the block is read with
    ``ref.at[pl.ds(start, n), ...]``, then transposed/broadcast in registers. For a physical,
@@ -73,8 +75,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..compat import manual_axis_type, triton_compiler_params, vary, varying_axes
-from ..indexmap import (Atom, Dim, Expr, FloorDiv, Layout, Load, Mod, Piece, Sym, all_of, finish_read,
-                        normalise_start, point, row_major_strides)
+from ..indexmap import (Atom, Dim, Expr, FloorDiv, IndexMap, Layout, Load, Mod, Piece, Sym, all_of,
+                        finish_read, normalise_start, point, row_major_strides)
 from .tiling import InBounds, next_pow2
 
 __all__ = ["VTensor", "VRef", "Plan", "compiler_params", "next_pow2", "broadcast_input",
@@ -293,6 +295,28 @@ def _unit_strided(p: Piece) -> tuple[tuple[int | None, int, Expr], ...] | None:
     return sb
 
 
+def _reshaped(v: VTensor, written: frozenset[int]) -> VTensor:
+    """``v`` re-viewed as a physical reshape of its buffer where its one piece is a row-major
+    reshape of the whole buffer (the map's flat offset is the row-major index of ``v``'s logical
+    shape, no condition, symbol or table): the buffer is passed ``reshape``d (a free bitcast in
+    XLA) and read through path 1. Read through the map, the merged dims' ``floordiv``/``mod``
+    make a gather (path 3) of every block that is not aligned with them — a matmul's K loop: T5's
+    output projection read the attention output ``(B, S, H, D) -> (B·S, H·D)`` with 32 scalar
+    2-byte ``ld.global`` per thread and K step, where a plain operand takes ``cp.async``
+    (deviceless sm_90 PTX). Buffers an output writes (``written``) keep their identity: the
+    in-place aliasing of :meth:`Plan.build` matches them by object."""
+    if len(v.layout.pieces) != 1 or v.layout.fills:
+        return v
+    p = v.layout.pieces[0]
+    m, b = p.map, v.buffers[p.target]
+    if (m.is_identity or id(b) in written or _is_fresh(b) or p.where or m.conds or m.syms
+            or _has_loads(p) or math.prod(m.domain) != math.prod(tuple(b.shape))):
+        return v
+    if m.flat_expr() != IndexMap.identity(m.domain).flat_expr():
+        return v
+    return VTensor(Layout.physical(0, m.domain), v.dtype, (b.reshape(m.domain),), v.symbols)
+
+
 # --------------------------------------------------------------------------------------------
 # Plan: how a template's VTensors become pallas_call operands
 # --------------------------------------------------------------------------------------------
@@ -358,8 +382,9 @@ class Plan:
                    if not _is_fresh(b)} if same_place else {}
         in_place_arg: dict[int, int] = {}   # id(buffer) -> its (aliased) argument index
         in_b = []
+        outs_b = frozenset(id(b) for w in outputs for b in w.buffers)
         for x in inputs:
-            v = VTensor.of(x)
+            v = _reshaped(VTensor.of(x), outs_b)
             collect_syms(v)
             flat = flat_flags(v)
             slots = []
