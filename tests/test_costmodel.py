@@ -1175,3 +1175,28 @@ def test_the_strategy_and_the_guard_price_a_kernel_read_through_a_strided_map():
     nbytes = 512 * 512 * 16 * 4
     assert kernel_waste(g, ew, strategy_oracles(forced)[0]) == 7 * nbytes
     assert kernel_waste(g, ew, strategy_oracles(a.strategy)[0]) == 0
+
+
+@pytest.mark.offline
+def test_xla_movement_a_kernel_reads_through_a_bitcast_is_written_out():
+    """ESPCN's pixel shuffle (corpus, paper size, unguarded): the clamp's pointwise kernel reads
+    the shuffled tensor as ``reshape(transpose(...))``, the reshape a bitcast ``vio`` passes it.
+    XLA writes the transpose behind the bitcast out (one launch reading and writing it); the model
+    of VTC's program counts it: launches and bytes equal to the compile's."""
+    from tests.zoo.corpus import CORPUS
+    from vtc_jax import guard as G
+    from vtc_jax.lower import kernel_clusters
+    from vtc_jax.offline import compile_program
+    from vtc_jax.program import BuildOptions, build
+    e = CORPUS["espcn_pixel_shuffle"]("paper")
+    flat = jax.tree.leaves(e.args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opts = BuildOptions("triton", False, {}, lambda m: None, RuntimeError, guard=None, function=e.step)
+        a, _, closed = build(e.step, tuple(e.args), {}, flat, donate=(), opts=opts, rejected={})
+        vtc = G.price_emitted(a.graph, G.emitted_graph(closed), a.donated,
+                              G.kernel_math(a.graph, a.clusters, kernel_clusters(closed.jaxpr), a.strategy))
+        pv = compile_program(vtc_jax.optimize(e.step, backend="triton", guard=None), *e.args, kernels=False)
+    assert any(f.what == "copy" for f in vtc.fusions), vtc.fusions
+    assert vtc.launches == len(pv.launches), (vtc.fusions, [l.name for l in pv.launches])
+    assert abs(vtc.bytes - pv.bytes) <= 0.01 * pv.bytes, (vtc.bytes, pv.bytes)

@@ -549,17 +549,22 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 found.add(k)
         return found
 
-    # movement and glue that a kernel call reads (directly): XLA materialises them
+    def bitcasts_only(k: int) -> bool:
+        return kind[k] == Kind.MOVEMENT and all(ctx.bitcast.get(o) for o in cl[k].ops)
+
+    # movement and glue that a kernel call reads (directly, or through bitcasts of it: a reshape
+    # vio passes a kernel in place of a reshape map, ESPCN's pixel shuffle): XLA materialises them
     feeds_call: set[int] = set()
     for k, c in enumerate(cl):
         if call[k]:
             for t in c.inputs:
                 p = ctx.producer.get(t)
-                if p is not None and fused_movement(p):
+                while p is not None and fused_movement(p):
                     feeds_call.add(p)
-
-    def bitcasts_only(k: int) -> bool:
-        return kind[k] == Kind.MOVEMENT and all(ctx.bitcast.get(o) for o in cl[k].ops)
+                    srcs = [x for o in cl[p].ops for x in _data(g.ops[o])]
+                    if not bitcasts_only(p) or len(srcs) != 1:
+                        break
+                    p = ctx.producer.get(srcs[0])
 
     inputs = set(g.inputs)
 
