@@ -143,7 +143,10 @@ ENGINE_EFFICIENCY: Mapping[tuple[str, str], float] = {
     ("matmul", "bf16"): 0.30,     # measured kernel by kernel (2026-11-27, benchmarks/kernel_times.py and
     #                               gemm_tiles.py): 0.16 inside LoRA's program with the old 64 x 64 tiles
     #                               (0.28 alone), 0.64 alone with tiling.prefill_tiles' 128 x 256; not yet
-    #                               measured inside a program with them (decode GEMMs: decode_gemm_loss)
+    #                               measured inside a program with them (decode GEMMs: decode_gemm_loss).
+    #                               LoRA's in-program kernel read its A operand (the attention output
+    #                               through a reshape) with scalar loads, since passed reshaped
+    #                               (vio._reshaped): its PTX is now cp.async alone, unmeasured
     ("matmul", "tf32"): 0.085,    # measured kernel by kernel: BERT's f32 projections and MLP, 42-43 TFLOP/s
     #                               inside the program (0.12 alone); EfficientViT's per-head products
     #                               reached 0.03: their tiles are mostly padding (kernel_flops counts them)

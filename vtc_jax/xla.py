@@ -559,12 +559,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         if call[k]:
             for t in c.inputs:
                 p = ctx.producer.get(t)
-                while p is not None and fused_movement(p):
+                if p is not None and fused_movement(p):
                     feeds_call.add(p)
+                while p is not None and bitcasts_only(p):   # behind a view: movement, not scalar glue
                     srcs = [x for o in cl[p].ops for x in _data(g.ops[o])]
-                    if not bitcasts_only(p) or len(srcs) != 1:
-                        break
-                    p = ctx.producer.get(srcs[0])
+                    p = ctx.producer.get(srcs[0]) if len(srcs) == 1 else None
+                    if p is not None and kind[p] == Kind.MOVEMENT and not is_dus(p):
+                        feeds_call.add(p)
 
     inputs = set(g.inputs)
 
