@@ -251,10 +251,10 @@ def block_dims(graph: "Graph", c: "Cluster", t: int) -> frozenset[int]:
     """The dims of tensor ``t`` along which the kernel of cluster ``c`` loads (or stores) blocks
     longer than one element: only along these can Triton's coalescing pass order its threads on a
     unit-stride run (:func:`_map_run_bytes`). A GEMM's or an attention's dot operand or result:
-    every dim but the dot's batch dims (each batch element, each head, is a grid program). Any other tensor: the trailing dims, filled
-    from the last outwards up to :data:`KERNEL_BLOCK` elements and at least the last two longer
-    than one (the attention kernels' (queries, keys) blocks, the reduction's (rows, columns)); the
-    leading dims are grid axes of block 1.
+    every dim but the dot's batch dims (each batch element, each head, is a grid program). Any
+    other tensor: the trailing dims, filled from the last outwards up to :data:`KERNEL_BLOCK`
+    elements and at least the last two longer than one (the attention kernels' (queries, keys)
+    blocks, the reduction's (rows, columns)); the leading dims are grid axes of block 1.
 
     Why: T5's relative-position bias is read by the attention kernel as (head, query, key) from the
     (query, key, head) buffer its embedding lookup wrote. Its unit-stride dim, the head, is a grid
