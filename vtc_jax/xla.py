@@ -1039,9 +1039,16 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             if kind[head] == Kind.MOVEMENT:
                 for o in cl[head].ops:
                     op = g.ops[o]
-                    if any(t in outs for t in op.outputs) and not ctx.bitcast.get(o):
+                    if not any(t in outs for t in op.outputs):
+                        continue
+                    chain = [op]   # back through movement XLA fuses into this copy: a
+                    # transpose then a reshape returned is the transpose written out
+                    while ((k := ctx.producer.get(_data(chain[-1])[0])) is not None and kind[k] == Kind.MOVEMENT
+                           and k not in materialised and fused_movement(k)):
+                        chain.append(g.producer(_data(chain[-1])[0]))
+                    if not all(ctx.bitcast.get(q.id) for q in chain):
                         add(members, "copy", 1, sum(ctx.nbytes[t] for t in op.outputs)
-                            + sum(read_bytes(x, set()) for x in _data(op)), op.outputs)
+                            + sum(read_bytes(x, set()) for x in _data(chain[-1])), op.outputs)
             continue
         if len(members) == 1 and is_dus(head):
             add(members, "update", 1, sum(ctx.base.get(o, 0) for o in cl[head].ops), cl[head].outputs)
@@ -1173,9 +1180,23 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                         n += 1
                         nbytes += src + copy + (copy - src)   # read, write the copy; the reduction reads it
             else:   # prefill: GEMMs with the softmax between them one fusion (XLA's Triton softmax)
+                made_in = {t for m in members for o in cl[m].ops for t in g.ops[o].outputs}
+                scores = dots[0].outputs[0]
                 n = len(dots) + (len(red) > len(dots))
                 nbytes += 2 * sum(ctx.nbytes[d.outputs[0]] for d in dots[:-1])
-                nbytes += 2 * sum(ctx.nbytes[d.inputs[0]] for d in dots[1:])
+                nbytes += 2 * sum(ctx.nbytes[next((x for x in d.inputs[:2] if x in made_in), d.inputs[0])]
+                                  for d in dots[1:])   # the probabilities: either operand
+                order = _scores_transposed(g, [o for m in members for o in cl[m].ops], scores)
+                if order == "statistics":   # each statistic a reduction fusion reading the scores
+                    reds = len(red) - len(dots)
+                    n += reds
+                    nbytes += reds * ctx.nbytes[scores]
+                elif order == "layout" and len(dots) > 1:   # the probabilities transposed
+                    (pc, _), _ = dots[1].params["dimension_numbers"]
+                    probs = next((x for x in dots[1].inputs[:2] if x in made_in), dots[1].inputs[0])
+                    keys = math.prod(g.tensors[dots[1].inputs[0]].shape[a] for a in pc)
+                    if keys > XLA_PROBS_TRANSPOSE_MAX_KEYS:
+                        n, nbytes = n + 1, nbytes + 2 * ctx.nbytes[probs]
                 for d in dots:   # operands a GEMM cannot read where they are: a repeated (GQA)
                     for x in _gemm_relayouts(g, d):   # one, heads not next to the batch: copied
                         (_, (lb, rb)) = d.params["dimension_numbers"]
@@ -1273,6 +1294,45 @@ _TABLE_STEPS = frozenset(n for n, r in TABLE.items() if r.role in (Role.ELEMENTW
 # movement XLA fuses into the fusion reading its result (followed back to the buffer read)
 _FUSED_VIEWS = ("transpose", "broadcast_in_dim", "squeeze", "expand_dims", "reshape", "slice", "split",
                 "dynamic_slice", "pad", "rev")
+
+
+# the most keys XLA's second attention GEMM contracts reading probabilities laid out in the
+# score GEMM's order (``_scores_transposed``'s "layout"); more, and they are transposed first
+XLA_PROBS_TRANSPOSE_MAX_KEYS = 1024
+
+
+def _scores_transposed(g: Graph, ops: Sequence[int], scores: int) -> str | None:
+    """How XLA runs the softmax between an attention fusion's two GEMMs (among ``ops``) when the
+    score GEMM's result ``scores`` reaches the probabilities through a transpose that moves axes
+    (not a bitcast). XLA's GEMM writes its free axes in operand order and its Triton softmax
+    fusion takes no transpose. Read off the deviceless H100 compiles (bf16, B 2-16, T and S
+    1,024-4,096, 8-71 heads, D 64-128):
+
+    * ``"statistics"``: the free axes reordered behind batch axes that stay major, before the
+      first reduction (an MQA einsum ``bqhd,bkd->bhqk``, a GQA ``btkgh,bskh->bkgts``): no Triton
+      softmax; a reduction fusion per statistic, each reading the scores, and a transpose fusion
+      writing the probabilities (Falcon's prefill);
+    * ``"layout"``: an axis moved in front of the batch axes, or the transpose after a reduction
+      (``jax.nn.dot_product_attention``'s GQA group): XLA assigns the GEMM's result a layout in
+      which the softmax is a Triton fusion, and the probabilities are transposed for the second
+      GEMM in a launch of their own once it contracts more than ``XLA_PROBS_TRANSPOSE_MAX_KEYS``
+      keys (at 1,024 it reads them where they are; at 1,536 and more it does not);
+    * None: no such transpose (``bhqd,bkd->bhqk``, ``bqhd,bkd->bqhk``: one Triton softmax)."""
+    first = next((o for o in sorted(ops) if g.ops[o].primitive.startswith("reduce_")), None)
+    reach = {scores}
+    for o in sorted(ops):
+        op = g.ops[o]
+        if not reach & set(op.inputs):
+            continue
+        if (op.primitive == "transpose" and not is_view(op, g)
+                and g.tensors[op.inputs[0]].size == g.tensors[scores].size):
+            (_, (lb, _)) = g.producer(scores).params["dimension_numbers"]
+            shape = g.tensors[op.inputs[0]].shape   # the GEMM's result order: batch axes first
+            batch = [a for a in range(len(lb)) if shape[a] != 1]
+            major = [a for a in op.params["permutation"] if shape[a] != 1][:len(batch)] == batch
+            return "statistics" if major and (first is None or o < first) else "layout"
+        reach.update(op.outputs)
+    return None
 
 
 def _repeated(g: Graph, t: int) -> bool:
