@@ -1246,3 +1246,73 @@ def test_xla_prefill_softmax_order_against_xlas_compile(form, fn, shapes, launch
     assert len(compiled.launches) == launches, (form, [x.name for x in compiled.launches])
     assert price.launches == launches, (form, price.fusions)
     assert abs(price.bytes - compiled.bytes) <= 0.03 * compiled.bytes, (form, price.bytes, compiled.bytes)
+
+
+def _column_norm(w):
+    """Weights normalised by their column sums (``jax.image.resize``'s weight matrices): a
+    statistic over the major axis."""
+    total = jnp.sum(w, axis=0, keepdims=True)
+    return jnp.where(jnp.abs(total) > 1e-3, w / total, 0)
+
+
+def _split_free_rhs(x, w):
+    """``bd,edf->bef``: a stacked weight read as the right operand, its free axes on both sides
+    of the contracted one."""
+    return jnp.einsum("bd,edf->bef", x, w)
+
+
+def _conv_bn_relu_twice(x, w1, w2, mean, var, gamma, beta):
+    """Two NCHW convolutions, each followed by an eval BatchNorm (``rsqrt(var + eps) * gamma``
+    computed in the program) and a ReLU."""
+    def bn_relu(y):
+        s = jax.lax.rsqrt(var + 1e-5) * gamma
+        return jax.nn.relu((y - mean[None, :, None, None]) * s[None, :, None, None] + beta[None, :, None, None])
+    dn = ("NCHW", "OIHW", "NCHW")
+    y = bn_relu(jax.lax.conv_general_dilated(x, w1, (1, 1), "SAME", dimension_numbers=dn))
+    return bn_relu(jax.lax.conv_general_dilated(y, w2, (1, 1), "SAME", dimension_numbers=dn))
+
+
+def _concat_skip_conv(skip, x, m, w):
+    """U-Net's ``Up``: an NCHW skip input concatenated with a computed tensor (here a GEMM
+    along H, transposed back), read by a convolution."""
+    up = jnp.einsum("hk,bckw->bchw", m, x)
+    return jax.lax.conv_general_dilated(jnp.concatenate([skip, up], axis=1), w, (1, 1), "SAME",
+                                        dimension_numbers=("NCHW", "OIHW", "NCHW"))
+
+
+@pytest.mark.offline
+@pytest.mark.parametrize("fn,shapes,launches", [
+    (_column_norm, [(59, 118)], 2),
+    (_split_free_rhs, [(16, 4096), (2, 4096, 14336)], 2),
+    (_conv_bn_relu_twice, [(4, 64, 56, 56), (64, 64, 3, 3), (64, 64, 3, 3), (64,), (64,), (64,), (64,)], None),
+    (_concat_skip_conv, [(4, 64, 118, 80), (4, 64, 59, 80), (118, 59), (64, 128, 3, 3)], None),
+], ids=["column_statistic", "split_free_axes_rhs", "conv_batchnorm_epilogue", "nchw_concat_skip"])
+def test_xla_layout_rules_against_xlas_compile(fn, shapes, launches):
+    """Where a layout decides a launch, the model's launches equal the deviceless H100 compile's:
+
+    * a statistic over a major axis is no Triton normalization fusion: a reduction fusion and a
+      loop fusion (``xla._reduces_minor``);
+    * a right GEMM operand whose free axes lie on both sides of the contracted one is
+      transposed first (``wrapped_transpose``; ``_gemm_relayouts``);
+    * cuDNN fuses bias + ReLU only: an eval BatchNorm's epilogue is a loop fusion of its own
+      where a convolution reads the result, and it computes the per-channel scale inside
+      (``_loop_epilogue``, ``_epilogue_reads``): no launch for ``rsqrt(var + eps) * gamma``;
+    * an NCHW concatenation of a program input and a computed tensor in front of a convolution
+      is written by a fusion of its own beside the input's layout transpose.
+
+    Each failed before its rule: the model one launch short on the first two, one over on the
+    BatchNorm pair (three vector launches, one epilogue short), two short on the concatenation
+    (the concatenation and the GEMM result's transpose back to NCHW). Bytes within 10%."""
+    from vtc_jax.offline import compile_program
+    from vtc_jax.xla import xla_program
+    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    g = trace(fn, *[jnp.zeros(a.shape, a.dtype) for a in args])
+    compiled = compile_program(jax.jit(fn), *args, kernels=False)
+    price = xla_program(g, cluster(g))
+    got = len(compiled.launches)
+    detail = (got, [(x.name, round(x.bytes / 2**20, 2)) for x in compiled.launches],
+              [(f.what, f.launches, round(f.bytes / 2**20, 2)) for f in price.fusions])
+    if launches is not None:
+        assert got == launches, detail
+    assert price.launches == got, detail
+    assert abs(price.bytes - compiled.bytes) <= 0.1 * compiled.bytes, detail

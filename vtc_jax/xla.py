@@ -688,6 +688,15 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         users = set().union(*[consumers_through_movement(t, set()) for m in members for t in cl[m].outputs]
                             or [set()])
         users = {find(u) for u in users if find(u) != find(members[0])}
+        readers = set().union(*[consumers_through_movement(t, set()) for m in members for t in cl[m].outputs]
+                              or [set()]) - set(members)
+        own = {o for m in members for o in cl[m].ops}
+        if readers and all(_loop_epilogue(g, cl[u]) for u in readers) and all(
+                _epilogue_reads(g, t, [cl[u] for u in readers], own) for m in members for t in cl[m].outputs):
+            # a per-channel vector only a convolution's epilogue reads (an eval BatchNorm's
+            # ``rsqrt(var + eps) * gamma``), where the epilogue is a loop fusion: computed inside it
+            recomputed.add(find(members[0]))
+            continue
         cast = all(g.ops[o].primitive in CAST_ONLY for m in members for o in cl[m].ops)
         made = all(g.ops[o].primitive in ("iota", *CAST_ONLY) for m in members for o in cl[m].ops)
         sorting = all(any(g.ops[o].primitive in SORTS for o in cl[u].ops) for u in users)
@@ -814,6 +823,29 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         if k is None or not fused_movement(k):
             return set()
         return set().union(*[_inputs_behind(x) for o in cl[k].ops for x in _data(g.ops[o])] or [set()])
+
+    def _sources_behind(t: int) -> set[int]:
+        """The tensors fused movement in front of ``t`` reads (program inputs, computed values)."""
+        k = ctx.producer.get(t)
+        if t in inputs or k is None or not fused_movement(k):
+            return {t}
+        return set().union(*[_sources_behind(x) for o in cl[k].ops for x in _data(g.ops[o])] or [set()])
+
+    def _transposed_sources(t: int) -> set[int]:
+        """The computed values fused movement in front of ``t`` reads through a transpose that
+        moves axes (the transposes' results), op by op."""
+        k, op = ctx.producer.get(t), g.producer(t)
+        if t in inputs or k is None or op is None or not fused_movement(k):
+            return set()
+        out: set[int] = set()
+        for x in _data(op):
+            p = ctx.producer.get(x)
+            if (op.primitive == "transpose" and not ctx.bitcast.get(op.id) and p is not None
+                    and not fused_movement(p)):
+                out.update(op.outputs)
+            else:
+                out |= _transposed_sources(x)
+        return out
 
     fusions: list[Fusion] = []
     written: dict[int, int] = {}     # materialised tensor -> group position that writes it
@@ -1046,7 +1078,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     while ((k := ctx.producer.get(_data(chain[-1])[0])) is not None and kind[k] == Kind.MOVEMENT
                            and k not in materialised and fused_movement(k)):
                         chain.append(g.producer(_data(chain[-1])[0]))
-                    if not all(ctx.bitcast.get(q.id) for q in chain):
+                    if not all(ctx.bitcast.get(q.id) or _gemm_writes_transposed(g, q) for q in chain):
                         add(members, "copy", 1, sum(ctx.nbytes[t] for t in op.outputs)
                             + sum(read_bytes(x, set()) for x in _data(chain[-1])), op.outputs)
             continue
@@ -1086,12 +1118,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         for m in members:
             if kind[m] != Kind.CONV:
                 continue
-            epi = {g.ops[o].primitive for o in cl[m].ops} - {"conv_general_dilated"}
             direct = [u for t in cl[m].outputs for u in readers_through_views(t) if kind[u] == Kind.CONV]
             returned = any(t in outs for t in cl[m].outputs) and not any(
                 _channels_first(g.ops[o], "out_spec") for o in cl[m].ops if g.ops[o].primitive == "conv_general_dilated")
-            if epi and not {"add", "max"} <= epi and (direct or returned):
-                n += 1   # cuDNN fuses bias + ReLU only; another epilogue is a loop fusion of its
+            if _loop_epilogue(g, cl[m]) and (direct or returned):
+                n += 1   # cuDNN fuses bias + ReLU only (an eval BatchNorm's per-channel scale
+                # is a multiply it does not take); another epilogue is a loop fusion of its
                 # own where nothing else reads the result (else it fuses into that reader: the
                 # layout transpose of a channels-first result too), reading cuDNN's output and
                 # writing the result
@@ -1147,13 +1179,16 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 continue
             row = max(g.tensors[x].size // max(1, g.tensors[r.outputs[0]].size) for r in reds for x in _data(r))
             rows = min(g.tensors[r.outputs[0]].size for r in reds)
-            if rows >= 2 and row <= TRITON_NORM_MAX_ROW:
+            minor = all(_reduces_minor(g, r) for r in reds)
+            if rows >= 2 and row <= TRITON_NORM_MAX_ROW and minor:
                 continue
             # one row: a reduction fusion per statistic; rows longer than the Triton fusion takes:
             # one reduction fusion (flax's GroupNorm over 40,960-wide groups, U-Net: the compile's
             # count; a lone RMSNorm/LayerNorm 32,768 wide splits its reductions further, 3-7
             # launches, which this does not model)
-            extra = 1 if row > TRITON_NORM_MAX_ROW else len(reds)
+            # (a statistic over a major axis, ``jax.image.resize``'s weight columns normalised
+            # by their sum: XLA's Triton fusion reduces minor axes only, a reduction fusion too)
+            extra = 1 if row > TRITON_NORM_MAX_ROW and minor else len(reds)
             n += extra
             nbytes += extra * sum(read_bytes(x, set()) for x in _data(reds[-1]))
         for o in (o for m in members for o in cl[m].ops if g.ops[o].primitive in CUMULATIVE):
@@ -1259,13 +1294,23 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         # by one fusion, unless it only reshapes or reads a program input (the layout transpose
         # above does it)
         fed = set()
-        for t in lhs:
+        for op in convs_ops:
+            t = op.inputs[0]
             p = ctx.producer.get(t)
             if p is None or kind[p] != Kind.MOVEMENT or is_dus(p) or t in fed or p in materialised:
                 continue
-            if all(ctx.bitcast.get(o) for o in cl[p].ops) or _inputs_behind(t) & inputs:
+            # (NCHW: a concatenation of a program input and a computed tensor — U-Net's skip and
+            # its upsampled input — is written channels-last by a fusion of its own)
+            mixed = _channels_first(op, "lhs_spec") and any(g.ops[o].primitive == "concatenate" for o in cl[p].ops) \
+                and any(ctx.producer.get(x) is not None and not fused_movement(ctx.producer[x]) for x in _sources_behind(t))
+            if all(ctx.bitcast.get(o) for o in cl[p].ops) or _inputs_behind(t) & inputs and not mixed:
                 continue
             fed.add(t)
+            if mixed:   # a computed source transposed on its way in: transposed by a launch of
+                # its own (the upsampled half, a GEMM result along H moved back to NCHW)
+                moved = _transposed_sources(t)
+                if moved:
+                    add((), "layout", len(moved), sum(2 * ctx.nbytes[x] for x in moved), moved)
         if fed:
             add((), "copy", len(fed), sum(read_bytes(t, set()) + ctx.nbytes[t] for t in fed), fed)
         # cuDNN wants filters OHWI: any other layout (OIHW, a 1-D conv's OIW, HWIO) is transposed
@@ -1299,6 +1344,64 @@ _FUSED_VIEWS = ("transpose", "broadcast_in_dim", "squeeze", "expand_dims", "resh
 # the most keys XLA's second attention GEMM contracts reading probabilities laid out in the
 # score GEMM's order (``_scores_transposed``'s "layout"); more, and they are transposed first
 XLA_PROBS_TRANSPOSE_MAX_KEYS = 1024
+
+
+def _conv_epilogue(g: Graph, c: Cluster) -> set[str]:
+    """The primitives a convolution cluster applies to the convolution's result (casts aside)."""
+    return {g.ops[o].primitive for o in c.ops} - {"conv_general_dilated"} - CAST_ONLY
+
+
+def _loop_epilogue(g: Graph, c: Cluster) -> bool:
+    """Whether a convolution cluster's epilogue is XLA's loop fusion, not cuDNN's: cuDNN fuses
+    bias + ReLU only (an eval BatchNorm's per-channel scale is a multiply it does not take)."""
+    if c.kind != Kind.CONV:
+        return False
+    epi = _conv_epilogue(g, c)
+    return bool(epi) and epi != {"add", "max"}
+
+
+def _epilogue_reads(g: Graph, t: int, convs: Sequence[Cluster], own: set[int]) -> bool:
+    """Whether every reader of ``t`` (through broadcasts, reshapes and other views) outside the
+    ops ``own`` is an epilogue op of one of the convolution clusters ``convs``: not a
+    convolution's operand."""
+    for op in g.consumers(t):
+        if op.id in own:
+            continue
+        if any(op.id in c.ops for c in convs):
+            if op.primitive == "conv_general_dilated":
+                return False
+        elif op.primitive in _FUSED_VIEWS or op.primitive in CAST_ONLY:
+            if not all(_epilogue_reads(g, y, convs, own) for y in op.outputs):
+                return False
+        else:
+            return False
+    return True
+
+
+def _gemm_writes_transposed(g: Graph, op: Any) -> bool:
+    """Whether a transpose of a GEMM's result only moves its batch axes among the others, the
+    free axes kept in order (Swin's ``(p @ v).transpose(0, 2, 1, 3)``): XLA's GEMM writes that
+    layout itself, strided batches, with no copy (one that swaps the free axes is a copy)."""
+    if op.primitive != "transpose":
+        return False
+    d = g.producer(data_inputs(op)[0])
+    if d is None or d.primitive != "dot_general":
+        return False
+    (_, (lb, _)) = d.params["dimension_numbers"]
+    perm = list(op.params["permutation"])
+    return [a for a in perm if a >= len(lb)] == sorted(a for a in perm if a >= len(lb))
+
+
+def _reduces_minor(g: Graph, op: Any) -> bool:
+    """Whether a reduction's axes are the minor axes of the tensor it reads (the rows XLA's
+    Triton normalization fusion takes), unit axes aside. Logical order: XLA's layout assignment
+    makes a transpose in front of a norm free (ConvNeXt's channels-last LayerNorm of a cuDNN
+    result, written NHWC already), which the buffers' row-major order cannot see."""
+    x = data_inputs(op)[0]
+    shape = g.tensors[x].shape
+    axes = {a for a in op.params["axes"] if shape[a] != 1}
+    live = [a for a in range(len(shape)) if shape[a] != 1]
+    return set(live[len(live) - len(axes):]) == axes if axes else True
 
 
 def _scores_transposed(g: Graph, ops: Sequence[int], scores: int) -> str | None:
@@ -1599,8 +1702,19 @@ def _gemm_relayouts(g: Graph, op: Any) -> list[int]:
         if order is None:
             out.append(x)
             continue
-        major = tuple(a for a in order if shape[a] != 1)[:len(tuple(a for a in b if shape[a] != 1))]
-        if major != tuple(a for a in b if shape[a] != 1):   # unit axes lie anywhere
+        nb = tuple(a for a in b if shape[a] != 1)
+        rest = tuple(a for a in order if shape[a] != 1)
+        major, rest = rest[:len(nb)], rest[len(nb):]
+        if major != nb:   # unit axes lie anywhere
+            out.append(x)
+            continue
+        # behind the batch, the right operand's free axes and its contracted ones each one run
+        # of the buffer: free axes on both sides of a contracted one are no GEMM dimension
+        # (``jax.image.resize`` contracting H of NCHW, ``bd,edf->bef``: the compile's
+        # ``wrapped_transpose`` in front of the GEMM). The left operand's outer free axes lead
+        # the result, and XLA runs them as a batch (``btd,edf->ebtf``: one GEMM, no copy)
+        runs = sum(1 for i, a in enumerate(rest) if i == 0 or (a in c) != (rest[i - 1] in c))
+        if runs > 2 and x == op.inputs[1] and x != op.inputs[0]:
             out.append(x)
     return out
 
