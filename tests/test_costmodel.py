@@ -718,7 +718,8 @@ def test_xla_program_merges_sibling_gemms_and_norms_over_long_rows():
     """Q, K and V projections of one activation with weights passed in are one GEMM launch (XLA's
     dot merger), reading the activation once; an RMSNorm over several rows of up to 16,384 is one
     launch (XLA's Triton normalization fusion), over one row a reduction plus a loop fusion
-    applying it, over rows longer than 16,384 a reduction plus the loop fusion."""
+    applying it, over rows longer than 16,384 a tree of two reductions plus the loop fusion
+    (checked against the compile in ``test_xla_rows_past_the_triton_norm_reduce_as_trees``)."""
     from vtc_jax.xla import xla_program
     x = jnp.ones((4, 256))
     ws = [jnp.ones((256, n)) for n in (256, 64, 64)]
@@ -730,7 +731,7 @@ def test_xla_program_merges_sibling_gemms_and_norms_over_long_rows():
 
     def norm(x, w):
         return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * w
-    for rows, width, launches in ((8, 4096, 1), (8, 64, 1), (1, 4096, 2), (1, 64, 2), (8, 32768, 2)):
+    for rows, width, launches in ((8, 4096, 1), (8, 64, 1), (1, 4096, 2), (1, 64, 2), (8, 32768, 3)):
         g = trace(norm, jnp.ones((rows, width)), jnp.ones((width,)))
         assert xla_program(g, cluster(g)).launches == launches, (rows, width)
 
@@ -762,6 +763,32 @@ def test_xla_norm_launches_against_xlas_compile(norm):
         g = trace(norm, jnp.ones(x.shape, x.dtype), jnp.ones(w.shape, w.dtype))
         compiled = len(compile_program(norm, x, w, kernels=False).launches)
         assert xla_program(g, cluster(g)).launches == compiled, (norm.__name__, rows, width, compiled)
+
+
+def _softmax_f32(x, w):
+    return jax.nn.softmax(x.astype(jnp.float32), -1) * w
+
+
+@pytest.mark.offline
+@pytest.mark.parametrize("norm", [_layer_norm, _softmax_f32], ids=["layer", "softmax"])
+def test_xla_rows_past_the_triton_norm_reduce_as_trees(norm):
+    """Rows longer than ``xla.TRITON_NORM_MAX_ROW`` (a softmax over a 128,256-word vocabulary,
+    vLLM's sampler): XLA's tree reduction turns each statistic into two launches (a reduction
+    fusion reading the rows into partial results, one reducing those), then a loop fusion
+    applies them — a LayerNorm or a softmax is five launches from one row to sixteen. The
+    model's launches equal the compile's and its bytes are within 10% (each statistic reads
+    the bf16 rows, not their f32 cast). Before: two launches, bytes +40%."""
+    from vtc_jax.offline import compile_program
+    from vtc_jax.xla import xla_program
+    for rows, width in ((1, 32768), (16, 32768), (16, 128256)):
+        x, w = jax.ShapeDtypeStruct((rows, width), jnp.bfloat16), jax.ShapeDtypeStruct((width,), jnp.float32)
+        g = trace(norm, jnp.ones(x.shape, x.dtype), jnp.ones(w.shape, w.dtype))
+        compiled = compile_program(norm, x, w, kernels=False)
+        price = xla_program(g, cluster(g))
+        detail = (rows, width, [c.name for c in compiled.launches], [(f.what, f.launches) for f in price.fusions])
+        assert len(compiled.launches) == 5, detail
+        assert price.launches == 5, detail
+        assert abs(price.bytes - compiled.bytes) <= 0.1 * compiled.bytes, (detail, price.bytes, compiled.bytes)
 
 
 def _rope_step(q, k, s, pos, cache):

@@ -690,9 +690,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         users = {find(u) for u in users if find(u) != find(members[0])}
         readers = set().union(*[consumers_through_movement(t, set()) for m in members for t in cl[m].outputs]
                               or [set()]) - set(members)
-        own = {o for m in members for o in cl[m].ops}
+        island_ops = {o for m in members for o in cl[m].ops}
         if readers and all(_loop_epilogue(g, cl[u]) for u in readers) and all(
-                _epilogue_reads(g, t, [cl[u] for u in readers], own) for m in members for t in cl[m].outputs):
+                _epilogue_reads(g, t, [cl[u] for u in readers], island_ops) for m in members for t in cl[m].outputs):
             # a per-channel vector only a convolution's epilogue reads (an eval BatchNorm's
             # ``rsqrt(var + eps) * gamma``), where the epilogue is a loop fusion: computed inside it
             recomputed.add(find(members[0]))
@@ -807,6 +807,15 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         if kind[k] == Kind.GLUE:
             return 0
         return src if any(ctx.producer.get(x) in merged_bytes for x in xs) else min(ctx.nbytes[t], src)
+
+    def source_bytes(t: int, own: set[int]) -> int:
+        """Bytes a fusion recomputing ``t`` from the fusion's own ops ``own`` (casts and
+        element-wise math XLA fuses in) reads: its sources outside them (a norm's bf16 rows, not
+        their f32 cast)."""
+        op = g.producer(t)
+        if op is None or op.id not in own or op.primitive.startswith("reduce_"):
+            return read_bytes(t, set())
+        return min(ctx.nbytes[t], sum(source_bytes(x, own) for x in _data(op)))
 
     def read_src_is_input(t: int) -> bool:
         """``t`` is (a movement op's view of) a program input with more than one dimension."""
@@ -1182,15 +1191,20 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             minor = all(_reduces_minor(g, r) for r in reds)
             if rows >= 2 and row <= TRITON_NORM_MAX_ROW and minor:
                 continue
-            # one row: a reduction fusion per statistic; rows longer than the Triton fusion takes:
-            # one reduction fusion (flax's GroupNorm over 40,960-wide groups, U-Net: the compile's
-            # count; a lone RMSNorm/LayerNorm 32,768 wide splits its reductions further, 3-7
-            # launches, which this does not model)
+            # one row: a reduction fusion per statistic; rows longer than the Triton fusion takes,
+            # reduced along their minor axes: each statistic a tree (XLA's tree reduction
+            # rewriter: a fusion reading the rows into partial results, one reducing those; a
+            # softmax over a 128,256-word vocabulary); over several axes: one reduction fusion
+            # (flax's GroupNorm over 40,960-wide groups, U-Net: the compile's count)
             # (a statistic over a major axis, ``jax.image.resize``'s weight columns normalised
             # by their sum: XLA's Triton fusion reduces minor axes only, a reduction fusion too)
-            extra = 1 if row > TRITON_NORM_MAX_ROW and minor else len(reds)
+            if row > TRITON_NORM_MAX_ROW:
+                extra = 2 * len(reds) if minor else 1
+            else:
+                extra = len(reds)
             n += extra
-            nbytes += extra * sum(read_bytes(x, set()) for x in _data(reds[-1]))
+            own_ops = {o for m2 in members for o in cl[m2].ops}
+            nbytes += min(extra, len(reds)) * sum(source_bytes(x, own_ops) for x in _data(reds[-1]))
         for o in (o for m in members for o in cl[m].ops if g.ops[o].primitive in CUMULATIVE):
             op = g.ops[o]   # a long scan: the levels of the reduce-window tree, each a launch
             extra = cumulative_launches(g.tensors[op.inputs[0]].shape[op.params["axis"]]) - 1
