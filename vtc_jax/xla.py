@@ -782,8 +782,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     for r in ctx.users.get(x, ()))
         gemm_read = any(kind[r] in (Kind.MATMUL, Kind.ATTENTION) for m in islands[u] for x in cl[m].outputs
                         for r in readers_through_views(x))
-        if not moved and not gemm_read:   # (a result a GEMM reads, or transposed for its reader,
-            parent[u] = find(k)            # is a loop fusion's: LoRA's q, relaid for the scores)
+        # (an epilogue reading another GEMM's result is a loop fusion too: LoRA's
+        # ``x @ W + (x @ A) @ B * s``, the compile's ``wrapped_add``)
+        other_gemm = any(p != k and (kind[p] in _NEVER_IN_A_LOOP or call[p]) for m in islands[u]
+                         for x in cl[m].inputs for p in producers_through_movement(x, set()))
+        if not moved and not gemm_read and not other_gemm:   # (a result a GEMM reads, or
+            parent[u] = find(k)    # transposed for its reader, is a loop fusion's: LoRA's q, relaid for the scores)
 
     def _generated(t: int) -> bool:
         """``t`` is an iota (through casts and broadcasts): XLA makes it inside its reader."""
