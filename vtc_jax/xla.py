@@ -539,12 +539,14 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 found.add(k)
         return found
 
-    def readers_through_views(t: int) -> set[int]:
-        """Clusters reading ``t`` directly or through bitcasts (a copy, a reshape)."""
+    def readers_through_views(t: int, pads: bool = False) -> set[int]:
+        """Clusters reading ``t`` directly or through bitcasts (a copy, a reshape), and with
+        ``pads`` through zero pads (a convolution's reader folds them into its window)."""
         found: set[int] = set()
         for k in ctx.users.get(t, ()):
-            if bitcasts_only(k):
-                found |= {u for x in cl[k].outputs for u in readers_through_views(x)}
+            if bitcasts_only(k) or pads and kind[k] == Kind.MOVEMENT and all(
+                    ctx.bitcast.get(o) or _zero_pad(g, g.ops[o]) for o in cl[k].ops):
+                found |= {u for x in cl[k].outputs for u in readers_through_views(x, pads)}
             else:
                 found.add(k)
         return found
@@ -836,6 +838,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         if k is None or not fused_movement(k):
             return set()
         return set().union(*[_inputs_behind(x) for o in cl[k].ops for x in _data(g.ops[o])] or [set()])
+
+    def moved_behind(t: int) -> bool:
+        """``t`` is fused movement that is no bitcast (a slice, a concatenation), through bitcasts."""
+        k = ctx.producer.get(t)
+        while k is not None and bitcasts_only(k) and len(srcs := [x for o in cl[k].ops for x in _data(g.ops[o])]) == 1:
+            k = ctx.producer.get(srcs[0])
+        return k is not None and fused_movement(k) and not bitcasts_only(k)
 
     def _sources_behind(t: int) -> set[int]:
         """The tensors fused movement in front of ``t`` reads (program inputs, computed values)."""
@@ -1131,7 +1140,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         for m in members:
             if kind[m] != Kind.CONV:
                 continue
-            direct = [u for t in cl[m].outputs for u in readers_through_views(t) if kind[u] == Kind.CONV]
+            direct = [u for t in cl[m].outputs for u in readers_through_views(t, pads=True) if kind[u] == Kind.CONV]
             returned = any(t in outs for t in cl[m].outputs) and not any(
                 _channels_first(g.ops[o], "out_spec") for o in cl[m].ops if g.ops[o].primitive == "conv_general_dilated")
             if _loop_epilogue(g, cl[m]) and (direct or returned):
@@ -1321,8 +1330,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             # its upsampled input — is written channels-last by a fusion of its own)
             mixed = _channels_first(op, "lhs_spec") and any(g.ops[o].primitive == "concatenate" for o in cl[p].ops) \
                 and any(ctx.producer.get(x) is not None and not fused_movement(ctx.producer[x]) for x in _sources_behind(t))
-            if all(ctx.bitcast.get(o) for o in cl[p].ops) or _inputs_behind(t) & inputs and not mixed:
-                continue
+            folded = any(_zero_pad(g, g.ops[o]) for o in cl[p].ops) and all(
+                ctx.bitcast.get(o) or _zero_pad(g, g.ops[o]) for o in cl[p].ops) and not any(
+                moved_behind(x) for o in cl[p].ops for x in _data(g.ops[o]))
+            if all(ctx.bitcast.get(o) for o in cl[p].ops) or folded or _inputs_behind(t) & inputs and not mixed:
+                continue   # (a zero pad of a computed buffer is folded into the convolution's own
+                # padding; one of a split half is written by the copy of the half: Mamba's)
             fed.add(t)
             if mixed:   # a computed source transposed on its way in: transposed by a launch of
                 # its own (the upsampled half, a GEMM result along H moved back to NCHW)
@@ -1408,6 +1421,19 @@ def _gemm_writes_transposed(g: Graph, op: Any) -> bool:
     (_, (lb, _)) = d.params["dimension_numbers"]
     perm = list(op.params["permutation"])
     return [a for a in perm if a >= len(lb)] == sorted(a for a in perm if a >= len(lb))
+
+
+def _zero_pad(g: Graph, op: Any) -> bool:
+    """A ``pad`` by a literal zero with no interior padding: XLA folds it into a convolution's
+    window padding."""
+    if op.primitive != "pad":
+        return False
+    t = op.inputs[1]
+    while g.tensors[t].const is None and (p := g.producer(t)) is not None and p.primitive in CAST_ONLY:
+        t = data_inputs(p)[0]   # jnp.pad's value: a cast of the literal 0
+    value = g.tensors[t].const
+    return (value is not None and np.all(np.asarray(value) == 0)
+            and all(i == 0 for (_, _, i) in op.params["padding_config"]))
 
 
 def _reduces_minor(g: Graph, op: Any) -> bool:
