@@ -1205,28 +1205,41 @@ def test_the_strategy_and_the_guard_price_a_kernel_read_through_a_strided_map():
 
 
 @pytest.mark.offline
-def test_xla_movement_a_kernel_reads_through_a_bitcast_is_written_out():
-    """ESPCN's pixel shuffle (corpus, paper size, unguarded): the clamp's pointwise kernel reads
-    the shuffled tensor as ``reshape(transpose(...))``, the reshape a bitcast ``vio`` passes it.
-    XLA writes the transpose behind the bitcast out (one launch reading and writing it); the model
-    of VTC's program counts it: launches and bytes equal to the compile's."""
+@pytest.mark.parametrize("name,tol", [("espcn_pixel_shuffle", 0.01), ("densenet_block_pad_concat", 0.01),
+                                      ("bert_padding_mask_linen", 0.01), ("swin_window_attention_linen", 0.05)])
+def test_xla_model_of_vtcs_program_against_its_compile(name, tol):
+    """The model of VTC's emitted program (corpus, paper size, unguarded plan) against the
+    deviceless H100 compile of it: launches equal, bytes within ``tol``. Each program checks a
+    rule about what XLA does around kernel calls:
+
+    * ESPCN: the clamp's kernel reads the shuffled tensor as ``reshape(transpose(...))``, the
+      reshape a bitcast ``vio`` passes it; XLA writes the transpose behind it out (a copy).
+    * DenseNet: a zero ``jnp.pad`` of a kernel's result in front of a convolution is folded into
+      the convolution's window (``xla._zero_pad``; before: 4 copies too many).
+    * BERT: the residual add that VTC's LayerNorm kernel reads is one multi-output fusion with
+      the mean and variance reduced from it (``input_add_reduce_fusion``; ``_statistic``; before:
+      2 launches too many).
+    * Swin: q, k and v split out of the QKV GEMM's result and one transposed are one fusion
+      (``input_slice_transpose_fusion``), and the relative-position bias's index arithmetic runs
+      inside the gather written for the attention kernel (``wrapped_gather``; before: 3 too many)."""
     from tests.zoo.corpus import CORPUS
     from vtc_jax import guard as G
     from vtc_jax.lower import kernel_clusters
     from vtc_jax.offline import compile_program
     from vtc_jax.program import BuildOptions, build
-    e = CORPUS["espcn_pixel_shuffle"]("paper")
+    e = CORPUS[name]("paper")
     flat = jax.tree.leaves(e.args)
+    donate = tuple(e.donate_argnums)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         opts = BuildOptions("triton", False, {}, lambda m: None, RuntimeError, guard=None, function=e.step)
-        a, _, closed = build(e.step, tuple(e.args), {}, flat, donate=(), opts=opts, rejected={})
+        a, _, closed = build(e.step, tuple(e.args), {}, flat, donate=donate, opts=opts, rejected={})
         vtc = G.price_emitted(a.graph, G.emitted_graph(closed), a.donated,
                               G.kernel_math(a.graph, a.clusters, kernel_clusters(closed.jaxpr), a.strategy))
-        pv = compile_program(vtc_jax.optimize(e.step, backend="triton", guard=None), *e.args, kernels=False)
-    assert any(f.what == "copy" for f in vtc.fusions), vtc.fusions
-    assert vtc.launches == len(pv.launches), (vtc.fusions, [l.name for l in pv.launches])
-    assert abs(vtc.bytes - pv.bytes) <= 0.01 * pv.bytes, (vtc.bytes, pv.bytes)
+        pv = compile_program(vtc_jax.optimize(e.step, backend="triton", guard=None, donate_argnums=donate),
+                             *e.args, kernels=False)
+    assert vtc.launches == len(pv.launches), ([(f.what, f.launches) for f in vtc.fusions], [l.name for l in pv.launches])
+    assert abs(vtc.bytes - pv.bytes) <= tol * pv.bytes, (vtc.bytes, pv.bytes)
 
 
 def _prefill_attention(score, pv):

@@ -634,8 +634,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         if t in outs or len(users) != 1:
             return False
         op = users[0]
-        if op.primitive == "gather":
-            return t not in _data(op) and _gemm_reads(g, op.outputs[0])
+        if op.primitive == "gather":   # (or a kernel call: Swin's bias table for VTC's attention)
+            return t not in _data(op) and (_gemm_reads(g, op.outputs[0]) or any(
+                call[u] for u in readers_through_views(op.outputs[0])))
         if (is_view(op, g) or op.primitive in _FUSED_VIEWS or op.primitive == "concatenate") and len(op.outputs) == 1:
             return gather_index(op.outputs[0])
         return False
@@ -662,6 +663,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         return {find(u) for u in users if find(u) != find(members[0])}
 
     recomputed: set[int] = set()   # tables XLA computes inside each reader: no launch, no bytes
+    index_of_copy: list[tuple[int, int]] = []   # (index island, the gather cluster it feeds)
     for members in islands.values():   # folded into the consumer: lone casts, prologues of reductions/updates
         table = table_of(members)
         if (table and len(table) == sum(len(cl[m].ops) for m in members)
@@ -687,6 +689,10 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             if users and not any(call[u] for u in users):   # index arithmetic: inside its reader
                 parent[find(members[0])] = users[0]
                 continue
+            gathers = {ctx.producer[y] for m in members for t in cl[m].outputs for y in _gather_of(g, t)}
+            if len(gathers) == 1:   # a gather a kernel call reads: inside the copy writing it
+                index_of_copy.append((members[0], next(iter(gathers))))
+                continue
         users = set().union(*[consumers_through_movement(t, set()) for m in members for t in cl[m].outputs]
                             or [set()])
         users = {find(u) for u in users if find(u) != find(members[0])}
@@ -706,6 +712,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 cast and not sorting or all(kind[u] == Kind.REDUCTION or is_dus(u) for u in users)
                 or made and sorting):   # (a sort fuses only an iota: made inside its first launch)
             parent[find(members[0])] = find(next(iter(users)))
+        elif not cast and any(_statistic(g, cl[u]) for u in users) and all(
+                call[u] or _statistic(g, cl[u]) for u in users):
+            # read by a statistic (a reduction writing only reduced values: a LayerNorm's mean and
+            # variance for VTC's norm kernel) and otherwise by kernel calls: one multi-output
+            # fusion computing it, writing it and reducing it (``input_add_reduce_fusion``)
+            stat = next(u for u in sorted(users) if _statistic(g, cl[u]))
+            parent[find(members[0])] = find(stat)
     # movement a kernel call reads: one more output of the loop fusion that produces its source
     # (XLA's multi-output fusion), or a copy of its own
     for k in sorted(feeds_call):
@@ -717,6 +730,15 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             parent[find(k)] = find(host[0])
         else:
             materialised.add(k)
+    # a copy reading another copy's result (Swin's q, k, v split out of one GEMM's result and
+    # one of them transposed): one fusion writing both (``input_slice_transpose_fusion``)
+    for k in sorted(materialised):
+        behind = {ctx.producer.get(buffer_of(x)) for x in cl[k].inputs} & materialised
+        if len(behind) == 1:
+            parent[find(k)] = find(next(iter(behind)))
+    for k, gk in index_of_copy:
+        if gk in materialised:
+            parent[find(k)] = find(gk)
     # scalar index arithmetic a kernel reads: a loop fusion per distinct computation (XLA's CSE
     # merges the same clamp of ``pos`` made for several kernels); broadcasts and reshapes of a
     # scalar are bitcasts of it (no launch)
@@ -1082,10 +1104,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                         made.append(y)
             add(members, "kernel", len(cl[head].ops), nbytes, made)
             continue
-        if len(members) == 1 and head in materialised:
-            nbytes = sum(ctx.nbytes[t] + read_bytes(x, set()) for o in cl[head].ops
-                         for t, x in zip(g.ops[o].outputs, _data(g.ops[o])[:1]))
-            add(members, "copy", 1, nbytes, cl[head].outputs)
+        if any(m in materialised for m in members) and all(
+                m in materialised or kind[m] == Kind.POINTWISE for m in members):
+            pairs = [(t, x) for m in members if m in materialised
+                     for o in cl[m].ops for t, x in zip(g.ops[o].outputs, _data(g.ops[o])[:1])]
+            nbytes = sum(ctx.nbytes[t] for t, _ in pairs) + sum(
+                read_bytes(x, set()) for x in dict.fromkeys(buffer_of(x) for _, x in pairs))
+            add(members, "copy", 1, nbytes, [t for m in members if m in materialised for t in cl[m].outputs])
             continue
         if len(members) == 1 and fused_movement(head):
             if kind[head] == Kind.GLUE and (prng := _prng_launches(g, [g.ops[o] for o in cl[head].ops])):
@@ -1434,6 +1459,28 @@ def _zero_pad(g: Graph, op: Any) -> bool:
     value = g.tensors[t].const
     return (value is not None and np.all(np.asarray(value) == 0)
             and all(i == 0 for (_, _, i) in op.params["padding_config"]))
+
+
+def _statistic(g: Graph, c: Cluster) -> bool:
+    """A reduction cluster that writes reduced values only (no normalised rows), each over the
+    rows' minor axes (a column sum, a training step's bias gradient, is not: XLA reduces it in
+    a tree of its own)."""
+    if c.kind != Kind.REDUCTION:
+        return False
+    reds = [g.ops[o] for o in c.ops if g.ops[o].primitive.startswith("reduce_")]
+    return bool(reds) and all(_reduces_minor(g, r) for r in reds) and all(g.tensors[t].size <= max(g.tensors[r.outputs[0]].size for r in reds)
+                              for t in c.outputs)
+
+
+def _gather_of(g: Graph, t: int) -> list[int]:
+    """The outputs of the gathers ``t`` indexes, through views and concatenations."""
+    out: list[int] = []
+    for op in g.consumers(t):
+        if op.primitive == "gather" and t not in data_inputs(op):
+            out.extend(op.outputs)
+        elif (is_view(op, g) or op.primitive in _FUSED_VIEWS or op.primitive == "concatenate") and len(op.outputs) == 1:
+            out.extend(_gather_of(g, op.outputs[0]))
+    return out
 
 
 def _reduces_minor(g: Graph, op: Any) -> bool:
