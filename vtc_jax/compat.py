@@ -76,8 +76,10 @@ class TritonBackendDeprecation(UserWarning):
 
 # XLA's GPU compile of a decode attention whose value cache is repeated for GQA (broadcast over
 # the group axis) and contracted along its non-contiguous axis: jax 0.10.2's XLA writes that cache
-# out transposed (and widened to the dot's result type) before ``p @ v``; jax 0.12's, compiling
-# the same whole programs, reads it where it is (``xla.py`` charges the copy only where it is made).
+# out transposed (and widened to the dot's result type) before ``p @ v``; jax 0.12's does so only
+# where the dot keeps the cache's type (a bf16 ``p @ v``: the zoo's pure-JAX Llama) and reads it
+# where it is for a widening one (``preferred_element_type=f32``: the examples) (``xla.py``
+# charges the copy only where it is made).
 XLA_TRANSPOSES_REPEATED_VALUES = JAX_VERSION < (0, 11)
 
 # XLA's stable-sort expander makes a stable sort's ties break by position with one more int32

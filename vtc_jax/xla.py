@@ -1260,8 +1260,10 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             if any(_vector_dot(g, d) for d in dots):   # decode: every step its own reduction
                 n = max(1, 2 * len(red) - 1)
                 nbytes += 2 * sum(ctx.nbytes[g.ops[o].outputs[0]] for o in red[:-1])
-                for d in dots if XLA_TRANSPOSES_REPEATED_VALUES else ():   # jax <= 0.10: see compat
+                for d in dots:   # jax <= 0.10 always; jax 0.12 where the dot keeps the cache's type
                     for x, wide in _transposed_operands(g, d):
+                        if not XLA_TRANSPOSES_REPEATED_VALUES and wide != g.tensors[x].dtype.itemsize:
+                            continue   # (a widening p @ v is read where it is: see compat)
                         src = read_bytes(x, set())
                         copy = src * wide // g.tensors[x].dtype.itemsize
                         n += 1
