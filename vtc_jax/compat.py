@@ -77,10 +77,17 @@ class TritonBackendDeprecation(UserWarning):
 # XLA's GPU compile of a decode attention whose value cache is repeated for GQA (broadcast over
 # the group axis) and contracted along its non-contiguous axis: jax 0.10.2's XLA writes that cache
 # out transposed (and widened to the dot's result type) before ``p @ v``; jax 0.12's does so only
-# where the dot keeps the cache's type (a bf16 ``p @ v``: the zoo's pure-JAX Llama) and reads it
+# where the dot keeps the cache's 16-bit type (a bf16 ``p @ v``: the zoo's pure-JAX Llama) and reads it
 # where it is for a widening one (``preferred_element_type=f32``: the examples) (``xla.py``
 # charges the copy only where it is made).
 XLA_TRANSPOSES_REPEATED_VALUES = JAX_VERSION < (0, 11)
+
+# XLA's Triton GEMM fusion, read off the deviceless H100 compiles: jax 0.10.2's copies a right
+# operand whose free axes lie on both sides of its contracted ones (``bd,edf->bef``) and fuses
+# no epilogue that reads another GEMM's result (LoRA's ``x @ W + (x @ A) @ B * s``); jax 0.12's
+# reads that operand where it is and fuses such an epilogue into one of the GEMMs.
+XLA_RELAYS_SPLIT_FREE_RHS = JAX_VERSION < (0, 11)
+XLA_EPILOGUE_READS_OTHER_GEMMS = JAX_VERSION >= (0, 11)
 
 # XLA's stable-sort expander makes a stable sort's ties break by position with one more int32
 # operand (an iota): jax 0.10.2's XLA adds it even where the sort already carries an iota

@@ -28,7 +28,8 @@ import numpy as np
 from jax import lax
 
 from .cluster import Cluster
-from .compat import (XLA_DOT_MERGER_MAX_BYTES, XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA, XLA_TRANSPOSES_REPEATED_VALUES,
+from .compat import (XLA_DOT_MERGER_MAX_BYTES, XLA_EPILOGUE_READS_OTHER_GEMMS, XLA_RELAYS_SPLIT_FREE_RHS,
+                     XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA, XLA_TRANSPOSES_REPEATED_VALUES,
                      XLA_WRITES_REPEATED_GEMM_OPERANDS)
 from .graph import Graph
 from .kernels.tiling import resolve_precision
@@ -808,8 +809,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                         for r in readers_through_views(x))
         # (an epilogue reading another GEMM's result is a loop fusion too: LoRA's
         # ``x @ W + (x @ A) @ B * s``, the compile's ``wrapped_add``)
-        other_gemm = any(p != k and (kind[p] in _NEVER_IN_A_LOOP or call[p]) for m in islands[u]
-                         for x in cl[m].inputs for p in producers_through_movement(x, set()))
+        other_gemm = not XLA_EPILOGUE_READS_OTHER_GEMMS and any(
+            p != k and (kind[p] in _NEVER_IN_A_LOOP or call[p]) for m in islands[u]
+            for x in cl[m].inputs for p in producers_through_movement(x, set()))
         if not moved and not gemm_read and not other_gemm:   # (a result a GEMM reads, or
             parent[u] = find(k)    # transposed for its reader, is a loop fusion's: LoRA's q, relaid for the scores)
 
@@ -1262,8 +1264,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 nbytes += 2 * sum(ctx.nbytes[g.ops[o].outputs[0]] for o in red[:-1])
                 for d in dots:   # jax <= 0.10 always; jax 0.12 where the dot keeps the cache's type
                     for x, wide in _transposed_operands(g, d):
-                        if not XLA_TRANSPOSES_REPEATED_VALUES and wide != g.tensors[x].dtype.itemsize:
-                            continue   # (a widening p @ v is read where it is: see compat)
+                        if not XLA_TRANSPOSES_REPEATED_VALUES and (wide != g.tensors[x].dtype.itemsize
+                                                                   or wide > 2):
+                            continue   # (a widening or 32-bit p @ v is read where it is: see compat)
                         src = read_bytes(x, set())
                         copy = src * wide // g.tensors[x].dtype.itemsize
                         n += 1
@@ -1807,7 +1810,7 @@ def _gemm_relayouts(g: Graph, op: Any) -> list[int]:
         # ``wrapped_transpose`` in front of the GEMM). The left operand's outer free axes lead
         # the result, and XLA runs them as a batch (``btd,edf->ebtf``: one GEMM, no copy)
         runs = sum(1 for i, a in enumerate(rest) if i == 0 or (a in c) != (rest[i - 1] in c))
-        if runs > 2 and x == op.inputs[1] and x != op.inputs[0]:
+        if XLA_RELAYS_SPLIT_FREE_RHS and runs > 2 and x == op.inputs[1] and x != op.inputs[0]:
             out.append(x)
     return out
 
