@@ -694,11 +694,10 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             if len(gathers) == 1:   # a gather a kernel call reads: inside the copy writing it
                 index_of_copy.append((members[0], next(iter(gathers))))
                 continue
-        users = set().union(*[consumers_through_movement(t, set()) for m in members for t in cl[m].outputs]
-                            or [set()])
-        users = {find(u) for u in users if find(u) != find(members[0])}
-        readers = set().union(*[consumers_through_movement(t, set()) for m in members for t in cl[m].outputs]
-                              or [set()]) - set(members)
+        reached = set().union(*[consumers_through_movement(t, set()) for m in members for t in cl[m].outputs]
+                              or [set()])
+        users = {find(u) for u in reached if find(u) != find(members[0])}
+        readers = reached - set(members)
         island_ops = {o for m in members for o in cl[m].ops}
         if readers and all(_loop_epilogue(g, cl[u]) for u in readers) and all(
                 _epilogue_reads(g, t, [cl[u] for u in readers], island_ops) for m in members for t in cl[m].outputs):
@@ -855,14 +854,6 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         return k is not None and fused_movement(k) and kind[k] == Kind.MOVEMENT and any(
             read_src_is_input(x) for o in cl[k].ops for x in _data(g.ops[o]))
 
-    def _inputs_behind(t: int) -> set[int]:
-        if t in inputs:
-            return {t}
-        k = ctx.producer.get(t)
-        if k is None or not fused_movement(k):
-            return set()
-        return set().union(*[_inputs_behind(x) for o in cl[k].ops for x in _data(g.ops[o])] or [set()])
-
     def moved_behind(t: int) -> bool:
         """``t`` is fused movement that is no bitcast (a slice, a concatenation), through bitcasts."""
         k = ctx.producer.get(t)
@@ -876,6 +867,10 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         if t in inputs or k is None or not fused_movement(k):
             return {t}
         return set().union(*[_sources_behind(x) for o in cl[k].ops for x in _data(g.ops[o])] or [set()])
+
+    def _inputs_behind(t: int) -> set[int]:
+        """The program inputs fused movement in front of ``t`` reads."""
+        return _sources_behind(t) & inputs
 
     def _transposed_sources(t: int) -> set[int]:
         """The computed values fused movement in front of ``t`` reads through a transpose that
@@ -1363,7 +1358,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             folded = any(_zero_pad(g, g.ops[o]) for o in cl[p].ops) and all(
                 ctx.bitcast.get(o) or _zero_pad(g, g.ops[o]) for o in cl[p].ops) and not any(
                 moved_behind(x) for o in cl[p].ops for x in _data(g.ops[o]))
-            if all(ctx.bitcast.get(o) for o in cl[p].ops) or folded or _inputs_behind(t) & inputs and not mixed:
+            if all(ctx.bitcast.get(o) for o in cl[p].ops) or folded or _inputs_behind(t) and not mixed:
                 continue   # (a zero pad of a computed buffer is folded into the convolution's own
                 # padding; one of a split half is written by the copy of the half: Mamba's)
             fed.add(t)
