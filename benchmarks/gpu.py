@@ -266,7 +266,11 @@ def measure(kind: str, name: str, batch: int, variant: str, *, runs: int, warmup
         res["b2b_ms"] = 1e3 * _back_to_back([fn], args, donate, out, runs)[0]
     else:
         jit_fn = (attention_program(batch, "jit") if kind == "attention" else workload_program(name, batch, "jit"))[0]
-        res["jit_b2b_ms"], res["b2b_ms"] = (1e3 * t for t in _back_to_back([jit_fn, fn], args, donate, out, runs))
+        # jit's program twice in each round: the spread of its two medians says how far this
+        # machine's timing can be trusted now (a lent H200 read the same program 10% apart)
+        first, res["b2b_ms"], again = (1e3 * t for t in _back_to_back([jit_fn, fn, jit_fn], args, donate, out, runs))
+        res["jit_b2b_ms"] = (first + again) / 2
+        res["jit_spread"] = abs(first - again) / min(first, again)
     del out
     if variant != "jit":
         try:
@@ -336,9 +340,13 @@ def measure_corpus(ns: argparse.Namespace) -> list[dict[str, Any]]:
                 else:
                     row[key]["max_rel_err_vs_jit"] = _max_rel(outs[key], outs["jit"])
             # back to back, the programs interleaved in this process (what the guard compares)
+            # (jit's twice: the spread of its two medians is the noise a speed-up must clear)
             timed = [k for k in ("jit", "vtc", "raw") if k in row]
-            for k, t in zip(timed, _back_to_back([fns[k] for k in timed], args, donate, outs["jit"], ns.runs)):
+            ts = _back_to_back([fns[k] for k in timed] + [fns["jit"]], args, donate, outs["jit"], ns.runs)
+            for k, t in zip(timed, ts):
                 row[k]["b2b_ms"] = 1e3 * t
+            row["jit"]["b2b_ms"] = 1e3 * (ts[0] + ts[-1]) / 2
+            row["jit"]["spread"] = abs(ts[0] - ts[-1]) / min(ts[0], ts[-1])
         except Exception as exc:  # noqa: BLE001 - one program's failure is a row, not the end
             row["error"] = f"{type(exc).__name__}: {exc}"[:400]
         results.append(row)
@@ -388,7 +396,8 @@ def render_corpus(rows: list[dict[str, Any]], info: str) -> str:
         if self_err is not None:
             err_s += f" ({self_err:.1e}{'' if j.get('finite', True) else ', non-finite'})"
         g = "; ".join(x.split(":")[0] for x in r.get("guard", [])) or "-"
-        lines.append(f"| {r['name']} | {_ms(j):.3f} | {bold(sp(v), 'vtc')} | "
+        spread = f" (±{j['spread']:.0%})" if "spread" in j else ""   # jit against itself, same rounds
+        lines.append(f"| {r['name']} | {_ms(j):.3f}{spread} | {bold(sp(v), 'vtc')} | "
                      f"{bold(sp(raw), 'raw' if 'raw' in r else 'vtc')}{'' if 'raw' in r else ' (same)'} | "
                      f"{temp(j)} → {temp(v)} | {err_s} | {g} |")
     return "\n".join(lines) + "\n"
@@ -433,7 +442,8 @@ def render(results: list[dict[str, Any]], ns: argparse.Namespace, device: str, w
                  f"vtc_jax {info['vtc_jax']} (git {info['commit']}). *Back-to-back*: seconds per call over "
                  f"samples of calls issued without a sync between them (at least 2 ms each; median of {ns.runs} "
                  f"samples), what a loop sees; a VTC or Pallas row's speed-up is against jit's program timed "
-                 f"beside it in the same process, the two interleaved sample by sample; *per-call*: "
+                 f"beside it in the same process, the two interleaved sample by sample (jit's twice a round: "
+                 f"(±x%) is the spread of its two medians, under which a speed-up is noise); *per-call*: "
                  f"median of {ns.runs} calls timed one by one up to `block_until_ready` after {ns.warmup} "
                  f"warm-up calls, host latency included.")
     lines = [where + " Peak = `memory_stats()['peak_bytes_in_use']` in a fresh process per row, *program* = "
@@ -452,6 +462,8 @@ def render(results: list[dict[str, Any]], ns: argparse.Namespace, device: str, w
             speed = ""
         elif "jit_b2b_ms" in r:   # jit timed beside it, interleaved, in the same process
             speed = f"{r['jit_b2b_ms'] / r['b2b_ms']:.2f}×"
+            if "jit_spread" in r:   # jit against itself in the same rounds
+                speed += f" (±{r['jit_spread']:.0%})"
         elif b is not None:       # older rows: per-call medians of separate processes
             speed = f"{b['median_ms'] / r['median_ms']:.2f}×"
         else:

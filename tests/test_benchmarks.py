@@ -103,6 +103,17 @@ def test_gpu_render_reads_speed_ups_from_jit_timed_beside_the_row(tmp_path):
     assert speeds == ["2.00×", "2.00×"], table
 
 
+def test_gpu_render_states_jits_spread_beside_a_speed_up(tmp_path):
+    """A row timed with jit's program twice in each round (``jit_spread``: its two medians apart)
+    shows that spread beside the speed-up: on a lent H200 the same program read 10% apart, and a
+    speed-up inside that is noise."""
+    rows = [dict(kind="workload", name="w", batch=1, pos=0, variant=v, median_ms=0.3, p10_ms=0.3, p90_ms=0.3,
+                 **extra) for v, extra in (("jit", {"b2b_ms": 0.2}),
+                                          ("vtc", {"b2b_ms": 0.22, "jit_b2b_ms": 0.2, "jit_spread": 0.1}))]
+    speeds, table = _rendered_speed_ups(tmp_path, rows)
+    assert speeds == ["0.91× (±10%)"], table
+
+
 def test_gpu_back_to_back_timing_runs_with_donation():
     """``gpu.py``'s back-to-back timing (the code path, run on the CPU: no figure is read from it):
     two programs interleaved, each call given a fresh copy of the donated input; the one doing

@@ -318,6 +318,21 @@ def test_timing_guard_runs_inside_the_users_trace_with_donation():
     assert v.loses and "timed" in v.loses, v
 
 
+def test_a_timed_win_must_clear_jits_own_spread():
+    """The timing guard times jit's program twice beside VTC's: a win counts only past the larger
+    of ``MEASURE_MARGIN`` and the spread between jit's two medians (on a lent H200 the same program
+    read 10% apart in one process, and a plan kept on a 3.5% timed win ran 0.80x of jit)."""
+    from vtc_jax import guard as G
+    plain, vtc, why = G.timed_loss([100e-6, 90e-6, 101e-6])    # 10.4% ahead, jit's spread 1%: wins
+    assert why is None and plain == pytest.approx(100.5e-6) and vtc == 90e-6
+    plain, vtc, why = G.timed_loss([100e-6, 95e-6, 112e-6])    # 8.2% ahead, spread 12%: noise
+    assert why is not None and "12%" in why and "100.0 and 112.0" in why, why
+    _, _, why = G.timed_loss([100e-6, 98e-6, 100e-6])          # 2% ahead, spread 0: under the margin
+    assert why is not None and f"{G.MEASURE_MARGIN:.0%}" in why, why
+    _, _, why = G.timed_loss([100e-6, 130e-6, 100e-6])         # behind
+    assert why is not None
+
+
 class _Device:
     def __init__(self, stats):
         self.stats = stats

@@ -146,7 +146,9 @@ ENGINE_EFFICIENCY: Mapping[tuple[str, str], float] = {
     #                               measured inside a program with them (decode GEMMs: decode_gemm_loss).
     #                               LoRA's in-program kernel read its A operand (the attention output
     #                               through a reshape) with scalar loads, since passed reshaped
-    #                               (vio._reshaped): its PTX is now cp.async alone, unmeasured
+    #                               (vio._reshaped): its PTX is now cp.async alone, and on an H200
+    #                               (2026-11-27) that kernel read 0.34 inside the program (8192 x 4096
+    #                               x 4096 in 814 us; cuBLAS 335 us): 0.30 stays, on XLA's side
     ("matmul", "tf32"): 0.085,    # measured kernel by kernel: BERT's f32 projections and MLP, 42-43 TFLOP/s
     #                               inside the program (0.12 alone); EfficientViT's per-head products
     #                               reached 0.03: their tiles are mostly padding (kernel_flops counts them)
@@ -155,6 +157,7 @@ ENGINE_EFFICIENCY: Mapping[tuple[str, str], float] = {
     ("conv", "tf32"): 0.017,      # measured: ESPCN 8.6, U-Net 16–46 TFLOP/s (cuDNN: 33–154)
     ("conv", "ieee"): 0.05,       # measured: ConvNeXt 3.4, ESPCN 4.2 TFLOP/s (IEEE f32 FMAs; depthwise always)
     ("attention", "bf16"): 0.30,  # measured ≥ 0.37: LoRA's causal prefill (full S² counted), 365 TFLOP/s
+    #                               on an H100 (be43eae), 514 on an H200 (2026-11-27, 534 us); kept low
     ("attention", "tf32"): 0.08,  # measured kernel by kernel: BERT's and T5's f32 prefill, 40 and 46 TFLOP/s
     ("attention", "ieee"): 0.15,
 }

@@ -39,7 +39,7 @@ from .primitives import KERNEL_CALLS, is_movement_op
 from .profiling import MAX_CALLS, device_inputs, time_interleaved
 from .xla import Price, xla_program
 
-__all__ = ["GUARDS", "PLAIN", "UNDONE", "PRUNE_MIN", "WIN_MARGIN", "Verdict", "price_plain", "price_emitted", "kernel_math", "emitted_graph", "judge", "clear", "blame", "compiled", "measured", "room_to_time", "calls_that_fit", "MiB"]
+__all__ = ["GUARDS", "PLAIN", "UNDONE", "PRUNE_MIN", "WIN_MARGIN", "Verdict", "price_plain", "price_emitted", "kernel_math", "emitted_graph", "judge", "clear", "blame", "compiled", "measured", "room_to_time", "calls_that_fit", "timed_loss", "MiB"]
 
 GUARDS = ("model", "compile", "measure", None)
 PLAIN = "plain jax.jit"          # how the guard's note starts when the whole program runs as jit
@@ -310,14 +310,31 @@ def measured(plain: Price, vtc: Price, plain_fn: Any, vtc_fn: Any, closed: Any, 
 
     exes = [jax.jit(fn, donate_argnums=donate).lower(*args).compile() for fn in (plain_fn, vtc_fn)]
     mem = [int(e.memory_analysis().temp_size_in_bytes) for e in exes]
-    seconds = time_interleaved(exes, fresh, repeats, calls_that_fit(closed, donate))
-    why = []
-    if seconds[1] > (1 - MEASURE_MARGIN) * seconds[0]:
-        why.append(f"{seconds[1] * 1e6:,.1f} µs against jit's {seconds[0] * 1e6:,.1f} µs (timed; a win "
-                   f"under {MEASURE_MARGIN:.0%} is within the run-to-run spread)")
+    # jit's program is timed twice in each round: its two medians are the spread of this machine now
+    plain_s, vtc_s, slow = timed_loss(time_interleaved([exes[0], exes[1], exes[0]], fresh, repeats,
+                                                       calls_that_fit(closed, donate)))
+    why = [slow] if slow else []
     if mem[1] > mem[0]:
         why.append(f"{_size(mem[1])} of temporaries against jit's {_size(mem[0])}")
-    return Verdict(plain, vtc, seconds[0], seconds[1], "; ".join(why) or None, "measure")
+    return Verdict(plain, vtc, plain_s, vtc_s, "; ".join(why) or None, "measure")
+
+
+def timed_loss(seconds: Sequence[float]) -> tuple[float, float, str | None]:
+    """jit's time, VTC's, and why VTC loses (None where it wins), from the medians of jit's
+    program, VTC's and jit's again, timed interleaved. A win counts only past
+    :data:`MEASURE_MARGIN` and past the spread between jit's two medians. Why: on a lent H200 the
+    same program read 0.261 and 0.288 ms back to back in one process (10%), and a plan the guard
+    kept on a 3.5% timed win then ran 0.80× of jit in the benchmark's own timing
+    (``benchmarks/measured/h200-2026-11-27-examples.jsonl``): a fixed 3% margin trusted noise."""
+    first, vtc_s, again = seconds
+    plain_s = (first + again) / 2
+    spread = abs(first - again) / min(first, again)
+    margin = max(MEASURE_MARGIN, spread)
+    if vtc_s <= (1 - margin) * plain_s:
+        return plain_s, vtc_s, None
+    return plain_s, vtc_s, (f"{vtc_s * 1e6:,.1f} µs against jit's {plain_s * 1e6:,.1f} µs (timed; a win under "
+                            f"{margin:.0%} is within the run-to-run spread: jit's program timed twice "
+                            f"read {first * 1e6:,.1f} and {again * 1e6:,.1f} µs)")
 
 
 def _size(nbytes: int) -> str:
