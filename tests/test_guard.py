@@ -387,6 +387,26 @@ def test_back_to_back_timing_ranks_work_and_reuses_no_donated_input():
     assert not x.is_deleted()
 
 
+def test_back_to_back_rounds_turn_the_order():
+    """Each round of ``profiling.time_interleaved`` starts at the next function, so no program is
+    always timed in the same place (on a lent H200 the fallback timed second in every round read
+    0.92x of the same executable timed first and third)."""
+    from vtc_jax import profiling as P
+    order = []
+
+    def named(tag):
+        def fn(x):
+            order.append(tag)
+            return x + 1
+        return fn
+
+    P.time_interleaved([named("a"), named("b"), named("c")], lambda: (jnp.ones(4),), repeats=3, max_calls=1)
+    n = P.calls_per_sample(1e-6, 1)
+    timed = order[-3 * 3 * n:]                 # after the warm-up: 3 rounds of 3 samples of n calls
+    firsts = [timed[i * n] for i in range(9)]
+    assert firsts == ["a", "b", "c", "b", "c", "a", "c", "a", "b"], firsts
+
+
 def test_default_guard_times_on_a_gpu_where_the_model_is_unsure(monkeypatch):
     """The wiring of the default guard on a GPU (``program._price``): where the model shows no
     clear win and the GPU has room, the verdict is a timing (``by the measure``), not XLA's
