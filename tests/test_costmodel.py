@@ -1440,3 +1440,36 @@ def test_xla_gqa_decode_value_transpose_against_xlas_compile():
     detail = ([(c.name, round(c.bytes / 2**20, 1)) for c in compiled.launches], [(f.what, f.launches) for f in price.fusions])
     assert abs(price.launches - len(compiled.launches)) <= 1, detail
     assert abs(price.bytes - compiled.bytes) <= 0.1 * compiled.bytes, (detail, price.bytes, compiled.bytes)
+
+
+_SPLIT_K_FORMS = {
+    # a LoRA down-projection read by its up-projection: the reduce of the partials a launch of its own
+    "lora (x @ a) @ b": (lambda x, a, b: (x @ a) @ b, ((2048, 4096), (4096, 16), (16, 4096))),
+    # a top-k router's logits: the Triton softmax sums the partials itself
+    "router softmax": (lambda x, w, _: jax.nn.softmax((x @ w).astype(jnp.float32), -1),
+                       ((16384, 4096), (4096, 8), (8,))),
+    # a weight's gradient as a backward pass writes it (tokens contracted): returned, reduced alone
+    "weight gradient": (lambda x, g, _: jnp.einsum("tk,tn->kn", x, g), ((2048, 4096), (2048, 16), (8,))),
+    # square enough: not split
+    "square": (lambda x, w, _: x @ w, ((2048, 1024), (1024, 1024), (8,))),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_SPLIT_K_FORMS))
+def test_xla_split_k_of_tall_skinny_gemms_against_xlas_compile(form):
+    """XLA splits K of a GEMM with a narrow side (``xla.XLA_SPLIT_K``, read off its deviceless
+    H100 compile of ``a @ b`` over sides 2-1,024 x 256-32,768 and K 256-16,384): the GEMM writes
+    f32 partials and a reduce sums them, a launch of its own unless its one reader takes it in (a
+    loop fusion, a router's Triton softmax). LoRA's rank-16 products and their gradients: the
+    training step's model was 7 launches short of the compile. The model's launches equal the
+    compile's; bytes within 10%."""
+    from vtc_jax.offline import compile_program
+    from vtc_jax.xla import xla_program
+    fn, shapes = _SPLIT_K_FORMS[form]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+    g = trace(fn, *(jnp.ones(a.shape, a.dtype) for a in args))
+    compiled = compile_program(fn, *args, kernels=False)
+    price = xla_program(g, cluster(g))
+    detail = (form, [(c.name, c.bytes) for c in compiled.launches], [(f.what, f.launches, f.bytes) for f in price.fusions])
+    assert price.launches == len(compiled.launches), detail
+    assert abs(price.bytes - compiled.bytes) <= 0.1 * compiled.bytes, (detail, price.bytes, compiled.bytes)

@@ -479,7 +479,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
       epilogue that reads the product once — its cluster's own, or a consumer's (the residual
       add after a projection) whose result no GEMM reads; any other epilogue (a decode GEMM's
       bias, SiLU's ``x * sigmoid(x)``) is a loop fusion of its own, unless an element-wise
-      fusion reading the result computes it. cuDNN
+      fusion reading the result computes it. A GEMM with a narrow side is split along K
+      (:data:`XLA_SPLIT_K`): f32 partials, then a reduce of its own unless the one fusion
+      reading the sum takes it in (a loop fusion, its epilogue's, a router's Triton softmax). cuDNN
       fuses a conv's bias + ReLU only: any other epilogue is one more loop fusion when another
       conv reads the result directly (or through bitcasts) or it is returned channels-last; it
       runs NHWC, so each channels-first program input a conv reads (and each output one writes)
@@ -1190,8 +1192,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     g.ops[o].primitive in SORTS for o in cl[u].ops) for u in readers):
                 n += 1   # a loop fusion of its own where a library call or a kernel reads the
                 nbytes += 2 * ctx.nbytes[t]   # result (else the fusion reading it computes it)
-        for m in members:   # a split-K decode GEMM: its reduce is a loop fusion of its own
-            if kind[m] != Kind.MATMUL:   # unless one element-wise consumer absorbs it
+        for m in members:   # a split-K GEMM: its reduce is a loop fusion of its own unless
+            if kind[m] != Kind.MATMUL:   # the one fusion reading the sum takes it in
                 continue
             split = max((_xla_split_k(g, g.ops[o]) for o in cl[m].ops if g.ops[o].primitive == "dot_general"),
                         default=1)
@@ -1199,8 +1201,19 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 users = {u for t in cl[m].outputs for u in consumers_through_movement(t, set())
                          if find(u) != find(m)}
                 # a norm (XLA's Triton normalization fusion) or another GEMM reading the sum
-                # cannot take the reduce in; a loop fusion or a kernel call's operand fusion does
-                if any(kind[u] in (Kind.REDUCTION, Kind.MATMUL) and not call[u] for u in users):
+                # cannot take the reduce in; a loop fusion or a kernel call's operand fusion does,
+                # and so does a Triton softmax reading nothing else of its size (a router's
+                # logits: the GEMM, then the softmax summing the partials; a residual add in
+                # front of a norm keeps the reduce a fusion of its own); a sum returned and read
+                # by nothing (a weight's gradient) is reduced by a fusion of its own, or by the
+                # loop fusion of its epilogue (BLOOM's output bias)
+                size = {g.tensors[t].size for t in cl[m].outputs}
+                dots = [o for o in cl[m].ops if g.ops[o].primitive == "dot_general"]
+                epilogue = any(o > dots[0] and g.ops[o].primitive not in CAST_ONLY for o in cl[m].ops)
+                if not users and not epilogue and any(t in outs for t in cl[m].outputs) or any(kind[u] in (Kind.REDUCTION, Kind.MATMUL) and not call[u]
+                       and not (kind[u] == Kind.REDUCTION and len(users) == 1
+                                and all(x in cl[m].outputs for x in cl[u].inputs if g.tensors[x].size in size))
+                       for u in users):
                     out_bytes = sum(g.tensors[t].size * 4 for t in cl[m].outputs)
                     n += 1
                     nbytes += 2 * split * out_bytes
@@ -1819,13 +1832,61 @@ def _free_sizes(g: Graph, op: Any) -> list[int]:
             for s, c, b in zip(shapes, (lc, rc), (lb, rb))]
 
 
+# How many K splits XLA's GEMM fusion gives a GEMM with no batch axes, read off the deviceless H100
+# compile of ``a @ b`` (jax 0.10.2 and 0.12 alike; bf16 and f32 alike; symmetric in M and N):
+# keyed by (the smaller free side s, the larger B), bucketed down to these powers of two, one
+# entry per K bucket of SPLIT_K_K. A split GEMM writes ``split`` f32 partials and a reduce sums
+# them. Off the grid a size takes its nearest bucket (``_bucket``): XLA counts output tiles, so
+# such a size (14,336 columns, say) can land a step either way.
+SPLIT_K_K = (256, 512, 1024, 2048, 4096, 8192, 16384)
+XLA_SPLIT_K: Mapping[tuple[int, int], tuple[int, ...]] = {
+    (2, 256): (1, 1, 1, 16, 32, 32, 64), (2, 512): (1, 1, 1, 16, 16, 32, 32),
+    (2, 1024): (1, 1, 1, 8, 16, 16, 32), (2, 2048): (1, 1, 1, 8, 8, 16, 16),
+    (2, 4096): (1, 1, 1, 4, 8, 8, 16), (2, 8192): (1, 1, 1, 1, 4, 8, 8),
+    (2, 16384): (1, 1, 1, 1, 1, 4, 8), (2, 32768): (1, 1, 1, 1, 1, 4, 4),
+    (4, 256): (1, 1, 16, 16, 32, 32, 64), (4, 512): (1, 1, 8, 16, 16, 32, 32),
+    (4, 1024): (1, 1, 8, 8, 16, 16, 32), (4, 2048): (1, 1, 4, 8, 8, 16, 16),
+    (4, 4096): (1, 1, 1, 4, 8, 8, 16), (4, 8192): (1, 1, 1, 1, 4, 8, 8),
+    (4, 16384): (1, 1, 1, 1, 4, 4, 8), (4, 32768): (1, 1, 1, 1, 1, 4, 4),
+    (8, 256): (1, 8, 16, 16, 32, 32, 64), (8, 512): (1, 8, 8, 16, 16, 32, 32),
+    (8, 1024): (1, 4, 8, 8, 16, 16, 32), (8, 2048): (1, 1, 4, 8, 8, 16, 16),
+    (8, 4096): (1, 1, 1, 4, 8, 8, 16), (8, 8192): (1, 1, 1, 4, 4, 8, 8),
+    (8, 16384): (1, 1, 1, 1, 4, 4, 8), (8, 32768): (1, 1, 1, 1, 1, 4, 4),
+    (16, 256): (8, 8, 16, 16, 32, 32, 64), (16, 512): (4, 8, 8, 16, 16, 32, 32),
+    (16, 1024): (1, 4, 8, 8, 16, 16, 32), (16, 2048): (1, 1, 4, 8, 8, 16, 16),
+    (16, 4096): (1, 1, 4, 4, 8, 8, 16), (16, 8192): (1, 1, 1, 4, 4, 8, 8),
+    (16, 16384): (1, 1, 1, 1, 4, 4, 8), (16, 32768): (1, 1, 1, 1, 1, 4, 4),
+    (32, 256): (8, 8, 16, 16, 32, 32, 64), (32, 512): (4, 8, 8, 16, 16, 32, 32),
+    (32, 1024): (1, 4, 8, 8, 16, 16, 32), (32, 2048): (1, 4, 4, 8, 8, 16, 16),
+    (32, 4096): (1, 1, 4, 4, 8, 8, 16), (32, 8192): (1, 1, 1, 4, 4, 8, 8),
+    (32, 16384): (1, 1, 1, 1, 4, 4, 4), (32, 32768): (1, 1, 1, 1, 1, 2, 2),
+    (64, 256): (8, 8, 16, 16, 32, 32, 64), (64, 512): (4, 8, 8, 16, 16, 32, 32),
+    (64, 1024): (4, 4, 8, 8, 16, 16, 32), (64, 2048): (1, 4, 4, 8, 8, 16, 16),
+    (64, 4096): (1, 1, 4, 4, 8, 8, 8), (64, 8192): (1, 1, 1, 4, 4, 4, 4),
+    (64, 16384): (1, 1, 1, 1, 2, 2, 2), (64, 32768): (1,) * 7,
+    (128, 256): (8, 8, 16, 16, 32, 32, 64), (128, 512): (4, 8, 8, 16, 16, 32, 32),
+    (128, 1024): (4, 4, 8, 8, 16, 16, 16), (128, 2048): (1, 4, 4, 8, 8, 8, 8),
+    (128, 4096): (1, 1, 4, 4, 4, 4, 4), (128, 8192): (1, 1, 1, 2, 2, 2, 2),
+    (128, 16384): (1,) * 7, (128, 32768): (1,) * 7,
+    (256, 256): (4, 8, 8, 16, 16, 32, 32), (256, 512): (4, 4, 8, 8, 16, 16, 16),
+    (256, 1024): (1, 4, 4, 8, 8, 8, 8), (256, 2048): (1, 1, 4, 4, 4, 4, 4),
+    (256, 4096): (1, 1, 1, 2, 2, 2, 2), (256, 8192): (1,) * 7,
+    (512, 512): (1, 4, 4, 8, 8, 8, 8), (512, 1024): (1, 1, 4, 4, 4, 4, 4),
+    (512, 2048): (1, 1, 1, 2, 2, 2, 2), (512, 4096): (1,) * 7,
+    (1024, 1024): (1, 1, 1, 2, 2, 2, 2), (1024, 2048): (1,) * 7,
+}
+
+
+def _bucket(x: int, keys: Sequence[int]) -> int:
+    """The one of ``keys`` nearest ``x`` on a log scale (28,672 columns are 32,768's, 14,336 are
+    16,384's: XLA counts output tiles, so a size behaves as the power of two it is nearest)."""
+    return min(keys, key=lambda k: abs(math.log2(k) - math.log2(max(x, 1))))
+
+
 def _xla_split_k(g: Graph, op: Any) -> int:
-    """How many K splits XLA's GEMM fusion gives a decode GEMM (1: none), read off the deviceless
-    H100 compile (jax 0.10.2 and 0.12; bf16, M 1-128, K 1,024-14,336, N 1,024-28,672): a GEMM of
-    2 to 128 rows, K >= 4,096 and N <= 6,144 (no batch dims) writes f32 partials, about
-    ``32,768 / N`` of them (16 for N = 1,024, 8 for 3,584 and 4,096, 4 for 6,144), and a loop
-    fusion sums them. Wider N (the FFN's 14,336 and up) and shorter K mostly do not split; the
-    exceptions (K = 14,336 with N up to 28,672; M = 16, K = 4,096, N = 14,336) are not modelled."""
+    """How many K splits XLA's GEMM fusion gives ``op`` (1: none): :data:`XLA_SPLIT_K`. One row
+    (a GEMV, which XLA runs as a reduction) and batched dots are not split here: the whole
+    programs read off the compile do not show them split."""
     dn = op.params.get("dimension_numbers")
     if dn is None:
         return 1
@@ -1836,9 +1897,12 @@ def _xla_split_k(g: Graph, op: Any) -> int:
     k = math.prod(a[i] for i in lc)
     m = math.prod(n for i, n in enumerate(a) if i not in lc)
     n = math.prod(x for i, x in enumerate(b) if i not in rc)
-    if m < 2 or m > 128 or k < 4096 or n > 6144:   # one row: a GEMV the whole programs do not split
+    small, large = sorted((m, n))
+    if small < 2 or k < 192:   # a GEMV; a contraction shorter than the table's
         return 1
-    return max(2, min(16, 1 << max(0, (32768 // max(n, 1)).bit_length() - 1)))
+    s = _bucket(small, sorted({key[0] for key in XLA_SPLIT_K}))
+    big = _bucket(large, sorted(key[1] for key in XLA_SPLIT_K if key[0] == s))
+    return XLA_SPLIT_K[(s, big)][SPLIT_K_K.index(_bucket(k, SPLIT_K_K))]
 
 
 def _vector_dot(g: Graph, op: Any) -> bool:
