@@ -1473,3 +1473,26 @@ def test_xla_split_k_of_tall_skinny_gemms_against_xlas_compile(form):
     detail = (form, [(c.name, c.bytes) for c in compiled.launches], [(f.what, f.launches, f.bytes) for f in price.fusions])
     assert price.launches == len(compiled.launches), detail
     assert abs(price.bytes - compiled.bytes) <= 0.1 * compiled.bytes, (detail, price.bytes, compiled.bytes)
+
+
+def _decode_keys_minor(q, k, v):
+    # BLOOM's cache: keys stored after the head dim, (B·H, D, T)
+    s = jnp.einsum("bqd,bdt->bqt", q, k).astype(jnp.float32) / 8.0
+    return jnp.einsum("bqt,btd->bqd", jax.nn.softmax(s, -1).astype(v.dtype), v)
+
+
+def test_xla_decode_softmax_over_a_keys_minor_cache_is_one_triton_fusion():
+    """A decode step's scores over a key cache stored keys-minor (BLOOM's ``(B·H, D, T)``) come
+    out of XLA's reduction keys-minor, and the softmax is one Triton normalization fusion between
+    the two reductions: three launches (``xla._keys_minor``; over a ``(B, T, H, D)`` cache each
+    statistic is a reduction fusion of its own). BLOOM's ALiBi decode was modelled three
+    launches over the compile. Launches equal the compile's; bytes within 10%."""
+    from vtc_jax.offline import compile_program
+    from vtc_jax.xla import xla_program
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(512, 1, 128), (512, 128, 2048), (512, 2048, 128)]]
+    g = trace(_decode_keys_minor, *(jnp.ones(a.shape, a.dtype) for a in args))
+    compiled = compile_program(_decode_keys_minor, *args, kernels=False)
+    price = xla_program(g, cluster(g))
+    detail = ([(c.name, c.bytes) for c in compiled.launches], [(f.what, f.launches, f.bytes) for f in price.fusions])
+    assert price.launches == len(compiled.launches) == 3, detail
+    assert abs(price.bytes - compiled.bytes) <= 0.1 * compiled.bytes, (detail, price.bytes, compiled.bytes)

@@ -1267,7 +1267,14 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             red = [o for m in members for o in cl[m].ops
                    if g.ops[o].primitive == "dot_general" or g.ops[o].primitive.startswith("reduce_")]
             dots = [g.ops[o] for o in red if g.ops[o].primitive == "dot_general"]
-            if any(_vector_dot(g, d) for d in dots):   # decode: every step its own reduction
+            if any(_vector_dot(g, d) for d in dots) and _keys_minor(g, dots[0]) and len(dots) > 1:
+                # decode over a key cache stored keys-minor (BLOOM's (B·H, D, T)): the scores come
+                # out keys-minor and the softmax is one Triton fusion between the two reductions
+                made_in = {t for m in members for o in cl[m].ops for t in g.ops[o].outputs}
+                probs = next((x for x in dots[-1].inputs[:2] if x in made_in), dots[-1].inputs[0])
+                n = len(dots) + 1
+                nbytes += 2 * ctx.nbytes[dots[0].outputs[0]] + 2 * ctx.nbytes[probs]
+            elif any(_vector_dot(g, d) for d in dots):   # decode: every step its own reduction
                 n = max(1, 2 * len(red) - 1)
                 nbytes += 2 * sum(ctx.nbytes[g.ops[o].outputs[0]] for o in red[:-1])
                 for d in dots:   # jax <= 0.10 always; jax 0.12 where the dot keeps the cache's type
@@ -1903,6 +1910,27 @@ def _xla_split_k(g: Graph, op: Any) -> int:
     s = _bucket(small, sorted({key[0] for key in XLA_SPLIT_K}))
     big = _bucket(large, sorted(key[1] for key in XLA_SPLIT_K if key[0] == s))
     return XLA_SPLIT_K[(s, big)][SPLIT_K_K.index(_bucket(k, SPLIT_K_K))]
+
+
+def _keys_minor(g: Graph, op: Any) -> bool:
+    """A decode ``q @ k`` whose key operand has a free axis minor (keys stored after the head
+    dim, BLOOM's ``(B·H, D, T)``): XLA's reduction writes the scores keys-minor, so the softmax
+    over them is a Triton normalization fusion (one launch), where a ``(B, T, H, D)`` cache
+    gives scores that a reduction fusion per statistic reads (read off the deviceless H100
+    compile: BLOOM's ALiBi decode, Llama-3's)."""
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    for x, c, b in zip(op.inputs[:2], (lc, rc), (lb, rb)):
+        shape = g.tensors[x].shape
+        free = [d for d in range(len(shape)) if d not in tuple(c) + tuple(b)]
+        if math.prod(shape[d] for d in free) <= 1:
+            continue   # q's side
+        axis = max(free, key=lambda d: shape[d])   # the keys
+        while (p := g.producer(x)) is not None and p.primitive == "transpose":   # where it is stored
+            axis, x = p.params["permutation"][axis], p.inputs[0]
+        if p is not None and p.primitive in _FUSED_VIEWS:
+            return False   # regrouped on the way (a GQA repeat): not read off the compile
+        return axis == len(g.tensors[x].shape) - 1
+    return False
 
 
 def _vector_dot(g: Graph, op: Any) -> bool:
