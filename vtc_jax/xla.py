@@ -802,7 +802,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             continue
         users = {find(u) for u in readers_through_views(t)}
         u = next(iter(users)) if len(users) == 1 else None
-        if u not in islands or not _read_once(g, t, {o for m in islands[u] for o in cl[m].ops}):
+        island_ops = {o for m in islands[u] for o in cl[m].ops} if u in islands else set()
+        if u not in islands or not _read_once(g, t, island_ops) or not _epilogue_ops_ok(g, island_ops, t):
             continue
         moved = any(fused_movement(r) and not bitcasts_only(r) for m in islands[u] for x in cl[m].outputs
                     for r in ctx.users.get(x, ()))
@@ -1184,7 +1185,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 continue
             after = {o for o in cl[m].ops if o > dots[0] and g.ops[o].primitive not in CAST_ONLY}
             dot = _epilogue_gemm(g, cl[m].ops)
-            if not after or dot is not None and _read_once(g, dot.outputs[0], after):
+            if not after or dot is not None and _read_once(g, dot.outputs[0], after) \
+                    and _epilogue_ops_ok(g, after, dot.outputs[0]):
                 continue
             (t,) = cl[m].outputs
             readers = readers_through_views(t) - {m}
@@ -1691,6 +1693,26 @@ def _epilogue_gemm(g: Graph, ops: Sequence[int]) -> Any:
     if lb or _xla_split_k(g, op) > 1 or rows < GEMM_EPILOGUE_MIN_ROWS:
         return None
     return op
+
+
+_NO_TRITON_EPILOGUE = frozenset({"select_n", "lt", "le", "gt", "ge", "eq", "ne"})
+
+
+def _epilogue_ops_ok(g: Graph, ops: set[int], product: int) -> bool:
+    """Whether XLA's Triton GEMM fusion takes ``ops`` (element-wise, reading ``product``) as its
+    epilogue: no compare or select (a dropout mask, ``where(m, y, 0)``), and every other input of
+    the GEMM's own type (a side input cast on its way in, an f32 uniform scaling a bf16 product,
+    is not taken). Read off the deviceless H100 compile of ``x @ w`` with such epilogues: ``y + r``
+    and ``y * r`` fused, ``where(r < .9, y, 0)`` and ``y * u.astype(bf16)`` a loop fusion each
+    (T5's dropout after its FFN's output projection)."""
+    made = {y for o in ops for y in g.ops[o].outputs} | {product}
+    for o in ops:
+        op = g.ops[o]
+        if op.primitive in _NO_TRITON_EPILOGUE:
+            return False
+        if op.primitive == "convert_element_type" and op.inputs[0] not in made:
+            return False
+    return True
 
 
 def _read_once(g: Graph, t: int, ops: set[int]) -> bool:
