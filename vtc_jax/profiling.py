@@ -51,8 +51,8 @@ def time_interleaved(fns: Sequence[Callable[..., Any]], make_args: Callable[[], 
     all, :func:`calls_per_sample` of the fastest). The host's dispatch overlaps the device's work,
     as in a serving or training loop, so a sub-millisecond program is timed by its device time and
     not by the jitter of one synchronisation; the interleaving puts a clock or thermal drift on
-    all of them alike, and the order turns by one each round (no function always follows another). ``make_args()`` gives every call its arguments before the sample's clock
-    starts (fresh copies where a call donates, and so consumes, its inputs): ``max_calls`` bounds
+    all of them alike, and the order turns by one each round (no function always follows
+    another). ``make_args()`` gives every call its arguments before the sample's clock starts (fresh copies where a call donates, and so consumes, its inputs): ``max_calls`` bounds
     how many such copies a sample holds at once."""
     single = []
     for fn in fns:
