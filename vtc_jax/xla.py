@@ -1212,10 +1212,14 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 size = {g.tensors[t].size for t in cl[m].outputs}
                 dots = [o for o in cl[m].ops if g.ops[o].primitive == "dot_general"]
                 epilogue = any(o > dots[0] and g.ops[o].primitive not in CAST_ONLY for o in cl[m].ops)
-                if not users and not epilogue and any(t in outs for t in cl[m].outputs) or any(kind[u] in (Kind.REDUCTION, Kind.MATMUL) and not call[u]
-                       and not (kind[u] == Kind.REDUCTION and len(users) == 1
-                                and all(x in cl[m].outputs for x in cl[u].inputs if g.tensors[x].size in size))
-                       for u in users):
+                returned_alone = not users and not epilogue and any(t in outs for t in cl[m].outputs)
+
+                def takes_no_reduce(u: int) -> bool:
+                    softmax_alone = kind[u] == Kind.REDUCTION and len(users) == 1 and all(
+                        x in cl[m].outputs for x in cl[u].inputs if g.tensors[x].size in size)
+                    return kind[u] in (Kind.REDUCTION, Kind.MATMUL) and not call[u] and not softmax_alone
+
+                if returned_alone or any(takes_no_reduce(u) for u in users):
                     out_bytes = sum(g.tensors[t].size * 4 for t in cl[m].outputs)
                     n += 1
                     nbytes += 2 * split * out_bytes
@@ -1863,8 +1867,8 @@ def _free_sizes(g: Graph, op: Any) -> list[int]:
 
 # How many K splits XLA's GEMM fusion gives a GEMM with no batch axes, read off the deviceless H100
 # compile of ``a @ b`` (jax 0.10.2 and 0.12 alike; bf16 and f32 alike; symmetric in M and N):
-# keyed by (the smaller free side s, the larger B), bucketed down to these powers of two, one
-# entry per K bucket of SPLIT_K_K. A split GEMM writes ``split`` f32 partials and a reduce sums
+# keyed by (the smaller free side s, the larger B) at these powers of two, one entry per K bucket
+# of SPLIT_K_K. A split GEMM writes ``split`` f32 partials and a reduce sums
 # them. Off the grid a size takes its nearest bucket (``_bucket``): XLA counts output tiles, so
 # such a size (14,336 columns, say) can land a step either way.
 SPLIT_K_K = (256, 512, 1024, 2048, 4096, 8192, 16384)
