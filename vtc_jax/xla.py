@@ -47,6 +47,18 @@ LIBRARY_KINDS = frozenset(k for k, t in TEMPLATES.items() if t.library)   # XLA 
 # compile, jax 0.10.2 and 0.12 alike (RMSNorm and LayerNorm, rows 1 / 2 / 16 / 512 of 512 ...
 # 16,384: one launch from 2 rows on; one row 2 and 3 launches).
 TRITON_NORM_MAX_ROW = 16384
+# A norm whose statistics are reduced side by side from the rows (flax's LayerNorm: the mean and
+# the mean of squares, E[x²] − E[x]²) is no Triton fusion: one reduction fusion writing both, a
+# loop fusion computing each row's scale, a loop fusion applying it — three launches for rows
+# longer than this; up to it the scale is computed in the applying fusion (two). Read off the
+# deviceless H100 compile of 50,176 rows of 64-768.
+XLA_NORM_ROW_FUSED_MAX = 64
+# A softmax over rows read through a reshape of a flat (1-D) buffer — a Pallas kernel's result,
+# a flat argument — whose length is not a power of two and at most this is two Triton fusions,
+# not one: the first writes ``x - max(x)``, the second the rest. Read off the deviceless H100
+# compile of ``softmax(flat.reshape(n, r))``: r of 12-320 two launches; 336-3,000 and powers of
+# two one.
+XLA_FLAT_NORM_SPLIT_MAX_ROW = 320
 # An expensive table (a RoPE frequency table at ``pos``) shared by fusions whose outputs read each
 # of its values at least this many times in all is materialised by XLA instead of recomputed in
 # them: between the compiles' 80 (Llama-3 decode at batch 1: fused) and 1,280 (batch 16: a loop
@@ -59,6 +71,13 @@ TABLE_REUSE = 256
 # or two instead of one; read off the compiles of 2048-step scans. On small arrays XLA's cost
 # model fuses further — a 64-step scan is 3 fusions, the model says 8 — which this does not model)
 CODE_DUPLICATION = 15
+# A column reduction (the minor axis kept: a bias's or a LayerNorm scale's gradient, BatchNorm's
+# training statistics) over more than this many rows is split by XLA's tree reduction rewriter: a
+# fusion reducing blocks of rows into partial sums (about sqrt(rows) of them), and one reducing
+# those, which takes no epilogue (a mean's division is a loop fusion of its own). Read off the
+# deviceless H100 compile, jax 0.10.2 and 0.12 alike: (R, 768) sums are one launch up to R = 4,096
+# and two from 4,097; (8,192, C) two for C from 8 to 3,072 (C = 1 is a row).
+XLA_COLUMN_TREE_MIN_ROWS = 4096
 # a GEMM with at least this many rows takes an element-wise consumer as its epilogue (:func:`_epilogue_gemm`)
 GEMM_EPILOGUE_MIN_ROWS = 512
 # a PRNG counter vector (:func:`_prng_launches`) read more than this many times per element is a
@@ -542,6 +561,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 found.add(k)
         return found
 
+    def returned(t: int) -> bool:
+        """``t`` is a program output, or reaches one through movement XLA fuses (a weight
+        gradient written transposed)."""
+        return t in outs or any(fused_movement(k) and any(returned(o) for o in cl[k].outputs)
+                                for k in ctx.users.get(t, ()))
+
     def readers_through_views(t: int, pads: bool = False) -> set[int]:
         """Clusters reading ``t`` directly or through bitcasts (a copy, a reshape), and with
         ``pads`` through zero pads (a convolution's reader folds them into its window)."""
@@ -655,6 +680,16 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 op.primitive == "iota" or op.primitive in _TABLE_STEPS and all(from_scalars(x) for x in _data(op)))
         return table_memo[t]
 
+    literal_memo: dict[int, bool] = {}
+
+    def literal(t: int) -> bool:
+        """``t`` is computed from literal constants alone (no iota, no argument)."""
+        if t not in literal_memo:
+            info, op = g.tensors[t], g.producer(t)
+            literal_memo[t] = info.const is not None or op is not None and op.primitive != "iota" and (
+                op.primitive in _TABLE_STEPS and all(literal(x) for x in op.inputs))
+        return literal_memo[t]
+
     def table_of(members: Sequence[int]) -> list[int]:
         """The ops of an island that compute a table from scalars (outputs larger than a scalar)."""
         return [o for m in members for o in cl[m].ops
@@ -664,6 +699,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         users = set().union(*[consumers_through_movement(t, set()) for m in members for t in cl[m].outputs]
                             or [set()])
         return {find(u) for u in users if find(u) != find(members[0])}
+
+    def norm_of_stat(u: int, users: set[int]) -> bool:
+        """``u`` is a norm applying a statistic among ``users`` (flax's LayerNorm: the mean of
+        squares reduced beside it)."""
+        return kind[u] == Kind.REDUCTION and any(
+            k in users and _statistic(g, cl[k]) for t in cl[u].inputs for k in producers_through_movement(t, set()))
 
     recomputed: set[int] = set()   # tables XLA computes inside each reader: no launch, no bytes
     index_of_copy: list[tuple[int, int]] = []   # (index island, the gather cluster it feeds)
@@ -679,6 +720,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             users = island_users(members)
             expensive = any(TABLE[g.ops[o].primitive].expensive for o in table)
             indices = any(_indexes_a_gather(g, t) for m in members for t in cl[m].outputs)
+            if all(literal(t) for m in members for t in cl[m].outputs):
+                # made from literal arrays alone (Swin's relative-position index wrapped with
+                # ``where(i < 0, i + n, i)``): XLA's constant folding computes it at compile time
+                recomputed.add(find(members[0]))
+                continue
             if users and not indices and not any(call[u] for u in users) and (len(users) == 1 or not expensive):
                 # its own group at no cost (not merged into a reader: guard.blame shares a
                 # group's cost among the clusters in it, and the table would take the reader's)
@@ -715,19 +761,29 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 or made and sorting):   # (a sort fuses only an iota: made inside its first launch)
             parent[find(members[0])] = find(next(iter(users)))
         elif not cast and any(_statistic(g, cl[u]) for u in users) and all(
-                call[u] or _statistic(g, cl[u]) for u in users):
+                call[u] or _statistic(g, cl[u]) or kind[u] == Kind.MATMUL or norm_of_stat(u, users)
+                for u in users):
             # read by a statistic (a reduction writing only reduced values: a LayerNorm's mean and
-            # variance for VTC's norm kernel) and otherwise by kernel calls: one multi-output
-            # fusion computing it, writing it and reducing it (``input_add_reduce_fusion``)
+            # variance for VTC's norm kernel) and otherwise by kernel calls, GEMMs or the norm
+            # applying that statistic (flax's LayerNorm in BERT): one multi-output fusion
+            # computing it, writing it and reducing it (``input_add_reduce_fusion``)
             stat = next(u for u in sorted(users) if _statistic(g, cl[u]))
             parent[find(members[0])] = find(stat)
+        elif len(users) > 1 and all(kind[u] == Kind.REDUCTION and not call[u] for u in users) and any(
+                _column_tree(g, g.ops[o]) for u in users for o in cl[u].ops) and len(island_ops) <= 2 and all(
+                TABLE[g.ops[o].primitive].role == Role.ELEMENTWISE and not TABLE[g.ops[o].primitive].expensive
+                for o in island_ops):
+            # a cheap product (``dy * gamma`` in a LayerNorm's backward) read by reductions only,
+            # one of them a column tree: XLA computes it inside each of them
+            recomputed.add(find(members[0]))
     # movement a kernel call reads: one more output of the loop fusion that produces its source
     # (XLA's multi-output fusion), or a copy of its own
     for k in sorted(feeds_call):
         if kind[k] == Kind.GLUE or bitcasts_only(k):
             continue
         srcs = {p for o in cl[k].ops for x in _data(g.ops[o]) for p in producers_through_movement(x, set())}
-        host = [p for p in srcs if kind[p] in (Kind.POINTWISE, Kind.REDUCTION) and not call[p]]
+        host = [p for p in srcs if kind[p] in (Kind.POINTWISE, Kind.REDUCTION) and not call[p]
+                and find(p) not in recomputed]   # (folded away: no fusion to ride in)
         if len(srcs) == 1 and host:
             parent[find(k)] = find(host[0])
         else:
@@ -930,6 +986,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             # (read off the H100 compile of flax's Gemma-2 decode: G = 2 heads per KV head make
             # the scores a GEMM, four cache-size copies per cache)
             return 3, 3 * 2 * full
+        made = producers_through_movement(x, set())
+        if len(made) == 1 and all(kind[p] == Kind.POINTWISE and not call[p] and find(p) not in recomputed
+                                  and all(kind[u] in _NEVER_IN_A_LOOP and not call[u]
+                                          for t in cl[p].outputs for u in consumers_through_movement(t, set()))
+                                  for p in made):
+            return 0, full - src   # computed only for GEMMs (Swin's scaled q): the loop fusion
+            # computing it writes it in the GEMM's layout (``loop_slice_fusion``)
         return 1, src + full + (full - src)
 
     def sort_price(op: Any) -> tuple[int, int]:
@@ -1074,6 +1137,24 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     groups: dict[int, list[int]] = {}
     for k in range(len(cl)):
         groups.setdefault(find(k), []).append(k)
+    # the buffers each loop fusion reads and writes: a column tree's partial sums over what one of
+    # them reads or writes ride in it as one more output (XLA's multi-output fusion,
+    # ``input_add_reduce_fusion``); partial sums of the same rows as another tree's share its
+    # fusion (a LayerNorm's scale and bias gradients: one fusion writing both partials)
+    loop_buffers = [({buffer_of(t) for m in ms for t in cl[m].inputs} | {t for m in ms for t in cl[m].outputs},
+                     {g.tensors[t].size for m in ms for t in cl[m].outputs})
+                    for r, ms in groups.items() if r not in recomputed and r not in glue_launches
+                    and all(kind[m] == Kind.POINTWISE and m not in materialised for m in ms)]
+    tree_partials: list[tuple[int, set[int]]] = []   # (rows reduced, buffers read) of each partial fusion
+    applied_in_loop: set[int] = set()   # norms XLA applies in a loop fusion, not a Triton one
+
+    def read_through(t: int) -> set[int]:
+        """The buffers a fusion reading ``t`` reads: through work it recomputes, that work's."""
+        k = ctx.producer.get(t)
+        if k is not None and find(k) in recomputed:
+            return {b for x in cl[k].inputs for b in read_through(x)}
+        return {buffer_of(t)}
+
     for members in groups.values():
         head = members[0]
         if find(head) in recomputed:
@@ -1212,7 +1293,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 size = {g.tensors[t].size for t in cl[m].outputs}
                 dots = [o for o in cl[m].ops if g.ops[o].primitive == "dot_general"]
                 epilogue = any(o > dots[0] and g.ops[o].primitive not in CAST_ONLY for o in cl[m].ops)
-                returned_alone = not users and not epilogue and any(t in outs for t in cl[m].outputs)
+                returned_alone = not users and not epilogue and any(returned(t) for t in cl[m].outputs)
 
                 def takes_no_reduce(u: int) -> bool:
                     softmax_alone = kind[u] == Kind.REDUCTION and len(users) == 1 and all(
@@ -1237,13 +1318,28 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         for m in members:   # a norm (TRITON_NORM_MAX_ROW): one Triton fusion, or a reduction
             if kind[m] != Kind.REDUCTION:   # fusion per statistic and a loop fusion applying them,
                 continue                    # each reading the rows again
-            reds = [g.ops[o] for o in cl[m].ops if g.ops[o].primitive.startswith("reduce_")]
+            reds = [g.ops[o] for o in cl[m].ops if g.ops[o].primitive.startswith("reduce_")
+                    and not _column_tree(g, g.ops[o])]   # (column trees: below)
             if not reds or not any(g.tensors[t].size > g.tensors[reds[-1].outputs[0]].size for t in cl[m].outputs):
                 continue
             row = max(g.tensors[x].size // max(1, g.tensors[r.outputs[0]].size) for r in reds for x in _data(r))
             rows = min(g.tensors[r.outputs[0]].size for r in reds)
             minor = all(_reduces_minor(g, r) for r in reds)
             if rows >= 2 and row <= TRITON_NORM_MAX_ROW and minor:
+                x = _data(reds[0])[0]
+                if row & (row - 1) and row <= XLA_FLAT_NORM_SPLIT_MAX_ROW and len(g.tensors[buffer_of(x)].shape) == 1:
+                    # rows of a flat buffer (a kernel's result) that a Triton tile cannot cover:
+                    # two Triton fusions, the first writing ``x - max`` (Swin's masked softmax
+                    # between VTC's kernels)
+                    n, nbytes = n + 1, nbytes + 2 * ctx.nbytes[x]
+                stat = [t for t in cl[m].inputs if g.tensors[t].size == rows and any(
+                    kind[k] == Kind.REDUCTION and _statistic(g, cl[k]) for k in producers_through_movement(t, set()))]
+                if stat and row > XLA_NORM_ROW_FUSED_MAX:   # a statistic reduced beside it (flax's
+                    # mean of squares, E[x²] − E[x]²): no Triton fusion; its reductions join that
+                    # statistic's fusion, a loop fusion computes the row's scale from them, and
+                    # another applies it (read off the compile: three launches)
+                    n, nbytes = n + 1, nbytes + 3 * sum(ctx.nbytes[t] for t in stat)
+                    applied_in_loop.add(m)
                 continue
             # one row: a reduction fusion per statistic; rows longer than the Triton fusion takes,
             # reduced along their minor axes: each statistic a tree (XLA's tree reduction
@@ -1259,6 +1355,46 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             n += extra
             own_ops = {o for m2 in members for o in cl[m2].ops}
             nbytes += min(extra, len(reds)) * sum(source_bytes(x, own_ops) for x in _data(reds[-1]))
+        for m in members:   # column trees (XLA_COLUMN_TREE_MIN_ROWS): the finishing reduce a
+            if kind[m] != Kind.REDUCTION:   # launch of its own, and any epilogue of it another
+                continue
+            trees = [g.ops[o] for o in cl[m].ops if _column_tree(g, g.ops[o])]
+            for op in trees:
+                (r,) = op.outputs
+                partial = _column_tree(g, op) * ctx.nbytes[r] * 4 // max(1, g.tensors[r].dtype.itemsize)
+                n, nbytes = n + 1, nbytes + 2 * partial
+                if any(not is_view(u, g) and u.primitive not in CAST_ONLY and u.id in cl[m].ops
+                       for u in g.consumers(r)):
+                    n, nbytes = n + 1, nbytes + 2 * ctx.nbytes[r]
+            if not trees:
+                continue
+            row_reds = [o for o in cl[m].ops if g.ops[o].primitive.startswith("reduce_") and not _column_tree(g, g.ops[o])
+                        and g.tensors[_data(g.ops[o])[0]].size > g.tensors[g.ops[o].outputs[0]].size]
+            size = g.tensors[_data(trees[0])[0]].size
+            read = {b for t in cl[m].inputs if g.tensors[t].size == size for b in read_through(t)}
+            sibling = next((r for s_, r in tree_partials if s_ == size and r & read), None)
+            if row_reds and m in applied_in_loop:   # the norm applied by a loop fusion: the
+                pass   # partial sums ride in it (GPT-2's LayerNorm backward, ``input_add_reduce_fusion``)
+            elif row_reds:   # beside row statistics (a LayerNorm's backward): the partial sums are a
+                # fusion of their own (or a sibling's); what they sum, where it is made from the
+                # statistics (the normalised rows), is written by a Triton fusion of its own
+                if sibling is None:
+                    n += 1
+                    nbytes += sum(ctx.nbytes[x] for op in trees for x in _data(op))
+                for x in {x for op in trees for x in _data(op)}:
+                    if _made_from(g, x, set(cl[m].ops), set(row_reds)):   # (reading the rows,
+                        # writing the value; the partial sums read it beside its other factor)
+                        n, nbytes = n + 1, nbytes + 3 * ctx.nbytes[x]
+            elif len(members) == 1 and all(g.tensors[t].size < size for t in cl[m].outputs):
+                common = set()
+                if sibling is not None:
+                    common = sibling & read
+                elif any(read <= bufs and size in sizes for bufs, sizes in loop_buffers):
+                    common = read
+                if common:
+                    n -= 1
+                    nbytes -= sum(ctx.nbytes[t] for t in common)
+            tree_partials.append((size, read))
         for o in (o for m in members for o in cl[m].ops if g.ops[o].primitive in CUMULATIVE):
             op = g.ops[o]   # a long scan: the levels of the reduce-window tree, each a launch
             extra = cumulative_launches(g.tensors[op.inputs[0]].shape[op.params["axis"]]) - 1
@@ -1366,12 +1502,17 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                                       for o in cl[k].ops)}
         made = {t for t in outs if len(g.tensors[t].shape) >= 3
                 and any(p in cf for p in producers_through_movement(t, set()))}
+        # (each reads the input whole and writes what the convolutions read of it: half of it
+        # where they read a channel slice)
+        kept = {x: min(ctx.nbytes[x], sum(ctx.nbytes[op.inputs[0]] for op in convs_ops
+                                          if x in _inputs_behind(op.inputs[0]))) for x in srcs}
         if srcs | made:
-            add((), "layout", len(srcs) + len(made), sum(2 * ctx.nbytes[t] for t in srcs | made))
+            add((), "layout", len(srcs) + len(made),
+                sum(ctx.nbytes[t] + kept.get(t, ctx.nbytes[t]) for t in srcs | made))
         # a conv reads a buffer: movement (a split half, a concat) in front of it is materialised
         # by one fusion, unless it only reshapes or reads a program input (the layout transpose
         # above does it)
-        fed = set()
+        fed, whole = set(), {}
         for op in convs_ops:
             t = op.inputs[0]
             p = ctx.producer.get(t)
@@ -1384,17 +1525,26 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             folded = any(_zero_pad(g, g.ops[o]) for o in cl[p].ops) and all(
                 ctx.bitcast.get(o) or _zero_pad(g, g.ops[o]) for o in cl[p].ops) and not any(
                 moved_behind(x) for o in cl[p].ops for x in _data(g.ops[o]))
-            if all(ctx.bitcast.get(o) for o in cl[p].ops) or folded or _inputs_behind(t) and not mixed:
+            # (a part of a channels-last program input, ShuffleNet's half of ``x``, is copied
+            # out: ``wrapped_slice``; other movement of a program input is done by the layout
+            # transpose above or read through)
+            sliced = not _channels_first(op, "lhs_spec") and any(
+                g.ops[o].primitive in ("slice", "split") for o in cl[p].ops)
+            behind_input = bool(_inputs_behind(t))
+            behind = behind_input and not mixed and not sliced
+            if all(ctx.bitcast.get(o) for o in cl[p].ops) or folded or behind:
                 continue   # (a zero pad of a computed buffer is folded into the convolution's own
                 # padding; one of a split half is written by the copy of the half: Mamba's)
             fed.add(t)
+            if sliced and behind_input:   # the copy reads the whole input (``wrapped_slice``)
+                whole[t] = sum(ctx.nbytes[x] for o in cl[p].ops for x in _data(g.ops[o]))
             if mixed:   # a computed source transposed on its way in: transposed by a launch of
                 # its own (the upsampled half, a GEMM result along H moved back to NCHW)
                 moved = _transposed_sources(t)
                 if moved:
                     add((), "layout", len(moved), sum(2 * ctx.nbytes[x] for x in moved), moved)
         if fed:
-            add((), "copy", len(fed), sum(read_bytes(t, set()) + ctx.nbytes[t] for t in fed), fed)
+            add((), "copy", len(fed), sum(whole.get(t, read_bytes(t, set())) + ctx.nbytes[t] for t in fed), fed)
         # cuDNN wants filters OHWI: any other layout (OIHW, a 1-D conv's OIW, HWIO) is transposed
         # once, unless only unit axes move (OIHW 1x1 and depthwise filters; HWIO ones move O)
         for k in convs:
@@ -1461,17 +1611,26 @@ def _epilogue_reads(g: Graph, t: int, convs: Sequence[Cluster], own: set[int]) -
 
 
 def _gemm_writes_transposed(g: Graph, op: Any) -> bool:
-    """Whether a transpose of a GEMM's result only moves its batch axes among the others, the
-    free axes kept in order (Swin's ``(p @ v).transpose(0, 2, 1, 3)``): XLA's GEMM writes that
-    layout itself, strided batches, with no copy (one that swaps the free axes is a copy)."""
+    """Whether a transpose of a GEMM's result is a layout XLA's GEMM writes itself, with no copy:
+    its batch axes kept in order and next to each other (one stride between batches), each
+    operand's free axes in their order, anywhere around them — ``C`` written transposed (a
+    weight gradient ``(x.T @ dy).T``), the free axes in front of the batches (``(T, B, H, D)``).
+    Batches split or reordered (``(B, T, H, D)`` of a ``(B, H, T, D)`` product) are a copy.
+    Read off the deviceless H100 compile of ``(p @ v).transpose(perm)`` over all the kinds of
+    ``perm`` and of 2-D and 3-D weight gradients."""
     if op.primitive != "transpose":
         return False
     d = g.producer(data_inputs(op)[0])
     if d is None or d.primitive != "dot_general":
         return False
-    (_, (lb, _)) = d.params["dimension_numbers"]
+    (lc, _), (lb, _) = d.params["dimension_numbers"]
+    nb = len(lb)
+    nl = len(g.tensors[d.inputs[0]].shape) - nb - len(lc)
     perm = list(op.params["permutation"])
-    return [a for a in perm if a >= len(lb)] == sorted(a for a in perm if a >= len(lb))
+    where = [perm.index(a) for a in range(len(perm))]
+    batch, lhs, rhs = where[:nb], where[nb:nb + nl], where[nb + nl:]
+    return (batch == list(range(batch[0], batch[0] + nb)) if batch else True) and lhs == sorted(lhs) \
+        and rhs == sorted(rhs)
 
 
 def _zero_pad(g: Graph, op: Any) -> bool:
@@ -1507,6 +1666,38 @@ def _gather_of(g: Graph, t: int) -> list[int]:
         elif (is_view(op, g) or op.primitive in _FUSED_VIEWS or op.primitive == "concatenate") and len(op.outputs) == 1:
             out.extend(_gather_of(g, op.outputs[0]))
     return out
+
+
+def _column_tree(g: Graph, op: Any) -> int:
+    """The rows of partial sums XLA's tree reduction rewriter writes for a column reduction
+    ``op`` (the minor axis of the buffer it reads kept, more than
+    :data:`XLA_COLUMN_TREE_MIN_ROWS` rows reduced); 0 where the reduction is one fusion (a row,
+    a short column, a full reduction to a scalar)."""
+    if not op.primitive.startswith("reduce_") or _reduces_minor(g, op):
+        return 0
+    x = data_inputs(op)[0]
+    shape = g.tensors[x].shape
+    axes = set(op.params["axes"])
+    rows = math.prod(shape[a] for a in axes)
+    minor = _minor_axis(g, x)   # (in the buffer read: a transposed GEMM result summed over its
+    # contiguous axis is a row)
+    if minor is None or minor in axes or rows <= XLA_COLUMN_TREE_MIN_ROWS:
+        return 0
+    return 2 ** int(math.log2(math.isqrt(rows)))
+
+
+def _made_from(g: Graph, t: int, ops: set[int], sources: set[int]) -> bool:
+    """Whether ``t`` is computed, by ops among ``ops``, from the result of one of ``sources``."""
+    stack, seen = [t], set()
+    while stack:
+        p = g.producer(stack.pop())
+        if p is None or p.id not in ops or p.id in seen:
+            continue
+        if p.id in sources:
+            return True
+        seen.add(p.id)
+        stack.extend(data_inputs(p))
+    return False
 
 
 def _reduces_minor(g: Graph, op: Any) -> bool:
@@ -1867,10 +2058,12 @@ def _free_sizes(g: Graph, op: Any) -> list[int]:
 
 # How many K splits XLA's GEMM fusion gives a GEMM with no batch axes, read off the deviceless H100
 # compile of ``a @ b`` (jax 0.10.2 and 0.12 alike; bf16 and f32 alike; symmetric in M and N):
-# keyed by (the smaller free side s, the larger B) at these powers of two, one entry per K bucket
-# of SPLIT_K_K. A split GEMM writes ``split`` f32 partials and a reduce sums
-# them. Off the grid a size takes its nearest bucket (``_bucket``): XLA counts output tiles, so
-# such a size (14,336 columns, say) can land a step either way.
+# keyed by (the smaller free side s, the larger B) at powers of two and at model widths that are
+# not (s = 96, 192, 384, 768, 1,536: GPT-2's 768 x 2,304 weight gradient is split in two at
+# K = 8,192, where 1,024 x 2,048, the nearest powers of two side by side, gives no split), one
+# entry per K bucket of SPLIT_K_K. A split GEMM writes ``split`` f32 partials and a reduce sums them.
+# Off the grid a GEMM takes the entry nearest on a log scale in both sides together: XLA counts
+# output tiles, so such a size (14,336 columns, say) can land a step either way.
 SPLIT_K_K = (256, 512, 1024, 2048, 4096, 8192, 16384)
 XLA_SPLIT_K: Mapping[tuple[int, int], tuple[int, ...]] = {
     (2, 256): (1, 1, 1, 16, 32, 32, 64), (2, 512): (1, 1, 1, 16, 16, 32, 32),
@@ -1907,6 +2100,26 @@ XLA_SPLIT_K: Mapping[tuple[int, int], tuple[int, ...]] = {
     (512, 512): (1, 4, 4, 8, 8, 8, 8), (512, 1024): (1, 1, 4, 4, 4, 4, 4),
     (512, 2048): (1, 1, 1, 2, 2, 2, 2), (512, 4096): (1,) * 7,
     (1024, 1024): (1, 1, 1, 2, 2, 2, 2), (1024, 2048): (1,) * 7,
+    (96, 768): (4, 4, 8, 8, 16, 16, 32), (96, 1536): (1, 4, 4, 8, 8, 16, 16),
+    (96, 2304): (1, 2, 4, 4, 8, 8, 8), (96, 3072): (1, 1, 4, 4, 8, 8, 8),
+    (96, 5120): (1, 1, 2, 4, 4, 4, 4), (96, 6144): (1, 1, 1, 4, 4, 4, 4),
+    (96, 12288): (1, 1, 1, 1, 2, 2, 2), (96, 32768): (1,) * 7,
+    (192, 768): (2, 4, 4, 8, 8, 16, 16), (192, 1536): (1, 2, 4, 4, 8, 8, 8),
+    (192, 2304): (1, 1, 4, 4, 4, 4, 4), (192, 3072): (1, 1, 2, 4, 4, 4, 4),
+    (192, 5120): (1, 1, 1, 2, 2, 2, 2), (192, 6144): (1, 1, 1, 1, 2, 2, 2),
+    (192, 12288): (1,) * 7, (192, 32768): (1,) * 7,
+    (384, 768): (1, 2, 4, 4, 8, 8, 8), (384, 1536): (1, 1, 2, 4, 4, 4, 4),
+    (384, 2304): (1, 1, 1, 2, 2, 4, 4), (384, 3072): (1, 1, 1, 2, 2, 2, 2),
+    (384, 5120): (1, 1, 1, 1, 1, 1, 2), (384, 6144): (1,) * 7,
+    (384, 12288): (1,) * 7, (384, 32768): (1,) * 7,
+    (768, 768): (1, 1, 2, 4, 4, 4, 4), (768, 1536): (1, 1, 1, 2, 2, 2, 2),
+    (768, 2304): (1, 1, 1, 1, 1, 2, 2), (768, 3072): (1,) * 7,
+    (768, 5120): (1,) * 7, (768, 6144): (1,) * 7,
+    (768, 12288): (1,) * 7, (768, 32768): (1,) * 7,
+    (1536, 1536): (1,) * 7, (1536, 2304): (1,) * 7,
+    (1536, 3072): (1,) * 7, (1536, 5120): (1,) * 7,
+    (1536, 6144): (1,) * 7, (1536, 12288): (1,) * 7,
+    (1536, 32768): (1,) * 7,
 }
 
 
@@ -1933,9 +2146,8 @@ def _xla_split_k(g: Graph, op: Any) -> int:
     small, large = sorted((m, n))
     if small < 2 or k < 192:   # a GEMV; a contraction shorter than the table's
         return 1
-    s = _bucket(small, sorted({key[0] for key in XLA_SPLIT_K}))
-    big = _bucket(large, sorted(key[1] for key in XLA_SPLIT_K if key[0] == s))
-    return XLA_SPLIT_K[(s, big)][SPLIT_K_K.index(_bucket(k, SPLIT_K_K))]
+    key = min(XLA_SPLIT_K, key=lambda e: abs(math.log2(e[0] / small)) + abs(math.log2(e[1] / large)))
+    return XLA_SPLIT_K[key][SPLIT_K_K.index(_bucket(k, SPLIT_K_K))]
 
 
 def _keys_minor(g: Graph, op: Any) -> bool:
