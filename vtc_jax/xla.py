@@ -978,6 +978,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         if x in relaid:
             return 0, full - src
         relaid.add(x)
+        # (a part of rows: the copy reads the whole buffer it is cut from)
+        whole = ctx.nbytes[_slice_source(g, x)] if _minor_slice(g, x) is not None else src
         k = ctx.producer.get(x)
         if k is not None and is_dus(k) and x in outs:
             # a cache updated in place, returned, and read by a GEMM in another layout: XLA's
@@ -993,7 +995,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                                   for p in made):
             return 0, full - src   # computed only for GEMMs (Swin's scaled q): the loop fusion
             # computing it writes it in the GEMM's layout (``loop_slice_fusion``)
-        return 1, src + full + (full - src)
+        return 1, whole + full + (full - src)
 
     def sort_price(op: Any) -> tuple[int, int]:
         """Launches and bytes of a ``sort`` / ``top_k`` (:func:`sort_launches`): every launch reads
@@ -1436,6 +1438,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 nbytes += 2 * sum(ctx.nbytes[next((x for x in d.inputs[:2] if x in made_in), d.inputs[0])]
                                   for d in dots[1:])   # the probabilities: either operand
                 order = _scores_transposed(g, [o for m in members for o in cl[m].ops], scores)
+                regroup = _scores_regrouped(g, [o for m in members for o in cl[m].ops], scores)
+                if regroup is not None:   # heads regrouped by a reshape of the scores (a flax Gemma
+                    # grouping its query heads): the work on the scores before the softmax is a
+                    # loop fusion of its own, writing them f32 for the Triton softmax
+                    n, nbytes = n + 1, nbytes + ctx.nbytes[scores] + g.tensors[regroup].size * 4
                 if order == "statistics":   # each statistic a reduction fusion reading the scores
                     reds = len(red) - len(dots)
                     n += reds
@@ -1712,6 +1719,24 @@ def _reduces_minor(g: Graph, op: Any) -> bool:
     return set(live[len(live) - len(axes):]) == axes if axes else True
 
 
+def _scores_regrouped(g: Graph, ops: Sequence[int], scores: int) -> int | None:
+    """The scores (as they reach the softmax) where reshapes among ``ops`` change their rank
+    between the score GEMM and the first reduction — query heads grouped by reshaping the scores,
+    ``(B, T, KV, G, S) -> (B, T, H, S)`` — and element-wise work (a soft-cap, a mask) is done on
+    them: XLA's Triton softmax starts after that work, which is a loop fusion of its own (read
+    off the H100 compile of the zoo's flax Gemma-2 decode, heads by reshape). None otherwise."""
+    own = set(ops)
+    t, work = scores, False
+    while True:
+        users = [u for u in g.consumers(t) if u.id in own]
+        if len(users) != 1 or users[0].primitive.startswith("reduce_"):
+            break
+        work = work or not is_view(users[0], g) and users[0].primitive not in CAST_ONLY
+        t = users[0].outputs[0]
+    # (reshaped and back — Swin's mask added per window — is no regrouping: one Triton softmax)
+    return t if work and len(g.tensors[t].shape) != len(g.tensors[scores].shape) else None
+
+
 def _scores_transposed(g: Graph, ops: Sequence[int], scores: int) -> str | None:
     """How XLA runs the softmax between an attention fusion's two GEMMs (among ``ops``) when the
     score GEMM's result ``scores`` reaches the probabilities through a transpose that moves axes
@@ -1840,6 +1865,50 @@ def _physical_order(g: Graph, t: int) -> tuple[int, ...] | None:
         unit = [a for a in order if g.tensors[src].shape[a] != 1]
         return tuple(range(nd)) if unit == sorted(unit) else None
     return order if len(g.tensors[src].shape) == nd else None
+
+
+def _minor_slice(g: Graph, t: int) -> tuple[int, ...] | None:
+    """Where ``t`` is a part of its buffer's rows — a ``slice`` or ``split`` of one inner axis of
+    a materialised result (the axes after it whole), reached through row-major reshapes and casts
+    (no transpose) — the axes of ``t`` that part spans (its trailing non-unit axes); None
+    otherwise. XLA's GEMM copies such an operand first, reading the whole buffer
+    (``loop_slice_fusion``; read off the H100 compile of Falcon's MQA prefill and of a part of
+    one QKV result as either operand. Falcon's K, a right operand contracted over exactly the part
+    kept, was read in place there and copied beside a parameter: the model copies it always)."""
+    shape = g.tensors[t].shape
+    x, op = t, g.producer(t)
+    while op is not None and (op.primitive in ("reshape", "squeeze", "expand_dims") or op.primitive in CAST_ONLY):
+        x = data_inputs(op)[0]
+        op = g.producer(x)
+    if op is None or op.primitive not in ("slice", "split"):
+        return None
+    src = g.tensors[data_inputs(op)[0]].shape
+    kept = list(g.tensors[x].shape)   # (a split's part, or a slice: the axes it keeps)
+    if op.primitive == "slice" and any(s is not None and s != 1 for s in op.params.get("strides") or ()):
+        return None
+    cut = [a for a in range(len(src)) if kept[a] != src[a]]
+    outer = [a for a in range(len(src)) if src[a] != 1][:1]
+    if len(cut) != 1 or cut == outer:
+        return None   # (a cut of the outermost axis is a contiguous part: no stride to cross)
+    row, axes = math.prod(kept[cut[0]:]), []
+    for a in reversed(range(len(shape))):
+        if row <= 1:
+            break
+        if shape[a] == 1:
+            continue
+        if row % shape[a]:
+            return None
+        row //= shape[a]
+        axes.append(a)
+    return tuple(sorted(axes)) if row == 1 else None
+
+
+def _slice_source(g: Graph, t: int) -> int:
+    """The buffer a part of rows (:func:`_minor_slice`) is cut from."""
+    op = g.producer(t)
+    while op.primitive not in ("slice", "split"):
+        op = g.producer(data_inputs(op)[0])
+    return data_inputs(op)[0]
 
 
 def _gathered(g: Graph, t: int) -> bool:
@@ -2025,6 +2094,9 @@ def _gemm_relayouts(g: Graph, op: Any) -> list[int]:
             out.append(x)
             continue
         if not _fixed_layout(g, x):
+            continue
+        if _minor_slice(g, x) is not None:   # a part of a buffer's rows (Falcon's q, k and v
+            out.append(x)                    # cut out of the fused QKV GEMM's result)
             continue
         order = _physical_order(g, x)
         if order is None:
