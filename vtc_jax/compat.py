@@ -115,8 +115,22 @@ XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA = JAX_VERSION < (0, 11)
 # before the GEMM; jax 0.12's Triton GEMM reads it through the broadcast (read off the H100
 # compile of a GQA prefill).
 XLA_WRITES_REPEATED_GEMM_OPERANDS = JAX_VERSION < (0, 11)
+# A GEMM operand cut out of a buffer's rows (Falcon's q, k and v split from one QKV result):
+# jax 0.10.2's XLA copies it first (``loop_slice_fusion``), jax 0.12's reads it in place.
+XLA_COPIES_PART_OF_ROWS = JAX_VERSION < (0, 11)
+# Attention scores whose rank a reshape changes before the softmax (query heads grouped by
+# reshaping the scores), soft-capped and masked: jax 0.10.2's XLA does that work in a loop fusion
+# of its own before its Triton softmax; jax 0.12's inside the softmax's fusion.
+XLA_MASKS_REGROUPED_SCORES_APART = JAX_VERSION < (0, 11)
+# A GEMM result transposed with its batch axes still next to each other but reordered (``(H, B,
+# T, D)`` of a ``(B, H, T, D)`` product): jax 0.12's GEMM writes it itself, jax 0.10.2's copies it.
+XLA_GEMM_REORDERS_BATCHES = JAX_VERSION >= (0, 11)
 
 XLA_DOT_MERGER_MAX_BYTES = (64 << 20) if JAX_VERSION < (0, 11) else (126 << 20)
+# ... and which pairs: jax 0.10.2's joins a dot to those merged so far where either is within the
+# bound (a 4096 x 16384 projection joins LoRA's rank-16 products of the same ``x``; a second such
+# projection does not), jax 0.12's only dots within it (the rank-16 products alone).
+XLA_DOT_MERGER_JOINS_ONE_WITHIN = JAX_VERSION < (0, 11)
 
 
 def needs_abstract_gpu() -> bool:

@@ -28,9 +28,10 @@ import numpy as np
 from jax import lax
 
 from .cluster import Cluster
-from .compat import (XLA_DOT_MERGER_MAX_BYTES, XLA_EPILOGUE_READS_OTHER_GEMMS, XLA_RELAYS_SPLIT_FREE_RHS,
-                     XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA, XLA_TRANSPOSES_REPEATED_VALUES,
-                     XLA_WRITES_REPEATED_GEMM_OPERANDS)
+from .compat import (XLA_COPIES_PART_OF_ROWS, XLA_DOT_MERGER_JOINS_ONE_WITHIN, XLA_DOT_MERGER_MAX_BYTES,
+                     XLA_EPILOGUE_READS_OTHER_GEMMS, XLA_GEMM_REORDERS_BATCHES, XLA_MASKS_REGROUPED_SCORES_APART,
+                     XLA_RELAYS_SPLIT_FREE_RHS, XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA,
+                     XLA_TRANSPOSES_REPEATED_VALUES, XLA_WRITES_REPEATED_GEMM_OPERANDS)
 from .graph import Graph
 from .kernels.tiling import resolve_precision
 from .primitives import KERNEL_CALLS, TABLE, Kind, Role, data_inputs, inplace_operand, is_view, kernel_aliases
@@ -426,6 +427,11 @@ TOPK_KERNEL_MAX_K, TOPK_KERNEL_MIN_ROW = 16, 1024
 # compat.XLA_DOT_MERGER_MAX_BYTES (a prefill's Q/K/V at 16 x 4096 tokens stay three GEMMs; a
 # decode step's are one)
 DOT_MERGER_MAX_BYTES = XLA_DOT_MERGER_MAX_BYTES
+# The merged GEMM's fusion concatenates its weights in its operand where each is a multiple of
+# this many columns wide (Llama's 4,096 + 1,024 + 1,024: one launch); a narrower one (LoRA's
+# rank-16 A matrices) makes the concatenation a launch of its own (``wrapped_concatenate``; read
+# off the deviceless H100 compiles of both)
+XLA_CONCAT_IN_GEMM_MULTIPLE = 64
 
 # ``jnp.cumsum`` and its kin on the GPU: XLA rewrites a scan along a long axis into a tree of
 # reduce-windows (its ``ReduceWindowRewriter``), more launches the longer the axis. The launches
@@ -836,9 +842,32 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         d = next(g.ops[o] for o in cl[k].ops if g.ops[o].primitive == "dot_general")
         return sum(ctx.nbytes[t] for t in (*d.inputs[:2], *d.outputs))
 
+    def joined(members: list[int]) -> list[int]:
+        """The sibling dots XLA's dot merger joins into one (in program order): on jax 0.12 those
+        within the bound (LoRA's two rank-16 products of ``x``; its 4096 x 4096 projections beside
+        them stay GEMMs of their own); on jax 0.10.2 each next dot while it or the dot merged so far
+        is within it (the first projection joins the small products, the second not)."""
+        if not XLA_DOT_MERGER_JOINS_ONE_WITHIN:
+            return [k for k in members if dot_bytes(k) <= DOT_MERGER_MAX_BYTES]
+        out = members[:1]
+        for k in members[1:]:
+            so_far = dot_bytes(out[0]) + sum(dot_bytes(m) - ctx.nbytes[shared_operand(m)] for m in out[1:])
+            if so_far <= DOT_MERGER_MAX_BYTES or dot_bytes(k) <= DOT_MERGER_MAX_BYTES:
+                out.append(k)
+        return out
+
+    def shared_operand(k: int) -> int:
+        return next(g.ops[o] for o in cl[k].ops if g.ops[o].primitive == "dot_general").inputs[0]
+
+    concatenated: list[list[int]] = []   # merged groups whose weights a launch concatenates
     for members in siblings.values():
-        if len(members) > 1 and min(dot_bytes(k) for k in members) <= DOT_MERGER_MAX_BYTES:
+        members = joined(members)
+        if len(members) > 1:
             merged.update(members)
+            widths = [math.prod(_free_sizes(g, next(g.ops[o] for o in cl[k].ops
+                                                    if g.ops[o].primitive == "dot_general"))[1:]) for k in members]
+            if any(w % XLA_CONCAT_IN_GEMM_MULTIPLE for w in widths):
+                concatenated.append(members)
             whole = sum(ctx.nbytes[t] for k in members for t in cl[k].outputs)
             merged_whole.update((k, whole) for k in members)
             if not any(call[u] for k in members for t in cl[k].outputs
@@ -1295,7 +1324,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 size = {g.tensors[t].size for t in cl[m].outputs}
                 dots = [o for o in cl[m].ops if g.ops[o].primitive == "dot_general"]
                 epilogue = any(o > dots[0] and g.ops[o].primitive not in CAST_ONLY for o in cl[m].ops)
-                returned_alone = not users and not epilogue and any(returned(t) for t in cl[m].outputs)
+                # (a merged GEMM's parts copied out of its buffer: each copy sums the partials)
+                returned_alone = not users and not epilogue and m not in merged and any(
+                    returned(t) for t in cl[m].outputs)
 
                 def takes_no_reduce(u: int) -> bool:
                     softmax_alone = kind[u] == Kind.REDUCTION and len(users) == 1 and all(
@@ -1439,7 +1470,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                                   for d in dots[1:])   # the probabilities: either operand
                 order = _scores_transposed(g, [o for m in members for o in cl[m].ops], scores)
                 regroup = _scores_regrouped(g, [o for m in members for o in cl[m].ops], scores)
-                if regroup is not None:   # heads regrouped by a reshape of the scores (a flax Gemma
+                if regroup is not None and XLA_MASKS_REGROUPED_SCORES_APART:   # heads regrouped by a reshape of the scores (a flax Gemma
                     # grouping its query heads): the work on the scores before the softmax is a
                     # loop fusion of its own, writing them f32 for the Triton softmax
                     n, nbytes = n + 1, nbytes + ctx.nbytes[scores] + g.tensors[regroup].size * 4
@@ -1490,6 +1521,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 made.add(t)
         nbytes += sum(read_bytes(t, set(), own) for t in ins) + sum(ctx.nbytes[t] for t in out)
         add(members, what, n, nbytes, made)
+    for members in concatenated:   # weights of widths the GEMM fusion cannot concatenate in its
+        # operand (LoRA's rank-16 A matrices): ``wrapped_concatenate``, reading and writing them
+        weights = [next(g.ops[o] for o in cl[k].ops if g.ops[o].primitive == "dot_general").inputs[1]
+                   for k in members]
+        add((), "copy", 1, 2 * sum(ctx.nbytes[w] for w in weights))
     for k in sorted(merged):   # a merged GEMM's result read by a kernel call: a slice copied out
         for t in cl[k].outputs:
             if any(call[u] for u in consumers_through_movement(t, set())):
@@ -1622,7 +1658,8 @@ def _gemm_writes_transposed(g: Graph, op: Any) -> bool:
     its batch axes kept in order and next to each other (one stride between batches), each
     operand's free axes in their order, anywhere around them — ``C`` written transposed (a
     weight gradient ``(x.T @ dy).T``), the free axes in front of the batches (``(T, B, H, D)``).
-    Batches split or reordered (``(B, T, H, D)`` of a ``(B, H, T, D)`` product) are a copy.
+    Batches split (``(B, T, H, D)`` of a ``(B, H, T, D)`` product) are a copy; reordered
+    (``(H, B, T, D)``) a copy on jax 0.10.2 only (``compat.XLA_GEMM_REORDERS_BATCHES``).
     Read off the deviceless H100 compile of ``(p @ v).transpose(perm)`` over all the kinds of
     ``perm`` and of 2-D and 3-D weight gradients."""
     if op.primitive != "transpose":
@@ -1636,8 +1673,9 @@ def _gemm_writes_transposed(g: Graph, op: Any) -> bool:
     perm = list(op.params["permutation"])
     where = [perm.index(a) for a in range(len(perm))]
     batch, lhs, rhs = where[:nb], where[nb:nb + nl], where[nb + nl:]
-    return (batch == list(range(batch[0], batch[0] + nb)) if batch else True) and lhs == sorted(lhs) \
-        and rhs == sorted(rhs)
+    together = sorted(batch) == list(range(min(batch), min(batch) + nb)) if batch else True
+    in_order = XLA_GEMM_REORDERS_BATCHES or batch == sorted(batch)
+    return together and in_order and lhs == sorted(lhs) and rhs == sorted(rhs)
 
 
 def _zero_pad(g: Graph, op: Any) -> bool:
@@ -1871,8 +1909,8 @@ def _minor_slice(g: Graph, t: int) -> tuple[int, ...] | None:
     """Where ``t`` is a part of its buffer's rows — a ``slice`` or ``split`` of one inner axis of
     a materialised result (the axes after it whole), reached through row-major reshapes and casts
     (no transpose) — the axes of ``t`` that part spans (its trailing non-unit axes); None
-    otherwise. XLA's GEMM copies such an operand first, reading the whole buffer
-    (``loop_slice_fusion``; read off the H100 compile of Falcon's MQA prefill and of a part of
+    otherwise. jax 0.10.2's XLA copies such a GEMM operand first, reading the whole buffer
+    (``loop_slice_fusion``, ``compat.XLA_COPIES_PART_OF_ROWS``; read off the H100 compile of Falcon's MQA prefill and of a part of
     one QKV result as either operand. Falcon's K, a right operand contracted over exactly the part
     kept, was read in place there and copied beside a parameter: the model copies it always)."""
     shape = g.tensors[t].shape
@@ -2095,8 +2133,8 @@ def _gemm_relayouts(g: Graph, op: Any) -> list[int]:
             continue
         if not _fixed_layout(g, x):
             continue
-        if _minor_slice(g, x) is not None:   # a part of a buffer's rows (Falcon's q, k and v
-            out.append(x)                    # cut out of the fused QKV GEMM's result)
+        if XLA_COPIES_PART_OF_ROWS and _minor_slice(g, x) is not None:   # a part of a buffer's
+            out.append(x)   # rows (Falcon's q, k and v cut out of the fused QKV GEMM's result)
             continue
         order = _physical_order(g, x)
         if order is None:
