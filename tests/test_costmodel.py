@@ -1528,6 +1528,21 @@ def test_xla_gemm_epilogue_with_a_mask_or_a_cast_side_input_is_a_loop_fusion(for
     assert abs(price.bytes - compiled.bytes) <= 0.1 * compiled.bytes, (detail, price.bytes, compiled.bytes)
 
 
+def _model_matches_compile(fn, args, launches=None):
+    """``xla_program``'s model of ``fn`` against XLA's deviceless H100 compile of it: launches
+    equal (and equal to ``launches`` when given), bytes within 10%. Returns the model's price."""
+    from vtc_jax.offline import compile_program
+    from vtc_jax.xla import xla_program
+    g = trace(fn, *(jnp.ones(a.shape, a.dtype) for a in args))
+    compiled = compile_program(fn, *args, kernels=False)
+    price = xla_program(g, cluster(g))
+    detail = ([(l.name, l.bytes) for l in compiled.launches], [(f.what, f.launches, f.bytes) for f in price.fusions])
+    assert price.launches == len(compiled.launches), detail
+    assert launches is None or price.launches == launches, detail
+    assert abs(price.bytes - compiled.bytes) <= 0.1 * compiled.bytes, (detail, price.bytes, compiled.bytes)
+    return price
+
+
 @pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
 def test_xla_conv_reading_part_of_a_program_input(layout):
     """cuDNN reads a dense buffer: half of a channels-last program input (ShuffleNet's split of
@@ -1535,8 +1550,6 @@ def test_xla_conv_reading_part_of_a_program_input(layout):
     input's half is moved by the layout transpose that writes it NHWC anyway, no copy of its own.
     The model was a launch and 22% of the bytes short on the flax ShuffleNet unit. Launches equal
     the deviceless H100 compile's; bytes within 10%."""
-    from vtc_jax.offline import compile_program
-    from vtc_jax.xla import xla_program
     bf = jnp.bfloat16
     if layout == "NHWC":
         shapes = ((16, 28, 28, 116), (1, 1, 58, 58))
@@ -1551,13 +1564,8 @@ def test_xla_conv_reading_part_of_a_program_input(layout):
         def fn(x, w):
             return jax.lax.conv_general_dilated(x[:, :58], w, (1, 1), "SAME", dimension_numbers=dn)
     args = [jax.ShapeDtypeStruct(s, bf) for s in shapes]
-    g = trace(fn, *(jnp.ones(a.shape, a.dtype) for a in args))
-    compiled = compile_program(fn, *args, kernels=False)
-    price = xla_program(g, cluster(g))
-    detail = ([(c.name, c.bytes) for c in compiled.launches], [(f.what, f.launches, f.bytes) for f in price.fusions])
-    assert price.launches == len(compiled.launches), detail
-    assert abs(price.bytes - compiled.bytes) <= 0.1 * compiled.bytes, (detail, price.bytes, compiled.bytes)
-    assert any(f.what == "copy" for f in price.fusions) == (layout == "NHWC"), detail
+    price = _model_matches_compile(fn, args)
+    assert any(f.what == "copy" for f in price.fusions) == (layout == "NHWC"), price.fusions
 
 
 @pytest.mark.parametrize("form, launches", [
@@ -1572,8 +1580,6 @@ def test_xla_column_sums_over_many_rows_are_a_tree(form, launches):
     the normalised rows, one fusion of both partial sums, two finishing them, a Triton fusion
     writing dx (``xla.XLA_COLUMN_TREE_MIN_ROWS``; GPT-2's training step was modelled six launches
     over). Launches equal the deviceless H100 compile's; bytes within 10%."""
-    from vtc_jax.offline import compile_program
-    from vtc_jax.xla import xla_program
 
     def ln(x, g, b):
         m = x.mean(-1, keepdims=True)
@@ -1593,12 +1599,7 @@ def test_xla_column_sums_over_many_rows_are_a_tree(form, launches):
                                [(8, 1024, c), (c,), (c,), (8, 1024, c)]),
     }[form]
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
-    g = trace(fn, *(jnp.ones(a.shape, a.dtype) for a in args))
-    compiled = compile_program(fn, *args, kernels=False)
-    price = xla_program(g, cluster(g))
-    detail = ([(l.name, l.bytes) for l in compiled.launches], [(f.what, f.launches, f.bytes) for f in price.fusions])
-    assert price.launches == len(compiled.launches) == launches, detail
-    assert abs(price.bytes - compiled.bytes) <= 0.1 * compiled.bytes, (detail, price.bytes, compiled.bytes)
+    _model_matches_compile(fn, args, launches)
 
 
 @pytest.mark.parametrize("form, copies", [
@@ -1610,20 +1611,13 @@ def test_xla_gemm_writes_its_result_transposed_when_the_batches_stay_together(fo
     next to each other; batches split by a free axis are a copy of their own, reordered ones on
     jax 0.10.2 too (``xla._gemm_writes_transposed``; GPT-2's training step was modelled eight copies over).
     Launches equal the deviceless H100 compile's; bytes within 10%."""
-    from vtc_jax.offline import compile_program
-    from vtc_jax.xla import xla_program
     if form == "(x.T @ dy).T":
         fn, shapes = (lambda x, dy: (x.T @ dy).T), [(8192, 768), (8192, 3072)]
     else:
         perm = tuple(int(a) for a in form.split("(")[-1].rstrip(")").split(","))
         fn, shapes = (lambda p, v: (p @ v).transpose(perm)), [(8, 12, 1024, 1024), (8, 12, 1024, 64)]
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
-    g = trace(fn, *(jnp.ones(a.shape, a.dtype) for a in args))
-    compiled = compile_program(fn, *args, kernels=False)
-    price = xla_program(g, cluster(g))
-    detail = ([(l.name, l.bytes) for l in compiled.launches], [(f.what, f.launches, f.bytes) for f in price.fusions])
-    assert price.launches == len(compiled.launches) == 1 + copies, detail
-    assert abs(price.bytes - compiled.bytes) <= 0.1 * compiled.bytes, (detail, price.bytes, compiled.bytes)
+    _model_matches_compile(fn, args, 1 + copies)
 
 
 def _flax_layer_norm(x, s, b):
@@ -1644,8 +1638,6 @@ def test_xla_norms_that_are_no_single_triton_fusion(form, launches):
     most 320 long (two Triton fusions; ``xla.XLA_NORM_ROW_FUSED_MAX``,
     ``xla.XLA_FLAT_NORM_SPLIT_MAX_ROW``; Swin's model was two launches short on each side).
     Launches equal the deviceless H100 compile's; bytes within 10%."""
-    from vtc_jax.offline import compile_program
-    from vtc_jax.xla import xla_program
     c = int(form.split(", ")[-1].split()[0]) if form.startswith("flax") else 0
     fn, shapes = {
         "flax LayerNorm": (_flax_layer_norm, [(50176, c), (c,), (c,)]),
@@ -1656,12 +1648,7 @@ def test_xla_norms_that_are_no_single_triton_fusion(form, launches):
                                                         [(4096 * 1024,)]),
     }[form.split(",")[0] if form.startswith("flax") else form]
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
-    g = trace(fn, *(jnp.ones(a.shape, a.dtype) for a in args))
-    compiled = compile_program(fn, *args, kernels=False)
-    price = xla_program(g, cluster(g))
-    detail = ([(l.name, l.bytes) for l in compiled.launches], [(f.what, f.launches, f.bytes) for f in price.fusions])
-    assert price.launches == len(compiled.launches) == launches, detail
-    assert abs(price.bytes - compiled.bytes) <= 0.1 * compiled.bytes, (detail, price.bytes, compiled.bytes)
+    _model_matches_compile(fn, args, launches)
 
 
 def _split_qkv(x, w):
@@ -1680,8 +1667,6 @@ def test_xla_gemm_copies_a_part_of_its_rows_first_on_jax_0_10(form):
     within 10%."""
     from vtc_jax.compat import XLA_COPIES_PART_OF_ROWS
     launches = 2 + XLA_COPIES_PART_OF_ROWS
-    from vtc_jax.offline import compile_program
-    from vtc_jax.xla import xla_program
     bf = jnp.bfloat16
     fn, y = {
         "k as the right operand, contracted over what it keeps": (
@@ -1689,12 +1674,7 @@ def test_xla_gemm_copies_a_part_of_its_rows_first_on_jax_0_10(form):
         "k as the left operand": (lambda x, w, y: jnp.einsum("btd,bsd->bts", _split_qkv(x, w)[1], y), (2, 2048, 64)),
     }[form]
     args = [jax.ShapeDtypeStruct(s, bf) for s in ((2, 2048, 4544), (4544, 4672), y)]
-    g = trace(fn, *(jnp.ones(a.shape, a.dtype) for a in args))
-    compiled = compile_program(fn, *args, kernels=False)
-    price = xla_program(g, cluster(g))
-    detail = ([(l.name, l.bytes) for l in compiled.launches], [(f.what, f.launches, f.bytes) for f in price.fusions])
-    assert price.launches == len(compiled.launches) == launches, detail
-    assert abs(price.bytes - compiled.bytes) <= 0.1 * compiled.bytes, (detail, price.bytes, compiled.bytes)
+    _model_matches_compile(fn, args, launches)
 
 
 def _grouped_attention(q, k, v, regroup):
@@ -1719,16 +1699,9 @@ def test_xla_scores_regrouped_by_a_reshape_are_soft_capped_and_masked_by_a_loop_
     bytes within 10%."""
     from vtc_jax.compat import XLA_MASKS_REGROUPED_SCORES_APART
     launches = 3 + (regroup and XLA_MASKS_REGROUPED_SCORES_APART)
-    from vtc_jax.offline import compile_program
-    from vtc_jax.xla import xla_program
     fn = lambda q, k, v: _grouped_attention(q, k, v, regroup)
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((16, 8, 2, 256), (16, 8, 4096, 256), (16, 8, 4096, 256))]
-    g = trace(fn, *(jnp.ones(a.shape, a.dtype) for a in args))
-    compiled = compile_program(fn, *args, kernels=False)
-    price = xla_program(g, cluster(g))
-    detail = ([(l.name, l.bytes) for l in compiled.launches], [(f.what, f.launches, f.bytes) for f in price.fusions])
-    assert price.launches == len(compiled.launches) == launches, detail
-    assert abs(price.bytes - compiled.bytes) <= 0.1 * compiled.bytes, (detail, price.bytes, compiled.bytes)
+    _model_matches_compile(fn, args, launches)
 
 
 def test_xla_dot_merger_joins_only_the_sibling_dots_within_its_bound():
@@ -1737,17 +1710,10 @@ def test_xla_dot_merger_joins_only_the_sibling_dots_within_its_bound():
     A matrices concatenated), the large projections beside them stay GEMMs of their own (the model
     merged all five into one on jax 0.12, LoRA attention three launches short). Launches equal
     the deviceless H100 compile's; bytes within 10%."""
-    from vtc_jax.offline import compile_program
-    from vtc_jax.xla import xla_program
 
     def fn(x, wq, wk, aq, av):
         return x @ wq, x @ wk, x @ aq, x @ av
 
     bf = jnp.bfloat16
     args = [jax.ShapeDtypeStruct(s, bf) for s in ((2048, 4096), (4096, 16384), (4096, 16384), (4096, 16), (4096, 16))]
-    g = trace(fn, *(jnp.ones(a.shape, a.dtype) for a in args))
-    compiled = compile_program(fn, *args, kernels=False)
-    price = xla_program(g, cluster(g))
-    detail = ([(l.name, l.bytes) for l in compiled.launches], [(f.what, f.launches, f.bytes) for f in price.fusions])
-    assert price.launches == len(compiled.launches), detail
-    assert abs(price.bytes - compiled.bytes) <= 0.1 * compiled.bytes, (detail, price.bytes, compiled.bytes)
+    _model_matches_compile(fn, args)
