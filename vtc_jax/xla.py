@@ -1406,11 +1406,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             size = g.tensors[_data(trees[0])[0]].size
             read = {b for t in cl[m].inputs if g.tensors[t].size == size for b in read_through(t)}
             sibling = next((r for s_, r in tree_partials if s_ == size and r & read), None)
-            if row_reds and m in applied_in_loop:   # the norm applied by a loop fusion: the
-                pass   # partial sums ride in it (GPT-2's LayerNorm backward, ``input_add_reduce_fusion``)
-            elif row_reds:   # beside row statistics (a LayerNorm's backward): the partial sums are a
-                # fusion of their own (or a sibling's); what they sum, where it is made from the
-                # statistics (the normalised rows), is written by a Triton fusion of its own
+            # beside row statistics (a LayerNorm's backward) applied by a loop fusion, the partial
+            # sums ride in it (GPT-2's, ``input_add_reduce_fusion``); beside a Triton norm they are
+            # a fusion of their own (or a sibling's), and what they sum, where it is made from the
+            # statistics (the normalised rows), is written by a Triton fusion of its own
+            if row_reds and m not in applied_in_loop:
                 if sibling is None:
                     n += 1
                     nbytes += sum(ctx.nbytes[x] for op in trees for x in _data(op))
@@ -1418,7 +1418,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     if _made_from(g, x, set(cl[m].ops), set(row_reds)):   # (reading the rows,
                         # writing the value; the partial sums read it beside its other factor)
                         n, nbytes = n + 1, nbytes + 3 * ctx.nbytes[x]
-            elif len(members) == 1 and all(g.tensors[t].size < size for t in cl[m].outputs):
+            elif not row_reds and len(members) == 1 and all(g.tensors[t].size < size for t in cl[m].outputs):
                 common = set()
                 if sibling is not None:
                     common = sibling & read
