@@ -431,3 +431,57 @@ def test_default_guard_times_on_a_gpu_where_the_model_is_unsure(monkeypatch):
     assert notes[-1].endswith("by the measure") or verdicts is not notes, notes
     monkeypatch.undo()
     check_close(out, jax.jit(step)(*args))
+
+
+def _decode(cache, row, pos):
+    """A decode step as most codebases write it: the row written at ``pos``, keys masked up to it."""
+    T = cache.shape[1]
+    cache = jax.lax.dynamic_update_slice(cache, row, (0, pos, 0))
+    s = jnp.einsum("bd,btd->bt", row[:, 0], cache)
+    return jnp.where(jnp.arange(T)[None] <= pos, s, -jnp.inf), cache
+
+
+def test_timing_inputs_put_a_position_at_the_last_row_its_uses_accept():
+    """``profiling.last_positions``: the guard times a decode at the cache's last row, where VTC's
+    attention reads every key block (at position 0 it read one, and BLOOM's decode, timed 1.66×
+    ahead there, ran 0.91× of jit at the last row on an H100). Each form: the bound its uses give."""
+    from vtc_jax.profiling import device_inputs, last_positions
+    B, T, D = 2, 48, 8
+    cache, row = jnp.zeros((B, T, D)), jnp.ones((B, 1, D))
+    pos = jnp.int32(0)
+    assert last_positions(jax.make_jaxpr(_decode)(cache, row, pos)) == {2: T - 1}
+    # inside a nested jit, and a window slice whose start must leave room for 16 rows
+    nested = lambda c, r, p: (jax.jit(_decode)(c, r, p), jax.lax.dynamic_slice(c, (0, p, 0), (B, 16, D)))  # noqa: E731
+    assert last_positions(jax.make_jaxpr(nested)(cache, row, pos)) == {2: T - 16}
+    # `pos + 1` compared with the keys: the position is one less
+    shifted = lambda c, p: jnp.where(jnp.arange(T) < p + 1, c[0, :, 0], 0.0)  # noqa: E731
+    assert last_positions(jax.make_jaxpr(shifted)(cache, pos)) == {1: T - 2}
+    # per-sequence lengths against the keys (an array: one value for all); token ids bound nothing
+    lens, ids = jnp.zeros((B,), jnp.int32), jnp.zeros((B, 3), jnp.int32)
+    masked = lambda c, n, i: (jnp.where(jnp.arange(T)[None] < n[:, None], c[..., 0], 0.0), c[0][i])  # noqa: E731
+    assert last_positions(jax.make_jaxpr(masked)(cache, lens, ids)) == {1: T - 1}
+    made = device_inputs([cache, lens, ids], ints={1: T - 1})
+    np.testing.assert_array_equal(made[1], np.full((B,), T - 1))
+    np.testing.assert_array_equal(made[2], np.zeros((B, 3)))
+    assert made[0].shape == cache.shape and 0 < float(jnp.std(made[0])) < 0.1
+
+
+def test_timing_guard_times_a_decode_at_the_last_row(monkeypatch):
+    """The wiring: ``guard.measured`` hands both programs the last positions. The timing is
+    replaced by one that records the arguments it was given and reports a tie."""
+    from vtc_jax import guard as G
+    from vtc_jax.xla import Price
+    seen = []
+
+    def timing(fns, make_args, repeats, max_calls):
+        seen.append([np.asarray(a) for a in make_args()])
+        return [1e-3, 1e-3, 1e-3]
+
+    monkeypatch.setattr(G, "time_interleaved", timing)
+    B, T, D = 2, 48, 8
+    args = (jnp.zeros((B, T, D)), jnp.ones((B, 1, D)), jnp.int32(0))
+    closed = jax.make_jaxpr(_decode)(*args)
+    v = G.measured(Price(1, 0, 0, ()), Price(1, 0, 0, ()), _decode, _decode, closed, (0,), repeats=1)
+    assert v.by == "measure" and v.loses, v   # a tie is no win
+    (given,) = seen
+    assert int(given[2]) == T - 1 and given[0].shape == (B, T, D), given[2]

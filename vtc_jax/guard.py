@@ -36,7 +36,7 @@ from .costmodel import ENGINE_OF_KIND, GPU, GPUS, cluster_math, kernel_flops, ke
 from .graph import Graph, trace
 from .offline import compile_program, h100_devices
 from .primitives import KERNEL_CALLS, is_movement_op
-from .profiling import MAX_CALLS, device_inputs, time_interleaved
+from .profiling import MAX_CALLS, device_inputs, last_positions, time_interleaved
 from .xla import Price, xla_program
 
 __all__ = ["GUARDS", "PLAIN", "UNDONE", "PRUNE_MIN", "WIN_MARGIN", "Verdict", "price_plain", "price_emitted", "kernel_math", "emitted_graph", "judge", "clear", "blame", "compiled", "measured", "room_to_time", "calls_that_fit", "timed_loss", "MiB"]
@@ -297,12 +297,14 @@ def measured(plain: Price, vtc: Price, plain_fn: Any, vtc_fn: Any, closed: Any, 
     as :func:`calls_that_fit`) and by their compiled buffer assignment.
 
     It runs while the user's function is being traced and sees only the call's shapes, so its inputs
-    are ``profiling.device_inputs`` (floats normal × 0.05, integers zero: a decode position is 0, and
-    an attention that reads keys up to it is timed at its cheapest). Donated inputs are donated in
-    both programs, as in the user's call, and re-made outside the timed region before every run: an
-    in-place cache update then costs its row, not a copy of the cache."""
+    are ``profiling.device_inputs``: floats normal × 0.05, an integer that indexes an axis at the
+    last value its uses accept (``profiling.last_positions``: a decode position at the cache's last
+    row, where VTC's attention reads every key block and jit's no more than at any other), other
+    integers zero. Donated inputs are donated in both programs, as in the user's call, and re-made
+    outside the timed region before every run: an in-place cache update then costs its row, not a
+    copy of the cache."""
     args = _abstract_inputs(closed)
-    base = device_inputs(args)
+    base = device_inputs(args, ints=last_positions(closed))
 
     def fresh() -> list[Any]:
         with jax.ensure_compile_time_eval():   # on the device now, not values of the trace around us

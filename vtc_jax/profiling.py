@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
+import jax.extend.core as jcore
 import jax.numpy as jnp
+import numpy as np
 
 from .movement import Edge
+from .primitives import TABLE
 from .vtog import VTOG, box_volume, piece_group
 
 __all__ = ["Profiler", "ProfiledSavings", "TimingProfiler", "time_interleaved", "calls_per_sample", "device_inputs",
-           "SAMPLE_SECONDS", "MAX_CALLS"]
+           "last_positions", "SAMPLE_SECONDS", "MAX_CALLS"]
 
 
 # A sample is this long at least (calls issued back to back, one sync at its end): shorter ones
@@ -81,17 +84,96 @@ def time_interleaved(fns: Sequence[Callable[..., Any]], make_args: Callable[[], 
     return [statistics.median(t) for t in times]
 
 
-def device_inputs(avals: Sequence[Any], seed: int = 0) -> list[Any]:
-    """Arrays of the given shapes and dtypes on the default device: floats normal × 0.05, every
-    other dtype zero. Made eagerly even inside a trace (the guard times while the user's function
-    is being traced, and a traced value cannot be fed to a compiled program)."""
+def device_inputs(avals: Sequence[Any], seed: int = 0, ints: Mapping[int, int] | None = None) -> list[Any]:
+    """Arrays of the given shapes and dtypes on the default device: floats normal × 0.05, input
+    ``i`` of ``ints`` that value (:func:`last_positions`), every other input zero. Made eagerly even
+    inside a trace (the guard times while the user's function is being traced, and a traced value
+    cannot be fed to a compiled program)."""
+    ints = ints or {}
     with jax.ensure_compile_time_eval():
         keys = jax.random.split(jax.random.key(seed), max(len(avals), 1))
         return jax.block_until_ready([
             (0.05 * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype)
-            if jnp.issubdtype(a.dtype, jnp.floating) else jnp.zeros(a.shape, a.dtype)
-            for k, a in zip(keys, avals)])
+            if jnp.issubdtype(a.dtype, jnp.floating) else jnp.full(a.shape, ints.get(i, 0), a.dtype)
+            for i, (k, a) in enumerate(zip(keys, avals))])
 
+
+# Ops that hand an integer scalar on unchanged in value (a cast, the scalar broadcast to an array
+# to be compared elementwise, a reshape of it), and ops that hand an iota's values on likewise.
+_SAME_VALUE = frozenset({"convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
+_COMPARES = frozenset({"lt", "le", "gt", "ge", "eq", "ne"})
+
+
+def last_positions(jaxpr: Any) -> dict[int, int]:
+    """For each integer input that indexes an axis: the largest value every such use of it accepts
+    (the last position of a cache it is written at, the last key of a mask it is compared with; for
+    an array, such as per-sequence lengths, one value for all its elements). Timed there, an
+    attention that reads keys up to the position reads them all.
+
+    Why: the guard times both programs on inputs of its own, and a decode position of 0 timed
+    VTC's decode attention at its cheapest (one key block) against jit's, which reads the whole
+    cache at every position. On a lent H100 the guard timed BLOOM's ALiBi decode 1.66× ahead at
+    position 0; it ran 0.91× of jit at the last position
+    (``benchmarks/measured/h100-2026-11-27-evening-corpus.jsonl``). The uses read: a
+    ``dynamic_slice`` / ``dynamic_update_slice`` start on an axis (at most the axis less the
+    slice), and a comparison with an ``iota`` (at most the iota's last value), each through casts,
+    broadcasts, reshapes and ``+``/``-`` of a literal, and into the bodies of plain calls (nested
+    ``jit``), past jax's wrap of negative indices. An input no such use bounds (token ids, a block table) is not in the result: the
+    caller keeps it 0, an index every axis accepts."""
+    bounds: dict[int, int] = {}
+
+    def bound(i: int, hi: int) -> None:
+        bounds[i] = max(0, min(bounds.get(i, hi), hi))
+
+    def visit(jx: Any, origin: dict[Any, tuple[int, int]], iotas: dict[Any, int]) -> None:
+        negative: set[Any] = set()
+        def src(v: Any) -> tuple[int, int] | None:
+            return None if isinstance(v, jcore.Literal) else origin.get(v)
+
+        for e in jx.eqns:
+            name, ins = e.primitive.name, [src(v) for v in e.invars]
+            if name == "iota":
+                iotas[e.outvars[0]] = e.params["shape"][e.params["dimension"]] - 1
+            elif name in _SAME_VALUE and not isinstance(e.invars[0], jcore.Literal) and e.invars[0] in iotas:
+                iotas[e.outvars[0]] = iotas[e.invars[0]]
+            if not any(ins):
+                continue
+            if name in _SAME_VALUE and ins[0]:
+                origin[e.outvars[0]] = ins[0]
+            elif name == "lt" and ins[0] and isinstance(e.invars[1], jcore.Literal) and e.invars[1].val == 0:
+                negative.add(e.outvars[0])   # jax's wrap of a negative index: `select_n(i < 0, i, i + n)`
+            elif name == "select_n" and e.invars[0] in negative and ins[1]:
+                origin[e.outvars[0]] = ins[1]
+            elif name in ("add", "sub") and sum(map(bool, ins)) == 1:
+                k = 0 if ins[0] else 1
+                lit = e.invars[1 - k]
+                if isinstance(lit, jcore.Literal) and np.ndim(lit.val) == 0 and (name == "add" or k == 0):
+                    c = int(lit.val) if name == "add" else -int(lit.val)
+                    origin[e.outvars[0]] = (ins[k][0], ins[k][1] + c)   # the input's value + c
+            elif name == "dynamic_update_slice":
+                shape, upd = e.invars[0].aval.shape, e.invars[1].aval.shape
+                for a, o in enumerate(ins[2:]):
+                    if o:
+                        bound(o[0], shape[a] - upd[a] - o[1])
+            elif name == "dynamic_slice":
+                shape, sizes = e.invars[0].aval.shape, e.params["slice_sizes"]
+                for a, o in enumerate(ins[1:]):
+                    if o:
+                        bound(o[0], shape[a] - sizes[a] - o[1])
+            elif name in _COMPARES:
+                for o, other in ((ins[0], e.invars[1]), (ins[1], e.invars[0])):
+                    if o and not isinstance(other, jcore.Literal) and other in iotas:
+                        bound(o[0], iotas[other] - o[1])
+            elif TABLE.get(name) and TABLE[name].plain_call:
+                inner = next((e.params[k] for k in TABLE[name].call_body if k in e.params), None)
+                inner = getattr(inner, "jaxpr", inner)
+                if inner is not None and len(inner.invars) == len(ins):
+                    visit(inner, {v: o for v, o in zip(inner.invars, ins) if o}, {})
+
+    top = getattr(jaxpr, "jaxpr", jaxpr)
+    ints = {v: (i, 0) for i, v in enumerate(top.invars) if jnp.issubdtype(v.aval.dtype, jnp.integer)}
+    visit(top, ints, {})
+    return bounds
 
 
 class Profiler(Protocol):
