@@ -148,7 +148,9 @@ ENGINE_EFFICIENCY: Mapping[tuple[str, str], float] = {
     #                               through a reshape) with scalar loads, since passed reshaped
     #                               (vio._reshaped): its PTX is now cp.async alone, and on an H200
     #                               (2026-11-27) that kernel read 0.34 inside the program (8192 x 4096
-    #                               x 4096 in 814 us; cuBLAS 335 us): 0.30 stays, on XLA's side
+    #                               x 4096 in 814 us; cuBLAS 335 us). On an H100 (evening, 2149f23):
+    #                               0.35 there (799 us; cuBLAS 343 us) and 0.27 in T5's output
+    #                               projection (4096 x 1024 x 1024 in 31.8 us; XLA's 17.9 us). 0.30
     ("matmul", "tf32"): 0.085,    # measured kernel by kernel: BERT's f32 projections and MLP, 42-43 TFLOP/s
     #                               inside the program (0.12 alone); EfficientViT's per-head products
     #                               reached 0.03: their tiles are mostly padding (kernel_flops counts them)
