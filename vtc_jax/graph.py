@@ -67,6 +67,19 @@ class TensorInfo:
         return int(np.prod(self.shape, dtype=np.int64))
 
 
+@dataclass(frozen=True)
+class Speculated:
+    """A ``cond`` the trace computes as a select of all its branches (``canonical.speculable_cond``),
+    as the user's program holds it: what XLA is given under plain ``jax.jit``. ``operands`` and
+    ``outputs``: the tensors it reads (the index first) and the selected results; ``empty_branch``:
+    a branch returns its operands unchanged; ``primitives``: every primitive its branches run."""
+    operands: tuple[int, ...]
+    outputs: tuple[int, ...]
+    branches: int
+    empty_branch: bool
+    primitives: frozenset[str]
+
+
 @dataclass(frozen=True, eq=False)
 class Op:
     id: int
@@ -92,6 +105,7 @@ class Graph:
     outputs: tuple[int, ...]
     in_tree: PyTreeDef
     out_tree: PyTreeDef
+    speculated: tuple[Speculated, ...] = ()   # conds traced as selects (what plain jit keeps)
 
     @functools.cached_property
     def _producers(self) -> dict[int, Op]:
@@ -185,6 +199,7 @@ class _Builder:
         self.tensors: list[tuple[tuple[int, ...], np.dtype, object | None]] = []
         self.ops: list[_RawOp] = []
         self.producers: dict[int, _RawOp] = {}   # tensor -> the op writing it (canonical folds)
+        self.speculated: list[Speculated] = []   # conds inlined as selects (tensor ids of this builder)
 
     def tensor(self, aval: Any, const: object | None = None) -> int:
         dtype = as_dtype(getattr(aval, "dtype", None))
@@ -223,6 +238,11 @@ class _Builder:
                 body, ins = folded, [inner.inputs[0]]
             if body is not None:
                 outs = self.inline(body[0], body[1], ins)
+                if canonical.speculable_cond(eqn):
+                    branches = [br.jaxpr for br in eqn.params["branches"]]
+                    self.speculated.append(Speculated(
+                        tuple(ins), tuple(outs), len(branches), any(not br.eqns for br in branches),
+                        frozenset(e.primitive.name for br in branches for e in _all_eqns(br))))
             else:
                 outs = [self.tensor(v.aval) for v in eqn.outvars]
                 raw = _RawOp(eqn, tuple(ins), tuple(outs), index)
@@ -230,6 +250,15 @@ class _Builder:
                 self.producers.update((t, raw) for t in outs)
             env.update(zip(eqn.outvars, outs))
         return [self.read(env, a) for a in jaxpr.outvars]
+
+
+def _all_eqns(jaxpr: jcore.Jaxpr) -> list[jcore.JaxprEqn]:
+    """``jaxpr``'s equations, those of the calls it makes (nested ``jit``) in place of the call."""
+    out = []
+    for e in jaxpr.eqns:
+        inner = e.params.get("jaxpr", e.params.get("call_jaxpr"))
+        out += _all_eqns(getattr(inner, "jaxpr", inner)) if inner is not None else [e]
+    return out
 
 
 def _inlined_body(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, list[Any]] | None:
@@ -462,5 +491,10 @@ def trace_with(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str,
            params={k: normalize_param(v) for k, v in r.eqn.params.items()},
            prim=r.eqn.primitive, opaque_reason=_opaque_reason(r.eqn), conv_index=r.conv_index)
         for i, r in enumerate(live))
+    speculated = tuple(Speculated(tuple(new_id[t] for t in c.operands if t in new_id),
+                                  tuple(new_id[t] for t in c.outputs if t in new_id),
+                                  c.branches, c.empty_branch, c.primitives)
+                       for c in b.speculated if any(t in new_id for t in c.outputs))
     return Graph(tensors=tensors, ops=ops, inputs=tuple(new_id[t] for t in inputs),
-                 outputs=tuple(new_id[t] for t in outputs), in_tree=in_tree, out_tree=out_tree)
+                 outputs=tuple(new_id[t] for t in outputs), in_tree=in_tree, out_tree=out_tree,
+                 speculated=speculated)

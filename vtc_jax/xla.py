@@ -1602,8 +1602,56 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     add((k,), "layout", 1, 2 * ctx.nbytes[op.inputs[1]])
     for v in shared:   # a loop fusion per shared value (XLA's loop_cosine_fusion, loop_sine_fusion)
         add((), "table", 1, 2 * ctx.nbytes[v], (v,))
+    for c in g.speculated:   # a cond the trace made a select: XLA keeps most of them a conditional
+        if xla_keeps_conditional(c):
+            n, nbytes = conditional_price(g, c)
+            add((), "conditional", n, nbytes, c.outputs)
     return Price(sum(f.launches for f in fusions), sum(f.bytes for f in fusions),
                  _buffers(ctx, fusions, written), tuple(fusions))
+
+
+# What XLA's ConditionalSimplifier does not count expensive in a branch (its
+# ``instruction_is_expensive``: elementwise ops, broadcast, concatenate, dynamic-slice, reduce,
+# reshape, pad, slice): a two-branch conditional of only these, neither branch empty, becomes a
+# select; an iota, a transpose, a dot, or a branch returning its operand keeps it a conditional.
+_CHEAP_IN_A_SELECT = frozenset(
+    {n for n, r in TABLE.items() if r.role == Role.ELEMENTWISE}
+    | {"broadcast_in_dim", "concatenate", "dynamic_slice", "reshape", "squeeze", "expand_dims", "pad",
+       "slice", "copy", "copy_p"} | {n for n in TABLE if n.startswith("reduce_")})
+
+
+def xla_keeps_conditional(c: Any) -> bool:
+    """Whether XLA runs a ``cond`` the trace computed as a select (``graph.Speculated``) as a
+    conditional. Read off the H100 compile (jax 0.10.2 and 0.12): ``cond(p, s*2, s-1)`` is one
+    loop fusion; ``cond(p, s*2, identity)`` and Gemma's window mask (an iota in the branch) are a
+    conditional (ConditionalSimplifier: "an empty branch is faster to execute than select")."""
+    return c.branches != 2 or c.empty_branch or not c.primitives <= _CHEAP_IN_A_SELECT
+
+
+def conditional_price(g: Graph, c: Any) -> tuple[int, int]:
+    """Launches and bytes a kept conditional adds to the program priced as its select: a fusion
+    computing the branch index, the branch that runs (one loop fusion; the heavier is charged, as
+    ``offline`` counts the compile), and a launch writing each array operand that an elementwise
+    op, a movement op or a generator made (in the select they fused into their readers); the
+    readers of the results then read them where the select's fusion read the operand's sources.
+    The branch's own reads and writes are not charged, as the compile's count has no buffers for a
+    branch computation (its operands are its parameter tuple): under-charging jit errs towards
+    giving the program back to jit. Read off flax Gemma-2's ``lax.cond`` window: the masked
+    scores and the key iota written, the compare, the branch, the softmax reading the result:
+    4 launches and 8 MiB more than the ``where`` form, as compiled."""
+    n, nbytes = 1 + bool(c.primitives), 0
+    for x in c.operands[1:]:
+        t = g.tensors[x]
+        op = g.producer(x)
+        row = TABLE.get(op.primitive) if op is not None else None
+        if (t.size > 1 and isinstance(t.dtype, np.dtype) and row is not None
+                and row.role in (Role.ELEMENTWISE, Role.GENERATOR, Role.MOVEMENT)):
+            n += 1
+            nbytes += t.size * t.dtype.itemsize
+    if nbytes:
+        nbytes += sum(g.tensors[y].size * g.tensors[y].dtype.itemsize for y in c.outputs
+                      if isinstance(g.tensors[y].dtype, np.dtype))
+    return n, nbytes
 
 
 # what a table made from scalars passes through (xla_program's from_scalars): element-wise math
