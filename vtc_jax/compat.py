@@ -122,6 +122,11 @@ XLA_COPIES_PART_OF_ROWS = JAX_VERSION < (0, 11)
 # reshaping the scores), soft-capped and masked: jax 0.10.2's XLA does that work in a loop fusion
 # of its own before its Triton softmax; jax 0.12's inside the softmax's fusion.
 XLA_MASKS_REGROUPED_SCORES_APART = JAX_VERSION < (0, 11)
+# A returned cache updated in place and read by a GEMM in another layout (``relayout``): written
+# by a scatter (``cache.at[:, slot].set(row)``), jax 0.12's XLA copies it once more than written by
+# a dynamic_update_slice (4 cache-size launches against 3; a rolling window cache). On jax 0.10.2
+# the two read 3 and 2-3 (read off the H100 compile of one cache, K read by a GQA einsum).
+XLA_COPIES_SCATTERED_CACHE_AGAIN = JAX_VERSION >= (0, 11)
 # A GEMM result transposed with its batch axes still next to each other but reordered (``(H, B,
 # T, D)`` of a ``(B, H, T, D)`` product): jax 0.12's GEMM writes it itself, jax 0.10.2's copies it.
 XLA_GEMM_REORDERS_BATCHES = JAX_VERSION >= (0, 11)

@@ -106,6 +106,18 @@ class Graph:
     in_tree: PyTreeDef
     out_tree: PyTreeDef
     speculated: tuple[Speculated, ...] = ()   # conds traced as selects (what plain jit keeps)
+    # (tensor, primitive): results of the user's equations the trace wrote in other primitives
+    # (``canonical.rewrite``: a scatter as a dynamic_update_slice), the primitive XLA is given
+    rewritten: tuple[tuple[int, str], ...] = ()
+
+    def origin(self, t: int) -> str | None:
+        """The primitive of the user's program that computes ``t``, where the trace wrote it in
+        others (``canonical.rewrite``), else None."""
+        return self._origin.get(t)
+
+    @functools.cached_property
+    def _origin(self) -> dict[int, str]:
+        return dict(self.rewritten)
 
     @functools.cached_property
     def _producers(self) -> dict[int, Op]:
@@ -200,6 +212,7 @@ class _Builder:
         self.ops: list[_RawOp] = []
         self.producers: dict[int, _RawOp] = {}   # tensor -> the op writing it (canonical folds)
         self.speculated: list[Speculated] = []   # conds inlined as selects (tensor ids of this builder)
+        self.rewritten: dict[int, str] = {}      # tensor -> the primitive canonical.rewrite replaced
 
     def tensor(self, aval: Any, const: object | None = None) -> int:
         dtype = as_dtype(getattr(aval, "dtype", None))
@@ -231,13 +244,16 @@ class _Builder:
                     if body is not None:
                         env.update(zip(eqn.outvars, self.inline(body[0], body[1], ins, index)))
                         continue
-            body = _inlined_body(eqn) or canonical.rewrite(eqn)
+            body = _inlined_body(eqn)
+            rewrite = body is None and (body := canonical.rewrite(eqn)) is not None
             inner = self.producers.get(ins[0]) if body is None and ins else None
             folded = canonical.fold_transposes(eqn, inner.eqn if inner else None)
             if folded is not None:
                 body, ins = folded, [inner.inputs[0]]
             if body is not None:
                 outs = self.inline(body[0], body[1], ins)
+                if rewrite:
+                    self.rewritten.update((t, eqn.primitive.name) for t in outs if t not in ins)
                 if canonical.speculable_cond(eqn):
                     branches = [br.jaxpr for br in eqn.params["branches"]]
                     self.speculated.append(Speculated(
@@ -495,6 +511,7 @@ def trace_with(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str,
                                   tuple(new_id[t] for t in c.outputs if t in new_id),
                                   c.branches, c.empty_branch, c.primitives)
                        for c in b.speculated if any(t in new_id for t in c.outputs))
+    rewritten = tuple((new_id[t], name) for t, name in b.rewritten.items() if t in new_id)
     return Graph(tensors=tensors, ops=ops, inputs=tuple(new_id[t] for t in inputs),
                  outputs=tuple(new_id[t] for t in outputs), in_tree=in_tree, out_tree=out_tree,
-                 speculated=speculated)
+                 speculated=speculated, rewritten=rewritten)

@@ -28,8 +28,8 @@ import numpy as np
 from jax import lax
 
 from .cluster import Cluster
-from .compat import (XLA_COPIES_PART_OF_ROWS, XLA_DOT_MERGER_JOINS_ONE_WITHIN, XLA_DOT_MERGER_MAX_BYTES,
-                     XLA_EPILOGUE_READS_OTHER_GEMMS, XLA_GEMM_REORDERS_BATCHES, XLA_MASKS_REGROUPED_SCORES_APART,
+from .compat import (XLA_COPIES_PART_OF_ROWS, XLA_COPIES_SCATTERED_CACHE_AGAIN, XLA_DOT_MERGER_JOINS_ONE_WITHIN,
+                     XLA_DOT_MERGER_MAX_BYTES, XLA_EPILOGUE_READS_OTHER_GEMMS, XLA_GEMM_REORDERS_BATCHES, XLA_MASKS_REGROUPED_SCORES_APART,
                      XLA_RELAYS_SPLIT_FREE_RHS, XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA,
                      XLA_TRANSPOSES_REPEATED_VALUES, XLA_WRITES_REPEATED_GEMM_OPERANDS)
 from .graph import Graph
@@ -1015,8 +1015,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             # layout assignment gives the update the GEMM's layout — the cache is transposed
             # in, copied for the in-place update, and the result transposed back for the output
             # (read off the H100 compile of flax's Gemma-2 decode: G = 2 heads per KV head make
-            # the scores a GEMM, four cache-size copies per cache)
-            return 3, 3 * 2 * full
+            # the scores a GEMM, four cache-size copies per cache). Written by a scatter (a
+            # rolling cache's ``.at[:, slot].set``), the update and the transpose back each read
+            # the cache once more, and jax 0.12's XLA copies it once more
+            scattered = g.origin(x) == "scatter"
+            n = 3 + (XLA_COPIES_SCATTERED_CACHE_AGAIN and scattered)
+            return n, (n + scattered) * 2 * full
         made = producers_through_movement(x, set())
         if len(made) == 1 and all(kind[p] == Kind.POINTWISE and not call[p] and find(p) not in recomputed
                                   and all(kind[u] in _NEVER_IN_A_LOOP and not call[u]
@@ -1602,12 +1606,30 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     add((k,), "layout", 1, 2 * ctx.nbytes[op.inputs[1]])
     for v in shared:   # a loop fusion per shared value (XLA's loop_cosine_fusion, loop_sine_fusion)
         add((), "table", 1, 2 * ctx.nbytes[v], (v,))
+    # a scatter XLA writes as an in-place dynamic-update-slice checks its index vector in bounds
+    # first: a reduction fusion per distinct index (``input_reduce_fusion``, shared by a rolling
+    # cache's K and V rows written at one slot), where the trace wrote a dynamic_update_slice
+    # (an index of literals is folded: ``mask.at[:, -1].set(False)`` checks nothing)
+    checks = {tuple(g.same_value(t) if g.tensors[t].const is None else repr(g.tensors[t].const)
+                    for t in op.inputs[2:]) for op in g.ops
+              if op.primitive == "dynamic_update_slice" and g.origin(op.outputs[0]) == "scatter"
+              and not all(_static(g, t) for t in op.inputs[2:])}
+    if checks:
+        add((), "bounds", len(checks), 0)
     for c in g.speculated:   # a cond the trace made a select: XLA keeps most of them a conditional
         if xla_keeps_conditional(c):
             n, nbytes = conditional_price(g, c)
             add((), "conditional", n, nbytes, c.outputs)
     return Price(sum(f.launches for f in fusions), sum(f.bytes for f in fusions),
                  _buffers(ctx, fusions, written), tuple(fusions))
+
+
+def _static(g: Graph, t: int, depth: int = 0) -> bool:
+    """``t`` is computed from literals alone (XLA folds it to a constant)."""
+    if g.tensors[t].const is not None:
+        return True
+    op = g.producer(t)
+    return op is not None and depth < 16 and bool(op.inputs) and all(_static(g, x, depth + 1) for x in op.inputs)
 
 
 # What XLA's ConditionalSimplifier does not count expensive in a branch (its
