@@ -127,6 +127,11 @@ XLA_MASKS_REGROUPED_SCORES_APART = JAX_VERSION < (0, 11)
 # a dynamic_update_slice (4 cache-size launches against 3; a rolling window cache). On jax 0.10.2
 # the two read 3 and 2-3 (read off the H100 compile of one cache, K read by a GQA einsum).
 XLA_COPIES_SCATTERED_CACHE_AGAIN = JAX_VERSION >= (0, 11)
+# Sibling projections with biases merged into one GEMM (BERT's q, k and v), each part transposed
+# for the attention's GEMMs: jax 0.10.2's XLA adds the bias in the transpose's fusion; jax 0.12's
+# in the GEMM reading the part, from the bias broadcast to the operand's shape by a launch of its
+# own (``wrapped_broadcast``; read off the H100 compile of ``(x @ wq + bq)`` heads).
+XLA_BROADCASTS_BIAS_OF_MERGED_GEMMS = JAX_VERSION >= (0, 11)
 # A GEMM result transposed with its batch axes still next to each other but reordered (``(H, B,
 # T, D)`` of a ``(B, H, T, D)`` product): jax 0.12's GEMM writes it itself, jax 0.10.2's copies it.
 XLA_GEMM_REORDERS_BATCHES = JAX_VERSION >= (0, 11)

@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from .cluster import Cluster
-from .compat import (XLA_COPIES_PART_OF_ROWS, XLA_COPIES_SCATTERED_CACHE_AGAIN, XLA_DOT_MERGER_JOINS_ONE_WITHIN,
+from .compat import (XLA_BROADCASTS_BIAS_OF_MERGED_GEMMS, XLA_COPIES_PART_OF_ROWS, XLA_COPIES_SCATTERED_CACHE_AGAIN, XLA_DOT_MERGER_JOINS_ONE_WITHIN,
                      XLA_DOT_MERGER_MAX_BYTES, XLA_EPILOGUE_READS_OTHER_GEMMS, XLA_GEMM_REORDERS_BATCHES, XLA_MASKS_REGROUPED_SCORES_APART,
                      XLA_RELAYS_SPLIT_FREE_RHS, XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA,
                      XLA_TRANSPOSES_REPEATED_VALUES, XLA_WRITES_REPEATED_GEMM_OPERANDS)
@@ -826,7 +826,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     for k, c in enumerate(cl):
         dots = [g.ops[o] for o in c.ops if g.ops[o].primitive == "dot_general"]
         if kind[k] != Kind.MATMUL or len(dots) != 1 or any(
-                g.ops[o].primitive not in ("dot_general", *CAST_ONLY) for o in c.ops):
+                g.ops[o].primitive not in ("dot_general", *CAST_ONLY) and not _bias_epilogue(g, g.ops[o], inputs)
+                for o in c.ops):
             continue
         d = dots[0]
         if d.inputs[1] not in inputs:
@@ -907,6 +908,18 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         k = ctx.producer.get(t)
         return k is not None and all(g.ops[o].primitive in ("iota", *CAST_ONLY) or is_view(g.ops[o], g)
                                      for o in cl[k].ops)
+
+    def merged_member(t: int) -> int | None:
+        """The merged sibling GEMM whose part of the result ``t`` is (a view of), else None."""
+        while (k := ctx.producer.get(t)) is not None and fused_movement(k) and k not in materialised:
+            t = _data(g.producer(t))[0]
+        return k if k in merged else None
+
+    def from_merged(t: int) -> bool:
+        """``t`` is (a view of) one sibling's part of a merged GEMM's result: one buffer for all
+        the siblings, in the layout the merged GEMM writes (BERT's q, k and v, each transposed
+        out of it for the attention's GEMMs, the bias added on the way on jax 0.10.2)."""
+        return merged_member(t) is not None
 
     def read_bytes(t: int, seen: set[int], inside: frozenset[int] = frozenset()) -> int:
         """Bytes a fusion reads for ``t``: through fused movement, what its sources hold; nothing
@@ -1007,6 +1020,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         if x in relaid:
             return 0, full - src
         relaid.add(x)
+        if XLA_BROADCASTS_BIAS_OF_MERGED_GEMMS and from_merged(x) and any(
+                g.ops[o].primitive == "add" for o in cl[merged_member(x)].ops):
+            # jax 0.12: the bias of a merged sibling is added by the GEMM reading its part, from
+            # a broadcast written out in that operand's layout (``wrapped_broadcast``)
+            return 2, 4 * full   # the transpose (reading the merged buffer, the GEMM's read of
+            # it charged the part only) and the broadcast written and read
         # (a part of rows: the copy reads the whole buffer it is cut from)
         whole = ctx.nbytes[_slice_source(g, x)] if _minor_slice(g, x) is not None else src
         k = ctx.producer.get(x)
@@ -1349,7 +1368,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             for x in (x for o in dots for x in g.ops[o].inputs[:2] if x in made_in):
                 n += 1
                 nbytes += 2 * ctx.nbytes[x]
-            for x in (x for o in dots for x in _gemm_relayouts(g, g.ops[o]) if x not in made_in):
+            for x in (x for o in dots for x in _gemm_relayouts(g, g.ops[o], from_merged) if x not in made_in):
                 n_, b_ = relayout(x)
                 n, nbytes = n + n_, nbytes + b_
         for m in members:   # a norm (TRITON_NORM_MAX_ROW): one Triton fusion, or a reduction
@@ -1489,7 +1508,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     if keys > XLA_PROBS_TRANSPOSE_MAX_KEYS:
                         n, nbytes = n + 1, nbytes + 2 * ctx.nbytes[probs]
                 for d in dots:   # operands a GEMM cannot read where they are: a repeated (GQA)
-                    for x in _gemm_relayouts(g, d):   # one, heads not next to the batch: copied
+                    for x in _gemm_relayouts(g, d, from_merged):   # one, heads not next to the batch: copied
                         (_, (lb, rb)) = d.params["dimension_numbers"]
                         moved = (_repeat_transposed(g, x, lb if x == d.inputs[0] else rb)
                                  if x not in relaid else None)
@@ -1622,6 +1641,19 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             add((), "conditional", n, nbytes, c.outputs)
     return Price(sum(f.launches for f in fusions), sum(f.bytes for f in fusions),
                  _buffers(ctx, fusions, written), tuple(fusions))
+
+
+def _bias_epilogue(g: Graph, op: Any, inputs: Any) -> bool:
+    """``op`` adds a program input broadcast along rows (a bias: flax's ``y + bias.reshape(1, 1,
+    -1)``), or is a view or broadcast of one on its way there."""
+    def of_input(x: int) -> bool:
+        while x not in inputs and (p := g.producer(x)) is not None and (
+                p.primitive in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims") or p.primitive in CAST_ONLY):
+            x = p.inputs[0]
+        return x in inputs
+    if op.primitive in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims"):
+        return of_input(op.inputs[0])
+    return op.primitive == "add" and any(of_input(x) for x in op.inputs)
 
 
 def _static(g: Graph, t: int, depth: int = 0) -> bool:
@@ -2182,7 +2214,7 @@ def _fixed_layout(g: Graph, t: int) -> bool:
         or inplace_operand(op.primitive) is not None
 
 
-def _gemm_relayouts(g: Graph, op: Any) -> list[int]:
+def _gemm_relayouts(g: Graph, op: Any, fixed: Any = None) -> list[int]:
     """The operands of a GEMM (a ``dot_general`` XLA runs as a GEMM, not a reduction) that XLA
     writes out in another layout first: its GEMMs want the batch axes major, in order, and any
     order of the rest that a view can give (a stacked weight ``(2, d, f)`` contracted on ``d``
@@ -2201,7 +2233,7 @@ def _gemm_relayouts(g: Graph, op: Any) -> list[int]:
         if _repeated(g, x) or _gathered(g, x):
             out.append(x)
             continue
-        if not _fixed_layout(g, x):
+        if not (_fixed_layout(g, x) or fixed is not None and fixed(x)):
             continue
         if XLA_COPIES_PART_OF_ROWS and _minor_slice(g, x) is not None:   # a part of a buffer's
             out.append(x)   # rows (Falcon's q, k and v cut out of the fused QKV GEMM's result)
