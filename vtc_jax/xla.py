@@ -28,11 +28,11 @@ import numpy as np
 from jax import lax
 
 from .cluster import Cluster
-from .compat import (XLA_BROADCASTS_BIAS_OF_MERGED_GEMMS, XLA_COPIES_PART_OF_ROWS, XLA_COPIES_SCATTERED_CACHE_AGAIN, XLA_DOT_MERGER_JOINS_ONE_WITHIN,
-                     XLA_DOT_MERGER_MAX_BYTES, XLA_EPILOGUE_READS_OTHER_GEMMS, XLA_GEMM_REORDERS_BATCHES, XLA_MASKS_REGROUPED_SCORES_APART,
-                     XLA_RELAYS_SPLIT_FREE_RHS, XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA,
+from .compat import (XLA_BROADCASTS_BIAS_OF_MERGED_GEMMS, XLA_COPIES_PART_OF_ROWS, XLA_COPIES_SCATTERED_CACHE_AGAIN,
+                     XLA_DOT_MERGER_JOINS_ONE_WITHIN, XLA_DOT_MERGER_MAX_BYTES, XLA_EPILOGUE_READS_OTHER_GEMMS,
+                     XLA_GEMM_REORDERS_BATCHES, XLA_MASKS_REGROUPED_SCORES_APART, XLA_RELAYS_SPLIT_FREE_RHS, XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA,
                      XLA_TRANSPOSES_REPEATED_VALUES, XLA_WRITES_REPEATED_GEMM_OPERANDS)
-from .graph import Graph
+from .graph import Graph, Speculated
 from .kernels.tiling import resolve_precision
 from .primitives import KERNEL_CALLS, TABLE, Kind, Role, data_inputs, inplace_operand, is_view, kernel_aliases
 from .templates import TEMPLATES, Match
@@ -1020,8 +1020,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         if x in relaid:
             return 0, full - src
         relaid.add(x)
-        if XLA_BROADCASTS_BIAS_OF_MERGED_GEMMS and from_merged(x) and any(
-                g.ops[o].primitive == "add" for o in cl[merged_member(x)].ops):
+        sibling = merged_member(x)
+        if XLA_BROADCASTS_BIAS_OF_MERGED_GEMMS and sibling is not None and any(
+                g.ops[o].primitive == "add" for o in cl[sibling].ops):
             # jax 0.12: the bias of a merged sibling is added by the GEMM reading its part, from
             # a broadcast written out in that operand's layout (``wrapped_broadcast``)
             return 2, 4 * full   # the transpose (reading the merged buffer, the GEMM's read of
@@ -1674,7 +1675,7 @@ _CHEAP_IN_A_SELECT = frozenset(
        "slice", "copy", "copy_p"} | {n for n in TABLE if n.startswith("reduce_")})
 
 
-def xla_keeps_conditional(c: Any) -> bool:
+def xla_keeps_conditional(c: Speculated) -> bool:
     """Whether XLA runs a ``cond`` the trace computed as a select (``graph.Speculated``) as a
     conditional. Read off the H100 compile (jax 0.10.2 and 0.12): ``cond(p, s*2, s-1)`` is one
     loop fusion; ``cond(p, s*2, identity)`` and Gemma's window mask (an iota in the branch) are a
@@ -1682,7 +1683,7 @@ def xla_keeps_conditional(c: Any) -> bool:
     return c.branches != 2 or c.empty_branch or not c.primitives <= _CHEAP_IN_A_SELECT
 
 
-def conditional_price(g: Graph, c: Any) -> tuple[int, int]:
+def conditional_price(g: Graph, c: Speculated) -> tuple[int, int]:
     """Launches and bytes a kept conditional adds to the program priced as its select: a fusion
     computing the branch index, the branch that runs (one loop fusion; the heavier is charged, as
     ``offline`` counts the compile), and a launch writing each array operand that an elementwise
