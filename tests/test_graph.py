@@ -205,7 +205,9 @@ def test_prng_keys_are_ordinary_tensors():
     want = jax.jit(fn)(key, x)
     for got in (g.evaluate(key, x), jax.jit(g.evaluate)(key, x)):
         out, b, data = g.unflatten_outputs(got)
-        np.testing.assert_allclose(out, want[0], rtol=1e-6)
+        # f32: the same sums of six products, fused differently by jit (one element read 3e-6
+        # apart on this project's machine); the keys and bits below are exact
+        np.testing.assert_allclose(out, want[0], rtol=1e-5, atol=1e-6)
         assert b.dtype == want[1].dtype
         np.testing.assert_array_equal(jax.random.key_data(b), jax.random.key_data(want[1]))
         np.testing.assert_array_equal(data, want[2])
