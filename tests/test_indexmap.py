@@ -250,7 +250,7 @@ def _check_contiguity(m: IndexMap, symbols) -> None:
 
 
 # No shrinking: each example runs eager lax ops (slow to shrink); the failure message names the chain.
-@settings(max_examples=500, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+@settings(max_examples=200, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.data())
 def test_random_chain_matches_lax(data):
@@ -473,7 +473,7 @@ def _evaluations(lay: Layout, at, xp) -> list:
     return out
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+@settings(max_examples=60, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.data())
 def test_evaluator_numpy_and_jnp_agree(data):

@@ -262,7 +262,7 @@ def _move(kind: str, y):
     return jnp.concatenate([y[..., h:], y[..., :h]], axis=-1)   # flip_halves (pure movement)
 
 
-@settings(max_examples=20, deadline=None, derandomize=True, print_blob=False,
+@settings(max_examples=10, deadline=None, derandomize=True, print_blob=False,
           suppress_health_check=list(HealthCheck))
 @given(st.lists(st.sampled_from(_MOVES), min_size=1, max_size=3), st.integers(0, 4))
 def test_random_islands_equal_jit(moves, pos):

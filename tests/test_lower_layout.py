@@ -14,7 +14,7 @@ from vtc_jax.indexmap import point
 from vtc_jax.lower import _gather, _scatter, _unit_window, _window
 
 
-@settings(max_examples=80, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+@settings(max_examples=40, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.data())
 def test_gather_window_scatter_match_the_reference(data):

@@ -232,7 +232,7 @@ def test_spmd(name):
 
 # ---- fuzz: the rules against jit on random programs and random shardings ---------------------
 
-FUZZ_EXAMPLES = 300 * int(os.environ.get("VTC_FUZZ_EXAMPLES", "1"))   # VTC_FUZZ_EXAMPLES=N: N times more
+FUZZ_EXAMPLES = 120 * int(os.environ.get("VTC_FUZZ_EXAMPLES", "1"))   # VTC_FUZZ_EXAMPLES=N: N times more
 
 
 def fuzz() -> None:

@@ -234,8 +234,11 @@ if __name__ == "__main__":   # one check, in a process that sees 8 host devices
 
 # ---- paper size, compiled for a node of H100s (deviceless, in this process) ------------------
 
-PAPER = [(p, s, 8) for p in tp.PROGRAMS for s in tp.STYLES] + \
-    [(p, s, 4) for p in ("megatron_gspmd", "shard_map_psum") for s in tp.STYLES]
+# every program and mesh with the Llama layer in CI; the Gemma layer (the same sharding, ~25 s a
+# compile on a 2-core machine) with -m slow
+PAPER = [pytest.param(p, s, n, id=f"{p}-{s}-{n}", marks=[pytest.mark.slow] if s == "gemma" else [])
+         for p, s, n in [(p, s, 8) for p in tp.PROGRAMS for s in tp.STYLES]
+         + [(p, s, 4) for p in ("megatron_gspmd", "shard_map_psum") for s in tp.STYLES]]
 
 
 @pytest.mark.offline

@@ -398,7 +398,7 @@ def _offsets_kernel(layout: Layout, names, block, backend: str):
         interpret=backend == "interpret")
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+@settings(max_examples=30, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.data())
 def test_kernel_offsets_equal_the_reference(data):

@@ -88,6 +88,38 @@ class _Groups:
         # consumer op ids of each op, computed once: the cycle check walks them constantly
         self.succ: list[tuple[int, ...]] = [
             tuple(dict.fromkeys(c.id for t in op.outputs for c in graph.consumers(t))) for op in graph.ops]
+        # Where op ids are a topological order (a jaxpr's), the cycle check stops at a cut: see
+        # `_cut`. Each group's smallest and largest op id, kept as bounds: a removal leaves them
+        # wider than the group, which only makes the cut later (never wrong).
+        self.ordered = all(c > o for o, cs in enumerate(self.succ) for c in cs)
+        self.lo: dict[int, int] = {}
+        self._reach_up = [-1] * (len(graph.ops) + 1)   # Fenwick tree: max hi over groups with lo <= i
+
+    def _span(self, gid: int, ops: set[int]) -> None:
+        """Widen ``gid``'s bounds by ``ops``, now among its members."""
+        if not ops:
+            return
+        lo, hi = min(ops), max(ops)
+        self.lo[gid] = min(self.lo.get(gid, lo), lo)
+        i = self.lo[gid] + 1
+        while i < len(self._reach_up):
+            self._reach_up[i] = max(self._reach_up[i], hi)
+            i += i & -i
+
+    def _cut(self, top: int) -> int:
+        """The first op id ``>= top`` that no group straddles (none has members on both sides):
+        nothing after such a cut reaches an op at or before it, since every edge goes to a later
+        id and a group is entered only at a member after the cut. The cycle check need not walk
+        past it."""
+        cut = top
+        while True:
+            i, reach = cut + 1, cut
+            while i > 0:               # the largest member of a group that starts at or before `cut`
+                reach = max(reach, self._reach_up[i])
+                i -= i & -i
+            if reach <= cut:
+                return cut
+            cut = reach
 
     def free(self, op: int) -> bool:
         return self.of[op] is None
@@ -103,6 +135,7 @@ class _Groups:
         self.kind[gid], self.members[gid] = kind, set(ops)
         for o in ops:
             self.of[o] = gid
+        self._span(gid, ops)
         return gid
 
     def try_add(self, gid: int, op: int) -> bool:
@@ -110,6 +143,7 @@ class _Groups:
             return False
         self.members[gid].add(op)
         self.of[op] = gid
+        self._span(gid, {op})
         return True
 
     def remove(self, gid: int, op: int) -> None:
@@ -119,23 +153,32 @@ class _Groups:
     def try_merge(self, a: int, b: int) -> bool:
         if a == b or not self._acyclic(self.members[a] | self.members[b]):
             return a == b
+        self.absorb(a, b)
+        return True
+
+    def absorb(self, a: int, b: int) -> None:
+        """Unchecked merge: group ``b``'s ops join group ``a``."""
         moved = self.members.pop(b)
         for o in moved:
             self.of[o] = a
         self.members[a] |= moved
+        self._span(a, moved)
         del self.kind[b]
-        return True
+        self.lo.pop(b, None)
 
     def _acyclic(self, ops: set[int]) -> bool:
         """No path leaves `ops` and re-enters it (other groups count as contracted nodes)."""
         succ, of, members = self.succ, self.of, self.members
         stack = [c for o in ops for c in succ[o] if c not in ops]
+        cut = self._cut(max(ops)) if self.ordered else len(of)
         seen: set[int] = set()
         while stack:
             o = stack.pop()
             if o in seen:
                 continue
             gid = of[o]
+            if (o if gid is None else self.lo[gid]) > cut:
+                continue   # wholly after the cut: cannot lead back into `ops`
             unit = members[gid] if gid is not None else (o,)
             seen.update(unit)
             for u in unit:
@@ -413,10 +456,7 @@ def fuse_islands(graph: Graph, clusters: Sequence[Cluster],
             g = gid_of[k]
             if g == keep:
                 continue
-            for o in groups.members.pop(g):
-                groups.of[o] = keep
-                groups.members[keep].add(o)
-            del groups.kind[g]
+            groups.absorb(keep, g)
             gid_of[k] = keep
     if len(left) == len(islands):
         return tuple(clusters), left

@@ -152,6 +152,8 @@ class Expr:
         return Expr(tuple(items), int(c))
 
     def __add__(self, other: "Expr | int") -> "Expr":
+        if isinstance(other, (int, np.integer)):   # a constant moves no term: already canonical
+            return Expr(self.terms, self.const + int(other))
         o = Expr.of(other)
         acc = dict(self.terms)
         for a, k in o.terms:
@@ -173,7 +175,11 @@ class Expr:
         if not isinstance(k, (int, np.integer)):
             raise TypeError("index expressions are multiplied by integer constants only")
         k = int(k)
-        return Expr._make({a: c * k for a, c in self.terms}, self.const * k)
+        if k == 0:
+            return Expr((), 0)
+        # a nonzero factor scales every coefficient alike: the order and the fold of _recombine
+        # (k*c*(e floordiv c) + k*(e mod c)) are unchanged, so a canonical Expr stays canonical
+        return Expr(tuple((a, c * k) for a, c in self.terms), self.const * k)
 
     __rmul__ = __mul__
 

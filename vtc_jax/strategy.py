@@ -848,9 +848,11 @@ def resolve(strategy: Strategy, graph: "Graph", clusters: Sequence["Cluster"]) -
 def eliminated_ops(graph: "Graph", strategy: Strategy) -> frozenset[int]:
     """Movement ops no one has to execute under ``strategy``."""
     v = strategy.vtog
-    chosen = [v.edges[i] for i in strategy.chosen]
+    by_op: dict[int, list[Edge]] = {}    # grouped once: a scan of every chosen edge per op is
+    for i in strategy.chosen:            # quadratic in the layers of an unrolled model
+        by_op.setdefault(v.edges[i].op, []).append(v.edges[i])
     out: set[int] = set()
-    for oid in {e.op for e in chosen}:
+    for oid, chosen in by_op.items():
         op = graph.ops[oid]
         ok = True
         for o in op.outputs:
@@ -859,7 +861,7 @@ def eliminated_ops(graph: "Graph", strategy: Strategy) -> frozenset[int]:
             # physical, or itself written through a map: its producers (the op's inputs, through
             # this op's write edges) must fill all of it, or the op has to run
             covered = sum(box_volume(e.box) for e in chosen
-                          if e.op == oid and e.dst == o and e.direction == Direction.WRITE)
+                          if e.dst == o and e.direction == Direction.WRITE)
             if covered < graph.tensors[o].size:
                 ok = False
                 break
@@ -867,7 +869,7 @@ def eliminated_ops(graph: "Graph", strategy: Strategy) -> frozenset[int]:
         if ok and k is not None and any(e.inplace for e in strategy.points_to(op.outputs[0])):
             # in place: the updates still have to land, unless their producers write them there
             updates = [t for t in data_inputs(op) if t != op.inputs[k]]
-            ok = all(any(e.op == oid and e.src == u for e in chosen) for u in updates)
+            ok = all(any(e.src == u for e in chosen) for u in updates)
         if ok:
             out.add(oid)
     return frozenset(out)

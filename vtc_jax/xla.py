@@ -619,32 +619,47 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         return t
 
     succ = [{u for t in c.outputs for u in ctx.users.get(t, ())} for c in cl]
-    reach_memo: dict[int, frozenset[int]] = {}
+    reach_memo: dict[int, int] = {}
 
-    def reach(k: int) -> frozenset[int]:
-        """Clusters reading what ``k`` computes, directly or through others (the program is a DAG)."""
-        if k not in reach_memo:
-            out: set[int] = set()
-            stack = list(succ[k])
-            while stack:
-                u = stack.pop()
-                if u not in out:
-                    out.add(u)
-                    stack.extend(reach_memo.get(u, succ[u]))
-            reach_memo[k] = frozenset(out)
+    def reach(k: int) -> int:
+        """Clusters reading what ``k`` computes, directly or through others, as a bit set (the
+        program is a DAG; bit sets keep the unions of an unrolled model's many layers linear)."""
+        stack = [k]
+        while stack:                      # post-order: a cluster's set after all its readers'
+            u = stack[-1]
+            todo = [w for w in succ[u] if w not in reach_memo]
+            if todo:
+                stack.extend(todo)
+                continue
+            stack.pop()
+            if u not in reach_memo:
+                bits = 0
+                for w in succ[u]:
+                    bits |= (1 << w) | reach_memo[w]
+                reach_memo[u] = bits
         return reach_memo[k]
+
+    launch_bits = sum(1 << m for m in range(len(cl)) if call[m] or kind[m] in _NEVER_IN_A_LOOP)
 
     def joins_around_a_launch(a: int, b: int) -> bool:
         """Would one fusion of groups ``a`` and ``b`` contain a path through a GEMM, convolution,
         attention or kernel call outside both (a residual add before the FFN and the one after
         it: the FFN's GEMMs run between them)? XLA never fuses across such a path: the fusion
         would depend on itself. (Element-wise work between them may join the same fusion.)"""
-        ga = {m for m in range(len(cl)) if find(m) == a}
-        gb = {m for m in range(len(cl)) if find(m) == b}
-        for x, y in ((ga, gb), (gb, ga)):
-            between = set().union(*(reach(m) for m in x)) - x - y
-            if any((call[m] or kind[m] in _NEVER_IN_A_LOOP) and reach(m) & y for m in between):
-                return True
+        ga = [m for m in range(len(cl)) if find(m) == a]
+        gb = [m for m in range(len(cl)) if find(m) == b]
+        bits_a = sum(1 << m for m in ga)
+        bits_b = sum(1 << m for m in gb)
+        for x, bits_x, bits_y in ((ga, bits_a, bits_b), (gb, bits_b, bits_a)):
+            between = 0
+            for m in x:
+                between |= reach(m)
+            between &= launch_bits & ~bits_x & ~bits_y
+            while between:
+                m = between.bit_length() - 1
+                between &= ~(1 << m)
+                if reach(m) & bits_y:
+                    return True
         return False
 
     for k, c in enumerate(cl):   # pointwise islands: one loop fusion

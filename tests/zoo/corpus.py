@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-KEY = jax.random.PRNGKey(20240611)
+SEED = 20240611
 
 
 @dataclass(frozen=True)
@@ -56,23 +56,29 @@ def case(f):
 
 
 class _Gen:
-    """Arguments for one entry: random (fixed keys, one per call) at "small", ShapeDtypeStructs at
+    """Arguments for one entry: random at "small" (numpy's generator, seeded per entry and per
+    call: host arrays cost no XLA compile, where each new shape drawn by ``jax.random`` compiled a
+    program of its own, about a second each on a 2-core CI machine), ShapeDtypeStructs at
     "paper"."""
 
     def __init__(self, size: str, salt: int = 0):
         assert size in ("small", "paper"), size
         self.paper = size == "paper"
         self._n = 0
-        self._key = jax.random.fold_in(KEY, salt)
+        self._salt = salt
 
-    def _next(self):
+    def _rng(self) -> np.random.Generator:
         self._n += 1
-        return jax.random.fold_in(self._key, self._n)
+        return np.random.default_rng((SEED, self._salt, self._n))
+
+    @staticmethod
+    def _array(x: np.ndarray, dtype) -> jax.Array:
+        return jnp.asarray(np.asarray(x, np.float32).astype(dtype))
 
     def normal(self, *shape, dtype=F32, scale=1.0):
         if self.paper:
             return jax.ShapeDtypeStruct(shape, dtype)
-        return (scale * jax.random.normal(self._next(), shape, F32)).astype(dtype)
+        return self._array(np.float32(scale) * self._rng().standard_normal(shape, np.float32), dtype)
 
     def w(self, fan_in, *rest, dtype=F32):
         """A weight (fan_in, *rest) scaled by 1/sqrt(fan_in)."""
@@ -81,18 +87,18 @@ class _Gen:
     def uniform(self, *shape, lo=0.0, hi=1.0, dtype=F32):
         if self.paper:
             return jax.ShapeDtypeStruct(shape, dtype)
-        return jax.random.uniform(self._next(), shape, F32, lo, hi).astype(dtype)
+        return self._array(self._rng().uniform(lo, hi, shape), dtype)
 
     def near_one(self, *shape, dtype=F32):
         """A norm's weight: 1 + N(0, 0.1)."""
         if self.paper:
             return jax.ShapeDtypeStruct(shape, dtype)
-        return (1.0 + 0.1 * jax.random.normal(self._next(), shape, F32)).astype(dtype)
+        return self._array(1.0 + np.float32(0.1) * self._rng().standard_normal(shape, np.float32), dtype)
 
     def ints(self, *shape, lo=0, hi=2, dtype=jnp.int32):
         if self.paper:
             return jax.ShapeDtypeStruct(shape, dtype)
-        return jax.random.randint(self._next(), shape, lo, hi, dtype)
+        return jnp.asarray(self._rng().integers(lo, hi, shape).astype(dtype))
 
     def value(self, x, dtype=None):
         """A concrete value at small size (its ShapeDtypeStruct at paper size)."""
@@ -104,8 +110,9 @@ class _Gen:
         return jax.ShapeDtypeStruct(k.shape, k.dtype) if self.paper else k
 
     def init(self, fn, *args):
-        """``fn(*args)`` (a module init) — abstractly at paper size."""
-        return jax.eval_shape(fn, *args) if self.paper else fn(*args)
+        """``fn(*args)`` (a module init) — abstractly at paper size; at small size as one jitted
+        program (run op by op, each of an init's primitives compiled a program of its own)."""
+        return jax.eval_shape(fn, *args) if self.paper else jax.jit(fn)(*args)
 
 
 def _pick(size, small, paper):
