@@ -69,6 +69,11 @@ SLOW: set = {("gemma_flax", "vmap"), ("vision[c3k2]", "vmap"), ("gemma_flax", "d
              ("gemma_flax", "nested"), ("gemma_flax[cond]", "vmap"), ("gemma_flax[cond]", "donated"),
              ("gemma_flax[cond]", "nested"), ("gemma_flax[heads]", "vmap"), ("gemma_flax[heads]", "donated"),
              ("gemma_flax[heads]", "nested")}
+# The modes try the wrapper (donation, vmap's batching rule, a jit around the call), which a mask or
+# RoPE idiom does not change: each idiom is held to plain in CI, the base Llama and prefill to all four
+# (the rest with -m slow; CI has 90 minutes for two legs on two slow cores).
+SLOW |= {(f"llama_pure[{v}]", m) for v in ("where_finfo", "additive_1e30", "realrope", "scores_nonzero")
+         for m in ("donated", "vmap", "nested")} | {("prefill[sdpa]", m) for m in ("donated", "vmap", "nested")}
 
 
 def _tol(x):
