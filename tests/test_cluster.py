@@ -252,3 +252,34 @@ def test_attention_output_cast_is_the_kernels_store():
     g1 = trace(attn, q1, k1, v1)
     (att1,) = [c for c in cluster(g1) if c.kind == "attention"]
     assert [g1.tensors[t].dtype for t in att1.outputs] == [jnp.bfloat16]
+
+
+def test_cycle_check_cut_gives_the_partition_of_the_full_walk(monkeypatch):
+    """The cycle check stops at the first op id no group straddles (``_Groups._cut``): nothing after
+    it can lead back. The partitions with and without that stop must be the same, on programs whose
+    groups interleave (a residual stream across layers, GQA attention, windows, an MoE dispatch, a
+    sampler, a training step's backward pass)."""
+    import sys
+    from pathlib import Path
+    import vtc_jax.cluster as C
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import llama3_decode as L
+    from tests.zoo.corpus import CORPUS
+
+    def two_layers(params, x, kc, vc, pos):
+        x, k1, v1 = L.step(params, x, kc, vc, pos)
+        x, k2, v2 = L.step(params, x, k1, v1, pos)
+        return x, k2, v2
+
+    args, kwargs = llama_args()
+    graphs = [trace(two_layers, *L.example_args("small", batch=2)), trace(llama_block, *args, **kwargs)]
+    for name in ("swin_window_attention_linen", "moe_gshard_onehot_dispatch", "sampler_vllm_sort_topk_topp",
+                 "gpt2_train_step_nnx"):
+        e = CORPUS[name]("paper")
+        graphs.append(trace(e.step, *e.args))
+    cut = [cluster(g) for g in graphs]
+    monkeypatch.setattr(C._Groups, "_cut", lambda self, top: len(self.of))   # walk everything
+    full = [cluster(g) for g in graphs]
+    for a, b in zip(cut, full):
+        assert [(c.kind, c.ops) for c in a] == [(c.kind, c.ops) for c in b]
+    assert sum(len(c) for c in cut) > 20
