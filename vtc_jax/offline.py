@@ -485,9 +485,37 @@ def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
                     out[0] = (k, written)
         return out
 
+    def gathered(ins: _Instr) -> dict[int, int]:
+        """{operand index: bytes read} for operands a launch reads only as a gather's table: the
+        rows the gathers take, not the table (an embedding lookup reads 140 of 32,064 rows)."""
+        if ins.opcode == "gather":
+            return {0: sum(_leaf_sizes(ins.shape))}
+        calls = re.search(r"calls=%?([\w.\-]+)", ins.attrs) if ins.opcode == "fusion" else None
+        body = comps.get(calls.group(1), []) if calls else []
+        out: dict[int, int] = {}
+        for p in body:
+            if p.opcode != "parameter" or not p.args.isdigit():
+                continue
+            names, rows, only = {p.name}, 0, True
+            for u in body:   # in order: a bitcast's users come after it
+                hits = [j for j, o in enumerate(u.operands) if o in names]
+                if not hits:
+                    continue
+                if u.opcode == "bitcast":
+                    names.add(u.name)
+                elif u.opcode == "gather" and hits == [0]:
+                    rows += sum(_leaf_sizes(u.shape))
+                else:
+                    only = False
+                    break
+            if only and rows:
+                out[int(p.args)] = rows
+        return out
+
     def stats(ins: _Instr) -> tuple[int, int, int]:
         alias = in_place(ins)
         aliased_operands = {opnd for opnd, _ in alias.values()}
+        sparse = gathered(ins)
         seen, read = set(), 0
         for j, o in enumerate(ins.operands):
             if j in aliased_operands:
@@ -495,7 +523,7 @@ def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
             v = value(o)
             if v not in seen:
                 seen.add(v)
-                read += size(v)
+                read += min(size(v), sparse[j]) if j in sparse else size(v)
         leaves = _leaf_sizes(ins.shape)
         write = sum(b for i, b in enumerate(leaves) if i not in alias)
         write += sum(w for _, w in alias.values())

@@ -1565,12 +1565,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         weights = [next(g.ops[o] for o in cl[k].ops if g.ops[o].primitive == "dot_general").inputs[1]
                    for k in members]
         add((), "copy", 1, 2 * sum(ctx.nbytes[w] for w in weights))
-    for k in sorted(merged):   # a merged GEMM's result read by a kernel call: a slice copied out
-        for t in cl[k].outputs:
-            if any(call[u] for u in consumers_through_movement(t, set())):
-                add((k,), "copy", 1, 2 * ctx.nbytes[t], (t,))
-            elif t in outs:   # a program output: a slice copied out of the merged buffer (the
-                # compile's ``wrapped_slice`` reads the whole buffer)
+    for k in sorted(merged):   # a merged GEMM's result read by a kernel call or returned: a slice
+        for t in cl[k].outputs:   # copied out (the compile's ``wrapped_slice`` reads the whole buffer)
+            if t in outs or any(call[u] for u in consumers_through_movement(t, set())):
                 add((k,), "copy", 1, merged_whole[k] + ctx.nbytes[t], (t,))
     convs = [k for k in range(len(cl)) if kind[k] == Kind.CONV]
     if convs:   # cuDNN runs NHWC: each NCHW program input a conv reads, and each output a conv
