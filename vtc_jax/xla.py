@@ -483,7 +483,10 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
       a slice: what it keeps). It costs a launch and a write only where it is a program output.
     * **a kernel call fuses with nothing**: XLA cannot look inside a custom call, so movement
       feeding one is materialised (a bitcast excepted): fused into the producing loop fusion as
-      one more output, or a copy of its own; scalar index arithmetic feeding kernels is one
+      one more output, or a copy of its own (reading every buffer behind it whole, as the
+      compile counts: a slice charged the buffer it is cut from; element-wise work only a
+      copied concatenation reads computed inside it; a copy that reads a kernel's result after
+      it); scalar index arithmetic feeding kernels is one
       small loop fusion; a cast or prologue never folds into it. The kernel reads every buffer
       it is given, whole, and writes every output, except those aliased to an operand
       (``input_output_aliases``: in place).
@@ -812,12 +815,28 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     # a copy reading another copy's result (Swin's q, k, v split out of one GEMM's result and
     # one of them transposed): one fusion writing both (``input_slice_transpose_fusion``)
     for k in sorted(materialised):
-        behind = {ctx.producer.get(buffer_of(x)) for x in cl[k].inputs} & materialised
-        if len(behind) == 1:
-            parent[find(k)] = find(next(iter(behind)))
+        behind = {ctx.producer.get(buffer_of(x)) for x in cl[k].inputs}
+        if len(behind & materialised) == 1 and behind <= materialised | {None}:
+            # (a copy reading a kernel call's result too waits for the call: YOLO's concat of a
+            # split half with the kernels' outputs is a launch of its own after them)
+            parent[find(k)] = find(next(iter(behind & materialised)))
     for k, gk in index_of_copy:
         if gk in materialised:
             parent[find(k)] = find(gk)
+    # element-wise work only a materialised concatenation reads: computed inside the
+    # concatenation's fusion (YOLO's C3k2: the last bottleneck's SiLU and residual add, in its
+    # ``input_concatenate_fusion``)
+    into_copy: set[int] = set()
+    for k in sorted(materialised):
+        if not any(g.ops[o].primitive == "concatenate" for o in cl[k].ops):
+            continue
+        for x in {x for o in cl[k].ops for x in _data(g.ops[o])}:
+            p = ctx.producer.get(x)
+            if (p is not None and p != k and kind[p] == Kind.POINTWISE and not call[p] and find(p) == p
+                    and find(p) not in recomputed and not any(t in outs for t in cl[p].outputs)
+                    and all(set(ctx.users.get(t, ())) == {k} for t in cl[p].outputs)):
+                into_copy.add(p)
+                parent[p] = find(k)
     # scalar index arithmetic a kernel reads: a loop fusion per distinct computation (XLA's CSE
     # merges the same clamp of ``pos`` made for several kernels); broadcasts and reshapes of a
     # scalar are bitcasts of it (no launch)
@@ -936,21 +955,39 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         out of it for the attention's GEMMs, the bias added on the way on jax 0.10.2)."""
         return merged_member(t) is not None
 
-    def read_bytes(t: int, seen: set[int], inside: frozenset[int] = frozenset()) -> int:
+    def called_through_bitcasts(t: int) -> bool:
+        """``t`` is read by a kernel call, directly or through bitcasts."""
+        return any(call[u] or bitcasts_only(u) and any(called_through_bitcasts(y) for y in cl[u].outputs)
+                   for u in ctx.users.get(t, ()))
+
+    def read_bytes(t: int, seen: set[int], inside: frozenset[int] = frozenset(),
+                   whole: set[int] | None = None) -> int:
         """Bytes a fusion reads for ``t``: through fused movement, what its sources hold; nothing
-        for what the fusion's own clusters ``inside`` compute (a slice of a value made in it)."""
+        for what the fusion's own clusters ``inside`` compute (a slice of a value made in it).
+        ``whole``: the buffers counted so far, each once — a slice on the way is charged the
+        buffer it is cut from (the compile's buffer-level count of a copy's operands)."""
         k = ctx.producer.get(t)
         if k in inside:
             return 0
         if k in merged_bytes:   # a slice of a merged GEMM's output: the fusion reads its buffer
             return merged_bytes[k]   # (the compile's buffer-level count; q/k/v transposes of BERT, T5)
-        if k is None or not fused_movement(k) or k in seen or k in materialised or find(k) != k and k in feeds_call:
+        # (a split's part no kernel call reads is not written out by the split's copy: read in
+        # place where ``whole`` counts buffers — ShuffleNet's untouched half)
+        if k is None or not fused_movement(k) or k in seen or find(k) != k and k in feeds_call or (
+                k in materialised and not (whole is not None and g.producer(t).primitive == "split"
+                                           and not called_through_bitcasts(t))):
+            if whole is not None:
+                if t in whole:
+                    return 0
+                whole.add(t)
             return ctx.nbytes[t]
         seen.add(k)
         xs = [x for o in cl[k].ops for x in _data(g.ops[o])]
-        src = sum(read_bytes(x, seen, inside) for x in xs)
+        src = sum(read_bytes(x, seen, inside, whole) for x in xs)
         if kind[k] == Kind.GLUE:
             return 0
+        if whole is not None:   # (the buffers behind a slice, however little of them the copy writes)
+            return src
         return src if any(ctx.producer.get(x) in merged_bytes for x in xs) else min(ctx.nbytes[t], src)
 
     def source_bytes(t: int, own: set[int]) -> int:
@@ -1259,8 +1296,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 m in materialised or kind[m] == Kind.POINTWISE for m in members):
             pairs = [(t, x) for m in members if m in materialised
                      for o in cl[m].ops for t, x in zip(g.ops[o].outputs, _data(g.ops[o])[:1])]
+            srcs = [x for m in members if m in materialised for o in cl[m].ops for x in _data(g.ops[o])]
+            counted: set[int] = set()   # (every part of a concatenation, each buffer once)
+            inside = frozenset(m for m in members if m in into_copy)
+            srcs += [x for m in inside for x in cl[m].inputs]   # (what the work computed in it reads)
             nbytes = sum(ctx.nbytes[t] for t, _ in pairs) + sum(
-                read_bytes(x, set()) for x in dict.fromkeys(buffer_of(x) for _, x in pairs))
+                read_bytes(x, set(), inside, whole=counted) for x in dict.fromkeys(buffer_of(x) for x in srcs))
             add(members, "copy", 1, nbytes, [t for m in members if m in materialised for t in cl[m].outputs])
             continue
         if len(members) == 1 and fused_movement(head):
