@@ -208,12 +208,17 @@ def _back_to_back(fns: Sequence[Callable], args: tuple, donate: tuple[int, ...],
     (``vtc_jax.profiling.time_interleaved``: one sync per sample of at least 2 ms, the programs
     alternating sample by sample): the device time a loop sees, without the jitter of one
     synchronisation per call. Programs compared are timed in one process: on a lent H100 the same
-    jit program read 45 and 65 µs back to back in two processes. As many calls per sample as half
-    the free memory holds copies of the donated inputs and the outputs (``out``: one call's)."""
+    jit program read 45 and 65 µs back to back in two processes. Donated inputs are handed on from
+    call to call as a loop does (``profiling.threaded``: a decode step's updated caches are the
+    next call's), as the guard times them; where no output can take a donated input's place, each
+    call gets a fresh copy. As many calls per sample as half the free memory holds (``out``: one
+    call's outputs)."""
     import jax
-    from vtc_jax.profiling import MAX_CALLS, time_interleaved
+    from vtc_jax.profiling import MAX_CALLS, handed_on, threaded, time_interleaved
     nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
-    per_call = nbytes([a for i, a in enumerate(args) if i in donate]) + nbytes(out)
+    carry, on = threaded(args, donate, out), handed_on(args, donate, out)
+    per_call = (sum(o.nbytes for j, o in enumerate(jax.tree.leaves(out)) if j not in on) if on else
+                nbytes([a for i, a in enumerate(args) if i in donate]) + nbytes(out))
     stats = jax.devices()[0].memory_stats() or {}
     room = (stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)) // 2
     most = MAX_CALLS if per_call == 0 else max(1, min(MAX_CALLS, room // per_call))
@@ -221,7 +226,7 @@ def _back_to_back(fns: Sequence[Callable], args: tuple, donate: tuple[int, ...],
     def fresh() -> tuple:
         return tuple(jax.tree.map(lambda x: x.copy(), a) if i in donate else a for i, a in enumerate(args))
 
-    return time_interleaved(list(fns), fresh, runs, most)
+    return time_interleaved(list(fns), fresh, runs, most, carry)
 
 
 def measure(kind: str, name: str, batch: int, variant: str, *, runs: int, warmup: int, pos: int) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from .costmodel import ENGINE_OF_KIND, GPU, GPUS, cluster_math, kernel_flops, ke
 from .graph import Graph, trace
 from .offline import compile_program, h100_devices
 from .primitives import KERNEL_CALLS, is_movement_op
-from .profiling import MAX_CALLS, device_inputs, last_positions, time_interleaved
+from .profiling import MAX_CALLS, device_inputs, handed_on, last_positions, threaded, time_interleaved
 from .xla import Price, xla_program
 
 __all__ = ["GUARDS", "PLAIN", "UNDONE", "PRUNE_MIN", "WIN_MARGIN", "Verdict", "price_plain", "price_emitted", "kernel_math", "emitted_graph", "judge", "clear", "blame", "compiled", "measured", "room_to_time", "calls_that_fit", "timed_loss", "MiB"]
@@ -206,15 +206,19 @@ TIMING_BYTES = 1 << 30
 
 def calls_that_fit(closed: Any, donate: tuple[int, ...], device: Any = None) -> int:
     """How many calls one timing sample may issue back to back (``profiling.time_interleaved``):
-    each holds a fresh copy of the donated inputs and its own outputs until the sample ends, and
-    together they may take half of what is free beside one set of inputs, and at most
-    ``TIMING_BYTES`` (the timing raises the user's first-call peak memory: bounded); at least one,
-    at most ``profiling.MAX_CALLS``."""
+    the calls in flight hold their outputs until the sample ends, and, where the donated inputs
+    cannot be handed on from one call to the next (``profiling.carried``: no output of their shape
+    and dtype), a fresh copy of those per call; together they may take half of what is free beside
+    one set of inputs, and at most ``TIMING_BYTES`` (the timing raises the user's first-call peak
+    memory: bounded); at least one, at most ``profiling.MAX_CALLS``. Outputs that take a donated
+    input's place in the next call (a decode step's caches) are the next call's inputs, not extra."""
     stats = (device or jax.devices()[0]).memory_stats() or {}
     nbytes = lambda v: int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize  # noqa: E731
-    inputs = sum(nbytes(v) for v in closed.jaxpr.invars)
-    per_call = (sum(nbytes(v) for i, v in enumerate(closed.jaxpr.invars) if i in donate)
-                + sum(nbytes(v) for v in closed.jaxpr.outvars if hasattr(v, "aval")))
+    ins, outs = closed.jaxpr.invars, closed.jaxpr.outvars
+    on = handed_on([v.aval for v in ins], donate, [v.aval for v in outs])
+    inputs = sum(nbytes(v) for v in ins)
+    per_call = (sum(nbytes(v) for j, v in enumerate(outs) if j not in on) if on else
+                sum(nbytes(v) for i, v in enumerate(ins) if i in donate) + sum(nbytes(v) for v in outs))
     if "bytes_limit" not in stats or per_call == 0:
         return MAX_CALLS if per_call == 0 else 1
     room = min((stats["bytes_limit"] - stats.get("bytes_in_use", 0) - inputs) // 2, TIMING_BYTES)
@@ -300,9 +304,11 @@ def measured(plain: Price, vtc: Price, plain_fn: Any, vtc_fn: Any, closed: Any, 
     are ``profiling.device_inputs``: floats normal × 0.05, an integer that indexes an axis at the
     last value its uses accept (``profiling.last_positions``: a decode position at the cache's last
     row, where VTC's attention reads every key block and jit's no more than at any other), other
-    integers zero. Donated inputs are donated in both programs, as in the user's call, and re-made
-    outside the timed region before every run: an in-place cache update then costs its row, not a
-    copy of the cache."""
+    integers zero. Donated inputs are donated in both programs, as in the user's call, and handed on
+    from call to call as a loop does (``profiling.threaded``: a decode step's updated caches are
+    the next step's), or, where no output can take a donated input's place, re-made outside the
+    timed region before every call: an in-place cache update then costs its row, not a copy of the
+    cache."""
     args = _abstract_inputs(closed)
     base = device_inputs(args, ints=last_positions(closed))
 
@@ -313,8 +319,10 @@ def measured(plain: Price, vtc: Price, plain_fn: Any, vtc_fn: Any, closed: Any, 
     exes = [jax.jit(fn, donate_argnums=donate).lower(*args).compile() for fn in (plain_fn, vtc_fn)]
     mem = [int(e.memory_analysis().temp_size_in_bytes) for e in exes]
     # jit's program is timed twice in each round: its two medians are the spread of this machine now
+    outs = [v.aval for v in closed.jaxpr.outvars]
     plain_s, vtc_s, slow = timed_loss(time_interleaved([exes[0], exes[1], exes[0]], fresh, repeats,
-                                                       calls_that_fit(closed, donate)))
+                                                       calls_that_fit(closed, donate),
+                                                       threaded(args, donate, outs)))
     why = [slow] if slow else []
     if mem[1] > mem[0]:
         why.append(f"{_size(mem[1])} of temporaries against jit's {_size(mem[0])}")

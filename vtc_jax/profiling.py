@@ -22,7 +22,7 @@ from .primitives import TABLE
 from .vtog import VTOG, box_volume, piece_group
 
 __all__ = ["Profiler", "ProfiledSavings", "TimingProfiler", "time_interleaved", "calls_per_sample", "device_inputs",
-           "last_positions", "SAMPLE_SECONDS", "MAX_CALLS"]
+           "last_positions", "carried", "threaded", "handed_on", "SAMPLE_SECONDS", "MAX_CALLS"]
 
 
 # A sample is this long at least (calls issued back to back, one sync at its end): shorter ones
@@ -44,8 +44,71 @@ def calls_per_sample(seconds_per_call: float, max_calls: int = MAX_CALLS) -> int
     return max(1, min(max_calls, -int(-SAMPLE_SECONDS // seconds_per_call)))
 
 
+def carried(ins: Sequence[Any], donate: Sequence[int], outs: Sequence[Any]) -> dict[int, int] | None:
+    """Each donated input (by its index in ``ins``) paired with the output (index in ``outs``) that
+    takes its place in the next call of a loop: the first output not yet taken with its shape and
+    dtype, which is also the output XLA aliases a donated buffer with. ``None`` where a donated
+    input has no such output (a loop then needs a fresh copy of it per call). ``ins`` and ``outs``
+    are flat, anything with ``shape`` and ``dtype``."""
+    taken: dict[int, int] = {}
+    for i in sorted(set(donate)):
+        j = next((j for j, o in enumerate(outs) if j not in taken.values()
+                  and tuple(o.shape) == tuple(ins[i].shape) and o.dtype == ins[i].dtype), None)
+        if j is None:
+            return None
+        taken[i] = j
+    return taken
+
+
+def _donated_leaves(args: Sequence[Any], donate: Sequence[int], out: Any
+                    ) -> tuple[list[tuple[int, Any, int, int]], dict[int, int]] | None:
+    """The donated arguments' leaves (position, tree, first leaf, leaf count for each) and
+    :func:`carried`'s pairing of those leaves with ``out``'s; None where nothing is donated or a
+    leaf has no output to take its place."""
+    in_leaves, where = [], []
+    for i in sorted(set(donate)):
+        leaves, tree = jax.tree_util.tree_flatten(args[i])
+        where.append((i, tree, len(in_leaves), len(leaves)))
+        in_leaves.extend(leaves)
+    pairs = carried(in_leaves, range(len(in_leaves)), jax.tree_util.tree_leaves(out)) if in_leaves else None
+    return None if pairs is None else (where, pairs)
+
+
+def handed_on(args: Sequence[Any], donate: Sequence[int], out: Any) -> frozenset[int]:
+    """The output leaves :func:`threaded` hands to the next call (none where it hands nothing):
+    the outputs a sample of back-to-back calls does not hold one of per call."""
+    found = _donated_leaves(args, donate, out)
+    return frozenset(found[1].values()) if found else frozenset()
+
+
+def threaded(args: Sequence[Any], donate: Sequence[int], out: Any
+             ) -> Callable[[Sequence[Any], Any], tuple[Any, ...]] | None:
+    """How a loop feeds one call's outputs to the next (:func:`time_interleaved`'s ``carry``): each
+    donated argument (a position in ``args``, an array or a pytree of them) replaced by the outputs
+    :func:`carried` pairs with its leaves; ``out`` is one call's output, or its avals, as a pytree.
+    ``None`` where nothing is donated or a donated leaf has no output to take its place.
+
+    Why: a decode step donates its caches and a serving loop passes the updated caches to the next
+    step. Timed with a fresh copy of the caches per call instead, a sample of back-to-back calls
+    holds a copy per call, and BLOOM's 512 MiB of caches fit one call per sample in the guard's
+    memory bound: one synchronised call, whose time favoured VTC's program 1.46x where back to back
+    it ran 0.75x of jit's (a lent H200, ``benchmarks/measured/h200-2026-11-28-corpus.jsonl``)."""
+    found = _donated_leaves(args, donate, out)
+    if found is None:
+        return None
+    where, pairs = found
+
+    def carry(a: Sequence[Any], o: Any) -> tuple[Any, ...]:
+        leaves, nxt = jax.tree_util.tree_leaves(o), list(a)
+        for i, tree, start, n in where:
+            nxt[i] = jax.tree_util.tree_unflatten(tree, [leaves[pairs[start + k]] for k in range(n)])
+        return tuple(nxt)
+    return carry
+
+
 def time_interleaved(fns: Sequence[Callable[..., Any]], make_args: Callable[[], Sequence[Any]],
-                     repeats: int = 20, max_calls: int = MAX_CALLS) -> list[float]:
+                     repeats: int = 20, max_calls: int = MAX_CALLS,
+                     carry: Callable[[Sequence[Any], Any], Sequence[Any]] | None = None) -> list[float]:
     """The median seconds per call of each of ``fns``, as a loop that calls it sees them.
 
     Warm-up: calls of each until ``WARM_SECONDS`` have passed (compile, autotuning, module load,
@@ -55,8 +118,20 @@ def time_interleaved(fns: Sequence[Callable[..., Any]], make_args: Callable[[], 
     as in a serving or training loop, so a sub-millisecond program is timed by its device time and
     not by the jitter of one synchronisation; the interleaving puts a clock or thermal drift on
     all of them alike, and the order turns by one each round (no function always follows
-    another). ``make_args()`` gives every call its arguments before the sample's clock starts (fresh copies where a call donates, and so consumes, its inputs): ``max_calls`` bounds
-    how many such copies a sample holds at once."""
+    another). ``make_args()`` gives a call its arguments before the sample's clock starts. With
+    ``carry`` (:func:`threaded`) a sample's calls are a loop: ``make_args()`` once, then each call
+    is given ``carry(args, outputs)`` of the one before (a decode step its updated caches), so a
+    sample holds one set of donated inputs however many calls it makes. Without it, each call of a
+    sample gets its own ``make_args()`` (fresh copies where a call donates, and so consumes, its
+    inputs). ``max_calls`` bounds the calls of a sample: the memory the caller lets a sample hold
+    (the copies and the outputs of calls in flight)."""
+    def loop(fn: Callable[..., Any], n: int) -> Any:
+        a, o = make_args(), None
+        for _ in range(n):
+            o = fn(*a)
+            a = carry(a, o)
+        return o
+
     single = []
     for fn in fns:
         jax.block_until_ready(fn(*make_args()))
@@ -64,6 +139,9 @@ def time_interleaved(fns: Sequence[Callable[..., Any]], make_args: Callable[[], 
         jax.block_until_ready(fn(*make_args()))
         single.append(time.perf_counter() - t0)
     for fn, t in zip(fns, single):
+        if carry is not None:
+            jax.block_until_ready(loop(fn, min(int(WARM_SECONDS / max(t, 1e-6)), 200)))
+            continue
         for _ in range(min(int(WARM_SECONDS / max(t, 1e-6)), 200)):
             jax.block_until_ready(fn(*make_args()))
     n = calls_per_sample(min(single), max_calls)
@@ -74,6 +152,16 @@ def time_interleaved(fns: Sequence[Callable[..., Any]], make_args: Callable[[], 
         # executable timed first and third, with jit's own two medians 0% apart)
         turn = [(i + r) % len(fns) for i in range(len(fns))]
         for fn, t in ((fns[i], times[i]) for i in turn):
+            if carry is not None:
+                a = jax.block_until_ready(make_args())
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    o = fn(*a)
+                    a = carry(a, o)
+                jax.block_until_ready(o)
+                t.append((time.perf_counter() - t0) / n)
+                del o, a
+                continue
             sets = [make_args() for _ in range(n)]
             jax.block_until_ready(sets)
             t0 = time.perf_counter()
