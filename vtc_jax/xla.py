@@ -686,12 +686,39 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         if t in outs or len(users) != 1:
             return False
         op = users[0]
-        if op.primitive == "gather":   # (or a kernel call: Swin's bias table for VTC's attention)
-            return t not in _data(op) and (_gemm_reads(g, op.outputs[0]) or any(
-                call[u] for u in readers_through_views(op.outputs[0])))
+        if op.primitive == "gather":   # (or a kernel call: Swin's bias table for VTC's attention;
+            # or a convolution; through more gathers: U-Net's nearest upsampling, both axes)
+            return t not in _data(op) and (_gemm_reads(g, op.outputs[0]) or _conv_reads(g, op.outputs[0])
+                                           or called_through_gathers(op.outputs[0]))
         if (is_view(op, g) or op.primitive in _FUSED_VIEWS or op.primitive == "concatenate") and len(op.outputs) == 1:
             return gather_index(op.outputs[0])
         return False
+
+    def called_through_gathers(y: int) -> bool:
+        """A kernel call reads ``y``, through views and gathers of it (as their table)."""
+        for u in readers_through_views(y):
+            if call[u]:
+                return True
+            ops = [g.ops[o] for o in cl[u].ops]
+            if kind[u] == Kind.MOVEMENT and ops and all(op.primitive == "gather" for op in ops) and any(
+                    y in _data(op) or buffer_of(x) == y for op in ops for x in _data(op)) and any(
+                    called_through_gathers(z) for z in cl[u].outputs):
+                return True
+        return False
+
+    def materialised_behind(k: int) -> int | None:
+        """The materialised copy that fused movement ``k``'s result is written out by (a gather
+        another gather reads, inside the copy of the second), else None."""
+        seen, todo = set(), [k]
+        while todo:
+            u = todo.pop()
+            if u in materialised:
+                return u
+            if u in seen or kind[u] != Kind.MOVEMENT:
+                continue
+            seen.add(u)
+            todo.extend(w for t in cl[u].outputs for w in ctx.users.get(t, ()))
+        return None
 
     table_memo: dict[int, bool] = {}
 
@@ -821,8 +848,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             # split half with the kernels' outputs is a launch of its own after them)
             parent[find(k)] = find(next(iter(behind & materialised)))
     for k, gk in index_of_copy:
-        if gk in materialised:
-            parent[find(k)] = find(gk)
+        if (into := materialised_behind(gk)) is not None:
+            parent[find(k)] = find(into)
     # element-wise work only a materialised concatenation reads: computed inside the
     # concatenation's fusion (YOLO's C3k2: the last bottleneck's SiLU and residual add, in its
     # ``input_concatenate_fusion``)
@@ -936,6 +963,25 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             for x in cl[m].inputs for p in producers_through_movement(x, set()))
         if not moved and not gemm_read and not other_gemm:   # (a result a GEMM reads, or
             parent[u] = find(k)    # transposed for its reader, is a loop fusion's: LoRA's q, relaid for the scores)
+
+    # a convolution's result plus another tensor of its shape, and nothing else (the shortcut of
+    # a ResNet block added to its last convolution): cuDNN's side input, the add inside
+    # ``cudnn-conv-bias-activation``, where the convolution's own epilogue is at most its bias
+    # (read off the U-Net up block's compile: the shortcut conv reads the residual, no loop fusion)
+    for k in range(len(cl)):
+        if kind[k] != Kind.CONV or call[k] or find(k) != k or len(cl[k].outputs) != 1 or (
+                _conv_epilogue(g, cl[k]) - {"add"}):
+            continue
+        (t,) = cl[k].outputs
+        users = {find(u) for u in readers_through_views(t)}
+        u = next(iter(users)) if len(users) == 1 else None
+        if t in outs or u not in islands:
+            continue
+        ops = [g.ops[o] for m in islands[u] for o in cl[m].ops]
+        if len(ops) == 1 and ops[0].primitive == "add" and len(ctx.users.get(t, ())) == 1 and all(
+                g.tensors[x].size == g.tensors[t].size and g.tensors[x].dtype == g.tensors[t].dtype
+                for x in ops[0].inputs) and len(set(ops[0].inputs)) == 2:
+            parent[u] = find(k)
 
     def _generated(t: int) -> bool:
         """``t`` is an iota (through casts and broadcasts): XLA makes it inside its reader."""
@@ -1255,6 +1301,35 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     tree_partials: list[tuple[int, set[int]]] = []   # (rows reduced, buffers read) of each partial fusion
     applied_in_loop: set[int] = set()   # norms XLA applies in a loop fusion, not a Triton one
 
+    def rows_behind(t: int, own: set[int]) -> frozenset[int]:
+        """The buffers whose elements ``t`` is computed from, one for one, by element-wise work
+        among ``own`` (a reduction's operand ``x * x``: ``x``'s buffer)."""
+        op = g.producer(t)
+        row = TABLE.get(op.primitive) if op is not None else None
+        if op is None or op.id not in own or row is None or row.role != Role.ELEMENTWISE:
+            return frozenset({buffer_of(t)})
+        return frozenset().union(*[rows_behind(x, own) for x in _data(op) if g.tensors[x].size == g.tensors[t].size])
+
+    def reductions(k: int) -> list[Any]:
+        return [g.ops[o] for o in cl[k].ops if g.ops[o].primitive.startswith("reduce_")]
+
+    # reductions that write only reduced values, by (the rows they reduce, their result's shape)
+    reduced_only: dict[tuple[frozenset[int], tuple[int, ...]], set[int]] = {}
+    for k in range(len(cl)):
+        if kind[k] == Kind.REDUCTION and not call[k] and (rs := reductions(k)) and all(
+                g.tensors[t].size <= max(g.tensors[r.outputs[0]].size for r in rs) for t in cl[k].outputs):
+            for r in rs:
+                key = (rows_behind(_data(r)[0], set(cl[k].ops)), g.tensors[r.outputs[0]].shape)
+                reduced_only.setdefault(key, set()).add(k)
+
+    def reduced_beside(m: int, r: Any) -> bool:
+        """Another fusion reduces the same rows to the same shape, writing only what it reduces
+        (flax's GroupNorm: the mean and the mean of squares over several axes): XLA's sibling
+        multi-output fusion reduces both in one launch reading the rows once, and ``r`` rides in
+        it (the U-Net up block's ``input_reduce_fusion``, read off the compiles of both sides)."""
+        key = (rows_behind(_data(r)[0], set(cl[m].ops)), g.tensors[r.outputs[0]].shape)
+        return any(find(k) != find(m) for k in reduced_only.get(key, ()))
+
     def read_through(t: int) -> set[int]:
         """The buffers a fusion reading ``t`` reads: through work it recomputes, that work's."""
         k = ctx.producer.get(t)
@@ -1461,6 +1536,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             # (flax's GroupNorm over 40,960-wide groups, U-Net: the compile's count)
             # (a statistic over a major axis, ``jax.image.resize``'s weight columns normalised
             # by their sum: XLA's Triton fusion reduces minor axes only, a reduction fusion too)
+            if not minor and all(reduced_beside(m, r) for r in reds):
+                continue
             if row > TRITON_NORM_MAX_ROW:
                 extra = 2 * len(reds) if minor else 1
             else:
@@ -1468,6 +1545,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             n += extra
             own_ops = {o for m2 in members for o in cl[m2].ops}
             nbytes += min(extra, len(reds)) * sum(source_bytes(x, own_ops) for x in _data(reds[-1]))
+        for m in members:   # reductions over axes a kept axis separates: a small loop fusion
+            if kind[m] != Kind.REDUCTION:   # finishes each (:func:`_finished_apart`)
+                continue
+            for r in reductions(m):
+                if partials := _finished_apart(g, r):
+                    n, nbytes = n + 1, nbytes + 2 * 4 * partials
         for m in members:   # column trees (XLA_COLUMN_TREE_MIN_ROWS): the finishing reduce a
             if kind[m] != Kind.REDUCTION:   # launch of its own, and any epilogue of it another
                 continue
@@ -1599,7 +1682,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 reads = [min(ctx.nbytes[t], sum(ctx.nbytes[y] for y in u.outputs)) for u in g.consumers(t)]
                 n, nbytes = n + 1, nbytes + ctx.nbytes[t] + sum(reads)
                 made.add(t)
-        nbytes += sum(read_bytes(t, set(), own) for t in ins) + sum(ctx.nbytes[t] for t in out)
+        # each buffer once, however many views of it the group reads (a GroupNorm's rows, read
+        # as the concatenation and as its reshape to groups: one operand of the loop fusion)
+        read: dict[int, int] = {}
+        for t in ins:
+            b = buffer_of(t)
+            read[b] = max(read.get(b, 0), read_bytes(t, set(), own))
+        nbytes += sum(read.values()) + sum(ctx.nbytes[t] for t in out)
         add(members, what, n, nbytes, made)
     for members in concatenated:   # weights of widths the GEMM fusion cannot concatenate in its
         # operand (LoRA's rank-16 A matrices): ``wrapped_concatenate``, reading and writing them
@@ -1651,7 +1740,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             sliced = not _channels_first(op, "lhs_spec") and any(
                 g.ops[o].primitive in ("slice", "split") for o in cl[p].ops)
             behind_input = bool(_inputs_behind(t))
-            behind = behind_input and not mixed and not sliced
+            # (channels-last: a concatenation with a computed part is written out, no layout
+            # transpose doing it: the U-Net up block's upsampled input and its skip)
+            joined = not _channels_first(op, "lhs_spec") and any(
+                g.ops[o].primitive == "concatenate" for o in cl[p].ops) and not _sources_behind(t) <= inputs
+            # (a gather cannot be read through: written out, its indices computed inside)
+            gathered = _source_gather(g, t) is not None
+            behind = behind_input and not mixed and not sliced and not joined and not gathered
             if all(ctx.bitcast.get(o) for o in cl[p].ops) or folded or behind:
                 continue   # (a zero pad of a computed buffer is folded into the convolution's own
                 # padding; one of a split half is written by the copy of the half: Mamba's)
@@ -1663,6 +1758,14 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 moved = _transposed_sources(t)
                 if moved:
                     add((), "layout", len(moved), sum(2 * ctx.nbytes[x] for x in moved), moved)
+        # a copy whose value a reduction or loop fusion reads too is one more output of that
+        # fusion (XLA's multi-output fusion: the U-Net up block's GroupNorm statistics and the
+        # concatenation its shortcut convolution reads, one ``input_concatenate_reduce_fusion``)
+        riding = {t for t in fed if t not in whole and any(
+            kind[u] in (Kind.REDUCTION, Kind.POINTWISE) and not call[u] for u in readers_through_views(t))}
+        if riding:
+            add((), "copy", 0, sum(ctx.nbytes[t] for t in riding), riding)
+        fed -= riding
         if fed:
             add((), "copy", len(fed), sum(whole.get(t, read_bytes(t, set())) + ctx.nbytes[t] for t in fed), fed)
         # cuDNN wants filters OHWI: any other layout (OIHW, a 1-D conv's OIW, HWIO) is transposed
@@ -1911,6 +2014,29 @@ def _reduces_minor(g: Graph, op: Any) -> bool:
     axes = {a for a in op.params["axes"] if shape[a] != 1}
     live = [a for a in range(len(shape)) if shape[a] != 1]
     return set(live[len(live) - len(axes):]) == axes if axes else True
+
+
+def _finished_apart(g: Graph, op: Any) -> int:
+    """The partial results (elements) of a reduction XLA runs in two launches, else 0: its axes
+    (unit axes aside) in more than one run, a kept axis between them (flax's channels-last
+    GroupNorm over H, W and the channels of a group, the groups kept: ``(B, H, W, G, C/G)``
+    reduced over 1, 2 and 4). The first launch reduces the major run, writing partials of the
+    result's size times the minor run's; a small loop fusion finishes them (the U-Net up block's
+    ``loop_multiply_fusion`` reducing ``f32[2,32,30]`` to the groups' means, on both jax
+    versions)."""
+    x = data_inputs(op)[0]
+    shape = g.tensors[x].shape
+    axes = sorted(a for a in op.params["axes"] if shape[a] != 1)
+    live = [a for a in range(len(shape)) if shape[a] != 1]
+    runs = [[axes[0]]] if axes else []
+    for a in axes[1:]:
+        if live.index(a) == live.index(runs[-1][-1]) + 1:
+            runs[-1].append(a)
+        else:
+            runs.append([a])
+    if len(runs) < 2:
+        return 0
+    return g.tensors[op.outputs[0]].size * math.prod(shape[a] for r in runs[1:] for a in r)
 
 
 def _scores_regrouped(g: Graph, ops: Sequence[int], scores: int) -> int | None:
@@ -2218,6 +2344,18 @@ def _gemm_reads(g: Graph, t: int) -> bool:
         if op.primitive == "dot_general":
             return True
         if (op.primitive in _FUSED_VIEWS or op.primitive in CAST_ONLY) and any(_gemm_reads(g, y) for y in op.outputs):
+            return True
+    return False
+
+
+def _conv_reads(g: Graph, t: int) -> bool:
+    """Whether a convolution reads ``t`` as its input, directly or through views and gathers
+    (``jax.image.resize``'s nearest upsampling in front of a conv)."""
+    for op in g.consumers(t):
+        if op.primitive == "conv_general_dilated" and op.inputs[0] == t:
+            return True
+        if (op.primitive in _FUSED_VIEWS or op.primitive in CAST_ONLY or op.primitive == "gather"
+                and t in data_inputs(op)) and any(_conv_reads(g, y) for y in op.outputs):
             return True
     return False
 
