@@ -1007,7 +1007,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                    for u in ctx.users.get(t, ()))
 
     def read_bytes(t: int, seen: set[int], inside: frozenset[int] = frozenset(),
-                   whole: set[int] | None = None) -> int:
+                   whole: set[int] | None = None, strided: bool = False) -> int:
         """Bytes a fusion reads for ``t``: through fused movement, what its sources hold; nothing
         for what the fusion's own clusters ``inside`` compute (a slice of a value made in it).
         ``whole``: the buffers counted so far, each once — a slice on the way is charged the
@@ -1029,12 +1029,35 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             return ctx.nbytes[t]
         seen.add(k)
         xs = [x for o in cl[k].ops for x in _data(g.ops[o])]
-        src = sum(read_bytes(x, seen, inside, whole) for x in xs)
+        src = sum(read_bytes(x, seen, inside, whole, strided) for x in xs)
         if kind[k] == Kind.GLUE:
             return 0
         if whole is not None:   # (the buffers behind a slice, however little of them the copy writes)
             return src
-        return src if any(ctx.producer.get(x) in merged_bytes for x in xs) else min(ctx.nbytes[t], src)
+        # (``strided``: a part cut from a transposed view, strided across the whole buffer
+        # behind it, is charged that buffer where a loop fusion or a GEMM operand's copy reads
+        # it — Swin's q, k and v split out of the heads-major view of one QKV result, each
+        # ``loop_slice_fusion`` reading all of it)
+        if any(ctx.producer.get(x) in merged_bytes for x in xs) or strided and strided_cut(k):
+            return src
+        return min(ctx.nbytes[t], src)
+
+    def strided_cut(k: int) -> bool:
+        """Fused movement ``k``, or movement behind it, cuts a part (``slice``, ``split``) out of
+        a transposed view of a buffer (a transpose XLA does not do as a bitcast, behind the cut
+        through fused movement)."""
+        todo, cut = [(k, False)], False
+        while todo:
+            p, below_cut = todo.pop()
+            ops = [g.ops[o] for o in cl[p].ops]
+            if below_cut and any(op.primitive == "transpose" and not ctx.bitcast.get(op.id) for op in ops):
+                return True
+            cut = below_cut or any(op.primitive in ("slice", "split") for op in ops)
+            for x in (x for op in ops for x in _data(op)):
+                q = ctx.producer.get(x)
+                if q is not None and fused_movement(q) and q not in materialised:
+                    todo.append((q, cut))
+        return False
 
     def source_bytes(t: int, own: set[int]) -> int:
         """Bytes a fusion recomputing ``t`` from the fusion's own ops ``own`` (casts and
@@ -1685,9 +1708,10 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         # each buffer once, however many views of it the group reads (a GroupNorm's rows, read
         # as the concatenation and as its reshape to groups: one operand of the loop fusion)
         read: dict[int, int] = {}
+        looped = all(kind[m] == Kind.POINTWISE for m in members)
         for t in ins:
             b = buffer_of(t)
-            read[b] = max(read.get(b, 0), read_bytes(t, set(), own))
+            read[b] = max(read.get(b, 0), read_bytes(t, set(), own, strided=looped or t in relaid))
         nbytes += sum(read.values()) + sum(ctx.nbytes[t] for t in out)
         add(members, what, n, nbytes, made)
     for members in concatenated:   # weights of widths the GEMM fusion cannot concatenate in its
