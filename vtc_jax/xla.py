@@ -1042,22 +1042,30 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             return src
         return min(ctx.nbytes[t], src)
 
+    strided_memo: dict[int, bool] = {}
+
     def strided_cut(k: int) -> bool:
         """Fused movement ``k``, or movement behind it, cuts a part (``slice``, ``split``) out of
         a transposed view of a buffer (a transpose XLA does not do as a bitcast, behind the cut
-        through fused movement)."""
-        todo, cut = [(k, False)], False
-        while todo:
-            p, below_cut = todo.pop()
-            ops = [g.ops[o] for o in cl[p].ops]
-            if below_cut and any(op.primitive == "transpose" and not ctx.bitcast.get(op.id) for op in ops):
-                return True
-            cut = below_cut or any(op.primitive in ("slice", "split") for op in ops)
-            for x in (x for op in ops for x in _data(op)):
-                q = ctx.producer.get(x)
-                if q is not None and fused_movement(q) and q not in materialised:
-                    todo.append((q, cut))
-        return False
+        through fused movement). Each (cluster, behind a cut) visited once."""
+        if k not in strided_memo:
+            todo, seen, found = [(k, False)], set(), False
+            while todo and not found:
+                p, below_cut = todo.pop()
+                if (p, below_cut) in seen:
+                    continue
+                seen.add((p, below_cut))
+                ops = [g.ops[o] for o in cl[p].ops]
+                if below_cut and any(op.primitive == "transpose" and not ctx.bitcast.get(op.id) for op in ops):
+                    found = True
+                    break
+                cut = below_cut or any(op.primitive in ("slice", "split") for op in ops)
+                for x in (x for op in ops for x in _data(op)):
+                    q = ctx.producer.get(x)
+                    if q is not None and fused_movement(q) and q not in materialised:
+                        todo.append((q, cut))
+            strided_memo[k] = found
+        return strided_memo[k]
 
     def source_bytes(t: int, own: set[int]) -> int:
         """Bytes a fusion recomputing ``t`` from the fusion's own ops ``own`` (casts and
@@ -1326,12 +1334,21 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
 
     def rows_behind(t: int, own: set[int]) -> frozenset[int]:
         """The buffers whose elements ``t`` is computed from, one for one, by element-wise work
-        among ``own`` (a reduction's operand ``x * x``: ``x``'s buffer)."""
-        op = g.producer(t)
-        row = TABLE.get(op.primitive) if op is not None else None
-        if op is None or op.id not in own or row is None or row.role != Role.ELEMENTWISE:
-            return frozenset({buffer_of(t)})
-        return frozenset().union(*[rows_behind(x, own) for x in _data(op) if g.tensors[x].size == g.tensors[t].size])
+        among ``own`` (a reduction's operand ``x * x``: ``x``'s buffer). Each value visited once
+        (a backward pass's element-wise work is a DAG with many paths to one value)."""
+        found, seen, todo = set(), set(), [t]
+        while todo:
+            x = todo.pop()
+            if x in seen:
+                continue
+            seen.add(x)
+            op = g.producer(x)
+            row = TABLE.get(op.primitive) if op is not None else None
+            if op is None or op.id not in own or row is None or row.role != Role.ELEMENTWISE:
+                found.add(buffer_of(x))
+                continue
+            todo.extend(y for y in _data(op) if g.tensors[y].size == g.tensors[x].size)
+        return frozenset(found)
 
     def reductions(k: int) -> list[Any]:
         return [g.ops[o] for o in cl[k].ops if g.ops[o].primitive.startswith("reduce_")]
