@@ -1404,7 +1404,7 @@ def test_xla_gemm_epilogue_reading_another_gemm_is_a_loop_fusion(fn, launches):
     assert abs(price.bytes - compiled.bytes) <= 0.05 * compiled.bytes, (price.bytes, compiled.bytes)
 
 
-def _model_against_compile(fn, shapes, tol):
+def check_model_against_compile(fn, shapes, tol):
     """The model of XLA (``xla.xla_program``) of ``fn`` on f32 arguments of ``shapes`` against
     XLA's deviceless H100 compile of ``jax.jit(fn)``: launches equal, bytes within ``tol``."""
     from vtc_jax.offline import compile_program
@@ -1438,7 +1438,7 @@ def test_xla_channels_last_groupnorm_and_a_residual_conv_against_xlas_compile():
     (``xla._finished_apart``); the residual added to the convolution's result is cuDNN's side
     input, no loop fusion. Launches equal the compile's, bytes within 2% (before: the launches
     equal by errors that cancelled, bytes +42%)."""
-    _model_against_compile(_groupnorm_conv_residual, [(2, 64, 64, 320), (3, 3, 320, 320), (2, 64, 64, 320)], 0.02)
+    check_model_against_compile(_groupnorm_conv_residual, [(2, 64, 64, 320), (3, 3, 320, 320), (2, 64, 64, 320)], 0.02)
 
 
 def _window_attention(x, w, b):
@@ -1457,7 +1457,7 @@ def test_xla_parts_cut_from_a_transposed_view_read_the_whole_buffer():
     all of it: each ``loop_slice_fusion`` writing one reads the whole buffer (the compile's
     count), where the model charged the part (``xla.strided_cut``: Swin's jit side -12% -> 0%).
     Launches equal the deviceless H100 compile's, bytes within 1% (before: -21%)."""
-    _model_against_compile(_window_attention, [(1024, 49, 96), (96, 288), (288,)], 0.01)
+    check_model_against_compile(_window_attention, [(1024, 49, 96), (96, 288), (288,)], 0.01)
 
 
 def _padded_conv(x, w):
