@@ -376,6 +376,9 @@ class Fusion:
     # maps (``costmodel.kernel_waste``). Not a buffer byte (the compile's count has none of it),
     # but time at HBM bandwidth all the same
     waste: int = 0
+    # the tensors of the modelled graph this group writes out (what a reader of the listing needs
+    # to match it against the compile's fusions)
+    made: tuple[int, ...] = ()
 
     def memory_seconds(self, gpu: Any) -> float:
         return (self.bytes + self.waste) / gpu.hbm_bandwidth
@@ -532,8 +535,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     _data = data_inputs
     g, cl = graph, ctx.clusters
     outs = set(g.outputs)
-    kind = [Kind(c.kind) for c in cl]
     call = [bool(c.ops) and all(g.ops[o].primitive in KERNEL_CALLS for o in c.ops) for c in cl]
+    # a dot XLA strength-reduces is a reduction fusion, taking its producers in like any other
+    dot_reduces = {k for k, c in enumerate(cl) if c.kind == Kind.MATMUL and not call[k] and any(
+        g.ops[o].primitive == "dot_general" for o in c.ops) and all(
+        _strength_reduced(g, g.ops[o]) for o in c.ops if g.ops[o].primitive == "dot_general")}
+    kind = [Kind.REDUCTION if k in dot_reduces else Kind(c.kind) for k, c in enumerate(cl)]
     parent = list(range(len(cl)))
 
     def find(k: int) -> int:
@@ -1136,11 +1143,16 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             elif (f := op_flops(op, g)):
                 flops += f
                 cls = cls or _op_math(op, g)
-        fusions.append(Fusion(tuple(members), what, int(n), int(nbytes), int(flops), engine, cls, int(waste)))
+        made = tuple(made)
+        fusions.append(Fusion(tuple(members), what, int(n), int(nbytes), int(flops), engine, cls, int(waste), made))
         for t in made:
             written[t] = len(fusions) - 1
 
     relaid: set[int] = set()   # GEMM operands already copied into GEMM layout (XLA's CSE: once)
+
+    def split_of(k: int) -> int:
+        """How many parts XLA splits cluster ``k``'s GEMM along K (1: not split)."""
+        return max((_xla_split_k(g, g.ops[o]) for o in cl[k].ops if g.ops[o].primitive == "dot_general"), default=1)
 
     def relayout(x: int) -> tuple[int, int]:
         """Launches and bytes of a GEMM operand's copy into GEMM layout (made once for all its
@@ -1171,6 +1183,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             n = 3 + (XLA_COPIES_SCATTERED_CACHE_AGAIN and scattered)
             return n, (n + scattered) * 2 * full
         made = producers_through_movement(x, set())
+        if len(made) == 1 and all(kind[p] == Kind.MATMUL and not call[p] and split_of(p) > 1 for p in made):
+            return 0, full - src   # a part of a split-K GEMM's sum: the fusion reducing the partials
+            # writes it for this GEMM (Mamba's ``dt`` out of x_proj: ``loop_reduce_fusion``)
         if len(made) == 1 and all(kind[p] == Kind.POINTWISE and not call[p] and find(p) not in recomputed
                                   and all(kind[u] in _NEVER_IN_A_LOOP and not call[u]
                                           for t in cl[p].outputs for u in consumers_through_movement(t, set()))
@@ -1472,13 +1487,15 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         for m in members:
             if kind[m] != Kind.CONV:
                 continue
-            direct = [u for t in cl[m].outputs for u in readers_through_views(t, pads=True) if kind[u] == Kind.CONV]
+            direct = [u for t in cl[m].outputs for u in readers_through_views(t, pads=True)
+                      if kind[u] in _NEVER_IN_A_LOOP or call[u]]   # (a GEMM reading it too: Mamba's conv1d)
             returned = any(t in outs for t in cl[m].outputs) and not any(
                 _channels_first(g.ops[o], "out_spec") for o in cl[m].ops if g.ops[o].primitive == "conv_general_dilated")
             if _loop_epilogue(g, cl[m]) and (direct or returned):
                 n += 1   # cuDNN fuses bias + ReLU only (an eval BatchNorm's per-channel scale
                 # is a multiply it does not take); another epilogue is a loop fusion of its
-                # own where nothing else reads the result (else it fuses into that reader: the
+                # own where a convolution, a GEMM or a kernel call reads the result, or it is
+                # returned (else it fuses into the fusions reading it: the
                 # layout transpose of a channels-first result too), reading cuDNN's output and
                 # writing the result
                 nbytes += 2 * sum(ctx.nbytes[t] for t in cl[m].outputs)
@@ -1497,15 +1514,25 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 continue
             (t,) = cl[m].outputs
             readers = readers_through_views(t) - {m}
-            if t in outs or any(kind[u] in _NEVER_IN_A_LOOP or call[u] or any(
+            costly = any(TABLE[g.ops[o].primitive].expensive for o in after if g.ops[o].primitive in TABLE)
+            if t in outs or costly and _reread(g, t) or any(kind[u] in _NEVER_IN_A_LOOP or call[u] or any(
                     g.ops[o].primitive in SORTS for o in cl[u].ops) for u in readers):
                 n += 1   # a loop fusion of its own where a library call or a kernel reads the
-                nbytes += 2 * ctx.nbytes[t]   # result (else the fusion reading it computes it)
+                nbytes += 2 * ctx.nbytes[t]   # result, or an expensive epilogue (Mamba's softplus)
+                # is read by a fusion reading each element many times (XLA duplicates no expensive
+                # producer into a consumer that reuses its elements); else that fusion computes it,
+            else:   # reading the product as the GEMM writes it (in its cast's type: LoRA's bf16
+                # scores, masked and widened to f32 inside the softmax's fusions)
+                x = g.ops[dots[0]].outputs[0]
+                product = ctx.nbytes[x]
+                while len(us := g.consumers(x)) == 1 and us[0].primitive in CAST_ONLY and us[0].id in cl[m].ops:
+                    x = us[0].outputs[0]
+                    product = min(product, ctx.nbytes[x])
+                nbytes += 2 * min(0, product - ctx.nbytes[t])
         for m in members:   # a split-K GEMM: its reduce is a loop fusion of its own unless
             if kind[m] != Kind.MATMUL:   # the one fusion reading the sum takes it in
                 continue
-            split = max((_xla_split_k(g, g.ops[o]) for o in cl[m].ops if g.ops[o].primitive == "dot_general"),
-                        default=1)
+            split = split_of(m)
             if split > 1:
                 users = {u for t in cl[m].outputs for u in consumers_through_movement(t, set())
                          if find(u) != find(m)}
@@ -1528,10 +1555,20 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                         x in cl[m].outputs for x in cl[u].inputs if g.tensors[x].size in size)
                     return kind[u] in (Kind.REDUCTION, Kind.MATMUL) and not call[u] and not softmax_alone
 
-                if returned_alone or any(takes_no_reduce(u) for u in users):
-                    out_bytes = sum(g.tensors[t].size * 4 for t in cl[m].outputs)
+                partials = split * sum(g.tensors[t].size * 4 for t in cl[m].outputs)
+                parts = [y for t in cl[m].outputs for op in g.consumers(t) for y in op.outputs
+                         if op.primitive in ("split", "slice")]
+                if parts and all(op.primitive in ("split", "slice") for t in cl[m].outputs for op in g.consumers(t)) \
+                        and not any(t in outs for t in cl[m].outputs):
+                    # the sum cut into parts read apart (Mamba's ``dt, B, C`` out of x_proj): each
+                    # part a fusion that cannot take the reduce in reads is reduced by a fusion of
+                    # its own, reading all the partials (``loop_slice_fusion``, one per part)
+                    for y in parts:
+                        if any(takes_no_reduce(find(u)) for u in consumers_through_movement(y, set())):
+                            n, nbytes = n + 1, nbytes + partials + ctx.nbytes[y]
+                elif returned_alone or any(takes_no_reduce(u) for u in users):
                     n += 1
-                    nbytes += 2 * split * out_bytes
+                    nbytes += 2 * partials
         for m in members:   # a matmul prologue (cluster._grow_prologue) is XLA's loop fusion
             if kind[m] != Kind.MATMUL:   # of its own: it writes the operand the GEMM then reads
                 continue
@@ -1716,7 +1753,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         what = next((str(kind[m]) for m in members if kind[m] not in (Kind.POINTWISE, Kind.MOVEMENT, Kind.GLUE)),
                     "loop")
         made = set(out)
-        if all(kind[m] == Kind.POINTWISE for m in members):   # values past XLA's duplication limit:
+        if all(kind[m] == Kind.POINTWISE or m in dot_reduces for m in members):   # past XLA's duplication limit:
             for o in duplicated(members, out):                # written out, read back by each reader
                 t = g.ops[o].outputs[0]
                 reads = [min(ctx.nbytes[t], sum(ctx.nbytes[y] for y in u.outputs)) for u in g.consumers(t)]
@@ -2621,6 +2658,40 @@ def _vector_dot(g: Graph, op: Any) -> bool:
     XLA runs it as a reduction, not a GEMM."""
     (_, _), (lb, _) = op.params["dimension_numbers"]
     return bool(lb) and min(_free_sizes(g, op)) == 1
+
+
+def _reread(g: Graph, t: int) -> bool:
+    """Some op reading ``t`` (through views of it) reads each element more than once: its
+    result is larger (``dt[..., None] * A``: each element of ``dt`` read N times)."""
+    stack, seen = [t], set()
+    while stack:
+        x = stack.pop()
+        for op in g.consumers(x):
+            if op.id in seen:
+                continue
+            seen.add(op.id)
+            if g.tensors[op.outputs[0]].size > g.tensors[t].size:
+                return True
+            if is_view(op, g):
+                stack.extend(op.outputs)
+    return False
+
+
+# XLA's DotStrengthReduction rewrites a dot with a vector side (no free axes once size-1 axes are
+# dropped) into a multiply and a reduce when ``(M + N) * K`` is below this
+# (``IsMatrixMultiplicationTooSmallForRewriting``): Mamba's ``einsum("bldn,bln->bld")`` read off
+# its compile as an ``input_reduce_fusion`` computing the scan's last level inside it
+XLA_DOT_TO_REDUCE_MAX = 10_000_000
+
+
+def _strength_reduced(g: Graph, op: Any) -> bool:
+    """A batched ``dot_general`` XLA runs as a multiply and a reduce (a reduction fusion taking
+    its operands' producers in), not a GEMM: one side a vector and the dot small
+    (:data:`XLA_DOT_TO_REDUCE_MAX`)."""
+    (lc, _), (lb, _) = op.params["dimension_numbers"]
+    m, n = _free_sizes(g, op)
+    k = math.prod(g.tensors[op.inputs[0]].shape[d] for d in lc)
+    return bool(lb) and min(m, n) == 1 and (m + n) * k < XLA_DOT_TO_REDUCE_MAX
 
 
 def _buffers(ctx: Facts, fusions: Sequence[Fusion], written: Mapping[int, int]) -> int:
