@@ -1404,9 +1404,10 @@ def test_xla_gemm_epilogue_reading_another_gemm_is_a_loop_fusion(fn, launches):
     assert abs(price.bytes - compiled.bytes) <= 0.05 * compiled.bytes, (price.bytes, compiled.bytes)
 
 
-def check_model_against_compile(fn, shapes, tol):
+def check_model_against_compile(fn, shapes, tol, launches=0):
     """The model of XLA (``xla.xla_program``) of ``fn`` on f32 arguments of ``shapes`` against
-    XLA's deviceless H100 compile of ``jax.jit(fn)``: launches equal, bytes within ``tol``."""
+    XLA's deviceless H100 compile of ``jax.jit(fn)``: launches within ``launches`` (equal by
+    default), bytes within ``tol``."""
     from vtc_jax.offline import compile_program
     from vtc_jax.xla import xla_program
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
@@ -1414,7 +1415,7 @@ def check_model_against_compile(fn, shapes, tol):
     compiled = compile_program(jax.jit(fn), *args, kernels=False)
     price = xla_program(g, cluster(g))
     detail = ([c.name for c in compiled.launches], [(f.what, f.launches) for f in price.fusions])
-    assert price.launches == len(compiled.launches), detail
+    assert abs(price.launches - len(compiled.launches)) <= launches, detail
     assert abs(price.bytes - compiled.bytes) <= tol * compiled.bytes, (price.bytes, compiled.bytes, detail)
 
 
@@ -1963,3 +1964,24 @@ def test_xla_an_epilogue_the_gemm_does_not_take_is_read_as_the_product():
     reduction reading it widens and masks inside (before: the f32 result charged written and
     read, +73%; LoRA's training scores the same)."""
     check_model_against_compile(_masked_row_max, [(4096, 1024), (1024, 8192), (8192,)], 0.01)
+
+
+def _attention_loss(q, k, v):
+    """A causal attention's loss written out in bf16 (scores widened to f32, scaled, masked)."""
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) / 8.0
+    t = s.shape[-1]
+    p = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9), axis=-1).astype(jnp.bfloat16)
+    o = jnp.einsum("bhqk,bhkd->bhqd", p, v).astype(jnp.float32)
+    return jnp.mean(o * o)
+
+
+@pytest.mark.offline
+def test_xla_attention_backward_recomputes_the_softmax_numerator():
+    """The gradient of an attention written out (a LoRA training step's): the softmax's
+    ``exp(s - max)``, read by its division and by the backward, is recomputed from the scores by
+    XLA's Triton softmax fusions, never written (``numerators``); the bf16 score product is
+    written bf16 and widened by its readers (``as_written``). Launches within one, bytes within
+    2% (before: +45%)."""
+    check_model_against_compile(jax.grad(_attention_loss, argnums=(0, 1, 2)), [(2, 16, 1024, 64)] * 3, 0.02,
+                                launches=1)

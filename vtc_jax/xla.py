@@ -510,11 +510,14 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
       epilogue that reads the product once — its cluster's own, or a consumer's (the residual
       add after a projection) whose result no GEMM reads; any other epilogue (a decode GEMM's
       bias, SiLU's ``x * sigmoid(x)``) is a loop fusion of its own, unless an element-wise
-      fusion reading the result computes it. A GEMM with a narrow side is split along K
+      fusion reading the result computes it, reading the product as the GEMM writes it (in the
+      narrowest type along its casts). A dot with a vector side is strength-reduced to a
+      reduction fusion (:func:`_strength_reduced`). A GEMM with a narrow side is split along K
       (:data:`XLA_SPLIT_K`): f32 partials, then a reduce of its own unless the one fusion
       reading the sum takes it in (a loop fusion, its epilogue's, a router's Triton softmax). cuDNN
       fuses a conv's bias + ReLU only: any other epilogue is one more loop fusion when another
-      conv reads the result directly (or through bitcasts) or it is returned channels-last; it
+      conv, a GEMM or a kernel call reads the result directly (or through bitcasts) or it is
+      returned channels-last; it
       runs NHWC, so each channels-first program input a conv reads (and each output one writes)
       is transposed once, and each filter that is not OHWI up to unit axes (OIHW larger than
       1×1 and not depthwise; flax's HWIO, any); movement in front of a conv (a split half, a
@@ -898,7 +901,10 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 for o in c.ops):
             continue
         d = dots[0]
-        if d.inputs[1] not in inputs:
+        w = d.inputs[1]
+        while (p := g.producer(w)) is not None and p.primitive in CAST_ONLY:
+            w = p.inputs[0]   # (a weight cast on its way in: LoRA's f32 adapters in bf16)
+        if w not in inputs:
             continue
         key = (buffer_of(d.inputs[0]), str(d.params.get("dimension_numbers")), len(g.tensors[d.inputs[1]].shape),
                str(g.tensors[d.inputs[1]].dtype))
@@ -929,6 +935,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         return next(g.ops[o] for o in cl[k].ops if g.ops[o].primitive == "dot_general").inputs[0]
 
     concatenated: list[list[int]] = []   # merged groups whose weights a launch concatenates
+    sliced_out: set[int] = set()   # merged members whose result a copy cuts out of the merged buffer
     for members in siblings.values():
         members = joined(members)
         if len(members) > 1:
@@ -939,9 +946,14 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 concatenated.append(members)
             whole = sum(ctx.nbytes[t] for k in members for t in cl[k].outputs)
             merged_whole.update((k, whole) for k in members)
+            # a narrow part another GEMM reads (LoRA's ``x @ A``, read by ``@ B`` and by B's
+            # gradient) is copied out of the merged buffer once (``wrapped_slice``)
+            sliced_out.update(k for k, w in zip(members, widths) if w % XLA_CONCAT_IN_GEMM_MULTIPLE and any(
+                kind[u] == Kind.MATMUL and not call[u] for t in cl[k].outputs
+                for u in consumers_through_movement(t, set())))
             if not any(call[u] for k in members for t in cl[k].outputs
                        for u in consumers_through_movement(t, set())):   # (else slices are copied out)
-                merged_bytes.update((k, whole) for k in members)
+                merged_bytes.update((k, whole) for k in members if k not in sliced_out)
             for k in members[1:]:
                 parent[find(k)] = find(members[0])
     # an element-wise consumer of a large GEMM is its epilogue (XLA's Triton GEMM fusion takes
@@ -1013,6 +1025,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         return any(call[u] or bitcasts_only(u) and any(called_through_bitcasts(y) for y in cl[u].outputs)
                    for u in ctx.users.get(t, ()))
 
+    # a softmax's numerator ``exp(x - max)`` that a division by its sum reads outside its
+    # reduction: XLA's Triton softmax fusions recompute it from the scores wherever it is read
+    # (the statistics fusion writes only the statistics; LoRA's training scores): value -> the
+    # scores it is recomputed from
+    numerators: dict[int, list[int]] = {}
+    as_written: dict[int, int] = {}   # (filled below: what a GEMM writes, where not its result)
+
     def read_bytes(t: int, seen: set[int], inside: frozenset[int] = frozenset(),
                    whole: set[int] | None = None, strided: bool = False) -> int:
         """Bytes a fusion reads for ``t``: through fused movement, what its sources hold; nothing
@@ -1022,6 +1041,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         k = ctx.producer.get(t)
         if k in inside:
             return 0
+        if t in numerators:   # recomputed from the scores
+            return sum(read_bytes(x, seen, inside, whole, strided) for x in numerators[t])
         if k in merged_bytes:   # a slice of a merged GEMM's output: the fusion reads its buffer
             return merged_bytes[k]   # (the compile's buffer-level count; q/k/v transposes of BERT, T5)
         # (a split's part no kernel call reads is not written out by the split's copy: read in
@@ -1033,7 +1054,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 if t in whole:
                     return 0
                 whole.add(t)
-            return ctx.nbytes[t]
+            return as_written.get(t, ctx.nbytes[t])
         seen.add(k)
         xs = [x for o in cl[k].ops for x in _data(g.ops[o])]
         src = sum(read_bytes(x, seen, inside, whole, strided) for x in xs)
@@ -1126,6 +1147,65 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         return out
 
     fusions: list[Fusion] = []
+    for k, c in enumerate(cl):
+        prims = {g.ops[o].primitive for o in c.ops}
+        if kind[k] != Kind.REDUCTION or call[k] or not {"reduce_max", "exp", "reduce_sum"} <= prims:
+            continue
+        sums = {g.ops[o].outputs[0] for o in c.ops if g.ops[o].primitive == "reduce_sum"}
+        for o in c.ops:
+            e = g.ops[o].outputs[0]
+            if g.ops[o].primitive != "exp" or e not in c.outputs or e in outs:
+                continue
+            if any(u.primitive == "div" and any(_sources_behind(x) & sums for x in u.inputs if x != e)
+                   for u in g.consumers(e)):
+                numerators[e] = [x for x in c.inputs if g.tensors[x].size == g.tensors[e].size]
+
+    def epilogue_apart(m: int) -> str | None:
+        """How XLA runs GEMM cluster ``m``'s element-wise epilogue when its GEMM does not take it
+        (below GEMM_EPILOGUE_MIN_ROWS rows, a select, or one reading the product twice): "loop",
+        a loop fusion of its own — where a library call, a kernel or a sort reads the result, it
+        is returned, or it is expensive and read by a fusion reading each element many times
+        (XLA duplicates no expensive producer into a consumer that reuses its elements: Mamba's
+        softplus); "reader", computed by the fusions reading it; None: no such epilogue (casts
+        alone are the GEMM's output type)."""
+        if kind[m] != Kind.MATMUL or call[m] or len(cl[m].outputs) != 1:
+            return None
+        dots = [o for o in cl[m].ops if g.ops[o].primitive == "dot_general"]
+        if len(dots) != 1:
+            return None
+        after = {o for o in cl[m].ops if o > dots[0] and g.ops[o].primitive not in CAST_ONLY}
+        dot = _epilogue_gemm(g, cl[m].ops)
+        if not after or dot is not None and _read_once(g, dot.outputs[0], after) \
+                and _epilogue_ops_ok(g, after, dot.outputs[0]):
+            return None
+        (t,) = cl[m].outputs
+        readers = readers_through_views(t) - {m}
+        costly = any(TABLE[g.ops[o].primitive].expensive for o in after if g.ops[o].primitive in TABLE)
+        if t in outs or costly and _reread(g, t) or any(kind[u] in _NEVER_IN_A_LOOP or call[u] or any(
+                g.ops[o].primitive in SORTS for o in cl[u].ops) for u in readers):
+            return "loop"
+        return "reader"
+
+    # what a GEMM writes where its result is only cast, or its epilogue is computed by the
+    # fusions reading it: the product in the narrowest type along its casts (a bf16 product
+    # widened to f32 is written bf16 and widened by its readers: the LM head's logits, LoRA's
+    # masked training scores)
+    for m in range(len(cl)):
+        if kind[m] != Kind.MATMUL or call[m] or len(cl[m].outputs) != 1 or epilogue_apart(m) == "loop":
+            continue
+        dots = [o for o in cl[m].ops if g.ops[o].primitive == "dot_general"]
+        if len(dots) != 1 or (epilogue_apart(m) is None and any(
+                o > dots[0] and g.ops[o].primitive not in CAST_ONLY for o in cl[m].ops)):
+            continue   # (an epilogue the GEMM takes writes the result)
+        x = g.ops[dots[0]].outputs[0]
+        product = ctx.nbytes[x]
+        while len(us := g.consumers(x)) == 1 and us[0].primitive in CAST_ONLY and us[0].id in cl[m].ops:
+            x = us[0].outputs[0]
+            product = min(product, ctx.nbytes[x])
+        (t,) = cl[m].outputs
+        if product < ctx.nbytes[t]:
+            as_written[t] = product
+
     written: dict[int, int] = {}     # materialised tensor -> group position that writes it
 
     call_ops = [op.id for op in g.ops if op.primitive in KERNEL_CALLS]
@@ -1481,7 +1561,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     return True
             return False
 
-        out = {t for m in members for t in cl[m].outputs if leaves(t, set())}
+        out = {t for m in members for t in cl[m].outputs if leaves(t, set()) and t not in numerators}
         nbytes = 0
         n = 1
         for m in members:
@@ -1499,36 +1579,10 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 # layout transpose of a channels-first result too), reading cuDNN's output and
                 # writing the result
                 nbytes += 2 * sum(ctx.nbytes[t] for t in cl[m].outputs)
-        # an epilogue XLA's GEMM does not take (below GEMM_EPILOGUE_MIN_ROWS rows, or one reading
-        # the product twice); a cast is the GEMM's output type, not an epilogue
-        for m in members:
-            if kind[m] != Kind.MATMUL or call[m] or len(cl[m].outputs) != 1:
-                continue
-            dots = [o for o in cl[m].ops if g.ops[o].primitive == "dot_general"]
-            if len(dots) != 1:
-                continue
-            after = {o for o in cl[m].ops if o > dots[0] and g.ops[o].primitive not in CAST_ONLY}
-            dot = _epilogue_gemm(g, cl[m].ops)
-            if not after or dot is not None and _read_once(g, dot.outputs[0], after) \
-                    and _epilogue_ops_ok(g, after, dot.outputs[0]):
-                continue
-            (t,) = cl[m].outputs
-            readers = readers_through_views(t) - {m}
-            costly = any(TABLE[g.ops[o].primitive].expensive for o in after if g.ops[o].primitive in TABLE)
-            if t in outs or costly and _reread(g, t) or any(kind[u] in _NEVER_IN_A_LOOP or call[u] or any(
-                    g.ops[o].primitive in SORTS for o in cl[u].ops) for u in readers):
-                n += 1   # a loop fusion of its own where a library call or a kernel reads the
-                nbytes += 2 * ctx.nbytes[t]   # result, or an expensive epilogue (Mamba's softplus)
-                # is read by a fusion reading each element many times (XLA duplicates no expensive
-                # producer into a consumer that reuses its elements); else that fusion computes it,
-            else:   # reading the product as the GEMM writes it (in its cast's type: LoRA's bf16
-                # scores, masked and widened to f32 inside the softmax's fusions)
-                x = g.ops[dots[0]].outputs[0]
-                product = ctx.nbytes[x]
-                while len(us := g.consumers(x)) == 1 and us[0].primitive in CAST_ONLY and us[0].id in cl[m].ops:
-                    x = us[0].outputs[0]
-                    product = min(product, ctx.nbytes[x])
-                nbytes += 2 * min(0, product - ctx.nbytes[t])
+        for m in members:   # an epilogue XLA's GEMM does not take, in a loop fusion of its own
+            if epilogue_apart(m) == "loop":
+                (t,) = cl[m].outputs   # (reading the product, writing the result)
+                n, nbytes = n + 1, nbytes + 2 * ctx.nbytes[t]
         for m in members:   # a split-K GEMM: its reduce is a loop fusion of its own unless
             if kind[m] != Kind.MATMUL:   # the one fusion reading the sum takes it in
                 continue
@@ -1766,7 +1820,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         for t in ins:
             b = buffer_of(t)
             read[b] = max(read.get(b, 0), read_bytes(t, set(), own, strided=looped or t in relaid))
-        nbytes += sum(read.values()) + sum(ctx.nbytes[t] for t in out)
+        nbytes += sum(read.values()) + sum(as_written.get(t, ctx.nbytes[t]) for t in out)
         add(members, what, n, nbytes, made)
     for members in concatenated:   # weights of widths the GEMM fusion cannot concatenate in its
         # operand (LoRA's rank-16 A matrices): ``wrapped_concatenate``, reading and writing them
@@ -1775,7 +1829,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         add((), "copy", 1, 2 * sum(ctx.nbytes[w] for w in weights))
     for k in sorted(merged):   # a merged GEMM's result read by a kernel call or returned: a slice
         for t in cl[k].outputs:   # copied out (the compile's ``wrapped_slice`` reads the whole buffer)
-            if t in outs or any(call[u] for u in consumers_through_movement(t, set())):
+            if t in outs or k in sliced_out or any(call[u] for u in consumers_through_movement(t, set())):
                 add((k,), "copy", 1, merged_whole[k] + ctx.nbytes[t], (t,))
     convs = [k for k in range(len(cl)) if kind[k] == Kind.CONV]
     if convs:   # cuDNN runs NHWC: each NCHW program input a conv reads, and each output a conv
