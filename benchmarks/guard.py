@@ -89,6 +89,13 @@ def seconds(launches: int, nbytes: int, compute: float = 0.0) -> float:
     return launches * GPU.launch_overhead + nbytes / GPU.hbm_bandwidth + compute
 
 
+def built(step: Callable, args: tuple, donate: tuple[int, ...], how: str | None) -> tuple[Any, Any]:
+    """VTC's analysis of ``step`` on ``args`` (``guard=how``) and the jaxpr it emits."""
+    opts = BuildOptions("triton", False, {}, lambda m: None, RuntimeError, guard=how, function=step)
+    a, _, closed = build(step, tuple(args), {}, jax.tree.leaves(args), donate=donate, opts=opts, rejected={})
+    return a, closed
+
+
 def measure(step: Callable, args: tuple, donate: tuple[int, ...]) -> dict[str, Any]:
     """Compile jit, VTC unguarded and VTC guarded; model jit and unguarded VTC."""
     row: dict[str, Any] = {}
@@ -103,12 +110,10 @@ def measure(step: Callable, args: tuple, donate: tuple[int, ...]) -> dict[str, A
             if key == "vtc":
                 rep = fn.last[0] if fn.last else None
                 row["guard"] = list(rep.guard) if rep is not None else []
-        flat = jax.tree.leaves(args)
         t0 = time.perf_counter()
         priced = {}
         for key, how in (("raw", None), ("vtc", "model")):
-            opts = BuildOptions("triton", False, {}, lambda m: None, RuntimeError, guard=how, function=step)
-            a, _, closed = build(step, tuple(args), {}, flat, donate=donate, opts=opts, rejected={})
+            a, closed = built(step, args, donate, how)
             priced[key] = G.price_emitted(a.graph, G.emitted_graph(closed), a.donated,
                                           G.kernel_math(a.graph, a.clusters, kernel_clusters(closed.jaxpr), a.strategy))
             if key == "raw":

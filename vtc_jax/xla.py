@@ -1350,7 +1350,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         the fusion from its ``roots`` (the tensors it writes) to its operands as XLA's indexing
         evaluation does: an operand of the op's own shape (or transposed) is indexed as the op
         is; any other read (slice, pad, concatenation, reshape) indexes it anew, once per
-        emission of the reader. A broadcast is always fused (its operand is what may be cut);
+        emission of the reader Emissions are counted per fusion (the written tensor or
+        cut each belongs to), as XLA checks each consumer fusion a producer would join. A broadcast is always fused (its operand is what may be cut);
         an expensive value it repeats more than TABLE_REUSE times is written out (XLA does not
         duplicate an expensive producer into a reader that reuses it: Mamba's ``-exp(A_log)``,
         a loop fusion of its own in front of the scan)."""
@@ -1377,7 +1378,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             p = g.producer(t)
             if p is not None:
                 indexers.setdefault(p.id, set()).add(-1 - t)   # the fusion's output: emitted once
-        count: dict[int, int] = {-1 - t: 1 for t in roots}
+        # emissions per fusion: indexer -> {the root of a fusion it is emitted in: times}. XLA
+        # counts a producer's emissions in each fusion it would join (its consumers' fusions are
+        # made first), not over all of them: Mamba's ``exp(dt * A)``, read by the scan's first
+        # level and by the readout's reduction, is fused into both
+        count: dict[int, dict[int, int]] = {-1 - t: {-1 - t: 1} for t in roots}
         cuts: list[int] = []
         order: list[int] = []
         stack, seen = [o for o in indexers], set(indexers)
@@ -1392,13 +1397,17 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         forced: set[int] = set()
         for o in sorted(order, reverse=True):   # op ids are in program order: consumers first
             op = g.ops[o]
-            n = sum(count[i] for i in indexers.get(o, ()))
-            if (n > CODE_DUPLICATION and op.primitive != "broadcast_in_dim" or o in forced) and not any(
-                    g.same_value(t) in shared for t in op.outputs):   # (shared tables: their own rule)
-                cuts.append(o)
-                n, indexers[o] = 1, {-1 - op.outputs[0]}
-                count[-1 - op.outputs[0]] = 1
-            count[o] = n
+            per: dict[int, int] = {}
+            for i in indexers.get(o, ()):
+                for r, k in count[i].items():
+                    per[r] = per.get(r, 0) + k
+            if (max(per.values(), default=0) > CODE_DUPLICATION and op.primitive != "broadcast_in_dim"
+                    or o in forced) and not any(g.same_value(t) in shared for t in op.outputs):   # (shared
+                cuts.append(o)                                                       # tables: their own rule)
+                root = -1 - op.outputs[0]
+                per, indexers[o] = {root: 1}, {root}
+                count[root] = dict(per)
+            count[o] = per
             shape = g.tensors[op.outputs[0]].shape
             for x in _data(op):
                 p = g.producer(x)
