@@ -1352,9 +1352,10 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         is; any other read (slice, pad, concatenation, reshape) indexes it anew, once per
         emission of the reader; emissions are counted per fusion (the written tensor or cut
         each belongs to), as XLA checks each consumer fusion a producer would join. A broadcast
-        is always fused (its operand is what may be cut); an expensive value it repeats more than TABLE_REUSE times is written out (XLA does not
-        duplicate an expensive producer into a reader that reuses it: Mamba's ``-exp(A_log)``,
-        a loop fusion of its own in front of the scan)."""
+        is always fused (its operand is what may be cut); an expensive value it repeats more
+        than TABLE_REUSE times is written out (XLA does not duplicate an expensive producer into
+        a reader that reuses it: Mamba's ``-exp(A_log)``, a loop fusion of its own in front of
+        the scan)."""
         head = find(members[0])
 
         def expensive(o: int, depth: int = 0) -> bool:
