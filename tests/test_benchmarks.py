@@ -235,3 +235,33 @@ def test_roofline_model_and_table():
     table = roofline.render(data)
     for r in data["rows"]:
         assert f"| {r['workload']} | {r['batch']} |" in table
+
+
+@pytest.mark.offline
+def test_xla_diff_prints_only_where_the_model_and_the_compile_part():
+    """``benchmarks/xla_diff.py`` keys the model's launch groups and the compile's launches by what
+    they write: where they agree (a GEMM and its tanh epilogue, one launch) only the header is
+    printed; a group the compile lacks is listed under the key of what it writes."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from vtc_jax.cluster import cluster
+    from vtc_jax.graph import trace
+    from vtc_jax.offline import compile_program
+    from vtc_jax.xla import Fusion, xla_program
+    xd = _load("xla_diff")
+
+    def fn(x, w):
+        return jnp.tanh(x @ w)
+
+    shapes = [(1024, 512), (512, 768)]
+    graph = trace(fn, *[jnp.zeros(s) for s in shapes])
+    price = xla_program(graph, cluster(graph))
+    compiled = compile_program(jax.jit(fn), *[jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes], kernels=False)
+    lines = xd.diff(graph, price, compiled)
+    assert len(lines) == 1 and lines[0].startswith(f"model: {price.launches} launches"), lines
+    extra = dataclasses.replace(price, fusions=price.fusions + (Fusion((), "copy", 1, 0, made=(graph.outputs[0],)),))
+    lines = xd.diff(graph, extra, compiled)
+    assert len(lines) == 2 and lines[1].startswith("f32[786432]: model 2, compile 1"), lines
