@@ -946,11 +946,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 concatenated.append(members)
             whole = sum(ctx.nbytes[t] for k in members for t in cl[k].outputs)
             merged_whole.update((k, whole) for k in members)
-            # a narrow part another GEMM reads (LoRA's ``x @ A``, read by ``@ B`` and by B's
-            # gradient) is copied out of the merged buffer once (``wrapped_slice``)
-            sliced_out.update(k for k, w in zip(members, widths) if w % XLA_CONCAT_IN_GEMM_MULTIPLE and any(
-                kind[u] == Kind.MATMUL and not call[u] for t in cl[k].outputs
-                for u in consumers_through_movement(t, set())))
+            # a narrow part other GEMMs read (LoRA's ``x @ A``, read by ``@ B`` and by B's
+            # gradient) is copied out of the merged buffer once (``wrapped_slice``); one GEMM
+            # reading it takes the slice into its operand (LoRA's inference layer on jax 0.12)
+            sliced_out.update(k for k, w in zip(members, widths) if w % XLA_CONCAT_IN_GEMM_MULTIPLE and len({
+                u for t in cl[k].outputs for u in consumers_through_movement(t, set())
+                if kind[u] == Kind.MATMUL and not call[u]}) > 1)
             if not any(call[u] for k in members for t in cl[k].outputs
                        for u in consumers_through_movement(t, set())):   # (else slices are copied out)
                 merged_bytes.update((k, whole) for k in members if k not in sliced_out)
