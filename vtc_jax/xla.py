@@ -1026,11 +1026,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         return any(call[u] or bitcasts_only(u) and any(called_through_bitcasts(y) for y in cl[u].outputs)
                    for u in ctx.users.get(t, ()))
 
-    # a softmax's numerator ``exp(x - max)`` that a division by its sum reads outside its
-    # reduction: XLA's Triton softmax fusions recompute it from the scores wherever it is read
-    # (the statistics fusion writes only the statistics; LoRA's training scores): value -> the
-    # scores it is recomputed from
-    numerators: dict[int, list[int]] = {}
+    numerators: dict[int, list[int]] = {}   # (filled below: softmax numerators recomputed)
     as_written: dict[int, int] = {}   # (filled below: what a GEMM writes, where not its result)
 
     def read_bytes(t: int, seen: set[int], inside: frozenset[int] = frozenset(),
@@ -1148,6 +1144,10 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         return out
 
     fusions: list[Fusion] = []
+    # a softmax's numerator ``exp(x - max)`` that a division by its sum reads outside its
+    # reduction: XLA's Triton softmax fusions recompute it from the scores wherever it is read
+    # (the statistics fusion writes only the statistics; LoRA's training scores): value -> the
+    # scores it is recomputed from
     for k, c in enumerate(cl):
         prims = {g.ops[o].primitive for o in c.ops}
         if kind[k] != Kind.REDUCTION or call[k] or not {"reduce_max", "exp", "reduce_sum"} <= prims:
@@ -1167,8 +1167,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         a loop fusion of its own — where a library call, a kernel or a sort reads the result, it
         is returned, or it is expensive and read by a fusion reading each element many times
         (XLA duplicates no expensive producer into a consumer that reuses its elements: Mamba's
-        softplus); "reader", computed by the fusions reading it; None: no such epilogue (casts
-        alone are the GEMM's output type)."""
+        softplus); "reader", computed by the fusions reading it; "taken", inside the GEMM
+        fusion; "casts", none but casts (the GEMM's output type); None: not one GEMM."""
         if kind[m] != Kind.MATMUL or call[m] or len(cl[m].outputs) != 1:
             return None
         dots = [o for o in cl[m].ops if g.ops[o].primitive == "dot_general"]
@@ -1176,9 +1176,10 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             return None
         after = {o for o in cl[m].ops if o > dots[0] and g.ops[o].primitive not in CAST_ONLY}
         dot = _epilogue_gemm(g, cl[m].ops)
-        if not after or dot is not None and _read_once(g, dot.outputs[0], after) \
-                and _epilogue_ops_ok(g, after, dot.outputs[0]):
-            return None
+        if not after:
+            return "casts"
+        if dot is not None and _read_once(g, dot.outputs[0], after) and _epilogue_ops_ok(g, after, dot.outputs[0]):
+            return "taken"
         (t,) = cl[m].outputs
         readers = readers_through_views(t) - {m}
         costly = any(TABLE[g.ops[o].primitive].expensive for o in after if g.ops[o].primitive in TABLE)
@@ -1192,13 +1193,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     # widened to f32 is written bf16 and widened by its readers: the LM head's logits, LoRA's
     # masked training scores)
     for m in range(len(cl)):
-        if kind[m] != Kind.MATMUL or call[m] or len(cl[m].outputs) != 1 or epilogue_apart(m) == "loop":
-            continue
-        dots = [o for o in cl[m].ops if g.ops[o].primitive == "dot_general"]
-        if len(dots) != 1 or (epilogue_apart(m) is None and any(
-                o > dots[0] and g.ops[o].primitive not in CAST_ONLY for o in cl[m].ops)):
-            continue   # (an epilogue the GEMM takes writes the result)
-        x = g.ops[dots[0]].outputs[0]
+        if epilogue_apart(m) not in ("casts", "reader"):
+            continue   # (an epilogue the GEMM or a loop fusion of its own takes writes the result)
+        x = next(g.ops[o] for o in cl[m].ops if g.ops[o].primitive == "dot_general").outputs[0]
         product = ctx.nbytes[x]
         while len(us := g.consumers(x)) == 1 and us[0].primitive in CAST_ONLY and us[0].id in cl[m].ops:
             x = us[0].outputs[0]
