@@ -94,16 +94,36 @@ def diff(graph: Any, price: Any, compiled: Any) -> list[str]:
     return lines
 
 
+def byte_diff(graph: Any, price: Any, compiled: Any, top: int = 12) -> list[str]:
+    """The keys whose bytes differ most: each model group's bytes charged to the largest tensor
+    it writes, each launch's (read + written) to its largest result."""
+    model: dict[Any, float] = collections.defaultdict(float)
+    for f in price.fusions:
+        keys = [(HLO_TYPES.get(str(graph.tensors[t].dtype), str(graph.tensors[t].dtype)),
+                 math.prod(graph.tensors[t].shape)) for t in f.made] or [("?", f.what)]
+        model[max(keys, key=lambda k: (isinstance(k[1], int) and k[1], str(k)))] += f.bytes
+    results = written(compiled.hlo)
+    comp: dict[Any, float] = collections.defaultdict(float)
+    for launch in compiled.launches:
+        keys = results.get(launch.hlo or "", []) or [("?", launch.name)]
+        comp[max(keys, key=lambda k: (isinstance(k[1], int) and k[1], str(k)))] += \
+            launch.read_bytes + launch.write_bytes
+    rows = sorted(set(model) | set(comp), key=lambda k: -abs(model[k] - comp[k]))[:top]
+    return [f"{k[0]}[{k[1]}]: model {model[k] / MiB:,.1f} MiB, compile {comp[k] / MiB:,.1f} MiB "
+            f"({(model[k] - comp[k]) / MiB:+,.1f})" for k in rows]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("name", nargs="?", help="a corpus program (see --list)")
     p.add_argument("--vtc", action="store_true", help="VTC's unguarded program instead of plain jit")
     p.add_argument("--list", action="store_true", help="print the corpus's names")
+    p.add_argument("--bytes", action="store_true", help="the keys whose bytes differ most, instead of launches")
     a = p.parse_args()
     if a.list or not a.name:
         print("\n".join(corpus_guard.corpus()))
         return
-    print("\n".join(diff(*sides(a.name, a.vtc))))
+    print("\n".join((byte_diff if a.bytes else diff)(*sides(a.name, a.vtc))))
 
 
 if __name__ == "__main__":

@@ -555,6 +555,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     def is_dus(k: int) -> bool:
         return kind[k] == Kind.MOVEMENT and any(inplace_operand(g.ops[o].primitive) is not None for o in cl[k].ops)
 
+    def scatters(k: int) -> bool:
+        """Cluster ``k`` is an opaque scatter (``.at[].add``: its combiner traced opaque), which
+        XLA's scatter fusion runs computing its updates inside."""
+        return kind[k] == Kind.OPAQUE and all(g.ops[o].primitive.startswith("scatter") for o in cl[k].ops)
+
     def fused_movement(k: int) -> bool:
         return kind[k] in (Kind.MOVEMENT, Kind.GLUE) and not is_dus(k)
 
@@ -767,6 +772,29 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         return kind[u] == Kind.REDUCTION and any(
             k in users and _statistic(g, cl[k]) for t in cl[u].inputs for k in producers_through_movement(t, set()))
 
+    def written_into_stat(members: Sequence[int], users: set[int]) -> bool:
+        """Whether XLA writes island ``members`` as one more output of the statistic among its
+        ``users`` (GpuMultiOutputFusion: GPT-2's residual add in a training step,
+        ``input_add_reduce_fusion`` writing the sum and the LayerNorm's statistics). Only where
+        the island is not duplicated into every reader instead: a reader that cannot take it in
+        (a GEMM, a kernel call, a scatter), or duplication reading its operands more than writing
+        and reading it back would (each reader's operands vs one write and one read per reader:
+        four readers of an add of two rows are written, Swin's three are duplicated) — and only
+        where no other reader leads to the statistic (the fusion would depend on itself)."""
+        stat = min(u for u in users if _statistic(g, cl[u]))
+        if any(reach(w) >> stat & 1 for w in users if w != stat):
+            return False
+        if any(call[w] or kind[w] not in (Kind.POINTWISE, Kind.REDUCTION) for w in users):
+            return True
+        own = {t for m in members for t in cl[m].outputs}
+
+        def operand(t: int) -> int:   # (a gathered row: the table it is gathered from)
+            p = g.producer(t)
+            return ctx.nbytes[p.inputs[0]] if p is not None and p.primitive == "gather" else ctx.nbytes[t]
+        read = sum(operand(t) for t in {t for m in members for t in cl[m].inputs} - own)
+        wrote = sum(ctx.nbytes[t] for t in own)
+        return len(users) * read > read + (1 + len(users)) * wrote
+
     recomputed: set[int] = set()   # tables XLA computes inside each reader: no launch, no bytes
     index_of_copy: list[tuple[int, int]] = []   # (index island, the gather cluster it feeds)
     for members in islands.values():   # folded into the consumer: lone casts, prologues of reductions/updates
@@ -818,16 +846,17 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         made = all(g.ops[o].primitive in ("iota", *CAST_ONLY) for m in members for o in cl[m].ops)
         sorting = all(any(g.ops[o].primitive in SORTS for o in cl[u].ops) for u in users)
         if len(users) == 1 and not any(call[u] for u in users) and (
-                cast and not sorting or all(kind[u] == Kind.REDUCTION or is_dus(u) for u in users)
+                cast and not sorting or all(kind[u] == Kind.REDUCTION or is_dus(u) or scatters(u) for u in users)
                 or made and sorting):   # (a sort fuses only an iota: made inside its first launch)
             parent[find(members[0])] = find(next(iter(users)))
-        elif not cast and any(_statistic(g, cl[u]) for u in users) and all(
+        elif not cast and any(_statistic(g, cl[u]) for u in users) and (all(
                 call[u] or _statistic(g, cl[u]) or kind[u] == Kind.MATMUL or norm_of_stat(u, users)
-                for u in users):
+                for u in users) or written_into_stat(members, users)):
             # read by a statistic (a reduction writing only reduced values: a LayerNorm's mean and
             # variance for VTC's norm kernel) and otherwise by kernel calls, GEMMs or the norm
-            # applying that statistic (flax's LayerNorm in BERT): one multi-output fusion
-            # computing it, writing it and reducing it (``input_add_reduce_fusion``)
+            # applying that statistic (flax's LayerNorm in BERT), or written out anyway
+            # (:func:`written_into_stat`): one multi-output fusion computing it, writing it and
+            # reducing it (``input_add_reduce_fusion``)
             stat = next(u for u in sorted(users) if _statistic(g, cl[u]))
             parent[find(members[0])] = find(stat)
         elif len(users) > 1 and all(kind[u] == Kind.REDUCTION and not call[u] for u in users) and any(
@@ -1026,7 +1055,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         return any(call[u] or bitcasts_only(u) and any(called_through_bitcasts(y) for y in cl[u].outputs)
                    for u in ctx.users.get(t, ()))
 
-    numerators: dict[int, list[int]] = {}   # (filled below: softmax numerators recomputed)
+    numerators: dict[int, list[int]] = {}   # (filled below: a norm's rows recomputed by readers)
+    norm_rows: set[int] = set()   # (those of them a norm makes from its statistics)
     as_written: dict[int, int] = {}   # (filled below: what a GEMM writes, where not its result)
 
     def read_bytes(t: int, seen: set[int], inside: frozenset[int] = frozenset(),
@@ -1065,6 +1095,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         # ``loop_slice_fusion`` reading all of it)
         if any(ctx.producer.get(x) in merged_bytes for x in xs) or strided and strided_cut(k):
             return src
+        if any(x in numerators for x in xs):   # (gathered from rows it recomputes: the compile
+            return src                          # charges the rows whole — GPT-2's picked log-probs)
         return min(ctx.nbytes[t], src)
 
     strided_memo: dict[int, bool] = {}
@@ -1150,16 +1182,40 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     # scores it is recomputed from
     for k, c in enumerate(cl):
         prims = {g.ops[o].primitive for o in c.ops}
-        if kind[k] != Kind.REDUCTION or call[k] or not {"reduce_max", "exp", "reduce_sum"} <= prims:
+        if kind[k] != Kind.REDUCTION or call[k]:
             continue
         sums = {g.ops[o].outputs[0] for o in c.ops if g.ops[o].primitive == "reduce_sum"}
-        for o in c.ops:
+        for o in c.ops if {"reduce_max", "exp", "reduce_sum"} <= prims else ():
             e = g.ops[o].outputs[0]
             if g.ops[o].primitive != "exp" or e not in c.outputs or e in outs:
                 continue
             if any(u.primitive == "div" and any(_sources_behind(x) & sums for x in u.inputs if x != e)
                    for u in g.consumers(e)):
                 numerators[e] = [x for x in c.inputs if g.tensors[x].size == g.tensors[e].size]
+        # rows a norm makes from its statistics with cheap element-wise work (``x - mean``,
+        # ``(x - mean) * rstd`` kept for a training step's backward; a log-softmax's
+        # ``x - max - log(sum)`` read by ``take_along_axis``): recomputed by each XLA fusion
+        # reading them from the rows and the statistics, never written (read off GPT-2's
+        # training step: the forward LayerNorm writes its output alone)
+        for e in c.outputs:
+            if e in outs or e in numerators or not any(g.ops[o].primitive.startswith("reduce_") for o in c.ops):
+                continue
+            readers = consumers_through_movement(e, set())
+            if not readers or any(call[u] or kind[u] in _NEVER_IN_A_LOOP or u in materialised or u in feeds_call
+                                  for u in readers):
+                continue
+            if (rows := _rows_recomputed(g, e, set(c.ops))) is not None:
+                numerators[e] = sorted(rows)
+                norm_rows.add(e)
+
+    def stat_apart(k: int) -> bool:
+        """Reduction cluster ``k`` writes only statistics once the rows its readers recompute
+        are set aside (``norm_rows``: VTC's LayerNorm between kernels, ``x - mean`` kept for
+        the backward; a softmax's numerator is no such row: its backward is a Triton fusion)."""
+        reds = [g.ops[o] for o in cl[k].ops if g.ops[o].primitive.startswith("reduce_")]
+        return bool(reds) and all(_reduces_minor(g, r) for r in reds) and all(
+            t in norm_rows or g.tensors[t].size <= max(g.tensors[r.outputs[0]].size for r in reds)
+            for t in cl[k].outputs)
 
     def epilogue_apart(m: int) -> str | None:
         """How XLA runs GEMM cluster ``m``'s element-wise epilogue when its GEMM does not take it
@@ -1646,12 +1702,22 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             if kind[m] != Kind.REDUCTION:   # fusion per statistic and a loop fusion applying them,
                 continue                    # each reading the rows again
             reds = [g.ops[o] for o in cl[m].ops if g.ops[o].primitive.startswith("reduce_")
-                    and not _column_tree(g, g.ops[o])]   # (column trees: below)
-            if not reds or not any(g.tensors[t].size > g.tensors[reds[-1].outputs[0]].size for t in cl[m].outputs):
+                    and not _column_tree(g, g.ops[o])   # (column trees: below; a reduction over
+                    and g.tensors[_data(g.ops[o])[0]].size > g.tensors[g.ops[o].outputs[0]].size]
+            # unit axes alone is a bitcast to XLA, no statistic: ``jax.grad`` of a log-softmax's
+            # ``keepdims`` sum; counted one, GPT-2's loss was three launches over)
+            if not reds:
                 continue
             row = max(g.tensors[x].size // max(1, g.tensors[r.outputs[0]].size) for r in reds for x in _data(r))
             rows = min(g.tensors[r.outputs[0]].size for r in reds)
             minor = all(_reduces_minor(g, r) for r in reds)
+            if not any(g.tensors[t].size > g.tensors[reds[-1].outputs[0]].size for t in cl[m].outputs):
+                if minor and row > TRITON_NORM_MAX_ROW:   # statistics alone over long rows: each
+                    # a tree too (a partial and a finishing launch: the sum of a loss's gradient
+                    # over a 32,000- or 50,304-word vocabulary), the rows read once per statistic
+                    n += 2 * len(reds) - 1
+                    nbytes += (len(reds) - 1) * sum(ctx.nbytes[x] for x in _data(reds[-1]))
+                continue
             if rows >= 2 and row <= TRITON_NORM_MAX_ROW and minor:
                 x = _data(reds[0])[0]
                 if row & (row - 1) and row <= XLA_FLAT_NORM_SPLIT_MAX_ROW and len(g.tensors[buffer_of(x)].shape) == 1:
@@ -1660,7 +1726,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     # between VTC's kernels)
                     n, nbytes = n + 1, nbytes + 2 * ctx.nbytes[x]
                 stat = [t for t in cl[m].inputs if g.tensors[t].size == rows and any(
-                    kind[k] == Kind.REDUCTION and _statistic(g, cl[k]) for k in producers_through_movement(t, set()))]
+                    kind[k] == Kind.REDUCTION and (_statistic(g, cl[k]) or stat_apart(k))
+                    for k in producers_through_movement(t, set()))]
                 if stat and row > XLA_NORM_ROW_FUSED_MAX:   # a statistic reduced beside it (flax's
                     # mean of squares, E[x²] − E[x]²): no Triton fusion; its reductions join that
                     # statistic's fusion, a loop fusion computes the row's scale from them, and
@@ -1805,6 +1872,21 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     if _gemm_reads(g, op.outputs[0]) or not np.issubdtype(g.tensors[op.outputs[0]].dtype, np.floating):
                         continue   # a gathered GEMM operand (relaid above), or indices
                     n, nbytes = n + 1, nbytes + 2 * sum(ctx.nbytes[y] for y in op.outputs)
+        for o in (o for m in members if kind[m] == Kind.OPAQUE for o in cl[m].ops):
+            op = g.ops[o]   # a scatter into a buffer of one value (``jax.grad`` of a gather: a
+            fill = g.producer(op.inputs[0]) if op.primitive.startswith("scatter") else None
+            if fill is not None and fill.primitive == "broadcast_in_dim" and g.tensors[fill.inputs[0]].size == 1:
+                n += 1   # zero buffer scattered into): a loop fusion writes the buffer, the scatter
+                # updates it in place (``loop_broadcast_fusion``, ``input_scatter_fusion``)
+        for m in members:   # a full reduction's element-wise epilogue (a loss's mean, its
+            if kind[m] != Kind.REDUCTION or any(g.tensors[t].size > 1 for t in cl[m].outputs):
+                continue   # negation): a small loop fusion of its own (a statistic of one row
+                # applied back to it is a norm: below)
+            if any(g.ops[o].primitive.startswith("reduce_") and g.tensors[g.ops[o].outputs[0]].size == 1
+                   and g.tensors[_data(g.ops[o])[0]].size > 1 and any(
+                       u.id in cl[m].ops and not is_view(u, g) and u.primitive not in CAST_ONLY
+                       for u in g.consumers(g.ops[o].outputs[0])) for o in cl[m].ops):
+                n += 1
         if any(is_dus(m) for m in members):   # the update fused into the in-place DUS fusion:
             for m in members:                    # it writes the update (and the copy, if any)
                 for o in cl[m].ops if is_dus(m) else ():
@@ -2099,6 +2181,50 @@ def _statistic(g: Graph, c: Cluster) -> bool:
     reds = [g.ops[o] for o in c.ops if g.ops[o].primitive.startswith("reduce_")]
     return bool(reds) and all(_reduces_minor(g, r) for r in reds) and all(g.tensors[t].size <= max(g.tensors[r.outputs[0]].size for r in reds)
                               for t in c.outputs)
+
+
+def _rows_recomputed(g: Graph, t: int, ops: set[int]) -> set[int] | None:
+    """The rows (full-size tensors from outside ``ops``) from which cheap element-wise work in
+    ``ops`` computes ``t`` with per-row values a reduction in ``ops`` made (``x - mean``,
+    ``(x - mean) * rstd``: what a norm's readers recompute), else None."""
+    size = g.tensors[t].size
+    rows: set[int] = set()
+    stats = False
+    stack, seen = [t], set()
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        p = g.producer(x)
+        if p is None or p.id not in ops:
+            if g.tensors[x].size >= size:
+                rows.add(x)
+            continue
+        if g.tensors[x].size < size:   # a per-row value: read by the reader (small)
+            stats = stats or _reduced_in(g, x, ops)
+            continue
+        row = TABLE.get(p.primitive)
+        if p.primitive.startswith("reduce_") or row is None or row.expensive or not (
+                row.role == Role.ELEMENTWISE or is_view(p, g) or p.primitive in _FUSED_VIEWS):
+            return None
+        stack.extend(data_inputs(p))
+    return rows if stats and rows else None
+
+
+def _reduced_in(g: Graph, t: int, ops: set[int]) -> bool:
+    """Whether ``t`` is made, inside ``ops``, from a reduction's result."""
+    stack, seen = [t], set()
+    while stack:
+        x = stack.pop()
+        p = g.producer(x)
+        if p is None or p.id not in ops or p.id in seen:
+            continue
+        if p.primitive.startswith("reduce_"):
+            return True
+        seen.add(p.id)
+        stack.extend(data_inputs(p))
+    return False
 
 
 def _gather_of(g: Graph, t: int) -> list[int]:
