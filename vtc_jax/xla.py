@@ -1820,7 +1820,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 nbytes += 2 * ctx.nbytes[dots[0].outputs[0]] + 2 * ctx.nbytes[probs]
             elif any(_vector_dot(g, d) for d in dots):   # decode: every step its own reduction
                 n = max(1, 2 * len(red) - 1)
-                nbytes += 2 * sum(ctx.nbytes[g.ops[o].outputs[0]] for o in red[:-1])
+                # the scores written by the first, and each element-wise fusion between two
+                # reductions reading and writing them (the mask, ``exp``, the probabilities'
+                # layout), each later reduction reading them (the compile's 10 x the scores for
+                # a masked softmax between the two dots)
+                scores = ctx.nbytes[g.ops[red[0]].outputs[0]] if len(red) > 1 else 0
+                nbytes += scores * (1 + 3 * (len(red) - 1)) + 2 * sum(
+                    ctx.nbytes[g.ops[o].outputs[0]] for o in red[1:-1])
                 for d in dots:   # jax <= 0.10 always; jax 0.12 where the dot keeps the cache's type
                     for x, wide in _transposed_operands(g, d):
                         if not XLA_TRANSPOSES_REPEATED_VALUES and (wide != g.tensors[x].dtype.itemsize
@@ -2822,7 +2828,8 @@ def _xla_split_k(g: Graph, op: Any) -> int:
 
 def _keys_minor(g: Graph, op: Any) -> bool:
     """A decode ``q @ k`` whose key operand has a free axis minor (keys stored after the head
-    dim, BLOOM's ``(B·H, D, T)``): XLA's reduction writes the scores keys-minor, so the softmax
+    dim, BLOOM's ``(B·H, D, T)``, or minor once the head dim is reduced away, ``(B, H, T, D)``):
+    XLA's reduction writes the scores keys-minor, so the softmax
     over them is a Triton normalization fusion (one launch), where a ``(B, T, H, D)`` cache
     gives scores that a reduction fusion per statistic reads (read off the deviceless H100
     compile: BLOOM's ALiBi decode, Llama-3's)."""
@@ -2833,11 +2840,17 @@ def _keys_minor(g: Graph, op: Any) -> bool:
         if math.prod(shape[d] for d in free) <= 1:
             continue   # q's side
         axis = max(free, key=lambda d: shape[d])   # the keys
+        contracted = list(c)
         while (p := g.producer(x)) is not None and p.primitive == "transpose":   # where it is stored
-            axis, x = p.params["permutation"][axis], p.inputs[0]
+            perm = p.params["permutation"]
+            axis, contracted, x = perm[axis], [perm[d] for d in contracted], p.inputs[0]
         if p is not None and p.primitive in _FUSED_VIEWS:
             return False   # regrouped on the way (a GQA repeat): not read off the compile
-        return axis == len(g.tensors[x].shape) - 1
+        # minor once the contracted head dim is reduced away: (B·H, D, T) and (B, H, T, D)
+        # alike, not (B, T, H, D)
+        stored = g.tensors[x].shape
+        kept = [d for d in range(len(stored)) if d not in contracted and stored[d] != 1]
+        return bool(kept) and axis == kept[-1]
     return False
 
 
