@@ -525,7 +525,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     * **PRNG**: the key schedule and the threefry counters are tiny launches of their own
       (:func:`_prng_launches`); the random bits fuse into their readers.
     * **attention left to XLA**: one fusion per reduction (the M=1 dots become reductions) and one
-      element-wise fusion between each pair, ``2 n - 1``; each writes its intermediate once.
+      element-wise fusion between each pair, ``2 n - 1``, each reading and writing the scores;
+      keys-minor scores (:func:`_keys_minor`) take one Triton softmax between the two dots.
+    * **norms and losses**: rows a reduction cluster makes from its statistics with cheap
+      element-wise work are recomputed by their readers (:func:`_rows_recomputed`); statistics
+      over rows past TRITON_NORM_MAX_ROW are trees of two launches; a full reduction's epilogue
+      and a scatter's filled buffer are launches of their own.
     * **buffers**: arguments and outputs (a donated input aliased to an output counted once) plus
       the peak of the materialised intermediates, each live from its group to its last reader.
     * **math**: each group carries the flops of its dots and convolutions, on XLA's engines in
