@@ -2213,7 +2213,7 @@ def _rows_recomputed(g: Graph, t: int, ops: set[int]) -> set[int] | None:
                 rows.add(x)
             continue
         if g.tensors[x].size < size:   # a per-row value: read by the reader (small)
-            stats = stats or _reduced_in(g, x, ops)
+            stats = stats or _made_from(g, x, ops, {o for o in ops if g.ops[o].primitive.startswith("reduce_")})
             continue
         row = TABLE.get(p.primitive)
         if p.primitive.startswith("reduce_") or row is None or row.expensive or not (
@@ -2221,21 +2221,6 @@ def _rows_recomputed(g: Graph, t: int, ops: set[int]) -> set[int] | None:
             return None
         stack.extend(data_inputs(p))
     return rows if stats and rows else None
-
-
-def _reduced_in(g: Graph, t: int, ops: set[int]) -> bool:
-    """Whether ``t`` is made, inside ``ops``, from a reduction's result."""
-    stack, seen = [t], set()
-    while stack:
-        x = stack.pop()
-        p = g.producer(x)
-        if p is None or p.id not in ops or p.id in seen:
-            continue
-        if p.primitive.startswith("reduce_"):
-            return True
-        seen.add(p.id)
-        stack.extend(data_inputs(p))
-    return False
 
 
 def _gather_of(g: Graph, t: int) -> list[int]:
