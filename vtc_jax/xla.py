@@ -1060,7 +1060,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         return any(call[u] or bitcasts_only(u) and any(called_through_bitcasts(y) for y in cl[u].outputs)
                    for u in ctx.users.get(t, ()))
 
-    numerators: dict[int, list[int]] = {}   # (filled below: a norm's rows recomputed by readers)
+    numerators: dict[int, list[int]] = {}   # (filled below: values readers recompute, and from what)
     norm_rows: set[int] = set()   # (those of them a norm makes from its statistics)
     as_written: dict[int, int] = {}   # (filled below: what a GEMM writes, where not its result)
 
@@ -1883,16 +1883,19 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     if _gemm_reads(g, op.outputs[0]) or not np.issubdtype(g.tensors[op.outputs[0]].dtype, np.floating):
                         continue   # a gathered GEMM operand (relaid above), or indices
                     n, nbytes = n + 1, nbytes + 2 * sum(ctx.nbytes[y] for y in op.outputs)
+        # a scatter into a buffer of one value (``jax.grad`` of a gather: a zero buffer scattered
+        # into): a loop fusion writes the buffer, the scatter updates it in place
+        # (``loop_broadcast_fusion``, ``input_scatter_fusion``)
         for o in (o for m in members if kind[m] == Kind.OPAQUE for o in cl[m].ops):
-            op = g.ops[o]   # a scatter into a buffer of one value (``jax.grad`` of a gather: a
+            op = g.ops[o]
             fill = g.producer(op.inputs[0]) if op.primitive.startswith("scatter") else None
             if fill is not None and fill.primitive == "broadcast_in_dim" and g.tensors[fill.inputs[0]].size == 1:
-                n += 1   # zero buffer scattered into): a loop fusion writes the buffer, the scatter
-                # updates it in place (``loop_broadcast_fusion``, ``input_scatter_fusion``)
-        for m in members:   # a full reduction's element-wise epilogue (a loss's mean, its
+                n += 1
+        # a full reduction's element-wise epilogue (a loss's mean, its negation): a small loop
+        # fusion of its own (a statistic of one row applied back to the row is a norm: below)
+        for m in members:
             if kind[m] != Kind.REDUCTION or any(g.tensors[t].size > 1 for t in cl[m].outputs):
-                continue   # negation): a small loop fusion of its own (a statistic of one row
-                # applied back to it is a norm: below)
+                continue
             if any(g.ops[o].primitive.startswith("reduce_") and g.tensors[g.ops[o].outputs[0]].size == 1
                    and g.tensors[_data(g.ops[o])[0]].size > 1 and any(
                        u.id in cl[m].ops and not is_view(u, g) and u.primitive not in CAST_ONLY
