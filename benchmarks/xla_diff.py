@@ -72,12 +72,22 @@ def sides(name: str, vtc: bool) -> tuple[Any, Any, Any]:
         return graph, price, compile_program(fn, *args, kernels=False)
 
 
+def made_keys(graph: Any, f: Any) -> list[tuple[str, int]]:
+    """(element type, element count) of each tensor a model group writes."""
+    return [(HLO_TYPES.get(str(graph.tensors[t].dtype), str(graph.tensors[t].dtype)),
+             math.prod(graph.tensors[t].shape)) for t in f.made]
+
+
+def largest(keys: list[tuple[str, Any]]) -> tuple[str, Any]:
+    """The key of the most elements (a launch's or a group's bytes are charged to it)."""
+    return max(keys, key=lambda k: (isinstance(k[1], int) and k[1], str(k)))
+
+
 def diff(graph: Any, price: Any, compiled: Any) -> list[str]:
     """The keys (element type, element count written) whose model and compile counts differ."""
     model: dict[Any, list[str]] = collections.defaultdict(list)
     for f in price.fusions:
-        keys = [(HLO_TYPES.get(str(graph.tensors[t].dtype), str(graph.tensors[t].dtype)),
-                 math.prod(graph.tensors[t].shape)) for t in f.made] or ([("?", f.what)] if f.launches else [])
+        keys = made_keys(graph, f) or ([("?", f.what)] if f.launches else [])
         for k in keys:
             model[k].append(f"{f.what} x{f.launches} {f.bytes / MiB:.1f}")
     results = written(compiled.hlo)
@@ -99,14 +109,11 @@ def byte_diff(graph: Any, price: Any, compiled: Any, top: int = 12) -> list[str]
     it writes, each launch's (read + written) to its largest result."""
     model: dict[Any, float] = collections.defaultdict(float)
     for f in price.fusions:
-        keys = [(HLO_TYPES.get(str(graph.tensors[t].dtype), str(graph.tensors[t].dtype)),
-                 math.prod(graph.tensors[t].shape)) for t in f.made] or [("?", f.what)]
-        model[max(keys, key=lambda k: (isinstance(k[1], int) and k[1], str(k)))] += f.bytes
+        model[largest(made_keys(graph, f) or [("?", f.what)])] += f.bytes
     results = written(compiled.hlo)
     comp: dict[Any, float] = collections.defaultdict(float)
     for launch in compiled.launches:
-        keys = results.get(launch.hlo or "", []) or [("?", launch.name)]
-        comp[max(keys, key=lambda k: (isinstance(k[1], int) and k[1], str(k)))] += \
+        comp[largest(results.get(launch.hlo or "", []) or [("?", launch.name)])] += \
             launch.read_bytes + launch.write_bytes
     rows = sorted(set(model) | set(comp), key=lambda k: -abs(model[k] - comp[k]))[:top]
     return [f"{k[0]}[{k[1]}]: model {model[k] / MiB:,.1f} MiB, compile {comp[k] / MiB:,.1f} MiB "
