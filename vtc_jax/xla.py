@@ -530,7 +530,15 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     * **norms and losses**: rows a reduction cluster makes from its statistics with cheap
       element-wise work are recomputed by their readers (:func:`_rows_recomputed`); statistics
       over rows past TRITON_NORM_MAX_ROW are trees of two launches; a full reduction's epilogue
-      and a scatter's filled buffer are launches of their own.
+      and a scatter's filled buffer are launches of their own. A norm's backward whose row sums
+      meet the forward's statistics (written by other fusions) is no Triton fusion: per depth of
+      row sums a reduction fusion (joining a statistic's fusion that reduces the same rows or
+      reads a common operand no GEMM makes; riding in the loop fusion writing its rows) and a
+      loop fusion for the per-row scalars when they read more than one value, then the fusion
+      applying them (:func:`_mixed_levels`); a cheap product reading no more than it writes is
+      duplicated into its readers; a value returned twice is copied once.
+    * **sibling GEMMs**: dots of one activation by weights are one GEMM (XLA's dot merger,
+      :func:`joined`'s rule per jax version), split along K as the merged GEMM is.
     * **buffers**: arguments and outputs (a donated input aliased to an output counted once) plus
       the peak of the materialised intermediates, each live from its group to its last reader.
     * **math**: each group carries the flops of its dots and convolutions, on XLA's engines in
@@ -800,6 +808,21 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         wrote = sum(ctx.nbytes[t] for t in own)
         return len(users) * read > read + (1 + len(users)) * wrote
 
+    def duplicated(members: Sequence[int], users: set[int]) -> bool:
+        """Whether XLA's priority fusion duplicates island ``members`` into each of its ``users``:
+        cheap element-wise work that reads no more bytes than it writes, read by loop and
+        reduction fusions only."""
+        ops = [g.ops[o] for m in members for o in cl[m].ops]
+        if any(call[w] or kind[w] not in (Kind.POINTWISE, Kind.REDUCTION) for w in users) or any(
+                (row := TABLE.get(op.primitive)) is None or row.role != Role.ELEMENTWISE or row.expensive
+                for op in ops):
+            return False
+        own = {t for m in members for t in cl[m].outputs}
+        wrote = sum(ctx.nbytes[t] for t in own)
+        size = min(g.tensors[t].size for t in own)   # (per-row operands read beside: negligible)
+        return sum(ctx.nbytes[t] for t in {t for m in members for t in cl[m].inputs} - own
+                   if g.tensors[t].size >= size) <= wrote
+
     recomputed: set[int] = set()   # tables XLA computes inside each reader: no launch, no bytes
     index_of_copy: list[tuple[int, int]] = []   # (index island, the gather cluster it feeds)
     for members in islands.values():   # folded into the consumer: lone casts, prologues of reductions/updates
@@ -854,6 +877,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 cast and not sorting or all(kind[u] == Kind.REDUCTION or is_dus(u) or scatters(u) for u in users)
                 or made and sorting):   # (a sort fuses only an iota: made inside its first launch)
             parent[find(members[0])] = find(next(iter(users)))
+        elif (cast or any(_statistic(g, cl[u]) for u in users)) and duplicated(members, users):
+            # a cheap product reading no more than it writes (``dy * rstd`` in a LayerNorm's
+            # backward, read by its row sum and by the fusion applying the gradient; a bf16 row's
+            # f32 cast read by an RMSNorm's forward and backward): XLA duplicates it into every
+            # reader (``input_reduce_fusion_2`` and ``loop_add_fusion_1`` each read ``dy``),
+            # nothing written
+            recomputed.add(find(members[0]))
         elif not cast and any(_statistic(g, cl[u]) for u in users) and (all(
                 call[u] or _statistic(g, cl[u]) or kind[u] == Kind.MATMUL or norm_of_stat(u, users)
                 for u in users) or written_into_stat(members, users)):
@@ -946,40 +976,53 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     merged: set[int] = set()
     merged_bytes: dict[int, int] = {}   # member -> its merged GEMM's whole output buffer
     merged_whole: dict[int, int] = {}   # (the same, for every merged member)
+    merged_width: dict[int, int] = {}   # member -> its merged GEMM's N
 
     def dot_bytes(k: int) -> int:
         d = next(g.ops[o] for o in cl[k].ops if g.ops[o].primitive == "dot_general")
         return sum(ctx.nbytes[t] for t in (*d.inputs[:2], *d.outputs))
 
-    def joined(members: list[int]) -> list[int]:
-        """The sibling dots XLA's dot merger joins into one (in program order): on jax 0.12 those
-        within the bound (LoRA's two rank-16 products of ``x``; its 4096 x 4096 projections beside
-        them stay GEMMs of their own); on jax 0.10.2 each next dot while it or the dot merged so far
-        is within it (the first projection joins the small products, the second not)."""
+    def joined(members: list[int]) -> list[list[int]]:
+        """The groups of sibling dots XLA's dot merger joins into one GEMM each (in program order).
+        On jax 0.10.2 one: each next dot while it or the dot merged so far is within the bound (the
+        first projection joins the small products, the second not). On jax 0.12 those within the
+        bound, the narrow ones (widths no multiple of XLA_CONCAT_IN_GEMM_MULTIPLE) apart from the
+        others: LoRA's rank-16 products of ``x`` one GEMM (``gemm_fusion_dot.66``) beside its
+        projections; a decode step's q, k and v (4096, 1024, 1024 wide) one; a 4096 x 16384
+        projection, past the bound alone, joins nothing. (At a LoRA training step's 2,048 tokens
+        jax 0.12's XLA joins q and k but leaves v a GEMM of its own, for a reason not found:
+        the model joins all three, one launch short.)"""
         if not XLA_DOT_MERGER_JOINS_ONE_WITHIN:
-            return [k for k in members if dot_bytes(k) <= DOT_MERGER_MAX_BYTES]
+            return [[k for k in members if (width(k) % XLA_CONCAT_IN_GEMM_MULTIPLE != 0) == narrow
+                     and dot_bytes(k) <= DOT_MERGER_MAX_BYTES] for narrow in (True, False)]
         out = members[:1]
         for k in members[1:]:
-            so_far = dot_bytes(out[0]) + sum(dot_bytes(m) - ctx.nbytes[shared_operand(m)] for m in out[1:])
-            if so_far <= DOT_MERGER_MAX_BYTES or dot_bytes(k) <= DOT_MERGER_MAX_BYTES:
+            if merged_bytes_of(out) <= DOT_MERGER_MAX_BYTES or dot_bytes(k) <= DOT_MERGER_MAX_BYTES:
                 out.append(k)
-        return out
+        return [out]
+
+    def merged_bytes_of(ks: list[int]) -> int:
+        """What one GEMM merging dots ``ks`` reads and writes (their shared operand once)."""
+        return dot_bytes(ks[0]) + sum(dot_bytes(m) - ctx.nbytes[shared_operand(m)] for m in ks[1:])
+
+    def width(k: int) -> int:
+        """Cluster ``k``'s dot's N: what it adds to a merged GEMM's result."""
+        return math.prod(_free_sizes(g, next(g.ops[o] for o in cl[k].ops if g.ops[o].primitive == "dot_general"))[1:])
 
     def shared_operand(k: int) -> int:
         return next(g.ops[o] for o in cl[k].ops if g.ops[o].primitive == "dot_general").inputs[0]
 
     concatenated: list[list[int]] = []   # merged groups whose weights a launch concatenates
     sliced_out: set[int] = set()   # merged members whose result a copy cuts out of the merged buffer
-    for members in siblings.values():
-        members = joined(members)
+    for members in (group for sib in siblings.values() for group in joined(sib)):
         if len(members) > 1:
             merged.update(members)
-            widths = [math.prod(_free_sizes(g, next(g.ops[o] for o in cl[k].ops
-                                                    if g.ops[o].primitive == "dot_general"))[1:]) for k in members]
+            widths = [width(k) for k in members]
             if any(w % XLA_CONCAT_IN_GEMM_MULTIPLE for w in widths):
                 concatenated.append(members)
             whole = sum(ctx.nbytes[t] for k in members for t in cl[k].outputs)
             merged_whole.update((k, whole) for k in members)
+            merged_width.update((k, sum(widths)) for k in members)
             # a narrow part other GEMMs read (LoRA's ``x @ A``, read by ``@ B`` and by B's
             # gradient) is copied out of the merged buffer once (``wrapped_slice``); one GEMM
             # reading it takes the slice into its operand (LoRA's inference layer on jax 0.12)
@@ -1011,10 +1054,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         gemm_read = any(kind[r] in (Kind.MATMUL, Kind.ATTENTION) for m in islands[u] for x in cl[m].outputs
                         for r in readers_through_views(x))
         # (an epilogue reading another GEMM's result is a loop fusion too: LoRA's
-        # ``x @ W + (x @ A) @ B * s``, the compile's ``wrapped_add``)
-        other_gemm = not XLA_EPILOGUE_READS_OTHER_GEMMS and any(
-            p != k and (kind[p] in _NEVER_IN_A_LOOP or call[p]) for m in islands[u]
-            for x in cl[m].inputs for p in producers_through_movement(x, set()))
+        # ``x @ W + (x @ A) @ B * s``, the compile's ``wrapped_add``; on jax 0.12 only where that
+        # result is a part of a merged GEMM's: LoRA's q and k, ``loop_add_fusion``)
+        other_gemm = any(
+            p != k and (kind[p] in _NEVER_IN_A_LOOP or call[p]) and (not XLA_EPILOGUE_READS_OTHER_GEMMS or p in merged)
+            for m in islands[u] for x in cl[m].inputs for p in producers_through_movement(x, set()))
         if not moved and not gemm_read and not other_gemm:   # (a result a GEMM reads, or
             parent[u] = find(k)    # transposed for its reader, is a loop fusion's: LoRA's q, relaid for the scores)
 
@@ -1254,8 +1298,19 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     # widened to f32 is written bf16 and widened by its readers: the LM head's logits, LoRA's
     # masked training scores)
     for m in range(len(cl)):
+        if epilogue_apart(m) == "taken":   # (an epilogue ending in widening casts: the GEMM
+            # writes the value before them and its readers widen it — an RMSNorm's weight
+            # applied to a bf16 gradient on its way to the f32 backward, ``gemm_fusion_dot_general_3``)
+            (t,) = cl[m].outputs
+            x, narrowest = t, ctx.nbytes[t]
+            while (p := g.producer(x)) is not None and p.primitive in CAST_ONLY and p.id in cl[m].ops:
+                x = p.inputs[0]
+                narrowest = min(narrowest, ctx.nbytes[x])
+            if narrowest < ctx.nbytes[t]:
+                as_written[t] = narrowest
+            continue
         if epilogue_apart(m) not in ("casts", "reader"):
-            continue   # (an epilogue the GEMM or a loop fusion of its own takes writes the result)
+            continue   # (an epilogue a loop fusion of its own takes writes the result)
         x = next(g.ops[o] for o in cl[m].ops if g.ops[o].primitive == "dot_general").outputs[0]
         product = ctx.nbytes[x]
         while len(us := g.consumers(x)) == 1 and us[0].primitive in CAST_ONLY and us[0].id in cl[m].ops:
@@ -1291,7 +1346,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
 
     def split_of(k: int) -> int:
         """How many parts XLA splits cluster ``k``'s GEMM along K (1: not split)."""
-        return max((_xla_split_k(g, g.ops[o]) for o in cl[k].ops if g.ops[o].primitive == "dot_general"), default=1)
+        return max((_xla_split_k(g, g.ops[o], merged_width.get(k, 0)) for o in cl[k].ops
+                    if g.ops[o].primitive == "dot_general"), default=1)
 
     def relayout(x: int) -> tuple[int, int]:
         """Launches and bytes of a GEMM operand's copy into GEMM layout (made once for all its
@@ -1534,6 +1590,22 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         key = (rows_behind(_data(r)[0], set(cl[m].ops)), g.tensors[r.outputs[0]].shape)
         return any(find(k) != find(m) for k in reduced_only.get(key, ()))
 
+    def recomputed_from(t: int) -> set[int]:
+        """What a fusion reading ``t`` reads where XLA recomputes ``t`` inside it (a norm's rows
+        from the rows and statistics, a product duplicated into its readers): its sources."""
+        if t in numerators:
+            return {y for x in numerators[t] for y in recomputed_from(x)}
+        k = ctx.producer.get(t)
+        if k is not None and kind[k] == Kind.POINTWISE and find(k) in recomputed:
+            return {y for x in cl[k].inputs for y in recomputed_from(x)}
+        return {t}
+
+    def riding_loop(t: int, m: int) -> bool:
+        """``t`` is written by a loop fusion of its own, not cluster ``m``'s (a residual add)."""
+        k = ctx.producer.get(t)
+        return k is not None and kind[k] == Kind.POINTWISE and not call[k] and find(k) != find(m) \
+            and find(k) not in recomputed and find(k) not in glue_launches
+
     def read_through(t: int) -> set[int]:
         """The buffers a fusion reading ``t`` reads: through work it recomputes, that work's."""
         k = ctx.producer.get(t)
@@ -1733,11 +1805,46 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 stat = [t for t in cl[m].inputs if g.tensors[t].size == rows and any(
                     kind[k] == Kind.REDUCTION and (_statistic(g, cl[k]) or stat_apart(k))
                     for k in producers_through_movement(t, set()))]
-                if stat and row > XLA_NORM_ROW_FUSED_MAX:   # a statistic reduced beside it (flax's
-                    # mean of squares, E[x²] − E[x]²): no Triton fusion; its reductions join that
-                    # statistic's fusion, a loop fusion computes the row's scale from them, and
-                    # another applies it (read off the compile: three launches)
+                if stat and row > XLA_NORM_ROW_FUSED_MAX and _per_row_inputs(g, set(cl[m].ops), reds) > 1:
+                    # a statistic reduced beside it (flax's mean of squares, E[x²] − E[x]²): no
+                    # Triton fusion; its reductions join that statistic's fusion, a loop fusion
+                    # computes the row's scale from them, and another applies it (read off the
+                    # compile: three launches; an RMSNorm's scale, from one sum, is computed by
+                    # the fusion applying it: LoRA's ``loop_convert_fusion.2``)
                     n, nbytes = n + 1, nbytes + 3 * sum(ctx.nbytes[t] for t in stat)
+                    applied_in_loop.add(m)
+                stat_clusters = {c for t in stat for k in producers_through_movement(t, set())
+                                 for c in range(len(cl)) if find(c) == find(k)}
+                stat_ops = {o for c in stat_clusters for o in cl[c].ops}
+                stat_reds = [g.ops[o] for o in stat_ops if g.ops[o].primitive.startswith("reduce_")]
+                rows_read = {rows_behind(_data(r)[0], set(cl[c].ops)) for c in stat_clusters for r in reductions(c)}
+                inputs_read = {x for r in stat_reds for x in _inputs_read(g, _data(r)[0], stat_ops)}
+                group_ops = {o for c in range(len(cl)) if find(c) == find(m) for o in cl[c].ops}
+                for i, level in enumerate(_mixed_levels(g, set(cl[m].ops), reds)):
+                    if i == 0 and stat and all(
+                            rows_behind(_data(r)[0], set(cl[m].ops)) in rows_read
+                            or _inputs_read(g, _data(r)[0], group_ops) & inputs_read for r in level):
+                        continue   # (joined the statistic's fusion, above: XLA's sibling
+                        # multi-output fusion merges reductions of the same rows, or reading a
+                        # common operand no GEMM makes — a LayerNorm's scale —, never through a
+                        # GEMM's result alone: a residual LayerNorm's two row sums of its
+                        # gradient stay apart)
+                    # a depth of row sums no Triton fusion takes (a norm's backward): a reduction
+                    # fusion reading the rows (siblings reading the same rows in one), and a loop
+                    # fusion computing the per-row scalars past XLA_NORM_ROW_FUSED_MAX
+                    sources = {frozenset(rows_behind(_data(r)[0], set(cl[m].ops))) for r in level}
+                    n += (row > XLA_NORM_ROW_FUSED_MAX and not (i == 0 and stat)
+                          and _per_row_inputs(g, set(cl[m].ops), level) > 1)
+                    # (beside a statistic, the loop fusion computing the scale computes them too;
+                    # per-row work reading one value, an RMSNorm's ``rsqrt(sum / n + eps)``, is
+                    # computed by the fusion applying it)
+                    for rows_ in sources:
+                        if i == 0 and all(riding_loop(b, m) for b in rows_):
+                            continue   # (reducing rows a loop fusion writes: one more output of
+                            # it, XLA's producer-consumer multi-output fusion — LoRA's residual
+                            # add and its final RMSNorm's sum, ``input_add_reduce_fusion``)
+                        n += 1
+                        nbytes += sum(read_bytes(x, set()) for x in {x for b in rows_ for x in recomputed_from(b)})
                     applied_in_loop.add(m)
                 continue
             # one row: a reduction fusion per statistic; rows longer than the Triton fusion takes,
@@ -1921,7 +2028,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         # as the concatenation and as its reshape to groups: one operand of the loop fusion)
         read: dict[int, int] = {}
         looped = all(kind[m] == Kind.POINTWISE for m in members)
-        for t in ins:
+        for t in {x for t in ins for x in recomputed_from(t)}:
             b = buffer_of(t)
             read[b] = max(read.get(b, 0), read_bytes(t, set(), own, strided=looped or t in relaid))
         nbytes += sum(read.values()) + sum(as_written.get(t, ctx.nbytes[t]) for t in out)
@@ -2028,6 +2135,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
               and not all(_static(g, t) for t in op.inputs[2:])}
     if checks:
         add((), "bounds", len(checks), 0)
+    # a value the program returns more than once (``jax.grad`` of ``f(x + r)`` by ``x`` and by
+    # ``r``): every output buffer is distinct, each repeat a ``kCopy`` of the first
+    repeats = [t for i, t in enumerate(g.outputs) if t in g.outputs[:i] and t not in inputs]
+    if repeats:
+        add((), "copy", len(repeats), sum(2 * ctx.nbytes[t] for t in repeats))
     for c in g.speculated:   # a cond the trace made a select: XLA keeps most of them a conditional
         if xla_keeps_conditional(c):
             n, nbytes = conditional_price(g, c)
@@ -2195,6 +2307,106 @@ def _statistic(g: Graph, c: Cluster) -> bool:
     reds = [g.ops[o] for o in c.ops if g.ops[o].primitive.startswith("reduce_")]
     return bool(reds) and all(_reduces_minor(g, r) for r in reds) and all(g.tensors[t].size <= max(g.tensors[r.outputs[0]].size for r in reds)
                               for t in c.outputs)
+
+
+def _mixed_levels(g: Graph, ops: set[int], reds: Sequence[Any]) -> list[list[Any]]:
+    """The row reductions among ``reds`` whose per-row results meet, before they are broadcast
+    back over the rows, a per-row value made outside ``ops`` (another fusion's statistics),
+    grouped by depth (a reduction of rows made from another's result is one deeper). A norm's
+    backward that combines its row sums with the forward's statistics, written by the forward's
+    fusions, is no Triton normalization fusion: XLA runs each depth as a reduction fusion, a loop
+    fusion computing the per-row scalars and, at the end, one applying them (a residual LayerNorm
+    block's gradient: ``input_reduce_fusion_1``, ``loop_multiply_fusion_1``, ``loop_add_fusion``;
+    GPT-2's and LoRA's training steps; both jax versions). A LayerNorm's backward that recomputes
+    its statistics from the rows is one Triton fusion however its per-row values combine
+    (``test_xla_column_sums_over_many_rows_are_a_tree``)."""
+    def from_outside(t: int, size: int) -> bool:
+        """A per-row value made, through per-row work among ``ops``, from one made outside them."""
+        todo, seen = [t], set()
+        while todo:
+            x = todo.pop()
+            if x in seen or g.tensors[x].size != size:
+                continue
+            seen.add(x)
+            p = g.producer(x)
+            if p is None or p.id not in ops:
+                return True
+            todo.extend(data_inputs(p))
+        return False
+
+    def mixes(r: Any) -> bool:
+        size = g.tensors[r.outputs[0]].size
+        todo, seen = [r.outputs[0]], set()
+        while todo:
+            x = todo.pop()
+            if x in seen:
+                continue
+            seen.add(x)
+            for u in g.consumers(x):
+                if u.id not in ops or len(u.outputs) != 1 or g.tensors[u.outputs[0]].size != size:
+                    continue
+                row = TABLE.get(u.primitive)
+                operands = {y for y in data_inputs(u) if g.tensors[y].size > 1}
+                if row is not None and row.role == Role.ELEMENTWISE and len(operands) > 1 and any(
+                        from_outside(y, size) for y in operands):
+                    return True
+                todo.append(u.outputs[0])
+        return False
+
+    depth: dict[int, int] = {}
+    for r in reds:   # (in program order: a reduction's sources come before it)
+        depth[r.id] = max((depth[q.id] + 1 for q in reds if q.id in depth
+                           and _made_from(g, data_inputs(r)[0], ops, {q.id})), default=0)
+    levels: dict[int, list[Any]] = {}
+    for r in reds:
+        if mixes(r):
+            levels.setdefault(depth[r.id], []).append(r)
+    return [levels[d] for d in sorted(levels)]
+
+
+def _inputs_read(g: Graph, t: int, ops: set[int]) -> set[int]:
+    """The program inputs (more than a scalar) that computing ``t`` reads through ``ops``, views,
+    and products no operand of which is as large as the product (a per-row scale times a
+    LayerNorm's weight: XLA recomputes them wherever they are read)."""
+    found: set[int] = set()
+    todo, seen = [t], set()
+    while todo:
+        x = todo.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        p = g.producer(x)
+        if p is None:
+            if g.tensors[x].size > 1 and g.tensors[x].const is None:
+                found.add(x)
+            continue
+        xs = data_inputs(p)
+        if p.id in ops or is_view(p, g) or p.primitive == "broadcast_in_dim" or (
+                not p.primitive.startswith("reduce_") and xs and all(g.tensors[y].size < g.tensors[x].size for y in xs)):
+            todo.extend(xs)
+    return found
+
+
+def _per_row_inputs(g: Graph, ops: set[int], level: Sequence[Any]) -> int:
+    """How many per-row values the per-row work after reductions ``level`` reads: their results
+    and the per-row values it combines them with (other reductions', the cluster's inputs)."""
+    size = g.tensors[level[0].outputs[0]].size
+    found: set[int] = set()
+    todo, seen = [r.outputs[0] for r in level], set()
+    while todo:
+        x = todo.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        p = g.producer(x)
+        if p is None or p.id not in ops or p.primitive.startswith("reduce_") and g.tensors[data_inputs(p)[0]].size > size:
+            found.add(x)
+        else:
+            todo.extend(y for y in data_inputs(p) if g.tensors[y].size == size)
+        for u in g.consumers(x):
+            if u.id in ops and len(u.outputs) == 1 and g.tensors[u.outputs[0]].size == size:
+                todo.append(u.outputs[0])
+    return len(found)
 
 
 def _rows_recomputed(g: Graph, t: int, ops: set[int]) -> set[int] | None:
@@ -2798,10 +3010,12 @@ def _bucket(x: int, keys: Sequence[int]) -> int:
     return min(keys, key=lambda k: abs(math.log2(k) - math.log2(max(x, 1))))
 
 
-def _xla_split_k(g: Graph, op: Any) -> int:
+def _xla_split_k(g: Graph, op: Any, width: int = 0) -> int:
     """How many K splits XLA's GEMM fusion gives ``op`` (1: none): :data:`XLA_SPLIT_K`. One row
     (a GEMV, which XLA runs as a reduction) and batched dots are not split here: the whole
-    programs read off the compile do not show them split."""
+    programs read off the compile do not show them split. ``width``: the merged GEMM's N where
+    the dot merger joined ``op`` with siblings (LoRA's rank-16 ``x @ A`` inside the QKV GEMM is
+    not split)."""
     dn = op.params.get("dimension_numbers")
     if dn is None:
         return 1
@@ -2811,7 +3025,7 @@ def _xla_split_k(g: Graph, op: Any) -> int:
         return 1
     k = math.prod(a[i] for i in lc)
     m = math.prod(n for i, n in enumerate(a) if i not in lc)
-    n = math.prod(x for i, x in enumerate(b) if i not in rc)
+    n = width or math.prod(x for i, x in enumerate(b) if i not in rc)
     small, large = sorted((m, n))
     if small < 2 or k < 192:   # a GEMV; a contraction shorter than the table's
         return 1
