@@ -376,6 +376,32 @@ def test_paged_layer_at_paper_size_writes_its_rows_into_their_pages():
     assert len(writes) == 2 and all("[d0, 0]" in r and "[d0, 1]" in r for r in writes), writes
 
 
+def test_continuous_batching_at_paper_size_reads_its_cache_in_the_attention_kernel():
+    """Continuous batching at paper size (batch 16, 4,096-token bf16 caches, GQA 32/8, D 128, each
+    sequence at its own position), lowered for CUDA: the attention runs in the decode kernels, no
+    gather, transpose or concatenation of cache size is left — the per-sequence row writes stay
+    XLA's in-place scatters, their rows being program inputs no kernel makes (as in
+    ``paged_kv_decode``) —, and compiled deviceless for an H100 the program's buffers are below
+    jit's (388 → 257 MiB: no repeated K/V, no scores)."""
+    from tests.zoo.styles import continuous_batching_step
+    from vtc_jax.offline import compile_program
+    from vtc_jax.testing import cross_lower
+    B, T, H, KV, D = 16, 4096, 32, 8, 128
+    S = jax.ShapeDtypeStruct
+    args = (S((B, 1, H, D), jnp.bfloat16), S((B, 1, KV, D), jnp.bfloat16), S((B, 1, KV, D), jnp.bfloat16),
+            S((B, T, KV, D), jnp.bfloat16), S((B, T, KV, D), jnp.bfloat16), S((B,), jnp.int32))
+    step = continuous_batching_step(B, T, H, KV, D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        opt = vtc_jax.optimize(step, backend="triton", guard=None, donate_argnums=(3, 4))
+        mod = cross_lower(opt, *args)
+        vtc, jit = (compile_program(f, *args, kernels=False) for f in (opt, jax.jit(step, donate_argnums=(3, 4))))
+    assert any(k.name.startswith("vtc_decode_attention") for k in mod.triton_kernels), mod.triton_kernels
+    big = {m[0] for m in mod.movement_into_consumers() if _elements(m[2]) >= 1 << 20}
+    assert big == {"stablehlo.scatter"}, big
+    assert vtc.memory["total"] < jit.memory["total"], (vtc.memory, jit.memory)
+
+
 # issue #24's corpus programs at paper size: the in-place updates of cache size still left, with why
 CACHE_UPDATES_LEFT = {
     "paged_kv_decode": "stablehlo.scatter",   # its rows are program inputs: XLA's in-place scatter is the copy

@@ -196,16 +196,10 @@ def rotate_half_rope_kvcache_at_set():
     return step, (q, kn, vn, ck, cv, pos)
 
 
-@case
-def continuous_batching_decode():
-    """Serving with continuous batching: each sequence at its own position (a (B,) vector), K/V
-    rows scattered per sequence, GQA by jnp.repeat, scores / sqrt(d), a -inf mask per sequence."""
-    rnd = _rng()
-    B, T, H, KV, D = 4, 32, 8, 2, 16
-    q, kn, vn = rnd(B, 1, H, D), rnd(B, 1, KV, D), rnd(B, 1, KV, D)
-    ck, cv = rnd(B, T, KV, D), rnd(B, T, KV, D)
-    pos = jnp.array([0, 7, 31, 12], jnp.int32)
-
+def continuous_batching_step(B, T, H, KV, D):
+    """One decode step of serving with continuous batching over (B, T, KV, D) caches: each sequence
+    at its own position (a (B,) vector), K/V rows scattered per sequence, GQA by jnp.repeat, scores
+    / sqrt(d), a -inf mask per sequence."""
     def step(q, kn, vn, ck, cv, pos):
         b = jnp.arange(B)
         ck, cv = ck.at[b, pos].set(kn[:, 0]), cv.at[b, pos].set(vn[:, 0])
@@ -214,7 +208,18 @@ def continuous_batching_decode():
         s = jnp.where(jnp.arange(T)[None, None, None, :] <= pos[:, None, None, None], s, -jnp.inf)
         o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
         return o.reshape(B, 1, H * D), ck, cv
-    return step, (q, kn, vn, ck, cv, pos)
+    return step
+
+
+@case
+def continuous_batching_decode():
+    """Serving with continuous batching (:func:`continuous_batching_step`), small."""
+    rnd = _rng()
+    B, T, H, KV, D = 4, 32, 8, 2, 16
+    q, kn, vn = rnd(B, 1, H, D), rnd(B, 1, KV, D), rnd(B, 1, KV, D)
+    ck, cv = rnd(B, T, KV, D), rnd(B, T, KV, D)
+    pos = jnp.array([0, 7, 31, 12], jnp.int32)
+    return continuous_batching_step(B, T, H, KV, D), (q, kn, vn, ck, cv, pos)
 
 
 @case
