@@ -2053,6 +2053,23 @@ def test_xla_lora_projections_against_xlas_compile():
                                 0.01, dtype=jnp.bfloat16)
 
 
+@pytest.mark.offline
+@pytest.mark.parametrize("k, n, launches", [(3584, 8192, 1), (4096, 3584, 2), (14336, 3584, 2), (3584, 28672, 1),
+                                            (4096, 6144, 2), (2048, 4096, 1)])
+def test_xla_one_row_gemms_split_along_k_against_xlas_compile(k, n, launches):
+    """A GEMM of one row (a decode step at batch 1: Gemma-2-9B's and Llama-3-8B's projections):
+    XLA's GEMM fusion splits the large ones along K (``xla.XLA_SPLIT_K_ONE_ROW``: f32 partials,
+    then a reduce — Gemma-2's output and down projections, Llama-3's fused QKV), keeps the wide ones
+    whole, and runs those below about 13.5 M weight elements as one reduction. Launches equal the
+    deviceless H100 compile's on both jax versions (before: one launch each, Gemma-2 at batch 1 two
+    launches short). Off the grid K lands either way (3,584 rows by 3,584 or 4,096 columns are
+    split, by 8,192 not: the table takes the bucket below, and misses the first two)."""
+    check_model_against_compile(lambda x, w: x @ w, [(1, k), (k, n)], 0.02, dtype=jnp.bfloat16)
+    from vtc_jax.xla import xla_program
+    g = trace(lambda x, w: x @ w, jnp.zeros((1, k), jnp.bfloat16), jnp.zeros((k, n), jnp.bfloat16))
+    assert xla_program(g, cluster(g)).launches == launches
+
+
 def _decode_attention(cache_layout):
     """One decode step's attention over a 4,096-token cache stored ``cache_layout``, masked at a
     runtime position, written out as model code does (no kernel)."""

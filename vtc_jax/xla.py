@@ -2946,6 +2946,18 @@ def _free_sizes(g: Graph, op: Any) -> list[int]:
 # Off the grid a GEMM takes the entry nearest on a log scale in both sides together: XLA counts
 # output tiles, so such a size (14,336 columns, say) can land a step either way.
 SPLIT_K_K = (256, 512, 1024, 2048, 4096, 8192, 16384)
+# The same for a GEMM of one row, ``(1, K) @ (K, N)`` (a decode step at batch 1), keyed by N (the
+# power of two nearest on a log scale), one entry per K bucket of SPLIT_K_K — the largest not
+# above K: 3,584 is 2,048's (Gemma-2's ``(1, 3584) @ (3584, 8192)`` unsplit; by 3,584 or 4,096
+# columns XLA splits it, which this misses), 14,336 8,192's (Llama-3's down projection split 8;
+# Gemma-2's is split 16, the same two launches). Read off
+# the deviceless H100 compile of the grid N 256-32,768 x K 256-16,384, bf16, jax 0.10.2 and 0.12
+# alike. Below about 13.5 M weight elements XLA runs the dot as reductions, unsplit here (1):
+# one launch, or two where the rows are long (a column tree) or the product is written first.
+XLA_SPLIT_K_ONE_ROW: Mapping[int, tuple[int, ...]] = {
+    256: (1,) * 7, 512: (1,) * 7, 1024: (1, 1, 1, 1, 1, 1, 32), 2048: (1, 1, 1, 1, 1, 16, 16),
+    4096: (1, 1, 1, 1, 8, 8, 16), 8192: (1, 1, 1, 1, 4, 8, 8), 16384: (1, 1, 1, 1, 1, 4, 4),
+    32768: (1, 1, 1, 1, 1, 1, 2)}
 XLA_SPLIT_K: Mapping[tuple[int, int], tuple[int, ...]] = {
     (2, 256): (1, 1, 1, 16, 32, 32, 64), (2, 512): (1, 1, 1, 16, 16, 32, 32),
     (2, 1024): (1, 1, 1, 8, 16, 16, 32), (2, 2048): (1, 1, 1, 8, 8, 16, 16),
@@ -3011,9 +3023,9 @@ def _bucket(x: int, keys: Sequence[int]) -> int:
 
 
 def _xla_split_k(g: Graph, op: Any, width: int = 0) -> int:
-    """How many K splits XLA's GEMM fusion gives ``op`` (1: none): :data:`XLA_SPLIT_K`. One row
-    (a GEMV, which XLA runs as a reduction) and batched dots are not split here: the whole
-    programs read off the compile do not show them split. ``width``: the merged GEMM's N where
+    """How many K splits XLA's GEMM fusion gives ``op`` (1: none): :data:`XLA_SPLIT_K`, one row
+    :data:`XLA_SPLIT_K_ONE_ROW`. Batched dots are not split here: the whole programs read off the
+    compile do not show them split. ``width``: the merged GEMM's N where
     the dot merger joined ``op`` with siblings (LoRA's rank-16 ``x @ A`` inside the QKV GEMM is
     not split)."""
     dn = op.params.get("dimension_numbers")
@@ -3027,6 +3039,9 @@ def _xla_split_k(g: Graph, op: Any, width: int = 0) -> int:
     m = math.prod(n for i, n in enumerate(a) if i not in lc)
     n = width or math.prod(x for i, x in enumerate(b) if i not in rc)
     small, large = sorted((m, n))
+    if m == 1 and not width and k >= SPLIT_K_K[0]:   # one row (a decode step at batch 1)
+        row = XLA_SPLIT_K_ONE_ROW[_bucket(n, tuple(XLA_SPLIT_K_ONE_ROW))]
+        return row[max(i for i, b in enumerate(SPLIT_K_K) if b <= k)]
     if small < 2 or k < 192:   # a GEMV; a contraction shorter than the table's
         return 1
     key = min(XLA_SPLIT_K, key=lambda e: abs(math.log2(e[0] / small)) + abs(math.log2(e[1] / large)))
