@@ -20,7 +20,7 @@ and one set of facts now serve both. Everything here is a model read off XLA's c
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -2309,6 +2309,20 @@ def _statistic(g: Graph, c: Cluster) -> bool:
                               for t in c.outputs)
 
 
+def _walk(starts: Iterable[int], expand: Callable[[int], Iterable[int]]) -> Iterator[int]:
+    """Each tensor reachable from ``starts`` through ``expand`` once, ``expand`` asked of a tensor
+    after it is yielded (a backward pass's element-wise work is a DAG with many paths to one value:
+    visiting each once keeps the walks of the norm rules linear)."""
+    todo, seen = list(starts), set()
+    while todo:
+        x = todo.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        yield x
+        todo.extend(expand(x))
+
+
 def _mixed_levels(g: Graph, ops: set[int], reds: Sequence[Any]) -> list[list[Any]]:
     """The row reductions among ``reds`` whose per-row results meet, before they are broadcast
     back over the rows, a per-row value made outside ``ops`` (another fusion's statistics),
@@ -2320,38 +2334,29 @@ def _mixed_levels(g: Graph, ops: set[int], reds: Sequence[Any]) -> list[list[Any
     GPT-2's and LoRA's training steps; both jax versions). A LayerNorm's backward that recomputes
     its statistics from the rows is one Triton fusion however its per-row values combine
     (``test_xla_column_sums_over_many_rows_are_a_tree``)."""
+    def made_outside(x: int) -> bool:
+        return (p := g.producer(x)) is None or p.id not in ops
+
     def from_outside(t: int, size: int) -> bool:
         """A per-row value made, through per-row work among ``ops``, from one made outside them."""
-        todo, seen = [t], set()
-        while todo:
-            x = todo.pop()
-            if x in seen or g.tensors[x].size != size:
-                continue
-            seen.add(x)
-            p = g.producer(x)
-            if p is None or p.id not in ops:
-                return True
-            todo.extend(data_inputs(p))
-        return False
+        def up(x: int) -> Iterable[int]:
+            return () if made_outside(x) else [y for y in data_inputs(g.producer(x)) if g.tensors[y].size == size]
+        return g.tensors[t].size == size and any(made_outside(x) for x in _walk([t], up))
 
     def mixes(r: Any) -> bool:
         size = g.tensors[r.outputs[0]].size
-        todo, seen = [r.outputs[0]], set()
-        while todo:
-            x = todo.pop()
-            if x in seen:
-                continue
-            seen.add(x)
-            for u in g.consumers(x):
-                if u.id not in ops or len(u.outputs) != 1 or g.tensors[u.outputs[0]].size != size:
-                    continue
-                row = TABLE.get(u.primitive)
-                operands = {y for y in data_inputs(u) if g.tensors[y].size > 1}
-                if row is not None and row.role == Role.ELEMENTWISE and len(operands) > 1 and any(
-                        from_outside(y, size) for y in operands):
-                    return True
-                todo.append(u.outputs[0])
-        return False
+
+        def per_row(x: int) -> list[Any]:   # the per-row work among ``ops`` reading ``x``
+            return [u for u in g.consumers(x)
+                    if u.id in ops and len(u.outputs) == 1 and g.tensors[u.outputs[0]].size == size]
+
+        def meets_outside(u: Any) -> bool:
+            row = TABLE.get(u.primitive)
+            operands = {y for y in data_inputs(u) if g.tensors[y].size > 1}
+            return row is not None and row.role == Role.ELEMENTWISE and len(operands) > 1 and any(
+                from_outside(y, size) for y in operands)
+        return any(meets_outside(u) for x in _walk([r.outputs[0]], lambda x: [u.outputs[0] for u in per_row(x)])
+                   for u in per_row(x))
 
     depth: dict[int, int] = {}
     for r in reds:   # (in program order: a reduction's sources come before it)
@@ -2368,45 +2373,32 @@ def _inputs_read(g: Graph, t: int, ops: set[int]) -> set[int]:
     """The program inputs (more than a scalar) that computing ``t`` reads through ``ops``, views,
     and products no operand of which is as large as the product (a per-row scale times a
     LayerNorm's weight: XLA recomputes them wherever they are read)."""
-    found: set[int] = set()
-    todo, seen = [t], set()
-    while todo:
-        x = todo.pop()
-        if x in seen:
-            continue
-        seen.add(x)
-        p = g.producer(x)
-        if p is None:
-            if g.tensors[x].size > 1 and g.tensors[x].const is None:
-                found.add(x)
-            continue
+    def up(x: int) -> Iterable[int]:
+        if (p := g.producer(x)) is None:
+            return ()
         xs = data_inputs(p)
-        if p.id in ops or is_view(p, g) or p.primitive == "broadcast_in_dim" or (
-                not p.primitive.startswith("reduce_") and xs and all(g.tensors[y].size < g.tensors[x].size for y in xs)):
-            todo.extend(xs)
-    return found
+        through = p.id in ops or is_view(p, g) or p.primitive == "broadcast_in_dim" or (
+            not p.primitive.startswith("reduce_") and xs and all(g.tensors[y].size < g.tensors[x].size for y in xs))
+        return xs if through else ()
+    return {x for x in _walk([t], up)
+            if g.producer(x) is None and g.tensors[x].size > 1 and g.tensors[x].const is None}
 
 
 def _per_row_inputs(g: Graph, ops: set[int], level: Sequence[Any]) -> int:
     """How many per-row values the per-row work after reductions ``level`` reads: their results
     and the per-row values it combines them with (other reductions', the cluster's inputs)."""
     size = g.tensors[level[0].outputs[0]].size
-    found: set[int] = set()
-    todo, seen = [r.outputs[0] for r in level], set()
-    while todo:
-        x = todo.pop()
-        if x in seen:
-            continue
-        seen.add(x)
+
+    def source(x: int) -> bool:   # made outside ``ops``, or a reduction's result
         p = g.producer(x)
-        if p is None or p.id not in ops or p.primitive.startswith("reduce_") and g.tensors[data_inputs(p)[0]].size > size:
-            found.add(x)
-        else:
-            todo.extend(y for y in data_inputs(p) if g.tensors[y].size == size)
-        for u in g.consumers(x):
-            if u.id in ops and len(u.outputs) == 1 and g.tensors[u.outputs[0]].size == size:
-                todo.append(u.outputs[0])
-    return len(found)
+        return p is None or p.id not in ops or (
+            p.primitive.startswith("reduce_") and g.tensors[data_inputs(p)[0]].size > size)
+
+    def around(x: int) -> list[int]:   # the per-row values it is made from and those made from it
+        up = [] if source(x) else [y for y in data_inputs(g.producer(x)) if g.tensors[y].size == size]
+        return up + [u.outputs[0] for u in g.consumers(x)
+                     if u.id in ops and len(u.outputs) == 1 and g.tensors[u.outputs[0]].size == size]
+    return sum(source(x) for x in _walk([r.outputs[0] for r in level], around))
 
 
 def _rows_recomputed(g: Graph, t: int, ops: set[int]) -> set[int] | None:
@@ -2416,25 +2408,19 @@ def _rows_recomputed(g: Graph, t: int, ops: set[int]) -> set[int] | None:
     size = g.tensors[t].size
     rows: set[int] = set()
     stats = False
-    stack, seen = [t], set()
-    while stack:
-        x = stack.pop()
-        if x in seen:
-            continue
-        seen.add(x)
+
+    def inside(x: int) -> bool:   # a full-size value ``ops`` compute
+        return (p := g.producer(x)) is not None and p.id in ops and g.tensors[x].size >= size
+    for x in _walk([t], lambda x: data_inputs(g.producer(x)) if inside(x) else ()):
         p = g.producer(x)
         if p is None or p.id not in ops:
             if g.tensors[x].size >= size:
                 rows.add(x)
-            continue
-        if g.tensors[x].size < size:   # a per-row value: read by the reader (small)
+        elif g.tensors[x].size < size:   # a per-row value: read by the reader (small)
             stats = stats or _made_from(g, x, ops, {o for o in ops if g.ops[o].primitive.startswith("reduce_")})
-            continue
-        row = TABLE.get(p.primitive)
-        if p.primitive.startswith("reduce_") or row is None or row.expensive or not (
+        elif p.primitive.startswith("reduce_") or (row := TABLE.get(p.primitive)) is None or row.expensive or not (
                 row.role == Role.ELEMENTWISE or is_view(p, g) or p.primitive in _FUSED_VIEWS):
             return None
-        stack.extend(data_inputs(p))
     return rows if stats and rows else None
 
 
