@@ -1296,29 +1296,29 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     # what a GEMM writes where its result is only cast, or its epilogue is computed by the
     # fusions reading it: the product in the narrowest type along its casts (a bf16 product
     # widened to f32 is written bf16 and widened by its readers: the LM head's logits, LoRA's
-    # masked training scores)
+    # masked training scores); where the GEMM takes its epilogue, the value before the casts it
+    # ends in (an RMSNorm's weight applied to a bf16 gradient on its way to the f32 backward,
+    # ``gemm_fusion_dot_general_3``)
     for m in range(len(cl)):
-        if epilogue_apart(m) == "taken":   # (an epilogue ending in widening casts: the GEMM
-            # writes the value before them and its readers widen it — an RMSNorm's weight
-            # applied to a bf16 gradient on its way to the f32 backward, ``gemm_fusion_dot_general_3``)
-            (t,) = cl[m].outputs
-            x, narrowest = t, ctx.nbytes[t]
-            while (p := g.producer(x)) is not None and p.primitive in CAST_ONLY and p.id in cl[m].ops:
-                x = p.inputs[0]
-                narrowest = min(narrowest, ctx.nbytes[x])
-            if narrowest < ctx.nbytes[t]:
-                as_written[t] = narrowest
-            continue
-        if epilogue_apart(m) not in ("casts", "reader"):
+        how = epilogue_apart(m)
+        if how not in ("taken", "casts", "reader"):
             continue   # (an epilogue a loop fusion of its own takes writes the result)
-        x = next(g.ops[o] for o in cl[m].ops if g.ops[o].primitive == "dot_general").outputs[0]
-        product = ctx.nbytes[x]
-        while len(us := g.consumers(x)) == 1 and us[0].primitive in CAST_ONLY and us[0].id in cl[m].ops:
-            x = us[0].outputs[0]
-            product = min(product, ctx.nbytes[x])
         (t,) = cl[m].outputs
-        if product < ctx.nbytes[t]:
-            as_written[t] = product
+        if how == "taken":   # back from the result through the casts it ends in
+            def step(x: int) -> int | None:
+                p = g.producer(x)
+                return p.inputs[0] if p is not None and p.primitive in CAST_ONLY and p.id in cl[m].ops else None
+            x = t
+        else:                # forward from the product through the casts it takes
+            def step(x: int) -> int | None:
+                us = g.consumers(x)
+                return us[0].outputs[0] if len(us) == 1 and us[0].primitive in CAST_ONLY and us[0].id in cl[m].ops else None
+            x = next(g.ops[o] for o in cl[m].ops if g.ops[o].primitive == "dot_general").outputs[0]
+        narrowest = ctx.nbytes[x]
+        while (x := step(x)) is not None:
+            narrowest = min(narrowest, ctx.nbytes[x])
+        if narrowest < ctx.nbytes[t]:
+            as_written[t] = narrowest
 
     written: dict[int, int] = {}     # materialised tensor -> group position that writes it
 
@@ -1813,13 +1813,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     # the fusion applying it: LoRA's ``loop_convert_fusion.2``)
                     n, nbytes = n + 1, nbytes + 3 * sum(ctx.nbytes[t] for t in stat)
                     applied_in_loop.add(m)
-                stat_clusters = {c for t in stat for k in producers_through_movement(t, set())
-                                 for c in range(len(cl)) if find(c) == find(k)}
+                stat_clusters = {c for t in stat for k in producers_through_movement(t, set()) for c in groups[find(k)]}
                 stat_ops = {o for c in stat_clusters for o in cl[c].ops}
                 stat_reds = [g.ops[o] for o in stat_ops if g.ops[o].primitive.startswith("reduce_")]
                 rows_read = {rows_behind(_data(r)[0], set(cl[c].ops)) for c in stat_clusters for r in reductions(c)}
                 inputs_read = {x for r in stat_reds for x in _inputs_read(g, _data(r)[0], stat_ops)}
-                group_ops = {o for c in range(len(cl)) if find(c) == find(m) for o in cl[c].ops}
+                group_ops = {o for c in members for o in cl[c].ops}
                 for i, level in enumerate(_mixed_levels(g, set(cl[m].ops), reds)):
                     if i == 0 and stat and all(
                             rows_behind(_data(r)[0], set(cl[m].ops)) in rows_read
