@@ -1212,7 +1212,7 @@ def test_the_strategy_and_the_guard_price_a_kernel_read_through_a_strided_map():
 @pytest.mark.parametrize("name,tol", [("espcn_pixel_shuffle", 0.01), ("densenet_block_pad_concat", 0.01),
                                       ("bert_padding_mask_linen", 0.01), ("swin_window_attention_linen", 0.05),
                                       ("t5_relative_attention_linen", 0.05), ("unet_up_bilinear_pad", 0.01),
-                                      ("unet_up_block_linen", 0.01)])
+                                      ("unet_up_block_linen", 0.01), ("paged_kv_decode_layer", 0.01)])
 def test_xla_model_of_vtcs_program_against_its_compile(name, tol):
     """The model of VTC's emitted program (corpus, paper size, unguarded plan) against the
     deviceless H100 compile of it: launches equal, bytes within ``tol``. Each program checks a
@@ -1232,6 +1232,11 @@ def test_xla_model_of_vtcs_program_against_its_compile(name, tol):
       three ``wrapped_slice`` launches, each reading the whole merged buffer (before: -19%).
     * U-Net (bilinear, padded): a concatenation written out for a convolution reads every part,
       a part cut from a buffer charged the buffer (the compile's count; before: -9%).
+    * Paged decode layer: the q projection's split-K sum, read by the attention kernel through a
+      reshape, is reduced by a fusion of its own (``loop_reduce_fusion_1``: no fusion is made for
+      the call to take it in); the block-table coordinates the K and V row kernels each compute
+      from the same values are one fusion (XLA's CSE, ``input_concatenate_fusion``). Before,
+      the two errors cancelled.
     * U-Net (nearest, GroupNorm): the index arithmetic of a gather another gather reads runs
       inside the copy written for the kernel; GroupNorm's mean and mean of squares are one
       reduction launch (``reduced_beside``) reading the rows once for all views of them, each
@@ -2092,3 +2097,64 @@ def test_xla_decode_attention_against_xlas_compile(cache_layout):
     bytes within 1%."""
     cache = (8, 8, 4096, 128) if cache_layout == "bhtd" else (8, 4096, 8, 128)
     check_model_against_compile(_decode_attention(cache_layout), [(8, 8, 128), cache, cache, (1,)], 0.01)
+
+
+def _masked_mean_loss(x, labels):
+    """A per-token loss averaged over the tokens whose label is not ignored (``-1``), as LM
+    training code writes it: ``sum(where(valid, nll, 0)) / max(sum(valid), 1)``."""
+    valid = labels >= 0
+    nll = jnp.sum(x.astype(jnp.float32) ** 2, axis=-1)
+    return jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+
+
+@pytest.mark.offline
+def test_xla_a_returned_scalar_division_is_a_launch_of_its_own():
+    """The loss's last division, of two sums XLA reduces in fusions of their own (or a kernel
+    call's sum: a LoRA step's loss in VTC's program), is written by a loop fusion of its own
+    (``loop_divide_fusion``): scalar arithmetic returned has no reader to ride in. The model of
+    jit and of VTC's program equals the compile's three launches (before: two, on both sides)."""
+    from vtc_jax import guard as G
+    from vtc_jax.lower import kernel_clusters
+    from vtc_jax.offline import compile_program
+    from vtc_jax.program import BuildOptions, build
+    args = (jax.ShapeDtypeStruct((2, 1024, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((2, 1024), jnp.int32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opts = BuildOptions("triton", False, {}, lambda m: None, RuntimeError, guard=None, function=_masked_mean_loss)
+        a, _, closed = build(_masked_mean_loss, args, {}, list(args), donate=(), opts=opts, rejected={})
+        plain = G.price_plain(a.graph, a.donated)
+        vtc = G.price_emitted(a.graph, G.emitted_graph(closed), a.donated,
+                              G.kernel_math(a.graph, a.clusters, kernel_clusters(closed.jaxpr), a.strategy))
+        pj = compile_program(jax.jit(_masked_mean_loss), *args, kernels=False)
+        pv = compile_program(vtc_jax.optimize(_masked_mean_loss, backend="triton", guard=None), *args, kernels=False)
+    for model, p in ((plain, pj), (vtc, pv)):
+        names = [l.name for l in p.launches]
+        assert model.launches == len(names) == 3 and any("divide" in n for n in names), (model.fusions, names)
+        assert abs(model.bytes - p.bytes) <= 0.01 * p.bytes, (model.bytes, p.bytes)
+
+
+@pytest.mark.offline
+def test_xla_a_split_k_sum_a_kernel_reads_is_reduced_by_a_fusion_of_its_own():
+    """In VTC's program of the paged decode layer (corpus, paper size, batch 16) both XLA GEMMs
+    (the q and the output projection, 16 rows by 4,096) are split along K; the attention kernel
+    reads q's sum through a reshape, which no fusion XLA makes for the call can take in: a reduce
+    fusion of its own (``loop_reduce_fusion_1``), as for the output projection's. The model's
+    GEMM launch groups count both reduces (before: the q projection's was one launch)."""
+    from tests.zoo.corpus import CORPUS
+    from vtc_jax import guard as G
+    from vtc_jax.lower import kernel_clusters
+    from vtc_jax.offline import compile_program
+    from vtc_jax.program import BuildOptions, build
+    e = CORPUS["paged_kv_decode_layer"]("paper")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opts = BuildOptions("triton", False, {}, lambda m: None, RuntimeError, guard=None, function=e.step)
+        a, _, closed = build(e.step, tuple(e.args), {}, jax.tree.leaves(e.args), donate=tuple(e.donate_argnums),
+                             opts=opts, rejected={})
+        vtc = G.price_emitted(a.graph, G.emitted_graph(closed), a.donated,
+                              G.kernel_math(a.graph, a.clusters, kernel_clusters(closed.jaxpr), a.strategy))
+        pv = compile_program(vtc_jax.optimize(e.step, backend="triton", guard=None, donate_argnums=e.donate_argnums),
+                             *e.args, kernels=False)
+    xla_gemms = [l.name for l in pv.launches if l.name.startswith(("gemm_fusion", "loop_reduce_fusion"))]
+    assert len(xla_gemms) == 4, xla_gemms
+    assert sum(f.launches for f in vtc.fusions if f.what == "matmul") == len(xla_gemms), vtc.fusions

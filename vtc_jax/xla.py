@@ -949,10 +949,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     for o in cl[k].ops if not is_view(g.ops[o], g) and g.ops[o].primitive not in CAST_ONLY)
         if not sig:
             continue
-        if sig in glue_launch:
-            parent[find(k)] = find(glue_launch[sig])
+        # (or the same values, computed twice from computed operands: the block-table rows a
+        # paged layer's K and V kernels each read, one ``input_concatenate_fusion``)
+        same = ("values", tuple(g.same_value(t) for t in cl[k].outputs))
+        if sig in glue_launch or same in glue_launch:
+            parent[find(k)] = find(glue_launch.get(sig, glue_launch.get(same)))
         else:
-            glue_launch[sig] = k
+            glue_launch[sig] = glue_launch[same] = k
     glue_launches = {find(k) for k in glue_launch.values()}
     # sibling GEMMs: dots reading one activation with weights passed in (Q, K and V projections)
     # are one GEMM (XLA's dot merger); a kernel call reading one of the results then reads a
@@ -1455,7 +1458,17 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     def reused(v: int) -> bool:
         """Computed in more than one fusion, whose outputs hold more than TABLE_REUSE elements per value."""
         readers = holders[v]
-        elements = sum(max((g.tensors[x].size for x in cl[k].outputs), default=0) for k in readers)
+
+        def reads(k: int) -> int:
+            """How many values reader ``k`` computes from the table: its output, or for a gather
+            or scatter, its indices (each read once: a target token's index, read by the loss's
+            ``take_along_axis`` and by its gradient's scatter, is recomputed in both)."""
+            moves = [g.ops[o] for o in cl[k].ops if g.ops[o].primitive == "gather"
+                     or g.ops[o].primitive.startswith("scatter")]
+            if moves:
+                return max(g.tensors[op.inputs[1]].size for op in moves)
+            return max((g.tensors[x].size for x in cl[k].outputs), default=0)
+        elements = sum(reads(k) for k in readers)
         return len({find(k) for k in readers}) > 1 and elements > TABLE_REUSE * g.tensors[v].size
 
     shared = [v for v in holders if reused(v)]
@@ -1658,6 +1671,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         if len(members) == 1 and fused_movement(head):
             if kind[head] == Kind.GLUE and (prng := _prng_launches(g, [g.ops[o] for o in cl[head].ops])):
                 add(members, "prng", prng, prng * 2 * SMALL_LAUNCH_BYTES)
+            elif kind[head] == Kind.GLUE and any(t in outs for t in cl[head].outputs) and any(
+                    not is_view(g.ops[o], g) and g.ops[o].primitive not in CAST_ONLY for o in cl[head].ops):
+                # scalar arithmetic returned (a loss's ``sum / count`` after a kernel's sum): no
+                # reader to fuse into, a loop fusion of its own writes it (``loop_divide_fusion``)
+                add(members, "loop", 1, sum(ctx.nbytes[t] for t in cl[head].outputs)
+                    + sum(ctx.nbytes[x] for x in dict.fromkeys(cl[head].inputs)), cl[head].outputs)
             if kind[head] == Kind.MOVEMENT:
                 for o in cl[head].ops:
                     op = g.ops[o]
@@ -1732,7 +1751,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 users = {u for t in cl[m].outputs for u in consumers_through_movement(t, set())
                          if find(u) != find(m)}
                 # a norm (XLA's Triton normalization fusion) or another GEMM reading the sum
-                # cannot take the reduce in; a loop fusion or a kernel call's operand fusion does,
+                # cannot take the reduce in; a loop fusion or a kernel call's operand fusion does
+                # (a copy XLA makes of the sum for the call, a merged GEMM's part copied out of
+                # its buffer among them: a call reading the sum itself, or through bitcasts,
+                # reads the buffer a reduce fusion of its own writes — LoRA's
+                # ``dy @ B.T`` read by the Pallas kernel of ``A``'s gradient, ``loop_reduce_fusion``),
                 # and so does a Triton softmax reading nothing else of its size (a router's
                 # logits: the GEMM, then the softmax summing the partials; a residual add in
                 # front of a norm keeps the reduce a fusion of its own); a sum returned and read
@@ -1761,7 +1784,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     for y in parts:
                         if any(takes_no_reduce(find(u)) for u in consumers_through_movement(y, set())):
                             n, nbytes = n + 1, nbytes + partials + ctx.nbytes[y]
-                elif returned_alone or any(takes_no_reduce(u) for u in users):
+                elif returned_alone or any(takes_no_reduce(u) for u in users) or m not in merged and any(
+                        called_through_bitcasts(t) for t in cl[m].outputs):
                     n += 1
                     nbytes += 2 * partials
         for m in members:   # a matmul prologue (cluster._grow_prologue) is XLA's loop fusion
