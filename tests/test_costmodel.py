@@ -2158,3 +2158,36 @@ def test_xla_a_split_k_sum_a_kernel_reads_is_reduced_by_a_fusion_of_its_own():
     xla_gemms = [l.name for l in pv.launches if l.name.startswith(("gemm_fusion", "loop_reduce_fusion"))]
     assert len(xla_gemms) == 4, xla_gemms
     assert sum(f.launches for f in vtc.fusions if f.what == "matmul") == len(xla_gemms), vtc.fusions
+
+
+def _top2_combine_weights(logits):
+    """GShard's combine weights as MoE code writes them: the top-2 router probabilities,
+    renormalised, times the one-hot expert mask, times the one-hot capacity slot, in one einsum
+    (``"gsk,gske,gskc->gsec"``: its first product contracts nothing)."""
+    probs = jax.nn.softmax(logits, -1)
+    gate, idx = jax.lax.top_k(probs, 2)
+    gate = gate / gate.sum(-1, keepdims=True)
+    mask = jax.nn.one_hot(idx, logits.shape[-1], dtype=jnp.int32)
+    slot = jnp.cumsum(mask.reshape(mask.shape[0], -1, mask.shape[-1]), axis=1).reshape(mask.shape).sum(-1) - 1
+    return jnp.einsum("gsk,gske,gskc->gsec", gate, mask.astype(jnp.float32), jax.nn.one_hot(slot, 320))
+
+
+@pytest.mark.offline
+def test_xla_a_dot_contracting_nothing_is_element_wise():
+    """A dot that contracts nothing (the gates times the expert mask, an outer product over the
+    batch axes) is a multiply of broadcasts to XLA's algebraic simplifier: fused into the loop
+    fusion with the mask (``fusion_16``), no reduction of its own. Launches equal the deviceless
+    H100 compile's (before: one over). Bytes are not compared: the compile writes the capacity
+    one-hot as ``pred`` and converts it inside the GEMM reading it, the model charges it f32."""
+    from vtc_jax.offline import compile_program
+    from vtc_jax.xla import xla_program
+    args = [jax.ShapeDtypeStruct((16, 1024, 8), jnp.float32)]
+    g = trace(_top2_combine_weights, jnp.zeros((16, 1024, 8), jnp.float32))
+    cl = cluster(g)
+    price = xla_program(g, cl)
+    compiled = compile_program(jax.jit(_top2_combine_weights), *args, kernels=False)
+    product = next(o.id for o in g.ops if o.primitive == "dot_general"
+                   and not any(o.params["dimension_numbers"][0]))
+    where = next(f for f in price.fusions if any(product in cl[k].ops for k in f.clusters))
+    assert where.what == "loop", price.fusions
+    assert price.launches == len(compiled.launches), ([l.name for l in compiled.launches], price.fusions)

@@ -556,7 +556,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     dot_reduces = {k for k, c in enumerate(cl) if c.kind == Kind.MATMUL and not call[k] and any(
         g.ops[o].primitive == "dot_general" for o in c.ops) and all(
         _strength_reduced(g, g.ops[o]) for o in c.ops if g.ops[o].primitive == "dot_general")}
-    kind = [Kind.REDUCTION if k in dot_reduces else Kind(c.kind) for k, c in enumerate(cl)]
+    # a dot contracting nothing (an outer product over batch axes: MoE's gates times the one-hot
+    # dispatch, ``einsum("bsk,bske->bske")``) is a multiply of broadcasts to XLA's algebraic
+    # simplifier, element-wise work fused like any other (into the router's ``fusion_37``)
+    products = {k for k, c in enumerate(cl) if c.kind == Kind.MATMUL and not call[k] and all(
+        not any(g.ops[o].params["dimension_numbers"][0]) for o in c.ops if g.ops[o].primitive == "dot_general")}
+    kind = [Kind.POINTWISE if k in products else Kind.REDUCTION if k in dot_reduces else Kind(c.kind)
+            for k, c in enumerate(cl)]
     parent = list(range(len(cl)))
 
     def find(k: int) -> int:
