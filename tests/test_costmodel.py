@@ -1130,22 +1130,8 @@ def test_xla_paged_cache_against_xlas_compile():
     The model of plain jit and of VTC's program (the pages read in the attention kernel through
     the table) are within one launch and 10% of the compile's bytes."""
     from tests.zoo.corpus import CORPUS
-    from vtc_jax import guard as G
-    from vtc_jax.lower import kernel_clusters
-    from vtc_jax.offline import compile_program
-    from vtc_jax.program import BuildOptions, build
     e = CORPUS["paged_kv_decode"]("paper")
-    flat = jax.tree.leaves(e.args)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        opts = BuildOptions("triton", False, {}, lambda m: None, RuntimeError, guard=None, function=e.step)
-        a, _, closed = build(e.step, tuple(e.args), {}, flat, donate=e.donate_argnums, opts=opts, rejected={})
-        plain = G.price_plain(a.graph, a.donated)
-        vtc = G.price_emitted(a.graph, G.emitted_graph(closed), a.donated,
-                              G.kernel_math(a.graph, a.clusters, kernel_clusters(closed.jaxpr), a.strategy))
-        pj = compile_program(jax.jit(e.step, donate_argnums=e.donate_argnums), *e.args, kernels=False)
-        pv = compile_program(vtc_jax.optimize(e.step, backend="triton", donate_argnums=e.donate_argnums,
-                                              guard=None), *e.args, kernels=False)
+    plain, vtc, pj, pv = model_and_compile_of_both(e.step, e.args, e.donate_argnums)
     for model, p in ((plain, pj), (vtc, pv)):
         assert abs(model.launches - len(p.launches)) <= 1, (model, [l.name for l in p.launches])
         assert abs(model.bytes - p.bytes) <= 0.10 * p.bytes, (model.bytes, p.bytes)
@@ -1242,21 +1228,8 @@ def test_xla_model_of_vtcs_program_against_its_compile(name, tol):
       reduction launch (``reduced_beside``) reading the rows once for all views of them, each
       finished by a small loop fusion (``_finished_apart``; before: 14 launches against 15, +20%)."""
     from tests.zoo.corpus import CORPUS
-    from vtc_jax import guard as G
-    from vtc_jax.lower import kernel_clusters
-    from vtc_jax.offline import compile_program
-    from vtc_jax.program import BuildOptions, build
     e = CORPUS[name]("paper")
-    flat = jax.tree.leaves(e.args)
-    donate = tuple(e.donate_argnums)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        opts = BuildOptions("triton", False, {}, lambda m: None, RuntimeError, guard=None, function=e.step)
-        a, _, closed = build(e.step, tuple(e.args), {}, flat, donate=donate, opts=opts, rejected={})
-        vtc = G.price_emitted(a.graph, G.emitted_graph(closed), a.donated,
-                              G.kernel_math(a.graph, a.clusters, kernel_clusters(closed.jaxpr), a.strategy))
-        pv = compile_program(vtc_jax.optimize(e.step, backend="triton", guard=None, donate_argnums=donate),
-                             *e.args, kernels=False)
+    _, vtc, _, pv = model_and_compile_of_both(e.step, e.args, e.donate_argnums, jit=False)
     assert vtc.launches == len(pv.launches), ([(f.what, f.launches) for f in vtc.fusions], [l.name for l in pv.launches])
     assert abs(vtc.bytes - pv.bytes) <= tol * pv.bytes, (vtc.bytes, pv.bytes)
 
@@ -1424,6 +1397,28 @@ def check_model_against_compile(fn, shapes, tol, launches=0, dtype=jnp.float32):
     detail = ([c.name for c in compiled.launches], [(f.what, f.launches) for f in price.fusions])
     assert abs(price.launches - len(compiled.launches)) <= launches, detail
     assert abs(price.bytes - compiled.bytes) <= tol * compiled.bytes, (price.bytes, compiled.bytes, detail)
+
+
+def model_and_compile_of_both(step, args, donate=(), jit=True):
+    """The model of XLA (``guard.price_plain`` / ``price_emitted``) of plain jit and of VTC's
+    unguarded program for ``step`` on ``args``, beside XLA's deviceless H100 compile of each:
+    ``(plain, vtc, compiled jit or None, compiled VTC)``."""
+    from vtc_jax import guard as G
+    from vtc_jax.lower import kernel_clusters
+    from vtc_jax.offline import compile_program
+    from vtc_jax.program import BuildOptions, build
+    donate = tuple(donate)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opts = BuildOptions("triton", False, {}, lambda m: None, RuntimeError, guard=None, function=step)
+        a, _, closed = build(step, tuple(args), {}, jax.tree.leaves(args), donate=donate, opts=opts, rejected={})
+        plain = G.price_plain(a.graph, a.donated)
+        vtc = G.price_emitted(a.graph, G.emitted_graph(closed), a.donated,
+                              G.kernel_math(a.graph, a.clusters, kernel_clusters(closed.jaxpr), a.strategy))
+        pj = compile_program(jax.jit(step, donate_argnums=donate), *args, kernels=False) if jit else None
+        pv = compile_program(vtc_jax.optimize(step, backend="triton", guard=None, donate_argnums=donate),
+                             *args, kernels=False)
+    return plain, vtc, pj, pv
 
 
 def _groupnorm_conv_residual(x, w, r):
@@ -2113,20 +2108,8 @@ def test_xla_a_returned_scalar_division_is_a_launch_of_its_own():
     call's sum: a LoRA step's loss in VTC's program), is written by a loop fusion of its own
     (``loop_divide_fusion``): scalar arithmetic returned has no reader to ride in. The model of
     jit and of VTC's program equals the compile's three launches (before: two, on both sides)."""
-    from vtc_jax import guard as G
-    from vtc_jax.lower import kernel_clusters
-    from vtc_jax.offline import compile_program
-    from vtc_jax.program import BuildOptions, build
     args = (jax.ShapeDtypeStruct((2, 1024, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((2, 1024), jnp.int32))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        opts = BuildOptions("triton", False, {}, lambda m: None, RuntimeError, guard=None, function=_masked_mean_loss)
-        a, _, closed = build(_masked_mean_loss, args, {}, list(args), donate=(), opts=opts, rejected={})
-        plain = G.price_plain(a.graph, a.donated)
-        vtc = G.price_emitted(a.graph, G.emitted_graph(closed), a.donated,
-                              G.kernel_math(a.graph, a.clusters, kernel_clusters(closed.jaxpr), a.strategy))
-        pj = compile_program(jax.jit(_masked_mean_loss), *args, kernels=False)
-        pv = compile_program(vtc_jax.optimize(_masked_mean_loss, backend="triton", guard=None), *args, kernels=False)
+    plain, vtc, pj, pv = model_and_compile_of_both(_masked_mean_loss, args)
     for model, p in ((plain, pj), (vtc, pv)):
         names = [l.name for l in p.launches]
         assert model.launches == len(names) == 3 and any("divide" in n for n in names), (model.fusions, names)
@@ -2141,20 +2124,8 @@ def test_xla_a_split_k_sum_a_kernel_reads_is_reduced_by_a_fusion_of_its_own():
     fusion of its own (``loop_reduce_fusion_1``), as for the output projection's. The model's
     GEMM launch groups count both reduces (before: the q projection's was one launch)."""
     from tests.zoo.corpus import CORPUS
-    from vtc_jax import guard as G
-    from vtc_jax.lower import kernel_clusters
-    from vtc_jax.offline import compile_program
-    from vtc_jax.program import BuildOptions, build
     e = CORPUS["paged_kv_decode_layer"]("paper")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        opts = BuildOptions("triton", False, {}, lambda m: None, RuntimeError, guard=None, function=e.step)
-        a, _, closed = build(e.step, tuple(e.args), {}, jax.tree.leaves(e.args), donate=tuple(e.donate_argnums),
-                             opts=opts, rejected={})
-        vtc = G.price_emitted(a.graph, G.emitted_graph(closed), a.donated,
-                              G.kernel_math(a.graph, a.clusters, kernel_clusters(closed.jaxpr), a.strategy))
-        pv = compile_program(vtc_jax.optimize(e.step, backend="triton", guard=None, donate_argnums=e.donate_argnums),
-                             *e.args, kernels=False)
+    _, vtc, _, pv = model_and_compile_of_both(e.step, e.args, e.donate_argnums, jit=False)
     xla_gemms = [l.name for l in pv.launches if l.name.startswith(("gemm_fusion", "loop_reduce_fusion"))]
     assert len(xla_gemms) == 4, xla_gemms
     assert sum(f.launches for f in vtc.fusions if f.what == "matmul") == len(xla_gemms), vtc.fusions

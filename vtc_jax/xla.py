@@ -559,8 +559,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     # a dot contracting nothing (an outer product over batch axes: MoE's gates times the one-hot
     # dispatch, ``einsum("bsk,bske->bske")``) is a multiply of broadcasts to XLA's algebraic
     # simplifier, element-wise work fused like any other (into the router's ``fusion_37``)
-    products = {k for k, c in enumerate(cl) if c.kind == Kind.MATMUL and not call[k] and all(
-        not any(g.ops[o].params["dimension_numbers"][0]) for o in c.ops if g.ops[o].primitive == "dot_general")}
+    products = {k for k, c in enumerate(cl) if c.kind == Kind.MATMUL and not call[k] and (dots := [
+        g.ops[o] for o in c.ops if g.ops[o].primitive == "dot_general"]) and all(
+        not any(d.params["dimension_numbers"][0]) for d in dots)}
     kind = [Kind.POINTWISE if k in products else Kind.REDUCTION if k in dot_reduces else Kind(c.kind)
             for k, c in enumerate(cl)]
     parent = list(range(len(cl)))
