@@ -1611,6 +1611,40 @@ def _model_and_compile(fn, args):
     return price, compiled, detail
 
 
+@pytest.mark.parametrize("form, rows, launches", [
+    ("e / sum(e)", 8192, 1), ("(e - sum(e * s)) * s", 8192, 1), ("(e - sum(e)) * exp(s)", 32768, 1),
+    ("(d - sum(d * e)) * e", 8192, 2), ("(d - sum(d * e)) * e, bf16", 8192, 2), ("e - sum(e * (1 / s))", 32768, 3),
+    ("(d / s - sum(d * s ** -2 * e)) * e", 32768, 3), ("(d / s - sum(d * s ** -2 * e)) * e", 8192, 2),
+    ("sum(d * rsqrt(s) * e)", 32768, 2), ("sum(d * rsqrt(s) * e)", 8192, 1), ("sum(d * s * s * e)", 32768, 1)])
+def test_xla_a_normalization_without_a_diamond_is_no_triton_fusion(form, rows, launches):
+    """XLA's Triton normalization fusion starts from a diamond: a row reduction whose rows the
+    work after its broadcast reads again (``e / sum(e)``, a per-row scale on either side). A
+    reduction of a product of two row tensors applied to one of them (a softmax's backward
+    ``p * (dp - sum(p * dp))``, VTC's LoRA step between its kernels) is a reduction fusion and a
+    loop fusion, each reading the rows; a per-row value an expensive op makes from another
+    fusion's statistic (``1 / s²``, ``rsqrt(s)``) is a loop fusion of its own in front of them,
+    not repeated over the rows past ``xla.XLA_REPEATED_EXPENSIVE_MAX`` elements (``xla._diamond``,
+    ``xla._expensive_per_row``). The model was one launch on all but the Triton ones and the
+    last. Launches equal the deviceless H100 compile's; bytes within 2%."""
+    n = 1024
+    fn = {
+        "e / sum(e)": lambda s, e, d: e / e.sum(-1, keepdims=True),
+        "(e - sum(e * s)) * s": lambda s, e, d: (e - (e * s[:, None]).sum(-1, keepdims=True)) * s[:, None],
+        "(e - sum(e)) * exp(s)": lambda s, e, d: (e - e.sum(-1, keepdims=True)) * jnp.exp(s)[:, None],
+        "(d - sum(d * e)) * e": lambda s, e, d: (d - (d * e).sum(-1, keepdims=True)) * e,
+        "(d - sum(d * e)) * e, bf16": lambda s, e, d: ((d - (d * e).sum(-1, keepdims=True)) * e).astype(jnp.bfloat16),
+        "e - sum(e * (1 / s))": lambda s, e, d: e - (e * (1 / s)[:, None]).sum(-1, keepdims=True),
+        "(d / s - sum(d * s ** -2 * e)) * e": lambda s, e, d: (
+            d / s[:, None] - (d * (s ** -2)[:, None] * e).sum(-1, keepdims=True)) * e,
+        "sum(d * rsqrt(s) * e)": lambda s, e, d: (d * jax.lax.rsqrt(s)[:, None] * e).sum(-1),
+        "sum(d * s * s * e)": lambda s, e, d: (d * (s * s)[:, None] * e).sum(-1),
+    }[form]
+    args = [jax.ShapeDtypeStruct((rows,), jnp.float32)] + [jax.ShapeDtypeStruct((rows, n), jnp.float32)] * 2
+    price, compiled, detail = _model_and_compile(fn, args)
+    assert price.launches == len(compiled.launches) == launches, detail
+    assert abs(price.bytes - compiled.bytes) <= 0.02 * compiled.bytes, detail
+
+
 @pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
 def test_xla_conv_reading_part_of_a_program_input(layout):
     """cuDNN reads a dense buffer: half of a channels-last program input (ShuffleNet's split of
@@ -2129,6 +2163,28 @@ def test_xla_a_split_k_sum_a_kernel_reads_is_reduced_by_a_fusion_of_its_own():
     xla_gemms = [l.name for l in pv.launches if l.name.startswith(("gemm_fusion", "loop_reduce_fusion"))]
     assert len(xla_gemms) == 4, xla_gemms
     assert sum(f.launches for f in vtc.fusions if f.what == "matmul") == len(xla_gemms), vtc.fusions
+
+
+@pytest.mark.offline
+def test_xla_lora_steps_softmax_backward_between_kernels_against_xlas_compile():
+    """VTC's program of the LoRA fine-tuning step (corpus, paper size, unguarded): the attention's
+    softmax backward between VTC's kernels (the probabilities' exponentials and row sums a Pallas
+    kernel wrote) has no diamond, so XLA runs it as a loop fusion for ``1 / s²``, a reduction
+    fusion and an applying fusion (``xla._diamond``, ``_expensive_per_row``; the model said one
+    Triton fusion: three launches and 500 MiB short); on jax 0.12 the rank-16 ``x @ A`` parts of
+    the merged split-K GEMM are written by the fusions summing them, no slice copy besides
+    (``summed_apart``; the model counted three more). The model's launches within one of the
+    compile's, bytes within 5%; the three softmax-backward launches counted."""
+    from tests.zoo.corpus import CORPUS
+    e = CORPUS["lora_finetune_train_step"]("paper")
+    _, vtc, _, pv = model_and_compile_of_both(e.step, e.args, e.donate_argnums, jit=False)
+    names = [l.name for l in pv.launches]
+    assert abs(vtc.launches - len(names)) <= 1, (vtc.launches, names)
+    assert abs(vtc.bytes - pv.bytes) <= 0.05 * pv.bytes, (vtc.bytes, pv.bytes)
+    # (the softmax backward: the only reduction group reading the f32 scores-sized rows twice)
+    softmax_bwd = [f for f in vtc.fusions if f.what == "reduction" and f.bytes > 1000 * 2**20]
+    assert [f.launches for f in softmax_bwd] == [3], vtc.fusions
+    assert any(n.startswith("loop_divide_fusion") for n in names), names
 
 
 def _top2_combine_weights(logits):

@@ -260,6 +260,17 @@ def is_view(op: Op, graph: Graph) -> bool:
     return True
 
 
+def is_expensive(op: Op) -> bool:
+    """XLA's ``IsExpensive`` for the op: its row's flag, and an integer power with a negative
+    exponent, which XLA computes as a division (``x ** -2`` is ``1 / (x * x)``: a
+    ``loop_divide_fusion`` of its own in front of the reduction reading it; a positive one is
+    multiplies). The one definition."""
+    r = TABLE.get(op.primitive)
+    if op.primitive == "integer_pow":
+        return int(op.params.get("y", 1)) < 0
+    return r is not None and r.expensive
+
+
 def data_inputs(op: Op) -> tuple[int, ...]:
     """The operands that carry data (not dynamic start indices, gather indices or pad values)."""
     r = TABLE.get(op.primitive)

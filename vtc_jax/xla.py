@@ -34,7 +34,8 @@ from .compat import (XLA_BROADCASTS_BIAS_OF_MERGED_GEMMS, XLA_COPIES_PART_OF_ROW
                      XLA_TRANSPOSES_REPEATED_VALUES, XLA_WRITES_REPEATED_GEMM_OPERANDS)
 from .graph import Graph, Speculated
 from .kernels.tiling import resolve_precision
-from .primitives import KERNEL_CALLS, TABLE, Kind, Role, data_inputs, inplace_operand, is_view, kernel_aliases
+from .primitives import (KERNEL_CALLS, TABLE, Kind, Role, data_inputs, inplace_operand, is_expensive, is_view,
+                         kernel_aliases)
 from .templates import TEMPLATES, Match
 
 __all__ = ["Facts", "LIBRARY_KINDS", "CAST_ONLY", "MATH_CLASSES", "Fusion", "Price", "op_flops", "math_class",
@@ -65,6 +66,14 @@ XLA_FLAT_NORM_SPLIT_MAX_ROW = 320
 # them: between the compiles' 80 (Llama-3 decode at batch 1: fused) and 1,280 (batch 16: a loop
 # fusion of its own).
 TABLE_REUSE = 256
+# A per-row value an expensive op makes from another fusion's result (``1 / s``, ``rsqrt(s)``)
+# is recomputed inside a reduction fusion broadcasting it over at most this many elements, and
+# written by a loop fusion of its own past it: XLA's priority fusion weighs the repeated work
+# (its per-op cost on the GPU) against a launch. Read off the deviceless H100 compile of
+# ``sum(d * f(s)[:, None] * e)`` over rows of 1,024 (both jax versions; rows of 256-4,096 move it
+# by about one Mi); an expensive op not listed (``tanh``, ``cos``) is never repeated past 64 Ki.
+XLA_REPEATED_EXPENSIVE_MAX = {"div": 13 << 20, "integer_pow": 13 << 20, "exp": 16 << 20, "rsqrt": 17 << 20,
+                              "sqrt": 17 << 20, "log": 3 << 20, "logistic": 6 << 20}
 # XLA fuses a producer into a loop fusion only while the fusion would emit it at most this many
 # times (``FusionNodeIndexingEvaluation::kAllowedCodeDuplication``: each distinct indexing of a
 # value — a slice, a pad, a concatenation reading it — emits it again); past it the producer is
@@ -821,7 +830,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         reduction fusions only."""
         ops = [g.ops[o] for m in members for o in cl[m].ops]
         if any(call[w] or kind[w] not in (Kind.POINTWISE, Kind.REDUCTION) for w in users) or any(
-                (row := TABLE.get(op.primitive)) is None or row.role != Role.ELEMENTWISE or row.expensive
+                (row := TABLE.get(op.primitive)) is None or row.role != Role.ELEMENTWISE or is_expensive(op)
                 for op in ops):
             return False
         own = {t for m in members for t in cl[m].outputs}
@@ -842,7 +851,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             # (indices of a gather excepted: T5's relative-position buckets are a loop fusion
             # the gather then reads)
             users = island_users(members)
-            expensive = any(TABLE[g.ops[o].primitive].expensive for o in table)
+            expensive = any(is_expensive(g.ops[o]) for o in table)
             indices = any(_indexes_a_gather(g, t) for m in members for t in cl[m].outputs)
             if all(literal(t) for m in members for t in cl[m].outputs):
                 # made from literal arrays alone (Swin's relative-position index wrapped with
@@ -903,7 +912,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             parent[find(members[0])] = find(stat)
         elif len(users) > 1 and all(kind[u] == Kind.REDUCTION and not call[u] for u in users) and any(
                 _column_tree(g, g.ops[o]) for u in users for o in cl[u].ops) and len(island_ops) <= 2 and all(
-                TABLE[g.ops[o].primitive].role == Role.ELEMENTWISE and not TABLE[g.ops[o].primitive].expensive
+                TABLE[g.ops[o].primitive].role == Role.ELEMENTWISE and not is_expensive(g.ops[o])
                 for o in island_ops):
             # a cheap product (``dy * gamma`` in a LayerNorm's backward) read by reductions only,
             # one of them a column tree: XLA computes it inside each of them
@@ -1297,7 +1306,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             return "taken"
         (t,) = cl[m].outputs
         readers = readers_through_views(t) - {m}
-        costly = any(TABLE[g.ops[o].primitive].expensive for o in after if g.ops[o].primitive in TABLE)
+        costly = any(is_expensive(g.ops[o]) for o in after)
         if t in outs or costly and _reread(g, t) or any(kind[u] in _NEVER_IN_A_LOOP or call[u] or any(
                 g.ops[o].primitive in SORTS for o in cl[u].ops) for u in readers):
             return "loop"
@@ -1446,7 +1455,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     holders: dict[int, set[int]] = {}   # table value -> clusters computing something from it
     for members in islands.values():
         table = set(table_of(members))
-        if not any(TABLE[g.ops[o].primitive].expensive for o in table):
+        if not any(is_expensive(g.ops[o]) for o in table):
             continue
         for o in table:
             for t in g.ops[o].outputs:
@@ -1497,7 +1506,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             """``o``, or an op of its size feeding it in the fusion (element-wise, a view), is
             expensive."""
             op = g.ops[o]
-            if (row := TABLE.get(op.primitive)) is not None and row.expensive:
+            if is_expensive(op):
                 return True
             size = g.tensors[op.outputs[0]].size
             return depth < 8 and any((p := g.producer(x)) is not None and p.id in seen
@@ -1571,6 +1580,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     and all(kind[m] == Kind.POINTWISE and m not in materialised for m in ms)]
     tree_partials: list[tuple[int, set[int]]] = []   # (rows reduced, buffers read) of each partial fusion
     applied_in_loop: set[int] = set()   # norms XLA applies in a loop fusion, not a Triton one
+    summed_apart: set[int] = set()   # split-K GEMMs whose sum a reduce fusion of its own writes
 
     def rows_behind(t: int, own: set[int]) -> frozenset[int]:
         """The buffers whose elements ``t`` is computed from, one for one, by element-wise work
@@ -1795,6 +1805,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                         called_through_bitcasts(t) for t in cl[m].outputs):
                     n += 1
                     nbytes += 2 * partials
+                    summed_apart.add(m)
         for m in members:   # a matmul prologue (cluster._grow_prologue) is XLA's loop fusion
             if kind[m] != Kind.MATMUL:   # of its own: it writes the operand the GEMM then reads
                 continue
@@ -1820,6 +1831,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             rows = min(g.tensors[r.outputs[0]].size for r in reds)
             minor = all(_reduces_minor(g, r) for r in reds)
             if not any(g.tensors[t].size > g.tensors[reds[-1].outputs[0]].size for t in cl[m].outputs):
+                for t in _expensive_per_row(g, {o for c in members for o in cl[c].ops}, reds):
+                    n, nbytes = n + 1, nbytes + 2 * ctx.nbytes[t]   # (see below)
                 if minor and row > TRITON_NORM_MAX_ROW:   # statistics alone over long rows: each
                     # a tree too (a partial and a finishing launch: the sum of a loss's gradient
                     # over a 32,000- or 50,304-word vocabulary), the rows read once per statistic
@@ -1875,6 +1888,22 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                             # add and its final RMSNorm's sum, ``input_add_reduce_fusion``)
                         n += 1
                         nbytes += sum(read_bytes(x, set()) for x in {x for b in rows_ for x in recomputed_from(b)})
+                    applied_in_loop.add(m)
+                renormed = any(kind[k] == Kind.REDUCTION for r in reds for b in rows_behind(_data(r)[0], set(cl[m].ops))
+                               for k in producers_through_movement(b, set()))
+                if not stat and not renormed and m not in applied_in_loop and not _diamond(g, group_ops, reds):
+                    # no diamond, no Triton fusion: a reduction fusion reading the rows (reductions
+                    # of the same rows in one), the cluster's launch applying its result, and a
+                    # loop fusion for each expensive per-row value made elsewhere (a Triton fusion
+                    # takes those in). (Rows a norm or softmax writes XLA recomputes here, with
+                    # their diamond: jit's attention backward, ``fusion_83`` of LoRA's step.)
+                    for rows_ in {frozenset(rows_behind(_data(r)[0], set(cl[m].ops))) for r in reds}:
+                        if all(riding_loop(b, m) for b in rows_):
+                            continue
+                        n += 1
+                        nbytes += sum(read_bytes(x, set()) for x in {x for b in rows_ for x in recomputed_from(b)})
+                    for t in _expensive_per_row(g, group_ops, reds):
+                        n, nbytes = n + 1, nbytes + 2 * ctx.nbytes[t]
                     applied_in_loop.add(m)
                 continue
             # one row: a reduction fusion per statistic; rows longer than the Triton fusion takes,
@@ -2069,7 +2098,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                    for k in members]
         add((), "copy", 1, 2 * sum(ctx.nbytes[w] for w in weights))
     for k in sorted(merged):   # a merged GEMM's result read by a kernel call or returned: a slice
-        for t in cl[k].outputs:   # copied out (the compile's ``wrapped_slice`` reads the whole buffer)
+        for t in cl[k].outputs:   # copied out (the compile's ``wrapped_slice`` reads the whole buffer),
+            if k in summed_apart:   # unless the fusion summing a split GEMM's part writes it (jax
+                continue            # 0.12's rank-16 ``x @ A``: ``loop_slice_fusion``, one per part)
             if t in outs or k in sliced_out or any(call[u] for u in consumers_through_movement(t, set())):
                 add((k,), "copy", 1, merged_whole[k] + ctx.nbytes[t], (t,))
     convs = [k for k in range(len(cl)) if kind[k] == Kind.CONV]
@@ -2399,6 +2430,79 @@ def _mixed_levels(g: Graph, ops: set[int], reds: Sequence[Any]) -> list[list[Any
     return [levels[d] for d in sorted(levels)]
 
 
+def _diamond(g: Graph, ops: set[int], reds: Sequence[Any]) -> bool:
+    """Whether one of the row reductions ``reds`` is a normalization diamond, where XLA's Triton
+    normalization fusion starts: the rows it reduces and the rows the work after its broadcast
+    combines it with are the same value, each traced back through element-wise work whose other
+    operands are broadcasts, views or casts (``e / sum(e)``, ``x - max(x)``, ``dy * g - sum(dy *
+    g)``). A reduction of a product of two row tensors applied to one of them (a softmax's
+    backward ``p * (dp - sum(p * dp))``) has none: a reduction fusion and a loop fusion applying
+    its result, each reading the rows (read off the deviceless H100 compile of
+    ``(d - sum(d * e)) * e``, rows of 256-4,096, both jax versions); beside a diamond such a
+    reduction rides in the Triton fusion (a LayerNorm's backward)."""
+    stats = {o for o in ops if g.ops[o].primitive.startswith("reduce_")}
+
+    def small(x: int, full: int, written: bool = False) -> bool:
+        """A per-row (per-column, scalar) value or its broadcast; ``written``: not one an
+        expensive op makes from values from outside ``ops`` (XLA writes it out first)."""
+        while (p := g.producer(x)) is not None and (is_view(p, g) or p.primitive == "broadcast_in_dim"):
+            x = p.inputs[0]
+        return g.tensors[x].size < full and not (
+            written and p is not None and p.id in ops and is_expensive(p) and not _made_from(g, x, ops, stats))
+
+    def root(x: int, full: int) -> int:
+        while (p := g.producer(x)) is not None and p.id in ops and (
+                is_view(p, g) or (row := TABLE.get(p.primitive)) is not None and row.role == Role.ELEMENTWISE):
+            rows = {y for y in data_inputs(p) if not small(y, full, written=True)}
+            if len(rows) != 1:
+                break
+            (x,) = rows
+        return x
+
+    order = sorted(ops)
+    for r in reds:
+        x = data_inputs(r)[0]
+        full = g.tensors[x].size
+        start = root(x, full)
+        derived = set(r.outputs)
+        for o in (o for o in order if o > r.id):
+            op = g.ops[o]
+            if not set(op.inputs) & derived:
+                continue
+            out = op.outputs[0]
+            if small(out, full) or op.primitive == "broadcast_in_dim":
+                derived.update(op.outputs)
+            elif any(root(y, full) == start for y in data_inputs(op) if y not in derived and not small(y, full)):
+                return True
+    return False
+
+
+def _expensive_per_row(g: Graph, ops: set[int], reds: Sequence[Any]) -> list[int]:
+    """Per-row values ``ops`` compute with an expensive op (a division, ``rsqrt``, ``exp``) from
+    values made outside them, not from their own reductions, and read broadcast over the rows:
+    XLA duplicates no expensive producer into a consumer reusing its elements, so each is a loop
+    fusion of its own (``1 / (s * s)`` of a softmax's sums in its backward: ``loop_divide_fusion``;
+    read off the compile of ``sum(d * f(s)[:, None] * e)`` for ``f`` of ``1 / s``, ``s ** -2``,
+    ``rsqrt``, ``exp``, ``log``: two launches where ``s * s`` is one), once the reader would
+    repeat it over more elements than ``XLA_REPEATED_EXPENSIVE_MAX`` says for the op."""
+    own = {r.id for r in reds}
+    found = []
+    for o in sorted(ops):
+        op = g.ops[o]
+        if not is_expensive(op) or _made_from(g, op.outputs[0], ops, own):
+            continue
+        size = g.tensors[op.outputs[0]].size
+
+        def readers(x: int) -> Iterable[int]:   # through views of the value itself
+            return [u.outputs[0] for u in g.consumers(x) if len(u.outputs) == 1
+                    and g.tensors[u.outputs[0]].size == size and (is_view(u, g) or u.primitive == "broadcast_in_dim")]
+        most = XLA_REPEATED_EXPENSIVE_MAX.get(op.primitive, 0)
+        if any(u.id in ops and g.tensors[u.outputs[0]].size > max(size, most)
+               for x in _walk([op.outputs[0]], readers) for u in g.consumers(x)):
+            found.append(op.outputs[0])
+    return found
+
+
 def _inputs_read(g: Graph, t: int, ops: set[int]) -> set[int]:
     """The program inputs (more than a scalar) that computing ``t`` reads through ``ops``, views,
     and products no operand of which is as large as the product (a per-row scale times a
@@ -2448,7 +2552,7 @@ def _rows_recomputed(g: Graph, t: int, ops: set[int]) -> set[int] | None:
                 rows.add(x)
         elif g.tensors[x].size < size:   # a per-row value: read by the reader (small)
             stats = stats or _made_from(g, x, ops, {o for o in ops if g.ops[o].primitive.startswith("reduce_")})
-        elif p.primitive.startswith("reduce_") or (row := TABLE.get(p.primitive)) is None or row.expensive or not (
+        elif p.primitive.startswith("reduce_") or (row := TABLE.get(p.primitive)) is None or is_expensive(p) or not (
                 row.role == Role.ELEMENTWISE or is_view(p, g) or p.primitive in _FUSED_VIEWS):
             return None
     return rows if stats and rows else None
