@@ -1003,19 +1003,42 @@ def test_xla_cumsum_launches_against_xlas_compile(fn, n, launches):
 @pytest.mark.parametrize("above,launches", [(False, 3), (True, 2)])
 def test_xla_dot_merger_threshold_against_xlas_compile(above, launches):
     """``xla.DOT_MERGER_MAX_BYTES``: two projections of one activation are one GEMM (and a slice
-    copied out per program output) where a dot reads and writes at most the threshold (64 MiB on
-    jax 0.10.2's XLA, 126 on jax 0.12's), two GEMMs above it (a prefill's Q/K/V at 16 x 4096
-    tokens). The model's launches equal the deviceless H100 compile's (bf16, K = N = 1024, M
-    rows: 4 KiB of operand and result a row, plus the 2 MiB weight)."""
+    copied out per program output) where a dot reads and writes at most 64 MiB (jax 0.10.2's
+    XLA), or its result and weight are at most 64 MiB (jax 0.12's), two GEMMs above it (a
+    prefill's Q/K/V at 16 x 4096 tokens). The model's launches equal the deviceless H100
+    compile's (bf16, K = N = 1024, M rows: 4 KiB of operand and result a row, or 2 KiB of result,
+    plus the 2 MiB weight)."""
+    from vtc_jax.compat import XLA_DOT_MERGER_JOINS_ONE_WITHIN
     from vtc_jax.offline import compile_program
     from vtc_jax.xla import DOT_MERGER_MAX_BYTES, xla_program
-    m = (DOT_MERGER_MAX_BYTES - (2 << 20)) // 4096 + (256 if above else 0)
+    row = 4096 if XLA_DOT_MERGER_JOINS_ONE_WITHIN else 2048
+    m = (DOT_MERGER_MAX_BYTES - (2 << 20)) // row + (256 if above else 0)
     fn = lambda x, a, b: (x @ a, x @ b)  # noqa: E731
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(m, 1024), (1024, 1024), (1024, 1024)]]
     g = trace(fn, *[jnp.zeros(a.shape, a.dtype) for a in args])
     compiled = compile_program(jax.jit(fn), *args, kernels=False)
     price = xla_program(g, cluster(g))
     assert price.launches == len(compiled.launches) == launches, (
+        [x.name for x in compiled.launches], [(f.what, f.launches) for f in price.fusions])
+
+
+@pytest.mark.offline
+@pytest.mark.parametrize("m,k,n", [(2048, 4096, 4096), (512, 4096, 4096), (2048, 4096, 2048), (2048, 4096, 3072),
+                                   (8192, 4096, 1024), (16384, 4096, 1024), (4096, 4096, 2048)])
+def test_xla_dot_merger_joins_three_projections_against_xlas_compile(m, k, n):
+    """Three projections of one activation (bf16 ``x @ a, x @ b, x @ c``): jax 0.12's dot merger
+    joins the next one to those merged so far while each holds a result and weight within 64
+    MiB — all three, two (LoRA's q and k at 2,048 tokens, v apart) or none —, jax 0.10.2's while
+    it or the merged dot reads and writes within it (``xla.joined``; the model joined all three
+    on jax 0.12 where both passed alone). Launches equal the deviceless H100 compile's."""
+    from vtc_jax.offline import compile_program
+    from vtc_jax.xla import xla_program
+    fn = lambda x, a, b, c: (x @ a, x @ b, x @ c)  # noqa: E731
+    args = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16)] + [jax.ShapeDtypeStruct((k, n), jnp.bfloat16)] * 3
+    g = trace(fn, *[jnp.zeros(a.shape, a.dtype) for a in args])
+    compiled = compile_program(jax.jit(fn), *args, kernels=False)
+    price = xla_program(g, cluster(g))
+    assert price.launches == len(compiled.launches), (
         [x.name for x in compiled.launches], [(f.what, f.launches) for f in price.fusions])
 
 

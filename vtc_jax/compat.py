@@ -136,10 +136,14 @@ XLA_BROADCASTS_BIAS_OF_MERGED_GEMMS = JAX_VERSION >= (0, 11)
 # T, D)`` of a ``(B, H, T, D)`` product): jax 0.12's GEMM writes it itself, jax 0.10.2's copies it.
 XLA_GEMM_REORDERS_BATCHES = JAX_VERSION >= (0, 11)
 
-XLA_DOT_MERGER_MAX_BYTES = (64 << 20) if JAX_VERSION < (0, 11) else (126 << 20)
-# ... and which pairs: jax 0.10.2's joins a dot to those merged so far where either is within the
-# bound (a 4096 x 16384 projection joins LoRA's rank-16 products of the same ``x``; a second such
-# projection does not), jax 0.12's only dots within it (the rank-16 products alone).
+# XLA's dot merger, read off the deviceless H100 compiles of ``x @ a, x @ b, x @ c`` (bf16, M x K
+# by K x N over M 64-32,768, K 1,024-8,192, N 1,024-4,096): jax 0.10.2's joins a dot to those
+# merged so far where either reads and writes at most the bound (a 4096 x 16384 projection joins
+# LoRA's rank-16 products of the same ``x``; a second such projection does not); jax 0.12's joins
+# two (a dot, or those merged so far) where each one's result and other operand together are at
+# most the bound (LoRA's q and k at 2,048 tokens, 48 MiB each, one GEMM; v, past 64 with them,
+# one of its own; K = N = 1,024 at 31,744 rows still one GEMM).
+XLA_DOT_MERGER_MAX_BYTES = 64 << 20
 XLA_DOT_MERGER_JOINS_ONE_WITHIN = JAX_VERSION < (0, 11)
 
 

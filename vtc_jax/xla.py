@@ -435,9 +435,9 @@ SORT_TILE_BYTES = 48 * 1024
 TOPK_KERNEL_MAX_K, TOPK_KERNEL_MIN_ROW = 16, 1024
 
 
-# XLA's dot merger joins sibling dots only where one of them reads and writes at most
-# compat.XLA_DOT_MERGER_MAX_BYTES (a prefill's Q/K/V at 16 x 4096 tokens stay three GEMMs; a
-# decode step's are one)
+# XLA's dot merger joins sibling dots only within compat.XLA_DOT_MERGER_MAX_BYTES (what it bounds
+# per jax version: there; a prefill's Q/K/V at 16 x 4096 tokens stay three GEMMs, a decode
+# step's are one)
 DOT_MERGER_MAX_BYTES = XLA_DOT_MERGER_MAX_BYTES
 # The merged GEMM's fusion concatenates its weights in its operand where each is a multiple of
 # this many columns wide (Llama's 4,096 + 1,024 + 1,024: one launch); a narrower one (LoRA's
@@ -1004,21 +1004,38 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     def joined(members: list[int]) -> list[list[int]]:
         """The groups of sibling dots XLA's dot merger joins into one GEMM each (in program order).
         On jax 0.10.2 one: each next dot while it or the dot merged so far is within the bound (the
-        first projection joins the small products, the second not). On jax 0.12 those within the
-        bound, the narrow ones (widths no multiple of XLA_CONCAT_IN_GEMM_MULTIPLE) apart from the
-        others: LoRA's rank-16 products of ``x`` one GEMM (``gemm_fusion_dot.66``) beside its
-        projections; a decode step's q, k and v (4096, 1024, 1024 wide) one; a 4096 x 16384
-        projection, past the bound alone, joins nothing. (At a LoRA training step's 2,048 tokens
-        jax 0.12's XLA joins q and k but leaves v a GEMM of its own, for a reason not found:
-        the model joins all three, one launch short.)"""
+        first projection joins the small products, the second not). On jax 0.12 the narrow ones
+        (widths no multiple of XLA_CONCAT_IN_GEMM_MULTIPLE) apart from the others, each next dot
+        joining those merged so far while both are within the bound (``result_and_other``):
+        LoRA's rank-16 products of ``x`` one GEMM (``gemm_fusion_dot.66``) beside its
+        projections; a decode step's q, k and v (4096, 1024, 1024 wide) one; at a LoRA training
+        step's 2,048 tokens q and k one (48 MiB each), v one of its own; a 4096 x 16384
+        projection, past the bound alone, joins nothing."""
         if not XLA_DOT_MERGER_JOINS_ONE_WITHIN:
-            return [[k for k in members if (width(k) % XLA_CONCAT_IN_GEMM_MULTIPLE != 0) == narrow
-                     and dot_bytes(k) <= DOT_MERGER_MAX_BYTES] for narrow in (True, False)]
+            groups: list[list[int]] = []
+            for narrow in (True, False):
+                group: list[int] = []
+                size = 0
+                for k in (k for k in members if (width(k) % XLA_CONCAT_IN_GEMM_MULTIPLE != 0) == narrow):
+                    own = result_and_other(k)
+                    if group and size <= DOT_MERGER_MAX_BYTES and own <= DOT_MERGER_MAX_BYTES:
+                        group.append(k)
+                        size += own
+                    else:
+                        groups += [group] if group else []
+                        group, size = [k], own
+                groups += [group] if group else []
+            return groups
         out = members[:1]
         for k in members[1:]:
             if merged_bytes_of(out) <= DOT_MERGER_MAX_BYTES or dot_bytes(k) <= DOT_MERGER_MAX_BYTES:
                 out.append(k)
         return [out]
+
+    def result_and_other(k: int) -> int:
+        """What jax 0.12's dot merger bounds: the dot's result and its other (not shared) operand."""
+        d = next(g.ops[o] for o in cl[k].ops if g.ops[o].primitive == "dot_general")
+        return ctx.nbytes[d.outputs[0]] + ctx.nbytes[d.inputs[1]]
 
     def merged_bytes_of(ks: list[int]) -> int:
         """What one GEMM merging dots ``ks`` reads and writes (their shared operand once)."""
