@@ -981,7 +981,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         dots = [g.ops[o] for o in c.ops if g.ops[o].primitive == "dot_general"]
         if kind[k] != Kind.MATMUL or len(dots) != 1 or any(
                 g.ops[o].primitive not in ("dot_general", *CAST_ONLY) and not _bias_epilogue(g, g.ops[o], inputs)
-                for o in c.ops):
+                and not _activation_epilogue(g, g.ops[o], set(c.ops)) for o in c.ops):
             continue
         d = dots[0]
         w = d.inputs[1]
@@ -1126,7 +1126,10 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     def merged_member(t: int) -> int | None:
         """The merged sibling GEMM whose part of the result ``t`` is (a view of), else None."""
         while (k := ctx.producer.get(t)) is not None and fused_movement(k) and k not in materialised:
-            t = _data(g.producer(t))[0]
+            xs = _data(g.producer(t))
+            if not xs:   # (made from nothing: an iota, a literal's broadcast)
+                return None
+            t = xs[0]
         return k if k in merged else None
 
     def from_merged(t: int) -> bool:
@@ -1598,6 +1601,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     tree_partials: list[tuple[int, set[int]]] = []   # (rows reduced, buffers read) of each partial fusion
     applied_in_loop: set[int] = set()   # norms XLA applies in a loop fusion, not a Triton one
     summed_apart: set[int] = set()   # split-K GEMMs whose sum a reduce fusion of its own writes
+    epilogue_written: set[int] = set()   # GEMMs whose result an epilogue's loop fusion writes
 
     def rows_behind(t: int, own: set[int]) -> frozenset[int]:
         """The buffers whose elements ``t`` is computed from, one for one, by element-wise work
@@ -1775,8 +1779,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 nbytes += 2 * sum(ctx.nbytes[t] for t in cl[m].outputs)
         for m in members:   # an epilogue XLA's GEMM does not take, in a loop fusion of its own
             if epilogue_apart(m) == "loop":
-                (t,) = cl[m].outputs   # (reading the product, writing the result)
-                n, nbytes = n + 1, nbytes + 2 * ctx.nbytes[t]
+                (t,) = cl[m].outputs   # (reading the product, or the merged GEMM's whole result
+                n, nbytes = n + 1, nbytes + merged_whole.get(m, ctx.nbytes[t]) + ctx.nbytes[t]
+                epilogue_written.add(m)   # its part is in: no slice copied out besides)
         for m in members:   # a split-K GEMM: its reduce is a loop fusion of its own unless
             if kind[m] != Kind.MATMUL:   # the one fusion reading the sum takes it in
                 continue
@@ -2101,11 +2106,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 n, nbytes = n + 1, nbytes + ctx.nbytes[t] + sum(reads)
                 made.add(t)
         # each buffer once, however many views of it the group reads (a GroupNorm's rows, read
-        # as the concatenation and as its reshape to groups: one operand of the loop fusion)
-        read: dict[int, int] = {}
+        # as the concatenation and as its reshape to groups: one operand of the loop fusion; two
+        # parts of one merged GEMM's result read by one launch: T5's ``gelu(x @ wi_0) * (x @ wi_1)``)
+        read: dict[tuple[int, int], int] = {}
         looped = all(kind[m] == Kind.POINTWISE for m in members)
         for t in {x for t in ins for x in recomputed_from(t)}:
-            b = buffer_of(t)
+            part = merged_member(t)
+            b = (1, find(part)) if part is not None and part in merged_bytes and n == 1 else (0, buffer_of(t))
             read[b] = max(read.get(b, 0), read_bytes(t, set(), own, strided=looped or t in relaid))
         nbytes += sum(read.values()) + sum(as_written.get(t, ctx.nbytes[t]) for t in out)
         add(members, what, n, nbytes, made)
@@ -2116,8 +2123,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         add((), "copy", 1, 2 * sum(ctx.nbytes[w] for w in weights))
     for k in sorted(merged):   # a merged GEMM's result read by a kernel call or returned: a slice
         for t in cl[k].outputs:   # copied out (the compile's ``wrapped_slice`` reads the whole buffer),
-            if k in summed_apart:   # unless the fusion summing a split GEMM's part writes it (jax
-                continue            # 0.12's rank-16 ``x @ A``: ``loop_slice_fusion``, one per part)
+            if k in summed_apart or k in epilogue_written:   # unless the fusion summing a split
+                continue   # GEMM's part writes it (jax 0.12's rank-16 ``x @ A``: ``loop_slice_fusion``,
+                # one per part) or the loop fusion of its epilogue does (T5's GELU in VTC's FFN)
             if t in outs or k in sliced_out or any(call[u] for u in consumers_through_movement(t, set())):
                 add((k,), "copy", 1, merged_whole[k] + ctx.nbytes[t], (t,))
     convs = [k for k in range(len(cl)) if kind[k] == Kind.CONV]
@@ -2237,6 +2245,15 @@ def _bias_epilogue(g: Graph, op: Any, inputs: Any) -> bool:
     if op.primitive in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims"):
         return of_input(op.inputs[0])
     return op.primitive == "add" and any(of_input(x) for x in op.inputs)
+
+
+def _activation_epilogue(g: Graph, op: Any, ops: set[int]) -> bool:
+    """``op`` is element-wise work on the product alone (an activation: T5's GELU of ``x @ wi_0``
+    in VTC's program), its other operands scalars: XLA's dot merger, which runs before fusion,
+    joins the dot all the same."""
+    row = TABLE.get(op.primitive)
+    return row is not None and row.role == Role.ELEMENTWISE and all(
+        g.tensors[x].size == 1 or ((p := g.producer(x)) is not None and p.id in ops) for x in data_inputs(op))
 
 
 def _static(g: Graph, t: int, depth: int = 0) -> bool:
