@@ -814,7 +814,7 @@ def _rope_step(q, k, s, pos, cache):
 
 @pytest.mark.offline
 def test_xla_table_and_mask_launches_against_xlas_compile():
-    """``xla.TABLE_REUSE`` and the mask rule: the model's launches equal the deviceless H100
+    """``xla.repeats_too_much`` and the mask rule: the model's launches equal the deviceless H100
     compile's for a decode step's two RoPE calls and its position mask. At batch 16 XLA computes
     the shared cos and sin tables once, each in a loop fusion of its own; at batch 1 it recomputes
     them inside their readers; the mask ``iota <= pos`` is made inside the fusion that reads it
@@ -891,8 +891,9 @@ def test_xla_duplication_limits_and_conv_layouts_against_xlas_compile(fn, shapes
       slices is emitted once per distinct indexing, and past the limit it is written out. The
       model's launches are within one of the compile's (several, not one), its bytes within 10%
       for the plain sum (the recurrence's compile reads more than the model, which stays under).
-    * an expensive value repeated more than ``xla.TABLE_REUSE`` times by its reader is a loop
-      fusion of its own (``wrapped_exponential``); repeated 256 times it is recomputed.
+    * an expensive value its reader repeats at a cost above writing it out
+      (``xla.repeats_too_much``) is a loop fusion of its own (``wrapped_exponential``); repeated
+      256 times over 327,680 elements it is recomputed.
     * a 1-D conv's OIW filters are transposed for cuDNN like OIHW ones, and the erf GELU between
       two convs is a loop fusion of its own (Whisper's stem).
     * flax's NHWC convs: no layout transpose of the activations, but every HWIO filter is
@@ -1653,6 +1654,24 @@ def _model_and_compile(fn, args):
     detail = ([(l.name, l.bytes) for l in compiled.launches], [(f.what, f.launches, f.bytes) for f in price.fusions],
               price.bytes, compiled.bytes)
     return price, compiled, detail
+
+
+@pytest.mark.offline
+@pytest.mark.parametrize("op, rows, cols, reuse, launches", [
+    ("exp", 256, 1024, 96, 1), ("exp", 256, 1024, 128, 2), ("exp", 1024, 1024, 56, 1), ("exp", 1024, 1024, 64, 2),
+    ("exp", 4096, 1024, 40, 1), ("exp", 4096, 1024, 48, 2), ("cos", 16, 64, 48, 1), ("cos", 16, 64, 128, 2)])
+def test_xla_an_expensive_value_is_repeated_while_it_costs_less_than_a_launch(op, rows, cols, reuse, launches):
+    """``f(x)[:, None, :] * z``: XLA's priority fusion recomputes the expensive ``f(x)`` inside the
+    product while the repeated work costs less than a launch and ``f(x)`` written and read back
+    (``xla.repeats_too_much``): ``exp`` over 256 Ki, 1 Mi and 4 Mi elements is written out
+    (``wrapped_exponential``) from a reuse of 97-128, 57-64 and 41-48 — the formula's 106, 57 and
+    46; a reuse factor alone (the rule before: 256) kept all of them fused. Launches equal the
+    deviceless H100 compile's, bytes within 2%."""
+    f = {"exp": jnp.exp, "cos": jnp.cos, "tanh": jnp.tanh}[op]
+    args = [jax.ShapeDtypeStruct((rows, cols), jnp.float32), jax.ShapeDtypeStruct((rows, reuse, cols), jnp.float32)]
+    price, compiled, detail = _model_and_compile(lambda x, z: f(x)[:, None, :] * z, args)
+    assert price.launches == len(compiled.launches) == launches, detail
+    assert abs(price.bytes - compiled.bytes) <= 0.02 * compiled.bytes, detail
 
 
 @pytest.mark.parametrize("form, rows, launches", [

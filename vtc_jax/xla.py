@@ -61,19 +61,29 @@ XLA_NORM_ROW_FUSED_MAX = 64
 # compile of ``softmax(flat.reshape(n, r))``: r of 12-320 two launches; 336-3,000 and powers of
 # two one.
 XLA_FLAT_NORM_SPLIT_MAX_ROW = 320
-# An expensive table (a RoPE frequency table at ``pos``) shared by fusions whose outputs read each
-# of its values at least this many times in all is materialised by XLA instead of recomputed in
-# them: between the compiles' 80 (Llama-3 decode at batch 1: fused) and 1,280 (batch 16: a loop
-# fusion of its own).
-TABLE_REUSE = 256
-# A per-row value an expensive op makes from another fusion's result (``1 / s``, ``rsqrt(s)``)
-# is recomputed inside a reduction fusion broadcasting it over at most this many elements, and
-# written by a loop fusion of its own past it: XLA's priority fusion weighs the repeated work
-# (its per-op cost on the GPU) against a launch. Read off the deviceless H100 compile of
-# ``sum(d * f(s)[:, None] * e)`` over rows of 1,024 (both jax versions; rows of 256-4,096 move it
-# by about one Mi); an expensive op not listed (``tanh``, ``cos``) is never repeated past 64 Ki.
+# XLA's priority fusion repeats an expensive producer (``exp``, a division, ``cos``) inside the
+# fusions reading it only while the work repeated costs less than writing the producer out and
+# reading it back: with ``E`` elements computed by its readers from ``N`` of its own, of ``b``
+# bytes each, it is written out (a loop fusion of its own) when
+#     (E - N) * sum(1 / XLA_REPEATED_EXPENSIVE_MAX[op] for each expensive op of the chain)
+#         > 1 + 2 * N * b / XLA_LAUNCH_BYTES
+# (:func:`repeats_too_much`): the per-op bound is the repeated elements that cost one launch (XLA's
+# ``kKernelLaunchOverhead``, 1 us), ``XLA_LAUNCH_BYTES`` the bytes the H100's DRAM moves in that
+# time. Read off the deviceless H100 compile (both jax versions): a per-row ``f(s)`` broadcast into
+# ``sum(d * f(s)[:, None] * e)`` over rows of 1,024 gives the bounds (rows of 256-4,096 move them by
+# about one Mi); ``exp(x)[:, None, :] * z`` over ``x`` of 256 Ki, 1 Mi and 4 Mi elements is written
+# out from a reuse of 97-112, 57-64 and 41-48 (the formula: 106, 57, 46); a decode RoPE table at
+# ``pos`` read by q and k at batch 1 (5 Ki elements) is recomputed in them, at batch 16 (80 Ki) a
+# loop fusion of its own. The small bounds depend on the fusion around them: ``cos`` is 48-64 Ki
+# in a reduction, 62-64 Ki in RoPE's concatenation, 96-128 Ki reading a buffer; ``sin`` in RoPE
+# 64-96 Ki (the flax Gemma-2 layer at batch 16 recomputes it over 96 Ki where ``cos`` is written
+# out: a launch the model counts over); ``tanh`` 64-96 Ki in a reduction, past 128 Ki reading a
+# buffer. Each bound is its RoPE or reduction reading; an expensive op not listed (``sin``,
+# ``pow``, ``erf``) is taken as ``cos``.
 XLA_REPEATED_EXPENSIVE_MAX = {"div": 13 << 20, "integer_pow": 13 << 20, "exp": 16 << 20, "rsqrt": 17 << 20,
-                              "sqrt": 17 << 20, "log": 3 << 20, "logistic": 6 << 20}
+                              "sqrt": 17 << 20, "log": 3 << 20, "logistic": 6 << 20, "tanh": 80 << 10}
+XLA_REPEATED_EXPENSIVE_DEFAULT = 64 << 10
+XLA_LAUNCH_BYTES = 3_350_000
 # XLA fuses a producer into a loop fusion only while the fusion would emit it at most this many
 # times (``FusionNodeIndexingEvaluation::kAllowedCodeDuplication``: each distinct indexing of a
 # value — a slice, a pad, a concatenation reading it — emits it again); past it the producer is
@@ -511,8 +521,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
       arithmetic read only as a gather's indices (jnp's negative-index
       normalisation of a block table) read once, inside the gather's fusion. A value the fusion
       computes and reads back through movement (a slice of it) costs no bytes; a value it would
-      emit more than CODE_DUPLICATION times, or an expensive one a reader repeats more than
-      TABLE_REUSE times, is written out and read back, a launch more (:func:`duplicated`).
+      emit more than CODE_DUPLICATION times, or an expensive one its readers would repeat at a
+      cost above a launch and its write and read (:func:`repeats_too_much`), is written out and
+      read back, a launch more (:func:`duplicated`).
     * **GEMM / conv / reduction**: one launch each (gemm fusion, cuDNN call, input fusion), and
       one more per GEMM operand computed by an elementwise prologue (XLA's loop fusion). A GEMM
       of GEMM_EPILOGUE_MIN_ROWS rows or more (no batch axes, no split K) takes an element-wise
@@ -1463,16 +1474,28 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     n, nbytes = n + 1, nbytes + full + ctx.nbytes[t]
         return n, nbytes
 
+    def chain_cost(t: int, within: set[int]) -> float:
+        """What recomputing ``t`` per element costs (:func:`repeat_cost`): the expensive ops of
+        ``within`` it is computed by, but those XLA folds to constants (on literals alone: one on
+        an iota is computed, Whisper's sinusoid frequencies ``exp(-c * iota)`` in a loop fusion of
+        their own)."""
+        def up(x: int) -> Iterable[int]:
+            p = g.producer(x)
+            return [y for y in _data(p) if not literal(y)] if p is not None and p.id in within else ()
+        return sum(repeat_cost(g.producer(x)) for x in _walk([t], up) if not literal(x)
+                   and g.producer(x) is not None and g.producer(x).id in within)
+
     # an expensive table (``pow``, ``cos``) made inside two fusions, from the same scalars (two
     # RoPE calls each computing the frequencies at ``pos``), or made in one and read by another:
-    # XLA's CSE makes it once, and where its readers would recompute each value many times
-    # (TABLE_REUSE) each value read is a loop fusion of its own (XLA's cost model against
-    # duplicating an expensive producer: the cos and the sin table, read off the H100 compiles
-    # of the pure-JAX Llama and the examples' Llama-3 at batch 16 — which XLA sometimes merges
-    # into one, the rolling-cache decode; at batch 1 a decode step's readers are small and the
-    # tables are recomputed inside them; RoPE'd q and k that are both program outputs keep the
-    # two fusions even at batch 1, which this does not model)
-    holders: dict[int, set[int]] = {}   # table value -> clusters computing something from it
+    # XLA's CSE makes it once, and where its readers would repeat it at a cost above writing it
+    # out (:func:`repeats_too_much`) each value read is a loop fusion of its own (the cos and the
+    # sin table, read off the H100 compiles of the pure-JAX Llama and the examples' Llama-3 at
+    # batch 16 — which XLA sometimes merges into one, the rolling-cache decode; at batch 1 a
+    # decode step's readers are small and the tables are recomputed inside them; RoPE'd q and k
+    # that are both program outputs keep the two fusions even at batch 1, which this does not
+    # model)
+    # table value -> (its chain's cost per element, clusters computing something from it)
+    holders: dict[int, tuple[float, set[int]]] = {}
     for members in islands.values():
         table = set(table_of(members))
         if not any(is_expensive(g.ops[o]) for o in table):
@@ -1489,11 +1512,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     else:
                         readers.add(k)
                 if readers:
-                    holders.setdefault(g.same_value(t), set()).update(readers)
+                    cost = max(chain_cost(t, set(table)), holders.get(g.same_value(t), (0.0, set()))[0])
+                    holders[g.same_value(t)] = (cost, holders.get(g.same_value(t), (0.0, set()))[1] | readers)
 
     def reused(v: int) -> bool:
-        """Computed in more than one fusion, whose outputs hold more than TABLE_REUSE elements per value."""
-        readers = holders[v]
+        """Computed in more than one fusion, whose readers would repeat it at a cost above writing
+        it out (:func:`repeats_too_much`)."""
+        readers = holders[v][1]
 
         def reads(k: int) -> int:
             """How many values reader ``k`` computes from the table: its output, or for a gather
@@ -1505,7 +1530,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 return max(g.tensors[op.inputs[1]].size for op in moves)
             return max((g.tensors[x].size for x in cl[k].outputs), default=0)
         elements = sum(reads(k) for k in readers)
-        return len({find(k) for k in readers}) > 1 and elements > TABLE_REUSE * g.tensors[v].size
+        info = g.tensors[v]
+        return len({find(k) for k in readers}) > 1 and repeats_too_much(
+            holders[v][0], elements, info.size, np.dtype(info.dtype).itemsize)
 
     shared = [v for v in holders if reused(v)]
 
@@ -1516,22 +1543,16 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         is; any other read (slice, pad, concatenation, reshape) indexes it anew, once per
         emission of the reader; emissions are counted per fusion (the written tensor or cut
         each belongs to), as XLA checks each consumer fusion a producer would join. A broadcast
-        is always fused (its operand is what may be cut); an expensive value it repeats more
-        than TABLE_REUSE times is written out (XLA does not duplicate an expensive producer into
-        a reader that reuses it: Mamba's ``-exp(A_log)``, a loop fusion of its own in front of
-        the scan)."""
+        is always fused (its operand is what may be cut); an expensive value a reader repeats at
+        a cost above writing it out is written out (:func:`repeats_too_much`: Mamba's
+        ``-exp(A_log)``, a loop fusion of its own in front of the scan)."""
         head = find(members[0])
 
-        def expensive(o: int, depth: int = 0) -> bool:
-            """``o``, or an op of its size feeding it in the fusion (element-wise, a view), is
-            expensive."""
-            op = g.ops[o]
-            if is_expensive(op):
-                return True
-            size = g.tensors[op.outputs[0]].size
-            return depth < 8 and any((p := g.producer(x)) is not None and p.id in seen
-                                     and g.tensors[x].size == size and expensive(p.id, depth + 1)
-                                     for x in _data(op))
+        def cost(o: int) -> float:
+            """What repeating ``o`` per element costs: :func:`chain_cost` over the ops of its size
+            feeding it in the fusion (element-wise, views)."""
+            size = g.tensors[g.ops[o].outputs[0]].size
+            return chain_cost(g.ops[o].outputs[0], {q for q in seen if g.tensors[g.ops[q].outputs[0]].size == size})
 
         def fused(op_id: int) -> bool:
             k = ctx.pos.get(op_id)
@@ -1559,7 +1580,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 if p is not None and p.id not in seen and fused(p.id):
                     seen.add(p.id)
                     stack.append(p.id)
-        forced: set[int] = set()
+        repeated: dict[int, int] = {}   # expensive value -> elements its readers compute from it
         for o in sorted(order, reverse=True):   # op ids are in program order: consumers first
             op = g.ops[o]
             per: dict[int, int] = {}
@@ -1567,7 +1588,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 for r, k in count[i].items():
                     per[r] = per.get(r, 0) + k
             if (max(per.values(), default=0) > CODE_DUPLICATION and op.primitive != "broadcast_in_dim"
-                    or o in forced) and not any(g.same_value(t) in shared for t in op.outputs):   # (shared
+                    or o in repeated and repeats_too_much(cost(o), repeated[o], g.tensors[op.outputs[0]].size,
+                                                          np.dtype(g.tensors[op.outputs[0]].dtype).itemsize)
+                    ) and not any(g.same_value(t) in shared for t in op.outputs):   # (shared
                 cuts.append(o)                                                       # tables: their own rule)
                 root = -1 - op.outputs[0]
                 per, indexers[o] = {root: 1}, {root}
@@ -1578,10 +1601,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 p = g.producer(x)
                 if p is None or p.id not in seen:
                     continue
-                if g.tensors[op.outputs[0]].size > TABLE_REUSE * g.tensors[x].size and expensive(p.id):
-                    while is_view(p, g) and (q := g.producer(_data(p)[0])) is not None and q.id in seen:
-                        p = q   # the value itself, not a view of it
-                    forced.add(p.id)
+                if g.tensors[op.outputs[0]].size > g.tensors[x].size:   # (a reader repeating it)
+                    v = p
+                    while is_view(v, g) and (q := g.producer(_data(v)[0])) is not None and q.id in seen:
+                        v = q   # the value itself, not a view of it
+                    repeated[v.id] = repeated.get(v.id, 0) + g.tensors[op.outputs[0]].size
                 if tuple(g.tensors[x].shape) == tuple(shape) or op.primitive == "transpose":
                     indexers.setdefault(p.id, set()).update(indexers.get(o, ()))
                 else:
@@ -2511,6 +2535,22 @@ def _diamond(g: Graph, ops: set[int], reds: Sequence[Any]) -> bool:
     return False
 
 
+def repeat_cost(op: Any) -> float:
+    """What XLA's priority fusion charges for computing ``op`` once more per element, in
+    launches: ``1 / XLA_REPEATED_EXPENSIVE_MAX[op]`` for an expensive op, nothing for a cheap one."""
+    if not is_expensive(op):
+        return 0.0
+    return 1.0 / XLA_REPEATED_EXPENSIVE_MAX.get(op.primitive, XLA_REPEATED_EXPENSIVE_DEFAULT)
+
+
+def repeats_too_much(cost: float, elements: int, size: int, itemsize: int) -> bool:
+    """Whether XLA writes out a producer of ``size`` elements (``itemsize`` bytes each) whose
+    readers compute ``elements`` from it, recomputing it at ``cost`` per element
+    (:func:`repeat_cost`): the repeated work against one launch more and the producer written and
+    read back (``XLA_REPEATED_EXPENSIVE_MAX``'s comment has the readings)."""
+    return cost > 0 and (elements - size) * cost > 1 + 2 * size * itemsize / XLA_LAUNCH_BYTES
+
+
 def _expensive_per_row(g: Graph, ops: set[int], reds: Sequence[Any]) -> list[int]:
     """Per-row values ``ops`` compute with an expensive op (a division, ``rsqrt``, ``exp``) from
     values made outside them, not from their own reductions, and read broadcast over the rows:
@@ -2518,7 +2558,7 @@ def _expensive_per_row(g: Graph, ops: set[int], reds: Sequence[Any]) -> list[int
     fusion of its own (``1 / (s * s)`` of a softmax's sums in its backward: ``loop_divide_fusion``;
     read off the compile of ``sum(d * f(s)[:, None] * e)`` for ``f`` of ``1 / s``, ``s ** -2``,
     ``rsqrt``, ``exp``, ``log``: two launches where ``s * s`` is one), once the reader would
-    repeat it over more elements than ``XLA_REPEATED_EXPENSIVE_MAX`` says for the op."""
+    repeat it at a cost above writing it out (:func:`repeats_too_much`)."""
     own = {r.id for r in reds}
     found = []
     for o in sorted(ops):
@@ -2530,8 +2570,8 @@ def _expensive_per_row(g: Graph, ops: set[int], reds: Sequence[Any]) -> list[int
         def readers(x: int) -> Iterable[int]:   # through views of the value itself
             return [u.outputs[0] for u in g.consumers(x) if len(u.outputs) == 1
                     and g.tensors[u.outputs[0]].size == size and (is_view(u, g) or u.primitive == "broadcast_in_dim")]
-        most = XLA_REPEATED_EXPENSIVE_MAX.get(op.primitive, 0)
-        if any(u.id in ops and g.tensors[u.outputs[0]].size > max(size, most)
+        cost, itemsize = repeat_cost(op), np.dtype(g.tensors[op.outputs[0]].dtype).itemsize
+        if any(u.id in ops and repeats_too_much(cost, g.tensors[u.outputs[0]].size, size, itemsize)
                for x in _walk([op.outputs[0]], readers) for u in g.consumers(x)):
             found.append(op.outputs[0])
     return found
