@@ -1534,7 +1534,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         return len({find(k) for k in readers}) > 1 and repeats_too_much(
             holders[v][0], elements, info.size, np.dtype(info.dtype).itemsize)
 
-    shared = [v for v in holders if reused(v)]
+    shared = {v for v in holders if reused(v)}
 
     def duplicated(members: Sequence[int], roots: Iterable[int]) -> list[int]:
         """Ops of a loop fusion XLA writes out instead of recomputing (CODE_DUPLICATION), walking
@@ -1697,8 +1697,17 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             ops = [g.ops[o] for m in members for o in cl[m].ops]
             bits = sum(op.primitive == "random_bits" for op in ops)   # random bits a kernel reads:
             # a loop fusion writing each, besides the key schedule and counters
-            add(members, "loop", max(1, bits) + _prng_launches(g, ops),
+            values = bits or _glue_roots(g, {o for m in members for o in cl[m].ops},
+                                         [t for m in members for t in cl[m].outputs])
+            add(members, "loop", values + _prng_launches(g, ops),
                 sum(ctx.nbytes[t] for m in members for t in cl[m].outputs))
+            continue
+        if kind[head] == Kind.POINTWISE and not call[head] and all(
+                g.same_value(t) in shared for m in members for t in cl[m].outputs):
+            # tables a kernel call reads (a rolling cache's RoPE cos and sin at ``pos``, cast to
+            # bf16 for the q and for the k kernel): written once per value, by the shared
+            # tables' fusions below (``loop_convert_fusion`` x2, not four)
+            add(members, "recomputed", 0, 0)
             continue
         if len(members) == 1 and call[head]:
             nbytes, made = 0, []
@@ -2233,7 +2242,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 ohwi = [a for a in (spec[0], *spec[2:], spec[1]) if shape[a] != 1]
                 if ohwi != sorted(ohwi):   # not a bitcast of OHWI (OIHW 1x1 and depthwise are)
                     add((k,), "layout", 1, 2 * ctx.nbytes[op.inputs[1]])
-    for v in shared:   # a loop fusion per shared value (XLA's loop_cosine_fusion, loop_sine_fusion)
+    for v in sorted(shared):   # a loop fusion per shared value (XLA's loop_cosine_fusion, loop_sine_fusion)
         add((), "table", 1, 2 * ctx.nbytes[v], (v,))
     # a scatter XLA writes as an in-place dynamic-update-slice checks its index vector in bounds
     # first: a reduction fusion per distinct index (``input_reduce_fusion``, shared by a rolling
@@ -2909,6 +2918,27 @@ def _gathered(g: Graph, t: int) -> bool:
     paged decode: an ``input_transpose_fusion`` per gathered cache in front of its GEMM)."""
     op = _source_gather(g, t)
     return op is not None and _runtime(g, op.inputs[1])
+
+
+def _glue_roots(g: Graph, ops: set[int], outputs: Sequence[int]) -> int:
+    """How many loop fusions XLA makes of scalar glue ``ops`` writing ``outputs`` for kernel
+    calls: one per distinct value computed (seen through views and casts), less those another
+    one is computed from — XLA fuses a producer into its consumers and merges no independent
+    siblings; work both need is repeated in each. Read off the compile of the pure-JAX Llama's
+    VTC program: its cache row start ``clamp(where(pos < 0, pos + T, pos))`` and its mask bound
+    ``0 <= pos & pos <= T`` from one ``pos``, a ``loop_clamp_fusion`` and a ``loop_and_fusion``."""
+    def value(t: int) -> int | None:   # the op computing t, through views and casts
+        p = g.producer(t)
+        while p is not None and p.id in ops and (is_view(p, g) or p.primitive in CAST_ONLY):
+            p = g.producer(data_inputs(p)[0]) if data_inputs(p) else None
+        return p.id if p is not None and p.id in ops else None
+
+    roots = {v for t in outputs if (v := value(t)) is not None}
+
+    def up(o: int) -> Iterable[int]:
+        return [p.id for x in data_inputs(g.ops[o]) if (p := g.producer(x)) is not None and p.id in ops]
+    below = {q for r in roots for q in _walk(up(r), up)}
+    return max(1, len({g.same_value(g.ops[r].outputs[0]) for r in roots - below}))
 
 
 def _prng_launches(g: Graph, ops: Sequence[Any]) -> int:
