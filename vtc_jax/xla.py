@@ -850,6 +850,27 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         return sum(ctx.nbytes[t] for t in {t for m in members for t in cl[m].inputs} - own
                    if g.tensors[t].size >= size) <= wrote
 
+    def repeated_in_readers(members: Sequence[int], users: set[int]) -> bool:
+        """Whether XLA's priority fusion repeats island ``members`` — cheap element-wise work —
+        in each of its ``users`` (loop and reduction fusions): each reader reading the island's
+        operands costs less than a launch (``XLA_LAUNCH_BYTES``) writing it and every reader
+        reading it back; as for :func:`written_into_stat`, up to three readers always. Not one
+        reading a split-K GEMM's result: the partial sums are reduced inside it (jit's residual
+        add after the output projection, ``loop_add_fusion_1``, written)."""
+        ops = [g.ops[o] for m in members for o in cl[m].ops]
+        if any(call[w] or kind[w] not in (Kind.POINTWISE, Kind.REDUCTION) for w in users) or any(
+                (row := TABLE.get(op.primitive)) is None or row.role != Role.ELEMENTWISE or is_expensive(op)
+                for op in ops):
+            return False
+        own = {t for m in members for t in cl[m].outputs}
+        if any(kind[p] == Kind.MATMUL and not call[p] and any(
+                g.ops[o].primitive == "dot_general" and _xla_split_k(g, g.ops[o]) > 1 for o in cl[p].ops)
+               for m in members for t in cl[m].inputs if t not in own for p in producers_through_movement(t, set())):
+            return False
+        read = sum(ctx.nbytes[t] for t in {t for m in members for t in cl[m].inputs} - own)
+        wrote = sum(ctx.nbytes[t] for t in own)
+        return len(users) * read <= read + (1 + len(users)) * wrote + XLA_LAUNCH_BYTES
+
     recomputed: set[int] = set()   # tables XLA computes inside each reader: no launch, no bytes
     index_of_copy: list[tuple[int, int]] = []   # (index island, the gather cluster it feeds)
     for members in islands.values():   # folded into the consumer: lone casts, prologues of reductions/updates
@@ -910,6 +931,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             # f32 cast read by an RMSNorm's forward and backward): XLA duplicates it into every
             # reader (``input_reduce_fusion_2`` and ``loop_add_fusion_1`` each read ``dy``),
             # nothing written
+            recomputed.add(find(members[0]))
+        elif len(users) > 1 and not any(_statistic(g, cl[u]) for u in users) and repeated_in_readers(members, users):
+            # a cheap element-wise island read by several loop and reduction fusions, recomputed
+            # in each where that costs less than a launch writing it and each reader reading it
+            # back (the residual add ``x + attn`` of VTC's decode layer, read by the RMSNorm and
+            # by the final add: ``input_reduce_fusion`` and ``loop_add_fusion`` both read ``x``
+            # and the kernel's result)
             recomputed.add(find(members[0]))
         elif not cast and any(_statistic(g, cl[u]) for u in users) and (all(
                 call[u] or _statistic(g, cl[u]) or kind[u] == Kind.MATMUL or norm_of_stat(u, users)
