@@ -1715,7 +1715,7 @@ def test_xla_an_expensive_value_is_repeated_while_it_costs_less_than_a_launch(op
     """``f(x)[:, None, :] * z``: XLA's priority fusion recomputes the expensive ``f(x)`` inside the
     product while the repeated work costs less than a launch and ``f(x)`` written and read back
     (``xla.repeats_too_much``): ``exp`` over 256 Ki, 1 Mi and 4 Mi elements is written out
-    (``wrapped_exponential``) from a reuse of 97-128, 57-64 and 41-48 — the formula's 106, 57 and
+    (``wrapped_exponential``) from a reuse of 97-112, 57-64 and 41-48 — the formula's 106, 57 and
     46; a reuse factor alone (the rule before: 256) kept all of them fused. Launches equal the
     deviceless H100 compile's, bytes within 2%."""
     f = {"exp": jnp.exp, "cos": jnp.cos, "tanh": jnp.tanh}[op]

@@ -835,14 +835,18 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         wrote = sum(ctx.nbytes[t] for t in own)
         return len(users) * read > read + (1 + len(users)) * wrote
 
+    def cheap_for_readers(members: Sequence[int], users: set[int]) -> bool:
+        """Island ``members`` is cheap element-wise work (no expensive op) and its ``users`` are
+        loop and reduction fusions: what XLA's priority fusion may repeat in each reader."""
+        return not any(call[w] or kind[w] not in (Kind.POINTWISE, Kind.REDUCTION) for w in users) and all(
+            (row := TABLE.get(g.ops[o].primitive)) is not None and row.role == Role.ELEMENTWISE
+            and not is_expensive(g.ops[o]) for m in members for o in cl[m].ops)
+
     def duplicated(members: Sequence[int], users: set[int]) -> bool:
         """Whether XLA's priority fusion duplicates island ``members`` into each of its ``users``:
         cheap element-wise work that reads no more bytes than it writes, read by loop and
         reduction fusions only."""
-        ops = [g.ops[o] for m in members for o in cl[m].ops]
-        if any(call[w] or kind[w] not in (Kind.POINTWISE, Kind.REDUCTION) for w in users) or any(
-                (row := TABLE.get(op.primitive)) is None or row.role != Role.ELEMENTWISE or is_expensive(op)
-                for op in ops):
+        if not cheap_for_readers(members, users):
             return False
         own = {t for m in members for t in cl[m].outputs}
         wrote = sum(ctx.nbytes[t] for t in own)
@@ -857,10 +861,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         reading it back; as for :func:`written_into_stat`, up to three readers always. Not one
         reading a split-K GEMM's result: the partial sums are reduced inside it (jit's residual
         add after the output projection, ``loop_add_fusion_1``, written)."""
-        ops = [g.ops[o] for m in members for o in cl[m].ops]
-        if any(call[w] or kind[w] not in (Kind.POINTWISE, Kind.REDUCTION) for w in users) or any(
-                (row := TABLE.get(op.primitive)) is None or row.role != Role.ELEMENTWISE or is_expensive(op)
-                for op in ops):
+        if not cheap_for_readers(members, users):
             return False
         own = {t for m in members for t in cl[m].outputs}
         if any(kind[p] == Kind.MATMUL and not call[p] and any(
@@ -1540,8 +1541,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     else:
                         readers.add(k)
                 if readers:
-                    cost = max(chain_cost(t, set(table)), holders.get(g.same_value(t), (0.0, set()))[0])
-                    holders[g.same_value(t)] = (cost, holders.get(g.same_value(t), (0.0, set()))[1] | readers)
+                    v = g.same_value(t)
+                    cost, known = holders.get(v, (0.0, set()))
+                    holders[v] = (max(cost, chain_cost(t, set(table))), known | readers)
 
     def reused(v: int) -> bool:
         """Computed in more than one fusion, whose readers would repeat it at a cost above writing
