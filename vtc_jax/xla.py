@@ -812,6 +812,22 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         return kind[u] == Kind.REDUCTION and any(
             k in users and _statistic(g, cl[k]) for t in cl[u].inputs for k in producers_through_movement(t, set()))
 
+    def writing_pays(members: Sequence[int], users: set[int], launch: int) -> bool:
+        """Whether writing island ``members`` once and each of its ``users`` reading it back costs
+        XLA's priority fusion less than repeating the island in every reader, each reading the
+        island's operands again (a gathered row charged its table: the gather repeated): ``k``
+        readers, ``k · read > read + (1 + k) · wrote + launch``, ``launch`` the bytes' worth of a
+        launch when the write is a fusion of its own (``XLA_LAUNCH_BYTES``), 0 when it is one more
+        output of a fusion that runs anyway (:func:`written_into_stat`)."""
+        own = {t for m in members for t in cl[m].outputs}
+
+        def operand(t: int) -> int:
+            p = g.producer(t)
+            return ctx.nbytes[p.inputs[0]] if p is not None and p.primitive == "gather" else ctx.nbytes[t]
+        read = sum(operand(t) for t in {t for m in members for t in cl[m].inputs} - own)
+        wrote = sum(ctx.nbytes[t] for t in own)
+        return len(users) * read > read + (1 + len(users)) * wrote + launch
+
     def written_into_stat(members: Sequence[int], users: set[int]) -> bool:
         """Whether XLA writes island ``members`` as one more output of the statistic among its
         ``users`` (GpuMultiOutputFusion: GPT-2's residual add in a training step,
@@ -826,14 +842,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             return False
         if any(call[w] or kind[w] not in (Kind.POINTWISE, Kind.REDUCTION) for w in users):
             return True
-        own = {t for m in members for t in cl[m].outputs}
-
-        def operand(t: int) -> int:   # (a gathered row: the table it is gathered from)
-            p = g.producer(t)
-            return ctx.nbytes[p.inputs[0]] if p is not None and p.primitive == "gather" else ctx.nbytes[t]
-        read = sum(operand(t) for t in {t for m in members for t in cl[m].inputs} - own)
-        wrote = sum(ctx.nbytes[t] for t in own)
-        return len(users) * read > read + (1 + len(users)) * wrote
+        return writing_pays(members, users, 0)
 
     def cheap_for_readers(members: Sequence[int], users: set[int]) -> bool:
         """Island ``members`` is cheap element-wise work (no expensive op) and its ``users`` are
@@ -868,9 +877,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 g.ops[o].primitive == "dot_general" and _xla_split_k(g, g.ops[o]) > 1 for o in cl[p].ops)
                for m in members for t in cl[m].inputs if t not in own for p in producers_through_movement(t, set())):
             return False
-        read = sum(ctx.nbytes[t] for t in {t for m in members for t in cl[m].inputs} - own)
-        wrote = sum(ctx.nbytes[t] for t in own)
-        return len(users) * read <= read + (1 + len(users)) * wrote + XLA_LAUNCH_BYTES
+        return not writing_pays(members, users, XLA_LAUNCH_BYTES)
 
     recomputed: set[int] = set()   # tables XLA computes inside each reader: no launch, no bytes
     index_of_copy: list[tuple[int, int]] = []   # (index island, the gather cluster it feeds)
