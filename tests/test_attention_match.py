@@ -797,3 +797,63 @@ def test_per_sequence_rows_written_in_place_by_their_kernels(pos):
     rows = [m for m in report.movement if m.primitive == "scatter"]
     assert len(rows) == 2 and all(m.eliminated for m in rows), rows
     assert "stablehlo.scatter" not in text
+
+
+# --------------------------------------------------------------------------------------------
+# jax.nn.softmax(s, where=mask): the mask given to the softmax (flax and equinox code)
+# --------------------------------------------------------------------------------------------
+
+def w_decode(q, kc, vc, pos):
+    """The decode mask given to the softmax: jax selects the scores by it twice (for the max and
+    for ``exp``), zeroes the numerator in the sum and the probabilities after it."""
+    return _attend(q, kc, vc, lambda s: jax.nn.softmax(s * D ** -0.5, -1, where=jnp.arange(T) <= pos))
+
+
+def w_decode_bf16(q, kc, vc, pos):
+    return _attend(q, kc, vc, lambda s: jax.nn.softmax(s.astype(jnp.float32) / math.sqrt(D), -1,
+                                                       where=jnp.arange(T) <= pos).astype(q.dtype))
+
+
+def w_padding(q, kc, vc, valid):
+    return _attend(q, kc, vc, lambda s: jax.nn.softmax(s * D ** -0.5, -1, where=valid[:, None, None, :]))
+
+
+def w_prefill_causal(q, k, v):
+    return _attend(q, k, v, lambda s: jax.nn.softmax(s * D ** -0.5, -1, where=jnp.tril(jnp.ones((S, S), bool))))
+
+
+def w_causal_then_padding(q, k, v, valid):
+    """A causal ``where(-inf)`` and a padding mask given to the softmax: a row the two empty
+    together is NaN in jax where the padding keeps a lane, 0 elsewhere — no kernel mode."""
+    return _attend(q, k, v, lambda s: jax.nn.softmax(
+        jnp.where(jnp.tril(jnp.ones((S, S), bool)), s * D ** -0.5, -jnp.inf), -1, where=valid[:, None, None, :]))
+
+
+@pytest.mark.parametrize("pos", [13, -1], ids=["pos13", "pos_negative"])
+def test_softmax_where_decode_reaches_the_kernel(pos):
+    """``jax.nn.softmax(s, where=m)`` is a select mask: its second select (of the scores before
+    the first) is the same value, and its zeroing selects of the numerator and the probabilities
+    change only a row with no valid key — which jax zeroes (at ``pos < 0``: 0, where the
+    ``where(-inf)`` spelling gives NaN), the kernels' ``"zero"`` row."""
+    q, kc, vc, _ = decode_args()
+    check_attention(w_decode, (q, kc, vc, jnp.int32(pos)), "decode", lower=pos == 13)
+    assert not np.any(np.isnan(np.asarray(jax.jit(w_decode)(q, kc, vc, jnp.int32(pos)))))
+
+
+def test_softmax_where_bf16_prefill_and_padding_reach_the_kernels():
+    check_attention(w_decode_bf16, decode_args(jnp.bfloat16), "decode", lower=False)
+    check_attention(w_prefill_causal, prefill_args(), "prefill", lower=False)
+    q, kc, vc, _ = decode_args()
+    check_attention(w_padding, (q, kc, vc, _padding((10, 0))), "decode", lower=False)   # an empty row: 0
+
+
+def test_softmax_where_after_another_mask_declined_when_a_row_can_be_empty():
+    q, k, v = prefill_args()
+    valid = jnp.arange(S)[None, :] < jnp.array([[5], [0]])
+    report = vtc_jax.explain(w_causal_then_padding)(q, k, v, valid)
+    reasons = [r for _, kind, r in report.templates if kind == "attention"]
+    assert reasons and any("zeroed by one of several masks" in r for r in reasons), reasons
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        check_close(vtc_jax.optimize(w_causal_then_padding, backend="interpret")(q, k, v, valid),
+                    jax.jit(w_causal_then_padding)(q, k, v, valid), 1e-5)

@@ -86,3 +86,29 @@ def test_a_cpu_machine_is_quiet_after_importing_vtc_jax():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "cpu"
     assert "Jax plugin configuration error" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_movement_the_guard_keeps_beside_a_kernel_it_undid_is_no_fallback():
+    """A bilinear resize's index arithmetic (iotas: XLA's clusters in every plan) next to kernels
+    the guard undoes: the movement between them stays because of the guard's choice, which
+    ``optimize`` never warns about — with ``guard=None`` nothing stays there and nothing is said,
+    with the default guard the same (its undo is in the guard's notes)."""
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.standard_normal((2, 4, 4, 16)), jnp.float32)
+    skip = jnp.asarray(r.standard_normal((2, 8, 8, 8)), jnp.float32)
+    wt = jnp.asarray(r.standard_normal((3, 3, 24, 8)) * 0.1, jnp.float32)
+
+    def up_block(x, skip, wt):
+        up = jax.image.resize(x, (2, 8, 8, 16), method="bilinear")
+        h = jnp.concatenate([up, skip], axis=-1)
+        return jax.nn.relu(jax.lax.conv_general_dilated(h, wt, (1, 1), "SAME",
+                                                        dimension_numbers=("NHWC", "HWIO", "NHWC")))
+    ref = jax.jit(up_block)(x, skip, wt)
+    for guard in (None, "model"):
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always", vtc_jax.VTCFallbackWarning)
+            opt = vtc_jax.optimize(up_block, backend="interpret", guard=guard)
+            out = opt(x, skip, wt)
+        assert not [str(w.message) for w in rec if issubclass(w.category, vtc_jax.VTCFallbackWarning)]
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+    assert any(n.startswith("undid") for n in opt.last[0].guard), opt.last[0].guard

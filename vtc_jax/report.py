@@ -261,6 +261,22 @@ def _reason(g: Graph, v: VTOG, s: Strategy, op: Any, edges: tuple[int, ...], gon
         else "partially virtual: some outputs still need a physical copy"
 
 
+def _kept_by_rejections(a: Analysis, kept: Sequence[Any]) -> set[int]:
+    """The tensors of the data movement XLA still runs (``kept``) other than what stays because the
+    guard undid a kernel next to it: movement ops linked by the tensors they share, a chain that
+    reaches a cluster the guard gave back to XLA left out — its movement is the guard's choice,
+    not a fallback (no warning: ``optimize``'s contract)."""
+    undone = {t for c in a.clusters if isinstance(v := a.matches.get(c.id), Reject) and v.reason.startswith(UNDONE)
+              for t in (*c.inputs, *c.outputs)}
+    chains: list[tuple[set[int], bool]] = []    # (tensors, reaches an undone cluster)
+    for op in kept:
+        ts = set((*op.inputs, *op.outputs))
+        joined = [ch for ch in chains if ch[0] & ts]
+        chains = [ch for ch in chains if not ch[0] & ts]
+        chains.append((ts.union(*(ch[0] for ch in joined)), bool(ts & undone) or any(ch[1] for ch in joined)))
+    return {t for ts, guarded in chains if not guarded for t in ts}
+
+
 def fallback_messages(a: Analysis, always: frozenset[int] = frozenset(),
                       bodies: Sequence[str] = ()) -> list[str]:
     """One line per reason VTC left part of the program to XLA where it mattered: opaque
@@ -274,7 +290,7 @@ def fallback_messages(a: Analysis, always: frozenset[int] = frozenset(),
                         f"({c.reason}); tensors around it stay physical")
     res = a.strategy.resolution
     kept = [a.graph.ops[o] for o in (res.executed if res is not None else ())]
-    kept_tensors = {t for op in kept for t in (*op.inputs, *op.outputs)}
+    kept_tensors = _kept_by_rejections(a, kept)
     by_reason: dict[tuple[str, str], list[Cluster]] = {}
     for c in a.clusters:   # a rejection matters where data movement next to the cluster still runs
         verdict = a.matches.get(c.id)

@@ -33,6 +33,11 @@ the step it did not recognise. Accepted between q·k and p·v:
   positions, Swin's table, ALiBi against ``pos`` or the query row, MLA's second score term —,
   which XLA computes and the kernels read blockwise through its layout (broadcast where it does
   not vary: a per-head table is never repeated over the batch).
+* the mask given to the softmax, ``jax.nn.softmax(s, where=m)`` (flax's and equinox's code): a
+  select mask whose repeated select of the scores before it is the same value, and whose
+  ``where(m, ·, 0)`` on the numerator and on the probabilities changes only a row with no valid
+  key — 0 in jax, the kernels' ``"zero"`` row, where ``m`` is that row's only mask (with other
+  masks jax's row is NaN in some lanes: declined when such a row can happen);
 * softmax: ``jax.nn.softmax`` or by hand (``exp(x - max) / sum``, ``stop_gradient`` on the max,
   ``e * (1 / sum)``), f32 up/down casts, reshapes/transposes that keep the axes, in any order of
   the dimensions (the reductions must be over the key axis);
@@ -347,6 +352,17 @@ def _view_axes(graph: Graph, op: Any, axes: tuple[Any, ...], sizes: dict[int, in
     return tuple(out) if not flat else None
 
 
+def _pred_key(graph: Graph, t: int) -> tuple:
+    """A mask operand up to the broadcasts and reshapes that place it on the scores: equal keys,
+    equal values (``jax.nn.softmax(s, where=m)`` broadcasts ``m`` once for each of its selects)."""
+    chain = []
+    while (op := graph.producer(t)) is not None and op.primitive in ("broadcast_in_dim", "reshape"):
+        chain.append((op.primitive, tuple(sorted((k, str(v)) for k, v in op.params.items())),
+                      tuple(graph.tensors[t].shape)))
+        t = op.inputs[0]
+    return t, tuple(chain)
+
+
 def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
     """Walk the cluster in program order; give each value a role or raise Decline."""
     ops = [graph.ops[i] for i in sorted(c.ops)]
@@ -360,7 +376,7 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
     role: dict[int, _Role] = {s0: _Role("s", 0, tuple(range(len(graph.tensors[s0].shape))))}
     sizes = dict(enumerate(graph.tensors[s0].shape))   # first-dot axis -> its length
     st = dict(stage=0, inner=1.0, outer=1.0, tanh=False, masks=[], key=None,
-              nomax=False)
+              nomax=False, zeroes={})
     after_d2: list[Any] = []
 
     def fail(op: Any, why: str) -> None:
@@ -442,6 +458,33 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
                                  fill_lo=rng[0], stage=st["stage"] + 1, score=op_))
         new_stage(out, rs.axes)
 
+    def applied(pred: int, keep: bool, axes: tuple[Any, ...], stage: int) -> _Mask | None:
+        """The select mask already applied, by ``stage``, with this pred (up to its broadcasts),
+        polarity and axes — ``jax.nn.softmax(s, where=m)`` selects by ``m`` three more times."""
+        key = _pred_key(graph, pred)
+        return next((m for m in st["masks"] if m.keep is not None and m.keep == keep and m.when is None and m.score is None
+                     and m.stage <= stage and m.axes == axes and _pred_key(graph, m.tensor) == key), None)
+
+    def reselect(op: Any, r: _Role, i0: int) -> bool:
+        """``where(m, s, fill)`` again, on the scores just before the last mask, where that mask is
+        this one: the same value as the masked scores (softmax(where=)'s ``x_safe``, after its
+        masked max)."""
+        last = st["masks"][-1] if st["masks"] else None
+        rng = _fold_range(graph, op.inputs[3 - i0])
+        return (last is not None and last.stage == st["stage"] and r.stage == st["stage"] - 1
+                and rng is not None and (last.fill_lo, last.fill) == rng
+                and applied(op.inputs[0], i0 == 2, r.axes, st["stage"]) is last)
+
+    def zeroes(op: Any, r: _Role, i0: int) -> None:
+        """``where(m, e, 0)`` on the softmax numerator or the probabilities, ``m`` a select mask
+        already applied to the scores they come from: their masked lanes are 0 already in every
+        row with a valid key (``exp(-inf) = 0``), so only a row with none changes —
+        ``softmax(where=m)`` zeroes it (:func:`_empty_rows`)."""
+        latest(op, r)
+        if applied(op.inputs[0], i0 == 2, r.axes, r.stage) is None:
+            fail(op, f"zeroes the {_NAMES[r.kind]} where no mask applied to the scores does")
+        st["zeroes"][r.kind] = (_pred_key(graph, op.inputs[0]), i0 == 2)
+
     def key_of(op: Any, r: _Role, axes_param: Any) -> None:
         ax = tuple(r.axes[a] for a in axes_param)
         if len(ax) != 1 or ax[0] is None or isinstance(ax[0], tuple):
@@ -486,6 +529,9 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
             conditional_mask(op, tagged)
             continue
         if k == "s" and len(tagged) == 1:
+            if p == "select_n" and len(op.inputs) == 3 and i0 in (1, 2) and reselect(op, r, i0):
+                role[out] = _Role("s", st["stage"], r.axes)
+                continue
             latest(op, r)
             if p in ("mul", "div") and len(others) == 1:
                 a = _fold_scalar(graph, others[0])
@@ -546,6 +592,11 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
             continue
         if k == "shift" and p == "exp":
             role[out] = _Role("exp", r.stage, r.axes)
+            continue
+        if k in ("exp", "p") and p == "select_n" and len(op.inputs) == 3 and len(tagged) == 1 and \
+                i0 in (1, 2) and _fold_scalar(graph, op.inputs[3 - i0]) == 0.0:
+            zeroes(op, r, i0)
+            role[out] = _Role(k, r.stage, r.axes)
             continue
         if k == "exp" and p == "reduce_sum" and len(tagged) == 1:
             key_of(op, r, op.params["axes"])
@@ -839,19 +890,32 @@ def _check_per_row(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape
                               "one position per sequence (entry b bounding batch entry b's keys)")
 
 
-def _empty_rows(masks: list[_Mask], bias_values: set[float], empty: bool) -> Any:
+def _empty_rows(graph: Graph, masks: list[_Mask], bias_values: set[float], empty: bool,
+                zeroes: dict[str, tuple] | None = None) -> Any:
     """What the kernels output for a row with no valid key, to equal jax (the kernels'
     ``empty_rows``, :func:`vtc_jax.kernels.attention.empty_rows_mode`): NaN where every mask fills
     ``-inf``; jax's softmax of the masked scores where every masked lane holds one value (selects
-    filling one constant: the mean of V) or one additive bias value (``(s + b) * f``). Otherwise
-    jax's row depends on which mask each lane went through: declined if such a row can happen
-    for some value of the runtime scalar (``empty``)."""
+    filling one constant: the mean of V) or one additive bias value (``(s + b) * f``); 0 where the
+    probabilities are zeroed by the one mask that empties the row (``jax.nn.softmax(s, where=m)``'s
+    last ``where(m, p, 0)``). Otherwise jax's row depends on which mask each lane went through:
+    declined if such a row can happen for some value of the runtime scalar (``empty``).
+    ``zeroes``: ``{"exp" | "p": (pred key, keep)}``, the ``where(m, ·, 0)`` the matcher let
+    through on the softmax numerator and the probabilities."""
+    zeroes = zeroes or {}
     if not masks or not empty:
         return "zero"     # no such row for any probed value: the kernels emit no empty-row pass
+    if "p" in zeroes:
+        if all(m.keep is not None and (_pred_key(graph, m.tensor), m.keep) == zeroes["p"] for m in masks):
+            return "zero"
+        raise Decline("a row can have no valid key and the probabilities are zeroed by one of several "
+                      "masks: jax's row is NaN in the lanes that mask keeps, 0 in the others")
     selects = [m for m in masks if m.keep is not None]
     additive = [m for m in masks if m.keep is None]
     if selects and not additive and all(m.fill is not None and np.isneginf(m.fill) for m in selects):
-        return "nan"
+        return "nan"      # (a zeroed numerator: NaN too, ``NaN / 0``)
+    if "exp" in zeroes:
+        raise Decline("a row can have no valid key, its masked lanes hold a finite value and the softmax "
+                      "numerator is zeroed by a mask: jax divides by a sum of none of them")
     fills = {m.fill * m.factor for m in selects if m.fill is not None}
     if selects and not additive and len(fills) == 1 and np.isfinite(next(iter(fills))) and \
             all(m.fill == m.fill_lo for m in selects):
@@ -1118,8 +1182,8 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     seq_axis, causal, hi_c, hi_x, window, empty, per_row = _fit_mask(graph, st["masks"], dims, shape,
                                                                       bias_values)
     # a padding mask, or a mask computed from the scores, can empty any row
-    empty_rows = _empty_rows(st["masks"] + ([keep] if keep else []) + score, bias_values,
-                             empty or keep is not None or bool(score))
+    empty_rows = _empty_rows(graph, st["masks"] + ([keep] if keep else []) + score, bias_values,
+                             empty or keep is not None or bool(score), st["zeroes"])
     inner, outer = st["inner"], st["outer"]
     if st["tanh"]:
         scale, cap = inner * outer, outer
