@@ -857,3 +857,46 @@ def test_softmax_where_after_another_mask_declined_when_a_row_can_be_empty():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
         check_close(vtc_jax.optimize(w_causal_then_padding, backend="interpret")(q, k, v, valid),
                     jax.jit(w_causal_then_padding)(q, k, v, valid), 1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# A mask outside the bound family read from the small boolean XLA computes for it
+# --------------------------------------------------------------------------------------------
+
+def c_left_padded(q, kc, vc, pos, start, neg=-jnp.inf):
+    """A left-padded batch's decode mask, ``start[b] <= t <= pos`` (two runtime tensors)."""
+    valid = (jnp.arange(T) <= pos) & (jnp.arange(T) >= start[:, None])
+    return _attend(q, kc, vc, lambda s: jax.nn.softmax(jnp.where(valid[:, None, None, :], s * D ** -0.5, neg), -1))
+
+
+def c_left_padded_finfo(q, kc, vc, pos, start):
+    return c_left_padded(q, kc, vc, pos, start, NEG32)
+
+
+@pytest.mark.parametrize("fn,kernel", [(c_left_padded, "decode"), (c_left_padded_finfo, "prefill")],
+                         ids=["inf", "finfo_min"])
+@pytest.mark.parametrize("start", [(0, 5), (3, 20)], ids=["ragged", "one_empty"])
+def test_a_computed_decode_mask_is_read_from_its_tensor(fn, kernel, start):
+    """No bound of the family (two runtime tensors), so the kernels read the ``(B, T)`` boolean
+    XLA computes, broadcast over heads through its layout — in the decode kernel under ``-inf``
+    (an empty row NaN), in the prefill kernel under ``finfo.min`` (its empty row jax's softmax of
+    the fill: the second pass)."""
+    q, kc, vc, pos = decode_args(pos=13)
+    check_attention(fn, (q, kc, vc, pos, jnp.asarray(start, jnp.int32)), kernel, lower=start == (0, 5))
+
+
+def test_a_computed_prefill_mask_the_size_of_the_keys_is_declined():
+    """A prefix-LM mask ``tril | (j < prefix[b])`` of a prefill: its ``(B, S, S)`` tensor holds more
+    than 1/64 of the keys' elements (every head would read it): declined, named."""
+    q, k, v = prefill_args()
+
+    def prefix_lm(q, k, v, prefix):
+        m = jnp.tril(jnp.ones((S, S), bool))[None] | (jnp.arange(S) < prefix[:, None, None])
+        return _attend(q, k, v, lambda s: jax.nn.softmax(jnp.where(m[:, None], s * D ** -0.5, -1e10), -1))
+    prefix = jnp.array([3, 6], jnp.int32)
+    report = vtc_jax.explain(prefix_lm)(q, k, v, prefix)
+    reasons = [r for _, kind, r in report.templates if kind == "attention"]
+    assert reasons and any("not a causal / key-length / sliding-window bound" in r for r in reasons), reasons
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        check_close(vtc_jax.optimize(prefix_lm, backend="interpret")(q, k, v, prefix), jax.jit(prefix_lm)(q, k, v, prefix), 1e-5)

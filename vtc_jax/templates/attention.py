@@ -66,7 +66,9 @@ probing the boolean with True and False is every case, as each lane's value depe
 boolean's lane alone). It can empty any row: jax's row (NaN, the mean of V, the softmax of
 ``s + b``) as for the bounds, in the prefill kernel when that takes the second pass. Other masks
 that vary along the batch or head axes, or depend on a non-integer runtime tensor, are declined
-with that reason. The one exception is a vector of positions, one per sequence (continuous batching: ``t <= pos[b]``): probed with every entry equal it must fit the
+with that reason — unless XLA's boolean for the select is small (:func:`_computed_mask`: before its
+broadcasts at most 1/64 of the keys' elements, a decode step's ``(B, T)``: a left-padded batch's
+``start[b] <= t <= pos``), when the kernels read it as they read a padding mask. The one exception is a vector of positions, one per sequence (continuous batching: ``t <= pos[b]``): probed with every entry equal it must fit the
 family like a scalar, then with distinct entries batch entry ``b`` must see the family at ``pos[b]`` (:func:`_check_per_row`); the decode kernel takes it as a
 ``(B,)`` operand, as does the prefill kernel (program ``z`` of ``B · Hkv`` reads entry ``z // Hkv``). An additive bias with other values
 is a bias (above), not a mask.
@@ -1099,6 +1101,40 @@ def _runtime_mask(graph: Graph, st: dict[str, Any], dims: dict[str, Any], shape:
     return m
 
 
+COMPUTED_MASK_SHARE = 64   # a computed mask is read from XLA's tensor when it has <= 1/64 the keys' elements
+
+
+def _computed_mask(graph: Graph, st: dict[str, Any], dims: dict[str, Any], shape: tuple[int, ...],
+                   bias_values: set[float]) -> _Mask | None:
+    """A select mask outside the bound family, read from the boolean tensor XLA computes for it,
+    where that tensor is small: a left-padded batch's ``start[b] <= t <= pos`` (two runtime
+    tensors), any lane-wise predicate of runtime values. Tried only when the masks do not fit the
+    family (:func:`_fit_mask`), and taken out of ``st["masks"]`` as a runtime mask is: the kernels
+    read the pred blockwise through its layout (its broadcasts over heads and query rows virtual)
+    and keep the lanes it keeps. Its tensor before those broadcasts must hold at most
+    1/``COMPUTED_MASK_SHARE`` of the keys' elements (a decode step's ``(B, T)``: XLA writes it in
+    one small fusion; a prefill's ``(B, S, T)`` would be read by every head at the size of the
+    keys, and stays declined). The select fills one constant, as a padding mask must."""
+    keys = graph.tensors[dims["k"]].size
+    for m in reversed(st["masks"]):
+        if m.keep is None or m.when is not None or m.score is not None or m.fill != m.fill_lo or \
+                any(isinstance(a, tuple) for a in m.axes) or np.dtype(graph.tensors[m.tensor].dtype) != np.bool_:
+            continue
+        y = m.tensor
+        while (op := graph.producer(y)) is not None and op.primitive in _LANE_VIEWS:
+            y = op.inputs[0]
+        if graph.tensors[y].size * COMPUTED_MASK_SHARE > keys:
+            continue
+        rest = [o for o in st["masks"] if o is not m]
+        try:
+            _fit_mask(graph, rest, dims, shape, set(bias_values))
+        except Decline:
+            continue
+        st["masks"] = rest
+        return m
+    return None
+
+
 def _operand_view(graph: Graph, m: _Mask, dims: dict[str, Any], qf_d1: list[int], shape: tuple[int, ...],
                   what: str) -> tuple:
     """How the kernels read a tensor applied to the scores (a bias, a runtime mask): (tensor, its
@@ -1179,8 +1215,13 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     if score and (alibi is not None or bias is not None):
         raise Decline("an additive bias with a mask computed from the scores (the kernels compare the "
                       "scores before adding it)")
-    seq_axis, causal, hi_c, hi_x, window, empty, per_row = _fit_mask(graph, st["masks"], dims, shape,
-                                                                      bias_values)
+    try:
+        fit = _fit_mask(graph, st["masks"], dims, shape, bias_values)
+    except Decline:
+        if keep is not None or score or (keep := _computed_mask(graph, st, dims, shape, bias_values)) is None:
+            raise
+        fit = _fit_mask(graph, st["masks"], dims, shape, bias_values)
+    seq_axis, causal, hi_c, hi_x, window, empty, per_row = fit
     # a padding mask, or a mask computed from the scores, can empty any row
     empty_rows = _empty_rows(graph, st["masks"] + ([keep] if keep else []) + score, bias_values,
                              empty or keep is not None or bool(score), st["zeroes"])
