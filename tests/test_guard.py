@@ -531,3 +531,13 @@ def test_timing_guard_times_a_decode_at_the_last_row(monkeypatch):
     assert v.by == "measure" and v.loses, v   # a tie is no win
     (given,) = seen
     assert int(given[2]) == T - 1 and given[0].shape == (B, T, D), given[2]
+
+
+def test_a_verdicts_figures_are_written_apart_when_they_differ():
+    """The guard's notes write the two programs' times, bytes and buffers with as many decimals as
+    tell them apart: never "lost (2.0 µs against jit's 2.0 µs)" or "0.1 MiB against 0.1 MiB"."""
+    from vtc_jax.guard import MiB, apart
+    assert apart(2.04e-6, 2.01e-6, "µs") == ("2.04 µs", "2.01 µs")
+    assert apart(2.0e-6, 2.0e-6, "µs") == ("2.0 µs", "2.0 µs")
+    assert apart(0.11 * MiB, 0.1 * MiB, "MiB") == ("112.6 KiB", "102.4 KiB")
+    assert apart(300 * MiB, 300.04 * MiB, "MiB") == ("300.00 MiB", "300.04 MiB")

@@ -295,3 +295,26 @@ def test_group_norm_statistics_over_non_adjacent_axes(groups):
     opt, out, msgs = _run(f, *args)
     check_close(out, jax.jit(f)(*args), rtol=1e-5)
     assert any(k.startswith("reduction") for k in opt.last[1].kernels), opt.last[1].kernels
+
+
+@pytest.mark.parametrize("spelling", ["jnp.var", "jnp.std", "equinox"])
+def test_layer_norm_by_jnp_var_is_one_row_reduction_kernel(spelling):
+    """``jnp.var`` (equinox's ``LayerNorm``, hand-written norms, ``jnp.std``) computes its divisor
+    ``n - ddof`` and a ``divisor > 0`` guard from ``ddof`` passed into its own ``jit``: folded as
+    constants while tracing (``graph``), the norm is the row-reduction template's — no fallback,
+    equal to jit."""
+    def norm(x):
+        if spelling == "equinox":
+            import equinox as eqx
+            return jax.vmap(eqx.nn.LayerNorm(64))(x)
+        mu = x.mean(-1, keepdims=True)
+        sd = jnp.sqrt(x.var(-1, keepdims=True) + 1e-5) if spelling == "jnp.var" else x.std(-1, keepdims=True) + 1e-5
+        return (x - mu) / sd
+
+    def f(x, w):
+        return (norm(x) @ w).T.reshape(16, 32)
+    args = _rand((8, 64), (64, 64))
+    opt, out, msgs = _run(f, *args)
+    check_close(out, jax.jit(f)(*args), rtol=1e-5)
+    assert not msgs, msgs
+    assert any(k.startswith("reduction") for k in opt.last[1].kernels), opt.last[1].kernels

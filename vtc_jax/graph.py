@@ -228,6 +228,30 @@ class _Builder:
             return self.tensor(atom.aval, atom.val)
         return env[atom]
 
+    def fold_scalar(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int] | None:
+        """Scalar arithmetic on constants computed now, as XLA's constant folding does: its outputs
+        become constants (None: not such an equation). A ``select_n`` by a constant scalar is the
+        case it picks. Why: ``jnp.var`` computes its divisor and a ``divisor > 0`` guard from
+        ``ddof`` passed into its own ``jit`` (equinox's LayerNorm), and left as ops those scalars
+        kept the LayerNorm's reduction from the row-reduction template."""
+        const = [self.tensors[t][2] for t in ins]
+        if (eqn.effects or any(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in eqn.params.values())
+                or "rng" in eqn.primitive.name or "random" in eqn.primitive.name):
+            return None
+        if eqn.primitive.name == "select_n" and const[0] is not None and np.size(const[0]) == 1 and \
+                all(v.aval == eqn.outvars[0].aval for v in eqn.invars[1:]):
+            return [ins[1 + int(np.asarray(const[0]).reshape(()))]]
+        if any(c is None or np.size(c) != 1 or is_extended(self.tensors[t][1]) for c, t in zip(const, ins)) or \
+                any(getattr(v.aval, "shape", None) != () for v in eqn.outvars):
+            return None
+        try:   # (eagerly: the trace may run inside a jit's)
+            with jax.ensure_compile_time_eval():
+                vals = eqn.primitive.bind(*[np.asarray(c) for c in const], **eqn.params)
+                vals = [np.asarray(x) for x in (vals if eqn.primitive.multiple_results else [vals])]
+        except Exception:   # a primitive that cannot run eagerly here: left as it is
+            return None
+        return [self.tensor(v.aval, x) for v, x in zip(eqn.outvars, vals)]
+
     def inline(self, jaxpr: jcore.Jaxpr, consts: list[Any], args: list[int], conv_index: int | None = None
                ) -> list[int]:
         """Splice `jaxpr` into the graph with its invars bound to `args`; returns its outputs.
@@ -260,6 +284,8 @@ class _Builder:
                     self.speculated.append(Speculated(
                         tuple(ins), tuple(outs), len(branches), any(not br.eqns for br in branches),
                         frozenset(e.primitive.name for br in branches for e in _all_eqns(br))))
+            elif (folded_outs := self.fold_scalar(eqn, ins)) is not None:
+                outs = folded_outs
             else:
                 outs = [self.tensor(v.aval) for v in eqn.outvars]
                 raw = _RawOp(eqn, tuple(ins), tuple(outs), index)

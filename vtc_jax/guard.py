@@ -39,7 +39,7 @@ from .primitives import KERNEL_CALLS, is_movement_op
 from .profiling import MAX_CALLS, device_inputs, handed_on, last_positions, threaded, time_interleaved
 from .xla import Price, xla_program
 
-__all__ = ["GUARDS", "PLAIN", "UNDONE", "PRUNE_MIN", "WIN_MARGIN", "Verdict", "price_plain", "price_emitted", "kernel_math", "emitted_graph", "judge", "clear", "blame", "compiled", "measured", "room_to_time", "calls_that_fit", "timed_loss", "MiB"]
+__all__ = ["GUARDS", "PLAIN", "UNDONE", "PRUNE_MIN", "WIN_MARGIN", "Verdict", "price_plain", "price_emitted", "kernel_math", "emitted_graph", "judge", "clear", "blame", "compiled", "measured", "room_to_time", "calls_that_fit", "timed_loss", "MiB", "apart"]
 
 GUARDS = ("model", "compile", "measure", None)
 PLAIN = "plain jax.jit"          # how the guard's note starts when the whole program runs as jit
@@ -129,12 +129,13 @@ def judge(plain: Price, vtc: Price, gpu: GPU = GPUS["h100-sxm"], by: str = "mode
         cp, cv = plain.compute_seconds(gpu), vtc.compute_seconds(gpu)
         math = f", math beyond the bytes {cv * 1e6:,.1f} µs against {cp * 1e6:,.1f} µs" if cp or cv else ""
         near = f"; a win under {WIN_MARGIN:.0%} is within the roofline's error" if tv <= tp else ""
-        why.append(f"{tv * 1e6:,.1f} µs against jit's {tp * 1e6:,.1f} µs ({vtc.launches} launches and "
-                   f"{vtc.bytes / MiB:,.1f} MiB against {plain.launches} and {plain.bytes / MiB:,.1f} MiB{math}, "
-                   f"{gpu.name}{near})")
+        (sv, sp), (bv, bp) = apart(tv, tp, "µs"), apart(vtc.bytes, plain.bytes, "MiB")
+        why.append(f"{sv} against jit's {sp} ({vtc.launches} launches and {bv} against {plain.launches} and "
+                   f"{bp}{math}, {gpu.name}{near})")
     slack = (plain.buffers * MEMORY_SLACK + MEMORY_SLACK_BYTES) if by == "model" else 0
     if vtc.buffers > plain.buffers + slack:
-        why.append(f"{vtc.buffers / MiB:,.1f} MiB of buffers against jit's {plain.buffers / MiB:,.1f} MiB")
+        bv, bp = apart(vtc.buffers, plain.buffers, "MiB")
+        why.append(f"{bv} of buffers against jit's {bp}")
     return Verdict(plain, vtc, tp, tv, "; ".join(why) or None, by)
 
 
@@ -349,3 +350,15 @@ def timed_loss(seconds: Sequence[float]) -> tuple[float, float, str | None]:
 
 def _size(nbytes: int) -> str:
     return f"{nbytes / MiB:,.1f} MiB" if nbytes >= MiB // 10 else f"{nbytes / 1024:,.1f} KiB"
+
+
+def apart(a: float, b: float, unit: str) -> tuple[str, str]:
+    """``a`` and ``b`` (bytes for ``unit`` "MiB", seconds for "µs") written with as many decimals
+    as tell them apart (up to 3): a verdict never reads "lost (2.0 µs against 2.0 µs)". Sizes
+    under 10 MiB in KiB."""
+    scale, unit = ((1e-6, "µs") if unit == "µs" else (MiB, "MiB") if max(a, b) >= 10 * MiB else (1024, "KiB"))
+    for d in (1, 2, 3):
+        x, y = f"{a / scale:,.{d}f} {unit}", f"{b / scale:,.{d}f} {unit}"
+        if x != y or a == b:
+            break
+    return x, y

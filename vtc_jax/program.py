@@ -22,7 +22,6 @@ from .analysis import Analysis, analyze, cost_model_for
 from .compat import abstract, scan_counts, varying_axes
 from .costmodel import GPU, GPUS
 from .graph import Graph, Op
-from .guard import MiB
 from .interpret import rebind
 from .lower import Lowered, has_kernels, kernel_clusters, lower, triton_failures
 from .primitives import CONTROL_FLOW
@@ -107,10 +106,9 @@ def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequ
         emitted = guard.emitted_graph(closed)   # traced once: priced, and blamed if it loses
         verdict = _price(analysis, closed, emitted, dataclasses.replace(opts, function=f), compiled)
         if verdict.loses is None:
-            kept = (f"kept: VTC's program {verdict.seconds_vtc * 1e6:,.1f} µs, "
-                    f"{verdict.vtc.buffers / MiB:,.1f} MiB of buffers against jit's "
-                    f"{verdict.seconds_plain * 1e6:,.1f} µs, {verdict.plain.buffers / MiB:,.1f} MiB "
-                    f"(by the {verdict.by})")
+            (sv, sp), (bv, bp) = (guard.apart(verdict.seconds_vtc, verdict.seconds_plain, "µs"),
+                                  guard.apart(verdict.vtc.buffers, verdict.plain.buffers, "MiB"))
+            kept = f"kept: VTC's program {sv}, {bv} of buffers against jit's {sp}, {bp} (by the {verdict.by})"
             ratio = verdict.seconds_vtc / max(verdict.seconds_plain, 1e-12)
             if best is not None and ratio >= best[0]:
                 return best[1]   # the pruned build is no faster than the one it came from
