@@ -556,9 +556,11 @@ def test_prefill_block_movement_disappears():
     assert any("prefill_attention" in k.name for k in opt.triton_kernels)
 
 
-def test_positions_per_head_when_heads_equal_sequences_declined():
+def test_positions_per_head_when_heads_equal_sequences_read_from_xlas_boolean():
     """A (B,) vector applied along the heads, with B == H: every size check passes, the probe with
-    distinct entries finds batch entry b's heads bounded differently — declined, jax's values."""
+    distinct entries finds batch entry b's heads bounded differently — no bound per sequence; the
+    ``(H, T)`` boolean XLA computes is small and the kernel reads it (:func:`_computed_mask`), equal
+    to jax."""
     b = h = 4
 
     def fn(q, kc, vc, pos):
@@ -568,11 +570,7 @@ def test_positions_per_head_when_heads_equal_sequences_declined():
 
     args = (rand((b, 1, h, D)), rand((b, T, h, D), seed=1), rand((b, T, h, D), seed=2),
             jnp.array([3, 9, 0, 20], jnp.int32))
-    reasons = [r for _, kind, r in vtc_jax.explain(fn)(*args).templates if kind == "attention"]
-    assert any("not as one position per sequence" in r for r in reasons), reasons
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-        check_close(vtc_jax.optimize(fn, backend="interpret")(*args), jax.jit(fn)(*args), 1e-5)
+    check_attention(fn, args, "decode", lower=False)
 
 
 def test_per_sequence_decode_paper_size_cuda_module():
@@ -661,17 +659,16 @@ def test_runtime_padding_and_causal_in_one_prefill_mask():
     check_attention(r_causal_and_padding, (q, k, v, jnp.pad(valid, ((0, 0), (0, T - S)))), "prefill")
 
 
-def test_runtime_mask_needs_a_lanewise_boolean():
-    """A mask from a runtime int tensor that is not compared to a constant first (``t < len``
-    against positions per key) could take values two probes do not see: declined."""
+def test_a_mask_from_a_runtime_int_tensor_per_key_is_read_from_xlas_boolean():
+    """A mask from a runtime int tensor not compared to a constant first (``t < lim[b, t]``, a
+    bound per key) takes values no two probes see: not a padding mask nor a bound — but its
+    ``(B, T)`` boolean is small, so the kernels read the one XLA computes (:func:`_computed_mask`)."""
     def fn(q, kc, vc, lim):
         return _attend(q, kc, vc, lambda s: jax.nn.softmax(
             jnp.where(jnp.arange(T)[None, None, None, :] < lim[:, None, None, :], s, -jnp.inf), -1))
     q, kc, vc, _ = decode_args()
-    lim = jnp.tile(jnp.arange(T, dtype=jnp.int32)[None], (B, 1)) + 1
-    report = vtc_jax.explain(fn)(q, kc, vc, lim)
-    reasons = [r for _, kind, r in report.templates if kind == "attention"]
-    assert reasons and all(r != "kernel" for r in reasons), reasons
+    lim = jnp.tile(jnp.arange(T, dtype=jnp.int32)[None], (B, 1)) + jnp.array([[1], [-3]], jnp.int32)
+    check_attention(fn, (q, kc, vc, lim), "decode", lower=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -900,3 +897,20 @@ def test_a_computed_prefill_mask_the_size_of_the_keys_is_declined():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
         check_close(vtc_jax.optimize(prefix_lm, backend="interpret")(q, k, v, prefix), jax.jit(prefix_lm)(q, k, v, prefix), 1e-5)
+
+
+
+def c_sdpa_causal_lengths(q, k, v, lens):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lens)
+
+
+@pytest.mark.parametrize("lens", [(5, 8), (0, 3)], ids=["ragged", "one_empty"])
+def test_causal_prefill_capped_at_per_sequence_lengths(lens):
+    """``jax.nn.dot_product_attention(is_causal=True, key_value_seq_lengths=lens)`` — right-padded
+    prompts: keys ``t <= i`` and ``t < lens[b]``, one ``and`` of two masks — is the causal bound
+    capped at each sequence's length, ``hi(i) = min(i + 1, lens[b])``: the prefill kernel with
+    ``causal`` and a ``(B,)`` ``kv_len``. A sequence of length 0 is jax's softmax of the fill in
+    every row (the mean of V: the second pass)."""
+    q, k, v = prefill_args()
+    check_attention(c_sdpa_causal_lengths, (q, k, v, jnp.asarray(lens, jnp.int32)), "prefill",
+                    lower=lens == (5, 8), guard=None)

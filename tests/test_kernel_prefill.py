@@ -50,6 +50,8 @@ def ref_prefill(q, k, v, *, causal=False, q_offset=0, kv_len=None, window=None, 
     r, ts = np.arange(m)[:, None], np.arange(t)[None, :]
     end = int(q_offset) + 1 + r % S if causal else np.full((m, 1), t if kv_len is None else int(kv_len))
     valid = ts < np.minimum(end, t)
+    if causal and kv_len is not None:   # a key length capping the causal ends
+        valid &= ts < int(kv_len)
     if window is not None:
         valid &= ts >= end - window
     s = np.where(valid, s, -np.inf)
@@ -133,8 +135,6 @@ def test_bad_arguments():
     q, k = rand((1, 8, 16)), rand((1, 8, 16))
     with pytest.raises(ValueError, match="power of two"):
         prefill_attention(q, k, k, block_q=24)
-    with pytest.raises(ValueError, match="not both"):
-        prefill_attention(q, k, k, causal=True, kv_len=3)
     with pytest.raises(ValueError, match="divide"):
         prefill_attention(q, k, k, seq_len=3)
     with pytest.raises(ValueError, match="shape mismatch"):
@@ -313,3 +313,25 @@ def test_score_keep_is_checked():
     q, k = rand((2, 4, 16)), rand((2, 32, 16), seed=1)
     with pytest.raises(ValueError, match="score_keep"):
         prefill_attention(q, k, k, score_keep=("neq", True))
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["per_sequence", "static"])
+def test_causal_rows_capped_at_a_key_length(static):
+    """``causal`` with ``kv_len``: each row's causal end capped at its sequence's length
+    (``jax.nn.dot_product_attention(is_causal=True, key_value_seq_lengths=...)``: right-padded
+    prompts), a (B,) operand next to the offset; lengths of 0 (rows with no valid key: 0) and past
+    T included."""
+    b, hk, m, t, d = 3, 2, 24, 24, 16
+    q, k, v = rand((b * hk, m, d)), rand((b * hk, t, d), seed=1), rand((b * hk, t, d), seed=2)
+    lens = jnp.asarray([5, 0, 30], jnp.int32)
+
+    def call(q, k, v, n, backend):
+        return prefill_attention(q, k, v, causal=True, kv_len=11 if static else n, block_q=16, block_k=16,
+                                 backend=backend)
+
+    def ref(q, k, v, n):
+        with np.errstate(invalid="ignore"):
+            per = [ref_prefill(q[i:i + 1], k[i:i + 1], v[i:i + 1], causal=True,
+                               kv_len=11 if static else int(n[i // hk])) for i in range(b * hk)]
+        return jnp.nan_to_num(jnp.concatenate(per), nan=0.0)
+    check_kernel(call, ref, (q, k, v, lens), **F32)

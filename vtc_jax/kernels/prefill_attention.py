@@ -82,6 +82,7 @@ class _Cfg(Planned):
     bias: bool = False         # a (Z, M, T) bias operand next: added to the scores
     bias_scale: float = 1.0    # times this (a bias added before a scaling of the scores)
     keep: str | None = None    # a (Z, M, T) runtime mask operand next: which values keep a key
+    cap: KeyEnd | None = None  # causal rows' ends also capped at this (``kv_len`` with ``causal``)
 
     @property
     def bq(self) -> int:
@@ -106,9 +107,11 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
         or a runtime ``(B,)`` vector, one offset per sequence (chunked prefill of a batch at its
         own positions): the Z programs' rows are B sequences of ``Z // B`` heads each, program
         ``z`` reads element ``z // (Z // B)``.
-    kv_len: non-causal only: keys ``t < kv_len`` valid (static int, runtime scalar, or a ``(B,)``
-        vector of per-sequence lengths: right-padded prompts; default T). A runtime
-        ``q_offset``/``kv_len`` is an int32 operand of the kernel (:func:`.flash.key_end`).
+    kv_len: keys ``t < kv_len`` valid (static int, runtime scalar, or a ``(B,)`` vector of
+        per-sequence lengths: right-padded prompts; default T); with ``causal`` a cap on each
+        row's causal end (``jax.nn.dot_product_attention(is_causal=True,
+        key_value_seq_lengths=...)``). A runtime ``q_offset``/``kv_len`` is an int32 operand of
+        the kernel (:func:`.flash.key_end`).
     window: sliding window: also keys ``t > q_offset + (r % S) - window`` only (causal), or
         ``t >= kv_len - window`` (before clamping the end to T).
     sm_scale: default 1/sqrt(D). soft_cap: ``cap*tanh(s/cap)`` after scaling, before masking.
@@ -144,7 +147,8 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
         if tuple(slopes.shape) != (Z, M) or slopes.dtype != np.float32:
             raise ValueError(f"slopes must be f32 of shape {(Z, M)}, got {slopes.dtype} {slopes.shape}")
     out = output(out, (Z, M, v.shape[2]), q.dtype)
-    end, end_operand = key_end(q_offset if causal else None, kv_len, k.shape[1])
+    end, end_operand = key_end(q_offset if causal else None, None if causal else kv_len, k.shape[1])
+    cap, cap_operand = key_end(None, kv_len, k.shape[1]) if causal and kv_len is not None else (None, None)
     cfg = _config(q, k, v, end, causal=causal, window=window, seq_len=seq_len, sm_scale=sm_scale,
                   soft_cap=soft_cap, block_q=block_q, block_k=block_k, num_warps=num_warps,
                   num_stages=num_stages, empty_rows=empty_rows, precision=precision, score_keep=score_keep)
@@ -159,8 +163,9 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
         if keep_when not in ("nonzero", "zero", "false"):
             raise ValueError(f"keep_when must be 'nonzero', 'zero' or 'false', got {keep_when!r}")
     cfg = dataclasses.replace(cfg, alibi=slopes is not None, bias=bias is not None, bias_scale=float(bias_scale),
-                              keep=None if keep is None else keep_when)
-    return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes, bias=bias, keep=keep)
+                              keep=None if keep is None else keep_when, cap=cap)
+    return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes, bias=bias, keep=keep,
+                   cap=cap_operand)
 
 
 def _check(q: VTensor, k: VTensor, v: VTensor, *, block_q: int, block_k: int,
@@ -178,8 +183,6 @@ def _check(q: VTensor, k: VTensor, v: VTensor, *, block_q: int, block_k: int,
     S = M if seq_len is None else int(seq_len)
     if S < 1 or M % S:
         raise ValueError(f"seq_len={S} must divide the {M} query rows")
-    if causal and kv_len is not None:
-        raise ValueError("give causal (with q_offset) or kv_len, not both")
     for name, end in (("q_offset", q_offset if causal else None), ("kv_len", kv_len)):
         if end is not None and not isinstance(end, (int, np.integer)) and (
                 jnp.ndim(end) > 1 or jnp.ndim(end) == 1 and (jnp.shape(end)[0] < 1 or Z % jnp.shape(end)[0])):
@@ -211,10 +214,11 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, causal: bool,
 
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any, *,
-            backend: str, slopes: Any = None, bias: Any = None, keep: Any = None) -> Any:
-    """Grid ``(Z, cdiv(M, bq))`` and launch. ``end``: the runtime end operand, or None."""
+            backend: str, slopes: Any = None, bias: Any = None, keep: Any = None, cap: Any = None) -> Any:
+    """Grid ``(Z, cdiv(M, bq))`` and launch. ``end``, ``cap``: the runtime end / cap operands, or None."""
     plan = Plan.build([q, k, v] + ([slopes] if c.alibi else []) + ([bias] if c.bias else [])
-                      + ([keep] if c.keep else []) + ([end] if end is not None else []), [out])
+                      + ([keep] if c.keep else []) + ([end] if end is not None else [])
+                      + ([cap] if cap is not None else []), [out])
     bufs = plan.call(functools.partial(_body, c), grid=(c.Z, cdiv(c.M, c.bq)), backend=backend,
                      num_warps=c.launch.num_warps, num_stages=c.launch.num_stages,
                      name="vtc_prefill_attention")
@@ -229,14 +233,19 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
 
     # The valid keys [lo, hi) of every row of this block, as (bq, 1) int32 columns.
     n_fixed = 3 + c.alibi + c.bias + bool(c.keep)
-    end_ref = ins[n_fixed] if len(ins) > n_fixed else None
-    per_seq = c.Z // end_ref.shape[0] if c.end.per_row else 1   # programs per sequence
-    base = read_end(c.end, end_ref, z // per_seq if c.end.per_row else 0)
+    end_ref = ins[n_fixed] if c.end.static is None else None
+    cap_ref = ins[n_fixed + (end_ref is not None)] if c.cap is not None and c.cap.static is None else None
+
+    def end_of(end: KeyEnd, ref: Any) -> Any:   # a (B,) operand: program z reads its sequence's entry
+        return read_end(end, ref, z // (c.Z // ref.shape[0]) if end.per_row else 0)
+    base = end_of(c.end, end_ref)
     rows = lax.broadcasted_iota(jnp.int32, (c.bq, 1), 0) + r0
     hi = jnp.zeros((c.bq, 1), jnp.int32) + base
     if c.causal:
         hi = hi + (rows % c.S if c.S != c.M else rows)
     lo = jnp.maximum(hi - c.window, 0) if c.window is not None else None   # from the unclamped end
+    if c.cap is not None:   # a key length beside the causal bound: keys t < cap too
+        hi = jnp.minimum(hi, end_of(c.cap, cap_ref))
     hi = jnp.minimum(hi, c.T)
     live = rows < c.M          # padded rows past M: do not let them widen the key range
     # Blocks meeting any row's range: [min lo // bk, cdiv(max hi, bk)).

@@ -55,7 +55,9 @@ and the result is fitted to the family the kernels implement::
     valid(i, t)  <=>  lo(i) <= t < hi(i),   hi(i) = min(T, a·i + c [+ pos]),   lo = max(0, hi - W)
 
 (``a`` = 1: causal by query position ``i``; ``W``: sliding window, measured from the unclamped
-end as jax does). The runtime scalar is probed over [0, T) and outside it (negative, past the
+end as jax does), or a causal bound capped at a runtime key length, ``hi(i) = min(i + c, len [+ 1])``
+(``jax.nn.dot_product_attention(is_causal=True, key_value_seq_lengths=len)``: the prefill kernel's
+``causal`` with ``kv_len``; :func:`_capped_causal`). The runtime scalar is probed over [0, T) and outside it (negative, past the
 end): the kernels compute the same bounds for any position (|x| < 2^30), so a mask that leaves
 the family outside the cache (``t <= clip(pos, 0, T - 1)``) is declined, not extrapolated.
 A mask computed lane by lane from a runtime boolean tensor — a padding mask, ``where(valid[:, None,
@@ -149,6 +151,8 @@ class _AttnMatch:
                                 # values keep a key: "nonzero" | "false" | "zero"), read by the kernels
     score_keep: tuple[str, bool] | None = None   # a mask computed from the scores: keys where
                                 # ``(s op 0) == when`` (``kernels.flash.score_lanes``)
+    kv_cap: int | None = None   # causal only: hi_scalar is a key length capping each row's end,
+                                # hi(i) = min(i + hi_const, x + kv_cap) (prefill's ``kv_len``)
 
     @property
     def kernel(self) -> str:
@@ -742,7 +746,7 @@ def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tup
     rank = len(shape)
     T = shape[dims["key"]]
     if not masks:
-        return None, False, T, None, None, False, False
+        return None, False, T, None, None, False, False, None
     ev = _Eval(graph)
     leaves: set[int] = set()
     try:
@@ -833,18 +837,41 @@ def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tup
                 break
         if found:
             break
+    cap = None
+    if found is None and x is not None and seq_axis is not None:
+        found, cap = _capped_causal(mats, T, seq_axis)
     if found is None:
         raise Decline("the mask is not a causal / key-length / sliding-window bound on key positions "
-                      "(valid keys hi(i) - W <= t < hi(i) with hi = [i +] c [+ pos]) for every position, "
-                      "in [0, T) and outside it")
+                      "(valid keys hi(i) - W <= t < hi(i) with hi = [i +] c [+ pos], or a causal bound "
+                      "capped at a key length, min(i + c, len [+ 1])) for every position, in [0, T) and "
+                      "outside it")
     empty = any(not row.any() for m in mats.values() for row in m)
     if per_row:
-        _check_per_row(graph, masks, dims, shape, x, found, xs)
-    return (*found, empty, per_row)
+        _check_per_row(graph, masks, dims, shape, x, found, xs, cap)
+    return (*found, empty, per_row, None if cap is None else (x, cap))
+
+
+def _capped_causal(mats: dict[Any, np.ndarray], T: int, seq_axis: int) -> tuple[tuple | None, int | None]:
+    """The causal bound capped at the runtime value, ``hi(i) = min(i + c, x + c2)``:
+    ``jax.nn.dot_product_attention(is_causal=True, key_value_seq_lengths=x)`` (``c2 = 0``) or
+    ``t <= i & t <= x`` (``c2 = 1``). ``c`` is read from the probe past every key (no cap there);
+    the fit must hold at every probe. ``((seq_axis, True, c, None, None), c2)``, else ``(None, None)``."""
+    top = max(mats)
+    m = mats[top]
+    live = [i for i in range(m.shape[0]) if m[i].any()]
+    if not live:
+        return None, None
+    i0 = live[0]
+    c = T - int(np.argmax(m[i0][::-1])) - i0
+    t = np.arange(T)[None, :]
+    for c2 in (0, 1):
+        if all(np.array_equal(_family(mm.shape[0], T, True, c, None) & (t < xv + c2), mm) for xv, mm in mats.items()):
+            return (seq_axis, True, c, None, None), c2
+    return None, None
 
 
 def _check_per_row(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tuple[int, ...],
-                   x: int, found: tuple, probes: list[Any]) -> None:
+                   x: int, found: tuple, probes: list[Any], cap: int | None = None) -> None:
     """A vector ``x`` (per-sequence positions, continuous batching): with distinct values in its
     entries, batch entry ``b`` of the scores (the batch axes but the head axis, flattened) must see
     exactly the family at ``x[b]`` — so ``x`` has one entry per batch entry, in batch order, and
@@ -853,7 +880,7 @@ def _check_per_row(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape
     seq_axis, causal, c, use_x, w = found
     info = graph.tensors[x]
     nb, key = dims["nb"], dims["key"]
-    if use_x is None:
+    if use_x is None and cap is None:
         raise Decline(f"the mask depends on runtime tensor t{x} but not as a bound on key positions")
     if nb < 1:
         raise Decline(f"the mask depends on a runtime tensor of shape {info.shape} but the scores have "
@@ -886,7 +913,8 @@ def _check_per_row(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape
             mats = np.swapaxes(mats, -1, -2)
         mats = np.broadcast_to(mats.reshape(mats.shape[:2] + (-1, T)), (B, mats.shape[1], S, T))
         for b in range(B):
-            want = _family(S, T, causal, c + int(vals[b]), w)
+            want = (_family(S, T, causal, c + int(vals[b]), w) if cap is None else
+                    _family(S, T, causal, c, w) & (np.arange(T)[None, :] < int(vals[b]) + cap))
             if not all(np.array_equal(mats[b, h], want) for h in range(mats.shape[1])):
                 raise Decline(f"the mask depends on runtime tensor t{x} of shape {info.shape}, but not as "
                               "one position per sequence (entry b bounding batch entry b's keys)")
@@ -1221,7 +1249,9 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
         if keep is not None or score or (keep := _computed_mask(graph, st, dims, shape, bias_values)) is None:
             raise
         fit = _fit_mask(graph, st["masks"], dims, shape, bias_values)
-    seq_axis, causal, hi_c, hi_x, window, empty, per_row = fit
+    seq_axis, causal, hi_c, hi_x, window, empty, per_row, kv_cap = fit
+    if kv_cap is not None:   # the causal end capped at a runtime key length: x + kv_cap
+        hi_x, kv_cap = kv_cap
     # a padding mask, or a mask computed from the scores, can empty any row
     empty_rows = _empty_rows(graph, st["masks"] + ([keep] if keep else []) + score, bias_values,
                              empty or keep is not None or bool(score), st["zeroes"])
@@ -1274,7 +1304,8 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     return _AttnMatch(q, k, v, c.outputs[0], q_perm, k_perm, v_perm, out_perm, batch, rows, S, T, D, Dv,
                       float(scale), None if cap is None else float(cap), causal, int(hi_c), hi_x,
                       None if window is None else int(window), decode, empty_rows, per_row, precision,
-                      slopes, bias_view, keep_view, (score[0].score, bool(score[0].keep)) if score else None)
+                      slopes, bias_view, keep_view, (score[0].score, bool(score[0].keep)) if score else None,
+                      kv_cap)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1366,7 +1397,9 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
                                    sm_scale=m.scale, soft_cap=m.soft_cap, out=re(out, (B, hk, g * R, Dv)),
                                    backend=backend, empty_rows=m.empty_rows, precision=m.precision, **kw)
         else:
-            if m.causal:
+            if m.causal and m.kv_cap is not None:   # the runtime value caps the causal ends
+                kw.update(causal=True, q_offset=int(m.hi_const) - 1, kv_len=pos if m.kv_cap == 0 else pos + m.kv_cap)
+            elif m.causal:
                 kw.update(causal=True, q_offset=end_minus(1))
             elif m.hi_scalar is not None or m.hi_const < T or m.window is not None:
                 kw["kv_len"] = end_minus(0)
