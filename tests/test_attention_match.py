@@ -914,3 +914,39 @@ def test_causal_prefill_capped_at_per_sequence_lengths(lens):
     q, k, v = prefill_args()
     check_attention(c_sdpa_causal_lengths, (q, k, v, jnp.asarray(lens, jnp.int32)), "prefill",
                     lower=lens == (5, 8), guard=None)
+
+
+# --------------------------------------------------------------------------------------------
+# Positions at int32's extremes: the kernels' bound is jax's int32 arithmetic there too
+# --------------------------------------------------------------------------------------------
+
+def d_pos_plus_one(q, kc, vc, pos):
+    """``t < pos + 1``: jax's ``pos + 1`` wraps at ``2**31 - 1`` (no key valid there)."""
+    return _attend(q, kc, vc, lambda s: jax.nn.softmax(
+        jnp.where(jnp.arange(T) < pos + 1, s * D ** -0.5, -jnp.inf), axis=-1))
+
+
+def p_chunk_causal(q, kc, vc, pos):
+    """Causal rows at ``pos + i`` over a cache (``t <= pos + i``): at ``pos = 2**31 - 1`` row 0
+    keeps every key and jax's ``pos + i`` wraps for the others."""
+    mask = jnp.arange(T)[None, :] <= pos + jnp.arange(S)[:, None]
+    return _attend(q, kc, vc, lambda s: jax.nn.softmax(jnp.where(mask, s * 0.25, -jnp.inf), -1))
+
+
+@pytest.mark.parametrize("pos", [2 ** 31 - 1, 2 ** 31 - 2, -2 ** 31, -2 ** 31 + 1, 7],
+                         ids=["max", "max-1", "min", "min+1", "7"])
+@pytest.mark.parametrize("fn", [d_llama, d_pos_plus_one, d_window, d_kv_len, d_pos_ge_iota_inverted],
+                         ids=lambda f: f.__name__)
+def test_decode_bounds_at_int32_extremes_equal_jax(fn, pos):
+    """Far past the probes, where int32 arithmetic wraps, the kernels form the end as the program
+    does: ``t <= pos`` keeps every key at ``2**31 - 1`` (the last valid key, its end saturating:
+    ``inclusive``), ``t < pos + 1`` keeps none (``pos + 1`` wraps) — NaN exactly where jax's is."""
+    q, kc, vc, _ = decode_args()
+    check_attention(fn, (q, kc, vc, jnp.int32(pos)), "decode", lower=False, guard=None)
+
+
+@pytest.mark.parametrize("pos", [2 ** 31 - 1, -2 ** 31, 3], ids=["max", "min", "3"])
+def test_causal_prefill_at_int32_extremes_equal_jax(pos):
+    q, _, _ = prefill_args()
+    _, kc, vc, _ = decode_args()
+    check_attention(p_chunk_causal, (q, kc, vc, jnp.int32(pos)), "prefill", lower=False, guard=None)

@@ -107,8 +107,17 @@ def explain(fn: Callable[..., Any] | None = None, *, static_argnums: int | Seque
     nums, names = resolve_argnums(fn, static_argnums, static_argnames)
     dnums, dnames = resolve_argnums(fn, donate_argnums, donate_argnames)
 
+    def stub(*args: Any, **kwargs: Any) -> None:   # jax.jit's checks of the arguments, nothing traced
+        return None
+    sig = _signature(fn)
+    if sig is not None:
+        stub.__signature__ = sig  # type: ignore[attr-defined]
+    checked = jax.jit(stub, static_argnums=nums, static_argnames=names, donate_argnums=dnums,
+                      donate_argnames=dnames)
+
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Report:
+        checked.trace(*args, **kwargs)   # bad static / donated arguments: jax.jit's own error
         f, a, k = _split_static(fn, args, kwargs, nums, names)
         dyn_nums, dyn_names = _dynamic_donation(args, kwargs, nums, names, dnums, dnames)
         try:

@@ -377,9 +377,25 @@ def _pairs_rule(e: Any, ins: list[Any]) -> list[Any] | None:
                                                        if hasattr(v.aval, "dtype")):
         outs = _complex_rule(e, ins)
     if outs is None and any(isinstance(x, _Pair) for x in ins):
+        body = _call_body(e)
+        if body is not None:   # custom_jvp / custom_vjp / remat on pairs: their body, as graph inlines it
+            return interpret(getattr(body, "jaxpr", body), getattr(body, "consts", ()), ins, _pairs_rule)
         res = e.primitive.bind(*[_whole(x) for x in ins], **e.params)
         outs = list(res) if e.primitive.multiple_results else [res]
     return outs
+
+
+def _call_body(e: Any) -> Any:
+    """The body of a call-like equation (its row's ``call_body`` params, in order) whose inputs and
+    outputs are the equation's, else None (re-binding ``custom_jvp_call`` from its params alone
+    raises: its ``subfuns`` are not among them)."""
+    row = TABLE.get(e.primitive.name)
+    for name in row.call_body if row is not None else ():
+        body = e.params.get(name)
+        jaxpr = getattr(body, "jaxpr", body)
+        if isinstance(jaxpr, jcore.Jaxpr) and len(jaxpr.invars) == len(e.invars) and len(jaxpr.outvars) == len(e.outvars):
+            return body
+    return None
 
 
 def split_complex(closed: Any) -> Any | None:

@@ -255,7 +255,9 @@ class _Run:
         whole = tuple((0, n) for n in g.tensors[t].shape)
         if tuple(e.box) == whole and op.outputs == (e.dst,) and [x for x in op.inputs if g.tensors[x].const is None] == [t]:
             # a one-to-one op (reshape, transpose, ...): its output is the op applied to t
-            self.store(e.dst, op.bind(*(value if x == t else self.value(x) for x in op.inputs)))
+            out = op.bind(*(value if x == t else self.value(x) for x in op.inputs))
+            # (a one-piece split, as jax.hessian / jacrev emit, returns its one output in a list)
+            self.store(e.dst, out[0] if isinstance(out, (list, tuple)) else out)
             return True
         # a slab or a row of its home (through the home's own layout when that is virtual, e.g. a
         # cache updated in place): a dynamic_update_slice when the composed layout is a window

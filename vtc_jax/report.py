@@ -19,7 +19,7 @@ from .analysis import Analysis
 from .cluster import Cluster
 from .graph import Graph
 from .guard import UNDONE
-from .primitives import Kind, data_inputs, is_movement_op
+from .primitives import Kind, Role, data_inputs, is_movement_op, role_of
 from .strategy import Strategy
 from .templates import Match, Reject
 from .vtog import VTOG
@@ -285,6 +285,8 @@ def fallback_messages(a: Analysis, always: frozenset[int] = frozenset(),
     g = a.graph
     msgs: list[str] = []
     for c in a.clusters:
+        if c.kind == Kind.OPAQUE and role_of(g.ops[c.ops[0]], g) is Role.KERNEL:
+            continue   # a compiled kernel (a Pallas call: an optimised function's own) runs as it is
         if c.kind == Kind.OPAQUE and f"{g.ops[c.ops[0]].primitive} #{c.ops[0]}" not in bodies:
             msgs.append(f"unsupported primitive {g.ops[c.ops[0]].primitive} left to XLA "
                         f"({c.reason}); tensors around it stay physical")

@@ -77,7 +77,7 @@ import numpy as np
 from jax import lax
 
 from .flash import (AttentionConfig, Flash, KeyEnd, NEG, SMEM_BUDGET, Planned, empty_rows_mode, int32_where,
-                    keep_lanes, key_end, masked_scores, normalise, read_end, softmax_block)
+                    keep_lanes, key_end, masked_scores, normalise, read_end, softmax_block, close_end)
 from .tiling import MIN_DOT_BLOCK, NUM_SMS, check_pow2, next_pow2, program_id
 from .vio import Plan, VTensor, output, pack_results
 
@@ -144,7 +144,7 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
                      num_stages: int | None = None, backend: str = "interpret",
                      empty_rows: Any = "zero", precision: Any = None, slopes: Any = None,
                      bias: Any = None, bias_scale: float = 1.0, keep: Any = None,
-                     keep_when: str = "nonzero", score_keep: Any = None) -> Any:
+                     keep_when: str = "nonzero", score_keep: Any = None, inclusive: bool = False) -> Any:
     """Single-token (decode) attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` per query head.
 
     q: logical (B, Hkv, G, D); k: (B, Hkv, T, D); v: (B, Hkv, T, Dv) — :class:`vio.VTensor` or
@@ -154,7 +154,9 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         reads element ``b``, one scalar load).
     kv_len: instead of ``pos``: keys ``t < kv_len`` are valid (static int, runtime scalar or
         ``(B,)`` vector). Neither: all T keys. Both: error. A runtime ``pos``/``kv_len`` is an
-        int32 operand of the kernel (:func:`.flash.key_end`).
+        int32 operand of the kernel (:func:`.flash.key_end`). ``inclusive``: a runtime ``pos`` /
+        ``kv_len`` is the last valid key, its end saturating at int32's max (``t <= pos`` for every
+        int32 ``pos``, as jax compares); else ``pos + 1`` wraps as jax's int32 add does.
     sm_scale: logit scale, default ``1/sqrt(D)``.
     soft_cap: logit soft-capping ``cap * tanh(s / cap)`` after scaling (Gemma-2), before masking.
     window: sliding window: additionally keys ``t >= end - window`` only (``t > pos - window``).
@@ -198,7 +200,7 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         if tuple(slopes.shape) != (B, H, G) or slopes.dtype != np.float32:
             raise ValueError(f"slopes must be f32 of shape {(B, H, G)}, got {slopes.dtype} {slopes.shape}")
     out = output(out, (B, H, G, v.shape[3]), q.dtype)
-    end, end_operand = key_end(pos, kv_len, k.shape[2])
+    end, end_operand = key_end(pos, kv_len, k.shape[2], inclusive)
     if end.per_row and end_operand.shape != (B,):
         raise ValueError(f"per-sequence positions must have shape ({B},), got {end_operand.shape}")
     cfg = _config(q, k, v, end, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
@@ -301,7 +303,7 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     # The valid keys [lo, hi): scalars (traced or static); a window counts back from the
     # unclamped end (jax's ``t > pos - window`` for any pos).
     n_fixed = 3 + c.alibi + c.bias + bool(c.keep)
-    end = read_end(c.end, ins[n_fixed] if len(ins) > n_fixed else None, b)
+    end = close_end(c.end, read_end(c.end, ins[n_fixed] if len(ins) > n_fixed else None, b))
     if c.end.static is None:
         hi: Any = jnp.minimum(end, c.T)
         lo: Any = jnp.maximum(end - c.window, 0) if c.window is not None else 0

@@ -30,7 +30,7 @@ from .tiling import MIN_DOT_BLOCK, dot_precision, next_pow2, pipeline_stages
 from .vio import VRef
 
 __all__ = ["AttentionConfig", "Flash", "KeyEnd", "Planned", "SMEM_BUDGET", "NEG", "key_end", "read_end", "keep_lanes",
-           "score_lanes", "softmax_block", "empty_rows_mode", "masked_scores", "normalise", "int32_where"]
+           "score_lanes", "softmax_block", "empty_rows_mode", "close_end", "masked_scores", "normalise", "int32_where"]
 
 SMEM_BUDGET = 128 * 1024  # bytes of staged K/V blocks; sm_90 allows 227 KiB, sm_80 163 KiB per block
 NEG = -1e30               # initial running max: finite, so exp(m_prev - m_next) is never inf - inf
@@ -130,21 +130,38 @@ class KeyEnd:
     static: int | None
     offset: int = 0
     per_row: bool = False
+    inclusive: bool = False   # the operand (+ offset, + the row when causal) is the last valid key:
+                              # one more, saturating at int32's max (:func:`close_end`)
 
 
-def key_end(pos: Any, kv_len: Any, T: int) -> tuple[KeyEnd, jax.Array | None]:
+def key_end(pos: Any, kv_len: Any, T: int, inclusive: bool = False) -> tuple[KeyEnd, jax.Array | None]:
     """The valid keys' end for a ``pos`` (keys ``t <= pos``) or a ``kv_len`` (keys ``t < kv_len``),
     each a static int or a runtime scalar / ``(B,)`` vector; neither: all T keys. Returns the
     :class:`KeyEnd` and, for a runtime one, the int32 operand ``(1,)`` or ``(B,)`` the kernel reads
-    with :func:`read_end`."""
+    with :func:`read_end`. A runtime end is int32 arithmetic, wrapping as jax's does: ``pos + 1``
+    (``t < pos + 1``), unless ``inclusive``: then the operand is the last valid key (``t <= pos``,
+    ``t <= kv_len``) and the end one past it saturates — every key valid at ``pos = 2**31 - 1``,
+    as jax's ``t <= pos`` is."""
     for x, offset in ((pos, 1), (kv_len, 0)):
         if x is None:
             continue
         if _is_static_int(x):
-            return KeyEnd(int(x) + offset), None
+            return KeyEnd(int(x) + offset + (inclusive and offset == 0)), None
         per_row = jnp.ndim(x) == 1
-        return KeyEnd(None, offset, per_row), jnp.asarray(x, jnp.int32).reshape(-1)
+        return (KeyEnd(None, 0 if inclusive else offset, per_row, inclusive),
+                jnp.asarray(x, jnp.int32).reshape(-1))
     return KeyEnd(T), None
+
+
+INT32_MAX = 2 ** 31 - 1
+
+
+def close_end(end: KeyEnd, hi: Any) -> Any:
+    """Inside a kernel, after :func:`read_end` (and the query row, when causal): the end of the
+    valid keys — one past the last valid key, saturating at int32's max, for an inclusive end."""
+    if not end.inclusive or end.static is not None:
+        return hi
+    return jnp.where(hi == INT32_MAX, hi, hi + 1)
 
 
 def read_end(end: KeyEnd, operand: VRef | None, row: Any = 0) -> Any:

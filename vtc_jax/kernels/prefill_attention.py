@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .flash import AttentionConfig, Flash, KeyEnd, Planned, int32_where, keep_lanes, key_end, read_end
+from .flash import AttentionConfig, Flash, KeyEnd, Planned, close_end, int32_where, keep_lanes, key_end, read_end
 from .tiling import MIN_DOT_BLOCK, cdiv, check_pow2, next_pow2, program_id
 from .vio import Plan, VTensor, output, pack_results
 
@@ -97,7 +97,7 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
                       backend: str = "interpret", empty_rows: Any = "zero",
                       precision: Any = None, slopes: Any = None, bias: Any = None,
                       bias_scale: float = 1.0, keep: Any = None, keep_when: str = "nonzero",
-                      score_keep: Any = None) -> Any:
+                      score_keep: Any = None, inclusive: bool = False) -> Any:
     """Flash attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` for many query rows.
 
     q: logical (Z, M, D); k: (Z, T, D); v: (Z, T, Dv) — VTensors or arrays.
@@ -111,7 +111,9 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
         per-sequence lengths: right-padded prompts; default T); with ``causal`` a cap on each
         row's causal end (``jax.nn.dot_product_attention(is_causal=True,
         key_value_seq_lengths=...)``). A runtime ``q_offset``/``kv_len`` is an int32 operand of
-        the kernel (:func:`.flash.key_end`).
+        the kernel (:func:`.flash.key_end`). ``inclusive``: a runtime ``q_offset`` (``t <= q_offset +
+        i``) or ``kv_len`` (then ``t <= kv_len``) is the last valid key, the end saturating at
+        int32's max as jax's comparison does; else ``+ 1`` wraps as jax's int32 add does.
     window: sliding window: also keys ``t > q_offset + (r % S) - window`` only (causal), or
         ``t >= kv_len - window`` (before clamping the end to T).
     sm_scale: default 1/sqrt(D). soft_cap: ``cap*tanh(s/cap)`` after scaling, before masking.
@@ -147,7 +149,7 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
         if tuple(slopes.shape) != (Z, M) or slopes.dtype != np.float32:
             raise ValueError(f"slopes must be f32 of shape {(Z, M)}, got {slopes.dtype} {slopes.shape}")
     out = output(out, (Z, M, v.shape[2]), q.dtype)
-    end, end_operand = key_end(q_offset if causal else None, None if causal else kv_len, k.shape[1])
+    end, end_operand = key_end(q_offset if causal else None, None if causal else kv_len, k.shape[1], inclusive)
     cap, cap_operand = key_end(None, kv_len, k.shape[1]) if causal and kv_len is not None else (None, None)
     cfg = _config(q, k, v, end, causal=causal, window=window, seq_len=seq_len, sm_scale=sm_scale,
                   soft_cap=soft_cap, block_q=block_q, block_k=block_k, num_warps=num_warps,
@@ -243,6 +245,7 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     hi = jnp.zeros((c.bq, 1), jnp.int32) + base
     if c.causal:
         hi = hi + (rows % c.S if c.S != c.M else rows)
+    hi = close_end(c.end, hi)
     lo = jnp.maximum(hi - c.window, 0) if c.window is not None else None   # from the unclamped end
     if c.cap is not None:   # a key length beside the causal bound: keys t < cap too
         hi = jnp.minimum(hi, end_of(c.cap, cap_ref))

@@ -293,6 +293,15 @@ def precision_unsupported(precision: Any) -> str | None:
     return f"dot algorithm {p} (Pallas' Triton dot runs levels and the presets of TRITON_DOT_ALGORITHMS)"
 
 
+def dtype_unsupported(dtype: Any) -> str | None:
+    """Why an in-kernel dot cannot take operands of ``dtype`` as XLA computes them, or None: float64
+    (x64 mode) — the kernels accumulate in f32 (attention's flash state) or lower no f64 MMA for
+    sm_90, where XLA runs the f64 dot exactly; a template declines such a cluster."""
+    if np.dtype(dtype) == np.float64:
+        return "float64 operands: the kernels' dots and accumulators are f32 at most (XLA computes f64 exactly)"
+    return None
+
+
 def native_precision(precision: Any, dtype: Any) -> Any:
     """``precision`` with a preset that only restates what a dot of ``dtype`` operands does anyway
     — ``BF16_BF16_F32`` on bf16, ``F16_F16_F32`` on f16: the operands' own type on tensor cores,

@@ -96,7 +96,7 @@ from ..cluster import Cluster
 from ..graph import Graph
 from ..kernels.attention import decode_attention
 from ..kernels.prefill_attention import prefill_attention
-from ..kernels.tiling import more_precise, native_precision, precision_unsupported
+from ..kernels.tiling import dtype_unsupported, more_precise, native_precision, precision_unsupported
 from ..kernels.vio import VTensor
 from ..primitives import TABLE, Kind
 from .base import Decline, Run, Step, Template
@@ -105,6 +105,7 @@ from .stage2 import buffers_of
 __all__ = ["TEMPLATE", "NEG_BOUND", "DECODE_MAX_ROWS"]
 
 NEG_BOUND = -1e4          # a mask value at or below this is -inf for the kernels
+INT32_POSITION_LIMIT = 1 << 30   # positions the kernels bound exactly (the matcher probes inside it)
 DECODE_MAX_ROWS = 16      # query rows per batch·head the decode kernel takes (one MIN_DOT tile)
 _MAX_PROBE_ELEMS = 1 << 22
 _VIEWS = frozenset(n for n, r in TABLE.items() if r.score_view)
@@ -153,6 +154,8 @@ class _AttnMatch:
                                 # ``(s op 0) == when`` (``kernels.flash.score_lanes``)
     kv_cap: int | None = None   # causal only: hi_scalar is a key length capping each row's end,
                                 # hi(i) = min(i + hi_const, x + kv_cap) (prefill's ``kv_len``)
+    inclusive: bool = False     # the runtime end as the last valid key, saturating past it (jax's
+                                # ``t <= pos`` at pos = 2**31 - 1), not ``pos + c`` wrapping
 
     @property
     def kernel(self) -> str:
@@ -746,7 +749,7 @@ def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tup
     rank = len(shape)
     T = shape[dims["key"]]
     if not masks:
-        return None, False, T, None, None, False, False, None
+        return None, False, T, None, None, False, False, None, False
     ev = _Eval(graph)
     leaves: set[int] = set()
     try:
@@ -804,8 +807,9 @@ def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tup
             if seq_axis not in (None, ax):
                 raise Decline("the mask varies along two query axes")
             seq_axis = ax
-    mats = {}
-    for xv, arr in arrays.items():
+    S = shape[seq_axis] if seq_axis is not None else 1
+
+    def mat_of(arr: np.ndarray) -> np.ndarray:   # the (S, T) valid lanes of one probe
         idx = [0] * rank
         for ax in range(rank):
             if ax in (dims["key"], seq_axis):
@@ -813,8 +817,8 @@ def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tup
         m = arr[tuple(idx)]
         if seq_axis is not None and seq_axis > dims["key"]:
             m = m.T
-        S = shape[seq_axis] if seq_axis is not None else 1
-        mats[xv] = np.broadcast_to(m.reshape((-1, m.shape[-1])) if m.ndim == 2 else m.reshape(1, -1), (S, T))
+        return np.broadcast_to(m.reshape((-1, m.shape[-1])) if m.ndim == 2 else m.reshape(1, -1), (S, T))
+    mats = {xv: mat_of(arr) for xv, arr in arrays.items()}
     # rows' [lo, hi)
     found = None
     for causal in ((True, False) if seq_axis is not None else (False,)):
@@ -848,7 +852,46 @@ def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tup
     empty = any(not row.any() for m in mats.values() for row in m)
     if per_row:
         _check_per_row(graph, masks, dims, shape, x, found, xs, cap)
-    return (*found, empty, per_row, None if cap is None else (x, cap))
+    inclusive = False
+    if found[3] is not None and np.dtype(graph.tensors[x].dtype) == np.int32:
+        inclusive = _int32_extremes(graph, masks, x, found, T, S, lambda xv: mat_of(_mask_arrays(
+            graph, masks, {x: np.full(graph.tensors[x].shape, xv, np.int32)}, rank)))
+    return (*found, empty, per_row, None if cap is None else (x, cap), inclusive)
+
+
+_INT32_EXTREMES = (2 ** 31 - 1, 2 ** 31 - 2, -2 ** 31, -2 ** 31 + 1)
+
+
+def _wrap32(v: Any) -> Any:
+    """int32 two's-complement wrap of (int64) ``v``."""
+    return (np.asarray(v, np.int64) + 2 ** 31) % 2 ** 32 - 2 ** 31
+
+
+def _int32_extremes(graph: Graph, masks: list[_Mask], x: int, found: tuple, T: int, S: int,
+                    jax_mat: Any) -> bool:
+    """How the kernels form the runtime end so that jax's mask holds at int32's extremes too
+    (positions far past the probes, where int32 arithmetic wraps): ``False`` — ``x + c`` wrapping,
+    as ``t < pos + 1`` computes it — or ``True`` — ``x + c - 1`` as the last valid key, one past it
+    saturating (``t <= pos``, ``t <= pos + i``: jax compares ``t <= 2**31 - 1`` as all keys). The
+    form that equals jax at more of ``±2**31`` (and ``±2**31 ∓ 1``); a mask whose own arithmetic
+    wraps another way there (the rolling cache's ``pos - (pos - t) % W`` near ``-2**31``) keeps the
+    closer form: the kernels' bound is exact for positions inside ``±2**30``, which the fit probes."""
+    _, causal, c, _, w = found
+    i = np.arange(S)[:, None] if causal else 0
+    t = np.arange(T)[None, :]
+    with np.errstate(over="ignore"):   # (jax's int32 arithmetic wraps; so does numpy's)
+        mats = {xv: jax_mat(xv) for xv in _INT32_EXTREMES}
+    score = {}
+    for inclusive in (False, True):
+        score[inclusive] = 0
+        for xv in _INT32_EXTREMES:
+            v = _wrap32(xv + c - inclusive + i)
+            hi = np.where(v == 2 ** 31 - 1, v, v + 1) if inclusive else v
+            valid = t < np.minimum(hi, T)
+            if w is not None:
+                valid = valid & (t >= np.maximum(_wrap32(hi - w), 0))
+            score[inclusive] += bool(np.array_equal(np.broadcast_to(valid, (S, T)), mats[xv]))
+    return score[True] > score[False]
 
 
 def _capped_causal(mats: dict[Any, np.ndarray], T: int, seq_axis: int) -> tuple[tuple | None, int | None]:
@@ -972,6 +1015,10 @@ def _precision(graph: Graph, d1: Any, d2: Any) -> Any:
     preset that restates the operands' own 16-bit type is the default), the more precise one when
     they differ; declined where Pallas' Triton dot has no such algorithm or two different
     algorithms have no order."""
+    for t in (*d1.inputs, *d2.inputs, d1.outputs[0]):
+        why = dtype_unsupported(graph.tensors[t].dtype)
+        if why:
+            raise Decline(why)
     ps = tuple(native_precision(d.params.get("precision"), graph.tensors[d.inputs[0]].dtype) for d in (d1, d2))
     for p in ps:
         why = precision_unsupported(p)
@@ -1249,7 +1296,7 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
         if keep is not None or score or (keep := _computed_mask(graph, st, dims, shape, bias_values)) is None:
             raise
         fit = _fit_mask(graph, st["masks"], dims, shape, bias_values)
-    seq_axis, causal, hi_c, hi_x, window, empty, per_row, kv_cap = fit
+    seq_axis, causal, hi_c, hi_x, window, empty, per_row, kv_cap, inclusive = fit
     if kv_cap is not None:   # the causal end capped at a runtime key length: x + kv_cap
         hi_x, kv_cap = kv_cap
     # a padding mask, or a mask computed from the scores, can empty any row
@@ -1305,7 +1352,7 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
                       float(scale), None if cap is None else float(cap), causal, int(hi_c), hi_x,
                       None if window is None else int(window), decode, empty_rows, per_row, precision,
                       slopes, bias_view, keep_view, (score[0].score, bool(score[0].keep)) if score else None,
-                      kv_cap)
+                      kv_cap, inclusive)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1371,7 +1418,10 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
         # vector ``pos`` shifted by a static amount (the kernels take it as an int32 operand).
         pos: Any = None
         if m.hi_scalar is not None:   # one scalar, or one per sequence (B,)
-            pos = jnp.asarray(run.value(m.hi_scalar), jnp.int32).reshape((B,) if m.per_row else ())
+            pos = jnp.asarray(run.value(m.hi_scalar))
+            if pos.dtype.itemsize > 4:   # an int64 position (x64): saturated, not wrapped, into int32
+                pos = jnp.clip(pos, -INT32_POSITION_LIMIT, INT32_POSITION_LIMIT)
+            pos = pos.astype(jnp.int32).reshape((B,) if m.per_row else ())
 
         def end_minus(c: int) -> Any:
             """``hi_const + pos - c``: a static int, or ``pos`` shifted (no op when it cancels)."""
@@ -1380,9 +1430,11 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
             return pos if m.hi_const == c else pos + (m.hi_const - c)
 
         kw: dict[str, Any] = {} if m.window is None else {"window": m.window}
+        if m.inclusive:   # the last valid key x + c - 1, its end saturating (jax's t <= pos)
+            kw["inclusive"] = True
         if m.decode:
-            if m.hi_scalar is not None and m.hi_const == 1:
-                kw["pos"] = pos       # keys t <= pos: the decode kernel's own form
+            if m.hi_scalar is not None and (m.hi_const == 1 or m.inclusive):
+                kw["pos"] = end_minus(1)   # keys t <= pos: the decode kernel's own form
             elif m.hi_scalar is not None or m.hi_const < T or m.window is not None:
                 kw["kv_len"] = end_minus(0)   # a window counts from the unclamped end
             if m.slopes is not None:
@@ -1402,7 +1454,7 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
             elif m.causal:
                 kw.update(causal=True, q_offset=end_minus(1))
             elif m.hi_scalar is not None or m.hi_const < T or m.window is not None:
-                kw["kv_len"] = end_minus(0)
+                kw["kv_len"] = end_minus(1 if m.inclusive else 0)
             if m.slopes is not None:
                 kw["slopes"] = jnp.asarray(m.slopes.reshape(B * hk, g * R))
             if m.bias is not None:

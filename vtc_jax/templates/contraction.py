@@ -26,7 +26,7 @@ from ..graph import Graph
 from ..kernels.conv import conv
 from ..kernels.matmul import matmul
 from ..kernels.pointwise import f32_math
-from ..kernels.tiling import precision_unsupported
+from ..kernels.tiling import dtype_unsupported, precision_unsupported
 from ..primitives import Kind
 from .base import Decline, Run, Step, Template
 from .stage2 import block_fn, block_supported, broadcast_input, buffers_of, kernel_inputs
@@ -69,6 +69,8 @@ def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
             if not jnp.issubdtype(dt, jnp.floating):
                 raise Decline(f"{primitive} of {dt.name} operands: the kernel's dot takes floating "
                               "operands only (integer and boolean dots run in XLA)")
+            if primitive == "conv_general_dilated" and (why := dtype_unsupported(dt)):
+                raise Decline(why)
         rest = tuple(o for o in c.ops if o != op.id and o not in pa and o not in pb)
         why = block_supported(graph, rest + pa + pb)
         if why:
