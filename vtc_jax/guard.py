@@ -326,7 +326,8 @@ def measured(plain: Price, vtc: Price, plain_fn: Any, vtc_fn: Any, closed: Any, 
                                                        threaded(args, donate, outs)))
     why = [slow] if slow else []
     if mem[1] > mem[0]:
-        why.append(f"{_size(mem[1])} of temporaries against jit's {_size(mem[0])}")
+        tv, tp = apart(mem[1], mem[0], "MiB")
+        why.append(f"{tv} of temporaries against jit's {tp}")
     return Verdict(plain, vtc, plain_s, vtc_s, "; ".join(why) or None, "measure")
 
 
@@ -343,13 +344,10 @@ def timed_loss(seconds: Sequence[float]) -> tuple[float, float, str | None]:
     margin = max(MEASURE_MARGIN, spread)
     if vtc_s <= (1 - margin) * plain_s:
         return plain_s, vtc_s, None
-    return plain_s, vtc_s, (f"{vtc_s * 1e6:,.1f} µs against jit's {plain_s * 1e6:,.1f} µs (timed; a win under "
+    sv, sp = apart(vtc_s, plain_s, "µs")
+    return plain_s, vtc_s, (f"{sv} against jit's {sp} (timed; a win under "
                             f"{margin:.0%} is within the run-to-run spread: jit's program timed twice "
                             f"read {first * 1e6:,.1f} and {again * 1e6:,.1f} µs)")
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / MiB:,.1f} MiB" if nbytes >= MiB // 10 else f"{nbytes / 1024:,.1f} KiB"
 
 
 def apart(a: float, b: float, unit: str) -> tuple[str, str]:
