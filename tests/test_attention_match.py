@@ -9,6 +9,7 @@ Declined spellings say which step was not recognised through ``explain``.
 Every case reads its operands through data movement (head transposes, a GQA repeat, a cache
 update), otherwise VTC leaves the whole attention to XLA and no kernel would run.
 """
+import functools
 import math
 import re
 import warnings
@@ -950,3 +951,107 @@ def test_causal_prefill_at_int32_extremes_equal_jax(pos):
     q, _, _ = prefill_args()
     _, kc, vc, _ = decode_args()
     check_attention(p_chunk_causal, (q, kc, vc, jnp.int32(pos)), "prefill", lower=pos == 3, guard=None)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention sinks (gpt-oss): a learned logit per head concatenated to the scores, sliced off after
+# --------------------------------------------------------------------------------------------
+
+def d_sink_gptoss(q, kc, vc, sinks, pos, fill=-jnp.inf, first=False, by_hand=False, hf=False):
+    """gpt-oss decode: GQA by repeat, the per-head sink broadcast over the batch and concatenated
+    to the masked scores, ``softmax(·)[..., :-1]`` (``[..., 1:]`` with the sink in front; ``hf``:
+    the scores shifted by their max before the softmax, as HF's eager gpt-oss does)."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(kc, G, axis=2)) * D ** -0.5
+    s = jnp.where(jnp.arange(T) <= pos, s, fill)
+    sk = jnp.broadcast_to(sinks[None, :, None, None], s.shape[:-1] + (1,)).astype(s.dtype)
+    s = jnp.concatenate([sk, s] if first else [s, sk], axis=-1)
+    if hf:
+        s = s - s.max(axis=-1, keepdims=True)
+    p = (softmax_hand(s) if by_hand else jax.nn.softmax(s, axis=-1))
+    p = p[..., 1:] if first else p[..., :-1]
+    return jnp.einsum("bhqk,bkhd->bqhd", p, jnp.repeat(vc, G, axis=2)).reshape(B, 1, H * D)
+
+
+def p_sink_gptoss(q, k, v, sinks, window=0):
+    """gpt-oss's reference ``sdpa`` ported to jax (one sequence, heads as (kv head, q_mult), an
+    additive -inf causal mask, optionally a sliding window added to it), its sink reshaped to
+    ``(n_heads, q_mult, 1, 1)`` and broadcast over the query tokens."""
+    n = q.shape[1]
+    Q = q[0].reshape(n, HKV, G, D)
+    K = jnp.broadcast_to(k[0][:, :, None, :], (n, HKV, G, D))
+    V = jnp.broadcast_to(v[0][:, :, None, :], (n, HKV, G, D))
+    Sk = jnp.broadcast_to(sinks.reshape(HKV, G, 1, 1), (HKV, G, n, 1))
+    mask = jnp.triu(jnp.full((n, n), -jnp.inf), k=1)
+    if window:
+        mask = mask + jnp.tril(jnp.full((n, n), -jnp.inf), k=-window)
+    qk = jnp.einsum("qhmd,khmd->hmqk", Q, K) * D ** -0.5 + mask[None, None]
+    w = jax.nn.softmax(jnp.concatenate([qk, Sk], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("hmqk,khmd->qhmd", w, V).reshape(1, n, H * D)
+
+
+SINKS = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+
+
+@pytest.mark.parametrize("pos,fill", [(13, -jnp.inf), (T - 1, NEG32), (-3, -jnp.inf), (-3, NEG32)],
+                         ids=["pos13", "last_finfo", "empty_inf", "empty_finfo"])
+def test_decode_attention_sink(pos, fill):
+    """gpt-oss's sink reaches the decode kernel: each head's logit joins the softmax once. A
+    position before the cache (no valid key) gives jax's 0, under -inf and finfo.min alike (the
+    sink takes all the probability)."""
+    q, kc, vc, _ = decode_args(pos=pos)
+    check_attention(functools.partial(d_sink_gptoss, fill=fill), (q, kc, vc, SINKS, jnp.int32(pos)), "decode",
+                    lower=pos == 13, guard=None)
+
+
+@pytest.mark.parametrize("variant", ["first", "by_hand", "bf16", "hf"])
+def test_decode_attention_sink_spellings(variant):
+    """The sink in front (``[..., 1:]``), the softmax by hand, bf16 inputs (the sink cast to the
+    scores' dtype), HF's eager shift by the max before the softmax (whose own max is then exactly 0)."""
+    dtype = jnp.bfloat16 if variant == "bf16" else jnp.float32
+    q, kc, vc, pos = decode_args(dtype)
+    fn = functools.partial(d_sink_gptoss, first=variant == "first", by_hand=variant == "by_hand",
+                           hf=variant == "hf")
+    check_attention(fn, (q, kc, vc, SINKS.astype(dtype), pos), "decode", lower=False, guard=None)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_prefill_attention_sink_gptoss_reference(window):
+    """gpt-oss's reference sdpa (causal, and its sliding-window layers) reaches the prefill kernel
+    with the sink operand read per (kv head, q_mult) row."""
+    q, k, v = prefill_args()
+    check_attention(functools.partial(p_sink_gptoss, window=window), (q[:1], k[:1], v[:1], SINKS), "prefill",
+                    lower=window == 3, guard=None)
+
+
+def test_attention_sink_declines_name_the_step():
+    """What the kernels cannot fold is declined, named, and the program still equals jit: a scaling
+    after the sink joined the scores; two logits concatenated per row."""
+    q, kc, vc, pos = decode_args()
+
+    def scaled_after(q, kc, vc, sinks, pos):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, rep(kc))
+        s = jnp.concatenate([s, jnp.broadcast_to(sinks[None, :, None, None], (B, H, 1, 1))], -1) * D ** -0.5
+        return jnp.einsum("bhqk,bkhd->bhqd", jax.nn.softmax(s, -1)[..., :-1], rep(vc))
+
+    def two_logits(q, kc, vc, sinks, pos):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, rep(kc))
+        s = jnp.concatenate([s, jnp.broadcast_to(sinks[None, :, None, None], (B, H, 1, 2))], -1)
+        return jnp.einsum("bhqk,bkhd->bhqd", jax.nn.softmax(s, -1)[..., :-2], rep(vc))
+
+    for fn, why in ((scaled_after, "after the sink logit joined them"), (two_logits, "2 logits per row")):
+        args = (q, kc, vc, SINKS, pos)
+        reasons = [r for _, kind, r in vtc_jax.explain(fn)(*args).templates if kind == "attention"]
+        assert reasons and any(why in r for r in reasons), reasons
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+            check_close(vtc_jax.optimize(fn, backend="interpret")(*args), jax.jit(fn)(*args), 1e-5)
+
+
+@pytest.mark.parametrize("pos", [13, -3])
+def test_scores_shifted_by_their_max_before_the_softmax(pos):
+    """``s - s.max()`` then ``jax.nn.softmax`` (no sink): the softmax's own max of the shifted
+    scores is exactly 0, the kernel computes the one shift; a row with no valid key is NaN as jax's."""
+    def fn(q, kc, vc, pos):
+        return _attend(q, kc, vc, lambda s: jax.nn.softmax(
+            (lambda x: x - x.max(-1, keepdims=True))(jnp.where(jnp.arange(T) <= pos, s * D ** -0.5, -jnp.inf)), -1))
+    check_attention(fn, decode_args(pos=pos), "decode", lower=False, guard=None)

@@ -540,3 +540,47 @@ def test_additive_bias_read_through_a_broadcast_layout(splits):
         num_splits=splits, block_k=32)
     ref_bias = np.broadcast_to(np.asarray(table).reshape(1, h, g, t), (b, h, g, t))
     check_kernel(call, lambda q, k, v, pos, tb: ref_attention(q, k, v, hi=int(pos) + 1, bias=ref_bias), args, **F32)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention sinks (gpt-oss): one more logit per query head in the softmax's denominator
+# --------------------------------------------------------------------------------------------
+
+def _sink_softmax_ref(s, sink, v):
+    """jax's own spelling: the sink logit concatenated to the (masked) scores, the softmax over
+    T + 1, its probability dropped before ``p·v`` (f32, HIGHEST)."""
+    full = jnp.concatenate([s, jnp.broadcast_to(sink[..., None], s.shape[:-1] + (1,))], -1)
+    p = jax.nn.softmax(full, -1)[..., :-1]
+    return jnp.einsum("bhgt,bhtd->bhgd", p, v, precision="highest")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("pos,fill", [(37, "-inf"), (-4, "-inf"), (-4, "fill"), (37, "fill")],
+                         ids=["valid", "empty_nan", "empty_fill", "fill"])
+def test_decode_sink(splits, pos, fill):
+    """The sink joins the denominator once — in split 0's partial, rescaled by the combine with the
+    rest — so every row equals jax's softmax over the scores and the sink. A row with no valid key
+    (pos < 0) is 0, as jax's (the sink takes all the probability), under a -inf mask and under a
+    finite fill (the empty-row pass's scores are shifted by the fill: the sink is shifted alike);
+    one head's sink is -inf (no sink: jax's NaN row under -inf), one is large."""
+    b, h, g, t, d = 2, 2, 3, 100, 32
+    sink = jnp.asarray(np.array([[0.5, -1.0, 3.0], [-np.inf, 40.0, 0.0]], np.float32))
+    sink = jnp.broadcast_to(sink, (b, h, g))
+    args = (rand((b, h, g, d)), rand((b, h, t, d), seed=1), rand((b, h, t, d), seed=2), sink, jnp.int32(pos))
+    empty = "nan" if fill == "-inf" else ("fill", float(jnp.finfo(jnp.float32).min))
+
+    def call(q, k, v, sk, p, backend):
+        return decode_attention(q, k, v, pos=p, sink=sk, num_splits=splits, empty_rows=empty, backend=backend,
+                                precision=lax.Precision.HIGHEST)
+
+    def ref(q, k, v, sk, p):
+        s = jnp.einsum("bhgd,bhtd->bhgt", q, k, precision="highest") / math.sqrt(d)
+        s = jnp.where(jnp.arange(t) <= p, s, -jnp.inf if fill == "-inf" else jnp.finfo(jnp.float32).min)
+        return _sink_softmax_ref(s, sk, v)
+
+    out, want = jax.jit(functools.partial(call, backend="interpret"))(*args), ref(*args)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))   # the -inf sink's empty row only
+    assert np.isnan(want).any() == (pos < 0 and fill == "-inf")
+    np.testing.assert_allclose(np.nan_to_num(out, nan=0.0), np.nan_to_num(want, nan=0.0), **F32)
+    if pos == 37 and splits == 3:
+        check_kernel(call, ref, args, **F32)   # and cross-lowered for CUDA

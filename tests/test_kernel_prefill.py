@@ -335,3 +335,34 @@ def test_causal_rows_capped_at_a_key_length(static):
                                kv_len=11 if static else int(n[i // hk])) for i in range(b * hk)]
         return jnp.nan_to_num(jnp.concatenate(per), nan=0.0)
     check_kernel(call, ref, (q, k, v, lens), **F32)
+
+
+@pytest.mark.parametrize("fill", ["-inf", "fill", "bias"])
+def test_sink_causal_rows_some_empty(fill):
+    """gpt-oss's attention sink (one logit per row in the softmax's denominator, no value row) over
+    causal rows at a negative offset, so the first rows have no valid key: those are 0 as jax's
+    (the sink takes all the probability), under a -inf mask, a finite fill and an additive bias
+    scaled after it (the empty-row pass's shift applied to the sink too); the others equal jax's
+    softmax over the masked scores and the sink."""
+    z, m, t, d = 2, 40, 50, 24
+    sink = jnp.asarray(np.random.default_rng(5).normal(size=(z, m)) * 2, jnp.float32).at[1, 7].set(-jnp.inf)
+    args = (rand((z, m, d)), rand((z, t, d), seed=1), rand((z, t, d), seed=2), sink, jnp.int32(-6))
+    empty = {"-inf": "nan", "fill": ("fill", float(jnp.finfo(jnp.float32).min)), "bias": ("bias", -1e9, 0.25)}[fill]
+
+    def ref(q, k, v, sk, o):
+        s = jnp.einsum("zmd,ztd->zmt", q, k, precision="highest") / math.sqrt(d)
+        valid = jnp.arange(t)[None, :] <= int(o) + jnp.arange(m)[:, None]
+        if fill == "bias":
+            s = (s / 0.25 + jnp.where(valid, 0.0, -1e9)) * 0.25
+        else:
+            s = jnp.where(valid, s, -jnp.inf if fill == "-inf" else empty[1])
+        full = jnp.concatenate([s, sk[..., None]], -1)
+        p = jax.nn.softmax(full, -1)[..., :-1]
+        return jnp.nan_to_num(jnp.einsum("zmt,ztd->zmd", p, v, precision="highest"), nan=0.0)
+
+    def call(q, k, v, sk, o, backend):
+        return jnp.nan_to_num(prefill_attention(q, k, v, causal=True, q_offset=o, sink=sk, empty_rows=empty,
+                                                backend=backend), nan=0.0)
+    want = ref(*args)
+    assert np.all(want[0, :6] == 0) and np.any(want[0, 6:] != 0)
+    check_kernel(call, ref, args, lower=fill == "fill", **F32)

@@ -77,7 +77,7 @@ import numpy as np
 from jax import lax
 
 from .flash import (AttentionConfig, Flash, KeyEnd, NEG, SMEM_BUDGET, Planned, empty_rows_mode, int32_where,
-                    keep_lanes, key_end, masked_scores, normalise, read_end, softmax_block, close_end)
+                    keep_lanes, key_end, masked_scores, normalise, read_end, softmax_block, close_end, with_sink)
 from .tiling import MIN_DOT_BLOCK, NUM_SMS, check_pow2, next_pow2, program_id
 from .vio import Plan, VTensor, output, pack_results
 
@@ -131,6 +131,7 @@ class _Cfg(Planned):
     bias: bool = False        # a (B, Hkv, G, T) bias operand next: added to the scores
     bias_scale: float = 1.0   # times this (a bias added before a scaling of the scores)
     keep: str | None = None   # a (B, Hkv, G, T) runtime mask operand next: which values keep a key
+    sink: bool = False        # a (B, Hkv, G) sink-logit operand next (:func:`.flash.with_sink`)
 
     @property
     def Gp(self) -> int:
@@ -144,7 +145,8 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
                      num_stages: int | None = None, backend: str = "interpret",
                      empty_rows: Any = "zero", precision: Any = None, slopes: Any = None,
                      bias: Any = None, bias_scale: float = 1.0, keep: Any = None,
-                     keep_when: str = "nonzero", score_keep: Any = None, inclusive: bool = False) -> Any:
+                     keep_when: str = "nonzero", score_keep: Any = None, inclusive: bool = False,
+                     sink: Any = None) -> Any:
     """Single-token (decode) attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` per query head.
 
     q: logical (B, Hkv, G, D); k: (B, Hkv, T, D); v: (B, Hkv, T, Dv) — :class:`vio.VTensor` or
@@ -188,6 +190,10 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         where ``(score op 0) == when`` on the scaled, capped score (``jnp.where(s != 0, s, -inf)``,
         an unwritten zero cache row: ``("ne", True)``; :func:`.flash.score_lanes`). Rows it empties
         as for ``keep``. None: no such mask.
+    sink: an attention sink (gpt-oss): logical (B, Hkv, G), one logit per query head that joins
+        the softmax's denominator and no value row (:func:`.flash.with_sink`), in the units of the
+        masked, biased scores; folded in by split 0 (with a finite mask, shifted as the empty-row
+        pass shifts its scores). None: no sink.
 
     Returns like :func:`vtc_jax.kernels.matmul.matmul`: the array for a fresh/one-buffer output,
     else the tuple of ``out``'s physical buffers.
@@ -220,9 +226,14 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         raise ValueError("decode_attention with a runtime keep mask or a score mask outputs 0 or NaN for a "
                          "row it empties (empty_rows 'zero' or 'nan'); use prefill_attention for jax's "
                          "softmax of its masked scores")
+    if sink is not None:
+        sink = VTensor.of(sink)
+        if tuple(sink.shape) != (B, H, G) or not jnp.issubdtype(sink.dtype, jnp.floating):
+            raise ValueError(f"sink must be floating of shape {(B, H, G)}, got {sink.dtype} {sink.shape}")
     cfg = dataclasses.replace(cfg, alibi=slopes is not None, bias=bias is not None, bias_scale=float(bias_scale),
-                              keep=None if keep is None else keep_when)
-    return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes, bias=bias, keep=keep)
+                              keep=None if keep is None else keep_when, sink=sink is not None)
+    return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes, bias=bias, keep=keep,
+                   sink=sink)
 
 
 def _check(q: VTensor, k: VTensor, v: VTensor, *, block_k: int, pos: Any, kv_len: Any,
@@ -268,11 +279,11 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, block_k: int,
 
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any, *,
-            backend: str, slopes: Any = None, bias: Any = None, keep: Any = None) -> Any:
+            backend: str, slopes: Any = None, bias: Any = None, keep: Any = None, sink: Any = None) -> Any:
     """Grid and launch: one kernel when S == 1; else the split kernel into f32 partials, then the
     combine kernel. ``end``: the runtime end operand, or None (a static end)."""
     ins = [q, k, v] + ([slopes] if c.alibi else []) + ([bias] if c.bias else []) + ([keep] if c.keep else []) \
-        + ([end] if end is not None else [])
+        + ([sink] if c.sink else []) + ([end] if end is not None else [])
     warps, stages = c.launch.num_warps, c.launch.num_stages
     if c.S == 1:
         plan = Plan.build(ins, [out])
@@ -302,7 +313,7 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
 
     # The valid keys [lo, hi): scalars (traced or static); a window counts back from the
     # unclamped end (jax's ``t > pos - window`` for any pos).
-    n_fixed = 3 + c.alibi + c.bias + bool(c.keep)
+    n_fixed = 3 + c.alibi + c.bias + bool(c.keep) + c.sink
     end = close_end(c.end, read_end(c.end, ins[n_fixed] if len(ins) > n_fixed else None, b))
     if c.end.static is None:
         hi: Any = jnp.minimum(end, c.T)
@@ -356,6 +367,15 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
         u0 = 0 if c.S == 1 else s * per_u
         u1 = int32_where(hi <= lo, jnp.minimum(u0 + per_u, nblk), u0)
         m, l, acc = c.flash.empty_pass(qt, load_kv, u0, u1, (m, l, acc))
+    if c.sink:
+        # the sink logit, once per row: in split 0's partial (the combine rescales it with the
+        # rest), shifted as the empty-row pass shifted the scores when that pass ran
+        sk = ins[n_fixed - 1].load((b, h, 0), (1, 1, c.Gp)).reshape(c.Gp).astype(jnp.float32)
+        if c.flash.empty_fill is not None:
+            sk = sk - jnp.where(hi <= lo, jnp.float32(c.flash.empty_shift), jnp.float32(0.0))
+        if c.S > 1:
+            sk = jnp.where(s == 0, sk, -jnp.inf)
+        m, l, acc = with_sink((m, l, acc), sk)
 
     # Stage 3.
     if c.S == 1:

@@ -30,7 +30,8 @@ from .tiling import MIN_DOT_BLOCK, dot_precision, next_pow2, pipeline_stages
 from .vio import VRef
 
 __all__ = ["AttentionConfig", "Flash", "KeyEnd", "Planned", "SMEM_BUDGET", "NEG", "key_end", "read_end", "keep_lanes",
-           "score_lanes", "softmax_block", "empty_rows_mode", "close_end", "masked_scores", "normalise", "int32_where"]
+           "score_lanes", "softmax_block", "empty_rows_mode", "close_end", "masked_scores", "normalise", "int32_where",
+           "with_sink"]
 
 SMEM_BUDGET = 128 * 1024  # bytes of staged K/V blocks; sm_90 allows 227 KiB, sm_80 163 KiB per block
 NEG = -1e30               # initial running max: finite, so exp(m_prev - m_next) is never inf - inf
@@ -267,6 +268,18 @@ def normalise(acc: jax.Array, l: jax.Array, empty_nan: bool) -> jax.Array:
     return jnp.where((l > 0)[:, None], o, jnp.nan) if empty_nan else o
 
 
+def with_sink(carry: tuple, sink: jax.Array) -> tuple:
+    """The running (max, sum, acc) of some rows with one more logit per row, ``sink`` ((rows,)
+    f32), whose value row is 0: gpt-oss's attention sink (a learned logit per head concatenated to
+    the scores, its probability dropped before ``p·v``), folded in once after the keys. A sink of
+    ``-inf`` changes nothing (a row with no valid key then outputs what ``empty_rows`` says, as
+    jax's softmax of that row does); a finite one makes such a row 0, as in jax; NaN gives NaN."""
+    m, l, acc = carry
+    m_next = jnp.maximum(m, sink)
+    corr = jnp.exp(m - m_next)
+    return m_next, l * corr + jnp.exp(sink - m_next), acc * corr[:, None]
+
+
 def keep_lanes(block: jax.Array, when: str) -> jax.Array:
     """The lanes of a runtime mask's block that keep their key: where it is nonzero (a boolean
     pred, ``when="nonzero"``), zero (``"false"``: the pred of ``where(~m, neg, s)``; ``"zero"``:
@@ -367,6 +380,17 @@ class Flash:
 
     def normalise(self, acc: jax.Array, l: jax.Array) -> jax.Array:
         return normalise(acc, l, self.empty_nan)
+
+    @property
+    def empty_shift(self) -> float:
+        """What :meth:`empty_pass` subtracts from every lane's masked value (:func:`masked_scores`:
+        the fill, or ``fl(b · f)``): a sink logit folded into that pass's result is shifted alike."""
+        if self.empty_fill is None:
+            return 0.0
+        if self.empty_fill[0] == "fill":
+            return float(self.empty_fill[1])
+        _, b, f = self.empty_fill
+        return float(np.float32(b) * np.float32(f))
 
 
 class Planned:

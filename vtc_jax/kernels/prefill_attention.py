@@ -56,7 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .flash import AttentionConfig, Flash, KeyEnd, Planned, close_end, int32_where, keep_lanes, key_end, read_end
+from .flash import (AttentionConfig, Flash, KeyEnd, Planned, close_end, int32_where, keep_lanes, key_end, read_end,
+                    with_sink)
 from .tiling import MIN_DOT_BLOCK, cdiv, check_pow2, next_pow2, program_id
 from .vio import Plan, VTensor, output, pack_results
 
@@ -83,6 +84,7 @@ class _Cfg(Planned):
     bias_scale: float = 1.0    # times this (a bias added before a scaling of the scores)
     keep: str | None = None    # a (Z, M, T) runtime mask operand next: which values keep a key
     cap: KeyEnd | None = None  # causal rows' ends also capped at this (``kv_len`` with ``causal``)
+    sink: bool = False         # a (Z, M) sink-logit operand after keep (:func:`.flash.with_sink`)
 
     @property
     def bq(self) -> int:
@@ -97,7 +99,7 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
                       backend: str = "interpret", empty_rows: Any = "zero",
                       precision: Any = None, slopes: Any = None, bias: Any = None,
                       bias_scale: float = 1.0, keep: Any = None, keep_when: str = "nonzero",
-                      score_keep: Any = None, inclusive: bool = False) -> Any:
+                      score_keep: Any = None, inclusive: bool = False, sink: Any = None) -> Any:
     """Flash attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` for many query rows.
 
     q: logical (Z, M, D); k: (Z, T, D); v: (Z, T, Dv) — VTensors or arrays.
@@ -137,6 +139,10 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
     score_keep: a mask computed from the scores themselves, ``(op, when)``: key ``t`` is valid only
         where ``(score op 0) == when`` on the scaled, capped score (:func:`.flash.score_lanes`).
         Rows it empties as for ``keep``. None: no such mask.
+    sink: an attention sink (gpt-oss): logical (Z, M), one logit per query row that joins the
+        softmax's denominator and no value row (:func:`.flash.with_sink`), in the units of the
+        masked, biased scores (with a finite mask, shifted as the empty-row pass shifts its
+        scores for the rows that pass computes). None: no sink.
 
     Returns the array for a fresh/one-buffer output, else the tuple of ``out``'s buffers.
     """
@@ -164,10 +170,14 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
             raise ValueError(f"keep must have shape {(Z, M, k.shape[1])}, got {keep.shape}")
         if keep_when not in ("nonzero", "zero", "false"):
             raise ValueError(f"keep_when must be 'nonzero', 'zero' or 'false', got {keep_when!r}")
+    if sink is not None:
+        sink = VTensor.of(sink)
+        if tuple(sink.shape) != (Z, M) or not jnp.issubdtype(sink.dtype, jnp.floating):
+            raise ValueError(f"sink must be floating of shape {(Z, M)}, got {sink.dtype} {sink.shape}")
     cfg = dataclasses.replace(cfg, alibi=slopes is not None, bias=bias is not None, bias_scale=float(bias_scale),
-                              keep=None if keep is None else keep_when, cap=cap)
+                              keep=None if keep is None else keep_when, cap=cap, sink=sink is not None)
     return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes, bias=bias, keep=keep,
-                   cap=cap_operand)
+                   cap=cap_operand, sink=sink)
 
 
 def _check(q: VTensor, k: VTensor, v: VTensor, *, block_q: int, block_k: int,
@@ -216,10 +226,11 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, causal: bool,
 
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any, *,
-            backend: str, slopes: Any = None, bias: Any = None, keep: Any = None, cap: Any = None) -> Any:
+            backend: str, slopes: Any = None, bias: Any = None, keep: Any = None, cap: Any = None,
+            sink: Any = None) -> Any:
     """Grid ``(Z, cdiv(M, bq))`` and launch. ``end``, ``cap``: the runtime end / cap operands, or None."""
     plan = Plan.build([q, k, v] + ([slopes] if c.alibi else []) + ([bias] if c.bias else [])
-                      + ([keep] if c.keep else []) + ([end] if end is not None else [])
+                      + ([keep] if c.keep else []) + ([sink] if c.sink else []) + ([end] if end is not None else [])
                       + ([cap] if cap is not None else []), [out])
     bufs = plan.call(functools.partial(_body, c), grid=(c.Z, cdiv(c.M, c.bq)), backend=backend,
                      num_warps=c.launch.num_warps, num_stages=c.launch.num_stages,
@@ -234,7 +245,7 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     r0 = i * c.bq
 
     # The valid keys [lo, hi) of every row of this block, as (bq, 1) int32 columns.
-    n_fixed = 3 + c.alibi + c.bias + bool(c.keep)
+    n_fixed = 3 + c.alibi + c.bias + bool(c.keep) + c.sink
     end_ref = ins[n_fixed] if c.end.static is None else None
     cap_ref = ins[n_fixed + (end_ref is not None)] if c.cap is not None and c.cap.static is None else None
 
@@ -274,18 +285,25 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     def load_keep(t0: Any) -> jax.Array:
         return keep_lanes(keep_ref.load((z, r0, t0), (1, c.bq, c.bk)).reshape(c.bq, c.bk), c.keep)
 
+    # the rows' sink logits (padded rows read 0), folded in once after the keys
+    sk = ins[n_fixed - 1].load((z, r0), (1, c.bq)).reshape(c.bq).astype(jnp.float32) if c.sink else None
     init = c.flash.init(c.bq, c.Dvp)
-    _, l, acc = c.flash.loop(qt, load_kv, j0, j1, init, hi=hi, lo=lo, slope=slope,
+    m, l, acc = c.flash.loop(qt, load_kv, j0, j1, init, hi=hi, lo=lo, slope=slope,
                              load_bias=load_bias if c.bias else None, load_keep=load_keep if c.keep else None)
+    l_keys = l
+    if sk is not None:
+        _, l, acc = with_sink((m, l, acc), sk)
     if c.flash.empty_fill is not None:
         # rows with no valid key under a finite mask: jax's softmax of the masked scores over all
         # T keys (a second pass, only when this block has such a row); under a runtime mask, a
         # row none of whose keys it kept summed nothing (``l == 0``: a valid key adds exp(0) = 1)
         empty = (hi <= lo if lo is not None else hi <= 0)[:, 0] & live[:, 0]
         if c.keep or c.flash.score_keep is not None:
-            empty = empty | ((l == 0) & live[:, 0])
+            empty = empty | ((l_keys == 0) & live[:, 0])
         n_e = int32_where(jnp.max(empty.astype(jnp.int32)) > 0, cdiv(c.T, c.bk), 0)
-        _, l_e, acc_e = c.flash.empty_pass(qt, load_kv, jnp.int32(0), n_e, init)
+        m_e, l_e, acc_e = c.flash.empty_pass(qt, load_kv, jnp.int32(0), n_e, init)
+        if sk is not None:   # the sink against the masked scores as the pass shifted them
+            _, l_e, acc_e = with_sink((m_e, l_e, acc_e), sk - c.flash.empty_shift)
         l = jnp.where(empty, l_e, l)
         acc = jnp.where(empty[:, None], acc_e, acc)
     o = c.flash.normalise(acc, l).astype(o_ref.binding.dtype)

@@ -38,6 +38,11 @@ the step it did not recognise. Accepted between q·k and p·v:
   ``where(m, ·, 0)`` on the numerator and on the probabilities changes only a row with no valid
   key — 0 in jax, the kernels' ``"zero"`` row, where ``m`` is that row's only mask (with other
   masks jax's row is NaN in some lanes: declined when such a row can happen);
+* an attention sink (gpt-oss): ``softmax(concatenate([s, sink], keys))[..., :-1]`` — one logit per
+  row (a learned per-head value, broadcast), in front or behind, joining the softmax's denominator
+  and sliced off before ``p·v``; it joins the scores as they are (nothing but the softmax may
+  follow), and the kernels read it as an operand and fold it into each row once
+  (:func:`kernels.flash.with_sink`): a row with no valid key is 0, as jax's;
 * softmax: ``jax.nn.softmax`` or by hand (``exp(x - max) / sum``, ``stop_gradient`` on the max,
   ``e * (1 / sum)``), f32 up/down casts, reshapes/transposes that keep the axes, in any order of
   the dimensions (the reductions must be over the key axis);
@@ -156,6 +161,8 @@ class _AttnMatch:
                                 # hi(i) = min(i + hi_const, x + kv_cap) (prefill's ``kv_len``)
     inclusive: bool = False     # the runtime end as the last valid key, saturating past it (jax's
                                 # ``t <= pos`` at pos = 2**31 - 1), not ``pos + c`` wrapping
+    sink: Any = None            # an attention sink: its logits' view as ``bias``'s (key axis of
+                                # size 1), one per row, read by the kernels (None: no sink)
 
     @property
     def kernel(self) -> str:
@@ -385,7 +392,7 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
     role: dict[int, _Role] = {s0: _Role("s", 0, tuple(range(len(graph.tensors[s0].shape))))}
     sizes = dict(enumerate(graph.tensors[s0].shape))   # first-dot axis -> its length
     st = dict(stage=0, inner=1.0, outer=1.0, tanh=False, masks=[], key=None,
-              nomax=False, zeroes={})
+              nomax=False, zeroes={}, sink=None)
     after_d2: list[Any] = []
 
     def fail(op: Any, why: str) -> None:
@@ -494,6 +501,41 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
             fail(op, f"zeroes the {_NAMES[r.kind]} where no mask applied to the scores does")
         st["zeroes"][r.kind] = (_pred_key(graph, op.inputs[0]), i0 == 2)
 
+    def sink_logit(op: Any, r: _Role, i0: int) -> None:
+        """``concatenate([s, sink], key axis)`` (either order): gpt-oss's attention sink, one
+        logit per row that joins the softmax and whose probability is sliced off before ``p·v``
+        (:func:`drop_sink`). It joins the scores as they are (scaled, capped, biased, masked):
+        only the softmax may follow, which the kernels compute with the sink folded in once
+        (:func:`kernels.flash.with_sink`)."""
+        latest(op, r)
+        if st["sink"] is not None:
+            fail(op, "concatenates a second logit to the scores")
+        dim = op.params["dimension"]
+        key, other = r.axes[dim], op.inputs[1 - i0]
+        if key is None or isinstance(key, tuple) or (st["key"] is not None and st["key"] != key):
+            fail(op, "concatenates to the scores along an axis other than the keys")
+        if graph.tensors[other].shape[dim] != 1:
+            fail(op, f"concatenates {graph.tensors[other].shape[dim]} logits per row to the scores "
+                     "(an attention sink is one)")
+        st["sink"] = dict(tensor=other, axes=r.axes, key=key, dim=dim, first=i0 == 1, dropped=False)
+        new_stage(op.outputs[0], r.axes)
+
+    def drop_sink(op: Any, r: _Role) -> None:
+        """``p[..., :-1]`` (``p[..., 1:]`` for a sink in front): the sink's probability sliced off
+        the softmax over the scores and the sink; every other axis whole."""
+        sk = st["sink"]
+        src, dst = graph.tensors[op.inputs[0]].shape, graph.tensors[op.outputs[0]].shape
+        axis = r.axes.index(sk["key"]) if sk["key"] in r.axes else None
+        want = [(0, n) for n in src]
+        if axis is not None:
+            want[axis] = (1, src[axis]) if sk["first"] else (0, src[axis] - 1)
+        strides = op.params.get("strides")
+        if axis is None or list(zip(op.params["start_indices"], op.params["limit_indices"])) != want or \
+                (strides is not None and any(x != 1 for x in strides)) or dst[axis] != src[axis] - 1:
+            fail(op, f"slices the {_NAMES[r.kind]} otherwise than to drop the sink logit")
+        sk["dropped"] = True
+        role[op.outputs[0]] = _Role(r.kind, r.stage, r.axes)
+
     def key_of(op: Any, r: _Role, axes_param: Any) -> None:
         ax = tuple(r.axes[a] for a in axes_param)
         if len(ax) != 1 or ax[0] is None or isinstance(ax[0], tuple):
@@ -519,8 +561,11 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
             fail(op, "inside the attention region does not read the scores")
         i0, r = tagged[0]
         k = r.kind
+        if p == "slice" and k in ("exp", "p") and st["sink"] is not None and not st["sink"]["dropped"]:
+            drop_sink(op, r)
+            continue
         if p in _VIEWS and len(op.inputs) == 1:
-            if k in ("max", "sum", "rsum"):      # row statistics: their keepdims broadcasts
+            if k in ("max", "smax", "sum", "rsum"):      # row statistics: their keepdims broadcasts
                 role[out] = _Role(k, r.stage, ())
                 continue
             axes = _view_axes(graph, op, r.axes, sizes)
@@ -541,7 +586,12 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
             if p == "select_n" and len(op.inputs) == 3 and i0 in (1, 2) and reselect(op, r, i0):
                 role[out] = _Role("s", st["stage"], r.axes)
                 continue
+            if p == "concatenate" and len(op.inputs) == 2:
+                sink_logit(op, r, i0)
+                continue
             latest(op, r)
+            if st["sink"] is not None and p not in ("reduce_max", "exp"):
+                fail(op, "on the scores after the sink logit joined them (only the softmax may follow it)")
             if p in ("mul", "div") and len(others) == 1:
                 a = _fold_scalar(graph, others[0])
                 if a is None:
@@ -588,12 +638,23 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
                 score_compare(op, r, i0, others[0])
                 continue
             fail(op, f"on the scores is not a scale, soft-cap, mask or softmax step")
-        if k == "max" and p in ("max", "min") and len(others) == 1:
+        if k in ("max", "smax") and p in ("max", "min") and len(others) == 1:
             v = _fold_scalar(graph, others[0])
             if p == "max" and v is not None and (v == -np.inf or v <= NEG_BOUND):
-                role[out] = _Role("max", r.stage, ())
+                role[out] = _Role(k, r.stage, ())
                 continue
             fail(op, "clamps the softmax max by something other than a very negative constant")
+        if k == "shift" and p == "reduce_max":
+            # the scores less their max, shifted again by a softmax (HF's eager gpt-oss: ``c - c.max()``
+            # then ``softmax(c)``): the second max is exactly 0, so the second shift changes nothing
+            key_of(op, r, op.params["axes"])
+            role[out] = _Role("smax", r.stage, ())
+            continue
+        if p == "sub" and len(tagged) == 2 and tagged[0][1].kind == "shift" and tagged[1][1].kind == "smax":
+            if tagged[0][1].stage != tagged[1][1].stage:
+                fail(op, "subtracts the max of different scores")
+            role[out] = _Role("shift", r.stage, r.axes)
+            continue
         if p == "sub" and len(tagged) == 2 and tagged[0][1].kind == "s" and tagged[1][1].kind == "max":
             if tagged[0][1].stage != tagged[1][1].stage:
                 fail(op, "subtracts the max of different scores")
@@ -630,6 +691,8 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
         if m.fill is not None and m.fill * m.factor > NEG_BOUND:
             raise Decline(f"masked scores are scaled to {m.fill * m.factor:g} after the mask: "
                           f"above {NEG_BOUND:g}, no longer a mask")
+    if st["sink"] is not None and not st["sink"]["dropped"]:
+        raise Decline("the sink logit's probability is not sliced off before p·v")
     if any(op.primitive not in ("convert_element_type",) for op in after_d2):
         raise Decline("ops after the second dot other than a dtype conversion")
     prob = [(i, role[x]) for i, x in enumerate(d2.inputs) if x in role]
@@ -639,7 +702,7 @@ def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
     return dict(d1=d1, d2=d2, st=st, prob=prob[0])
 
 
-_NAMES = {"s": "scores", "max": "softmax max", "shift": "scores - max", "exp": "softmax numerator",
+_NAMES = {"s": "scores", "max": "softmax max", "smax": "max of the shifted scores", "shift": "scores - max", "exp": "softmax numerator",
           "sum": "softmax sum", "rsum": "softmax 1/sum", "p": "probabilities"}
 
 
@@ -1343,6 +1406,10 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
     if keep is not None:
         keep_view = (_operand_view(graph, keep, dims, qf_d1, shape, "a runtime mask"),
                      "zero" if keep.keep is None else "nonzero" if keep.keep else "false")
+    sink = None
+    if st["sink"] is not None:
+        sk = st["sink"]
+        sink = _operand_view(graph, _Mask(sk["tensor"], None, sk["axes"]), dims, qf_d1, shape, "the sink logit")
     slopes = None
     if alibi is not None:   # one slope per kernel row: (batch..., query rows...) in canonical order
         full = np.broadcast_to(alibi, tuple(1 if a == dims["key"] else n for a, n in enumerate(shape)))
@@ -1352,7 +1419,7 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
                       float(scale), None if cap is None else float(cap), causal, int(hi_c), hi_x,
                       None if window is None else int(window), decode, empty_rows, per_row, precision,
                       slopes, bias_view, keep_view, (score[0].score, bool(score[0].keep)) if score else None,
-                      kv_cap, inclusive)
+                      kv_cap, inclusive, sink)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1398,6 +1465,14 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
         lay = lay.broadcast(full, axes) if axes else lay.reshape(()).broadcast(full, ())
         lay = lay.transpose(canon).reshape((B, H, R, T))
         return VTensor(lay, x.dtype, x.buffers, x.symbols)
+
+    def sink_of(run: Run) -> VTensor | None:
+        """The sink logits as a (B, H, R) VTensor: the (B, H, R, T) view of its operand (broadcast
+        along the keys, where it has size 1), its first key."""
+        if m.sink is None:
+            return None
+        x = bias_of(run, m.sink)
+        return VTensor(x.layout.slice((0,) * 4, (B, H, R, 1)).reshape((B, H, R)), x.dtype, x.buffers, x.symbols)
 
     def step(run: Run) -> None:
         q = view(run.vtensor(m.q), m.q_perm, (B, H, R, D))
@@ -1445,6 +1520,8 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
                 kw.update(keep=re(bias_of(run, m.keep[0]), (B, hk, g * R, T)), keep_when=m.keep[1])
             if m.score_keep is not None:
                 kw["score_keep"] = m.score_keep
+            if m.sink is not None:
+                kw["sink"] = re(sink_of(run), (B, hk, g * R))
             res = decode_attention(re(q, (B, hk, g * R, D)), per_group(k), per_group(v),
                                    sm_scale=m.scale, soft_cap=m.soft_cap, out=re(out, (B, hk, g * R, Dv)),
                                    backend=backend, empty_rows=m.empty_rows, precision=m.precision, **kw)
@@ -1463,6 +1540,8 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
                 kw.update(keep=re(bias_of(run, m.keep[0]), (B * hk, g * R, T)), keep_when=m.keep[1])
             if m.score_keep is not None:
                 kw["score_keep"] = m.score_keep
+            if m.sink is not None:
+                kw["sink"] = re(sink_of(run), (B * hk, g * R))
             res = prefill_attention(re(q, (B * hk, g * R, D)), re(per_group(k), (B * hk, T, D)),
                                     re(per_group(v), (B * hk, T, Dv)), seq_len=m.seq, sm_scale=m.scale,
                                     soft_cap=m.soft_cap, out=re(out, (B * hk, g * R, Dv)),
