@@ -24,6 +24,7 @@ FALLBACKS = {
     "moe_topk_router": ("'top_k'",),
     "int_and_bool_outputs": ("'cumsum'",),
     "attn_dropout_training": ("an iota as large as the output",),   # the tril mask; dropout declines
+    "gpt_oss_sinks_prefill_vmapped": ("an iota as large as the output",),   # triu / tril of -inf
 }
 
 # case -> the attention kernel its attention must run in (the template reached from that style)
@@ -41,6 +42,8 @@ ATTENTION = {
     "vmap_over_heads_attention": "prefill",
     "t5_relative_bias": "decode",           # the table's gather read blockwise as a bias operand
     "mla_absorbed": "decode",               # the rope scores a bias operand, scaled with the rest
+    "gpt_oss_sinks_decode": "decode",       # the sink logit an operand, folded in once per row
+    "gpt_oss_sinks_prefill_vmapped": "prefill",
 }
 
 

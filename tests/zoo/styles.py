@@ -12,7 +12,8 @@ sequence), PRNG keys made inside, ``value_and_grad``
 through transposes, ``cond`` + ``while_loop``, integer and boolean outputs; and attention as
 Mistral's rolling-buffer cache, an int8 KV cache dequantised by per-token scales, DeepSeek's MLA
 (absorbed, two score terms), Whisper's cross-attention, multi-query attention, attention dropout
-in training, ``vmap`` over heads, and a ``scan`` of decode steps.
+in training, ``vmap`` over heads, a ``scan`` of decode steps, and gpt-oss's attention sinks
+(decode with a sliding window; its reference ``sdpa`` vmapped over a batch).
 ``tests/test_styles.py`` checks each against ``jax.jit``.
 """
 import math
@@ -273,6 +274,64 @@ def int_and_bool_outputs():
 
 
 # ---- attention in more codebases' styles -----------------------------------------------------
+
+
+@case
+def gpt_oss_sinks_decode():
+    """gpt-oss's attention block ported to jax, one decode step: the QKV projection split, RoPE
+    (rotate-half) at ``pos``, the cache rows written by ``dynamic_update_slice``, the queries
+    grouped as (kv head, q_mult), a sliding window (its local layers), the learned per-head sink
+    logit concatenated to the f32 scores and its probability sliced off before ``p·v``; bf16."""
+    rnd = _rng()
+    B, T, H, KV, D, W, DM = 2, 32, 8, 2, 16, 8, 32
+    G, bf = H // KV, jnp.bfloat16
+    x, wqkv = rnd(B, DM, dtype=bf), (rnd(DM, (H + 2 * KV) * D) * DM ** -0.5).astype(bf)
+    sinks, ck, cv = rnd(H, dtype=bf), rnd(B, T, KV, D, dtype=bf), rnd(B, T, KV, D, dtype=bf)
+
+    def rope(x, pos):
+        half = D // 2
+        a = pos.astype(jnp.float32) / (150000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+        c, s = jnp.cos(a).astype(x.dtype), jnp.sin(a).astype(x.dtype)
+        x1, x2 = x[..., :half], x[..., half:]
+        return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+    def step(x, wqkv, sinks, ck, cv, pos):
+        q, k, v = jnp.split(x @ wqkv, [H * D, (H + KV) * D], axis=-1)
+        q, k, v = rope(q.reshape(B, KV, G, D), pos), rope(k.reshape(B, 1, KV, D), pos), v.reshape(B, 1, KV, D)
+        ck, cv = lax.dynamic_update_slice(ck, k, (0, pos, 0, 0)), lax.dynamic_update_slice(cv, v, (0, pos, 0, 0))
+        s = jnp.einsum("bkgd,btkd->bkgt", q, ck).astype(jnp.float32) * D ** -0.5
+        t = jnp.arange(T)
+        s = jnp.where((t <= pos) & (t > pos - W), s, -jnp.inf)
+        sk = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, KV, G, 1), (B, KV, G, 1))
+        w = jax.nn.softmax(jnp.concatenate([s, sk], axis=-1), axis=-1)[..., :-1]
+        o = jnp.einsum("bkgt,btkd->bkgd", w.astype(cv.dtype), cv)
+        return o.reshape(B, H * D), ck, cv
+    return step, (x, wqkv, sinks, ck, cv, jnp.int32(19))
+
+
+@case
+def gpt_oss_sinks_prefill_vmapped():
+    """gpt-oss's reference ``sdpa`` (one sequence: queries ``(n, kv_heads, q_mult, d)``, keys
+    expanded over ``q_mult``, an additive ``triu(-inf)`` causal mask plus a ``tril(-inf)`` sliding
+    window, the sinks reshaped to ``(kv_heads, q_mult, 1, 1)`` and expanded over the tokens,
+    ``softmax(cat([QK, S]))[..., :-1]``), ported line by line and ``jax.vmap``-ed over a batch."""
+    rnd = _rng()
+    B, n, KV, G, D, W = 2, 12, 2, 2, 16, 4
+    Q, K, V, S = rnd(B, n, KV, G, D), rnd(B, n, KV, D), rnd(B, n, KV, D), rnd(KV * G)
+
+    def sdpa(Q, K, V, S):
+        K = jnp.broadcast_to(K[:, :, None, :], (n, KV, G, D))
+        V = jnp.broadcast_to(V[:, :, None, :], (n, KV, G, D))
+        S = jnp.broadcast_to(S.reshape(KV, G, 1, 1), (KV, G, n, 1))
+        mask = jnp.triu(jnp.full((n, n), -jnp.inf), k=1)
+        mask = mask + jnp.tril(jnp.full((n, n), -jnp.inf), k=-W)
+        QK = jnp.einsum("qhmd,khmd->hmqk", Q, K) * (1.0 / math.sqrt(D)) + mask[None, None, :, :]
+        Wt = jax.nn.softmax(jnp.concatenate([QK, S], axis=-1), axis=-1)[..., :-1]
+        return jnp.einsum("hmqk,khmd->qhmd", Wt, V).reshape(n, -1)
+
+    def step(Q, K, V, S):
+        return jax.vmap(sdpa, in_axes=(0, 0, 0, None))(Q, K, V, S)
+    return step, (Q, K, V, S)
 
 
 @case

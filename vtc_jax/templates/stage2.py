@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from ..graph import Graph
+from ..kernels.vio import VTensor
 from ..primitives import block_safe
 
 __all__ = ["block_supported", "block_fn", "const_value", "kernel_inputs", "broadcast_input", "buffers_of"]
@@ -68,7 +69,6 @@ def const_value(graph: Graph, t: int) -> Any:
 
 def broadcast_input(x: Any, shape: tuple[int, ...]) -> Any:
     """Numpy-rule broadcast of a kernel input to ``shape`` — through its layout, never a copy."""
-    from ..kernels.vio import VTensor
     if not isinstance(x, VTensor) or tuple(x.shape) == shape:
         return x
     lay = x.layout
