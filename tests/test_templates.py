@@ -282,8 +282,7 @@ def test_group_norm_statistics_over_non_adjacent_axes(groups):
     C/G), mean and variance over (H, W, C/G) — not adjacent — with keepdims, normalised in that
     view (the affine part per group): the row kernel reads and writes S through a transpose that
     puts the reduced axes last (no copy), equal to jit. (Normalising after reshaping back to
-    (N, H, W, C) inside the cluster — flax's ``nn.GroupNorm``, a per-channel scale — is another
-    row space: declined by the matcher.)"""
+    (N, H, W, C) — flax's ``nn.GroupNorm``, a per-channel scale — is the next test's.)"""
     def f(x, w, scale, bias):
         h = jnp.tanh(x @ w).reshape(2, 4, 4, groups, 16 // groups)
         mu = jnp.mean(h, axis=(1, 2, 4), keepdims=True)
@@ -295,6 +294,71 @@ def test_group_norm_statistics_over_non_adjacent_axes(groups):
     opt, out, msgs = _run(f, *args)
     check_close(out, jax.jit(f)(*args), rtol=1e-5)
     assert any(k.startswith("reduction") for k in opt.last[1].kernels), opt.last[1].kernels
+
+
+def _group_norm(spelling, groups):
+    """A GroupNorm over 16 channels as codebases write it: flax's ``nn.GroupNorm`` (channels last:
+    statistics of ``(N, H, W, G, C/G)`` broadcast to ``(N, G, C/G)``, reshaped to ``(N, C)`` and
+    ``(N, 1, 1, C)``, applied to ``(N, H, W, C)`` with a per-channel scale and bias); a PyTorch
+    port on NCHW (``(N, G, C/G·H·W)`` statistics, the affine part ``weight[None, :, None, None]``
+    on ``(N, C, H, W)``); equinox's ``GroupNorm`` vmapped over channel-first samples."""
+    if spelling == "flax":
+        import flax.linen as nn
+        gn = nn.GroupNorm(num_groups=groups)
+        params = gn.init(jax.random.PRNGKey(1), jnp.ones((2, 4, 4, 16)))
+        return lambda x: gn.apply(params, x), (2, 4, 4, 16)
+    if spelling == "equinox":
+        import equinox as eqx
+        gn = eqx.nn.GroupNorm(groups, 16)
+        return lambda x: jax.vmap(gn)(x), (2, 16, 4, 4)
+    w, b = jnp.linspace(0.5, 1.5, 16), jnp.linspace(-1.0, 1.0, 16)
+
+    def torch_port(x):   # x (N, C, H, W)
+        n = x.shape[0]
+        h = x.reshape(n, groups, -1)
+        mu, var = h.mean(-1, keepdims=True), h.var(-1, keepdims=True)
+        h = ((h - mu) / jnp.sqrt(var + 1e-5)).reshape(x.shape)
+        return h * w[None, :, None, None] + b[None, :, None, None]
+    return torch_port, (2, 16, 4, 4)
+
+
+@pytest.mark.parametrize("groups", [1, 4, 16])
+@pytest.mark.parametrize("spelling", ["flax", "torch_port", "equinox"])
+def test_group_norm_statistics_applied_in_another_layout(spelling, groups):
+    """GroupNorm whose statistics are applied to the unsplit ``(N, H, W, C)`` (or ``(N, C, H,
+    W)``): each tensor of that layout is read as S's by splitting its axes (``_refine``), and the
+    statistics' broadcasts and reshapes into it are checked row by row (``_statistic_rows``), so
+    the whole norm, its affine part and the SiLU after it are row-reduction kernels, no fallback,
+    equal to jit (one group: LayerNorm over all; 16: InstanceNorm)."""
+    norm, shape = _group_norm(spelling, groups)
+
+    def f(x, w):
+        return jax.nn.silu(norm(jnp.tanh(x @ w).reshape(shape)))
+    args = _rand((32, 8), (8, 16))
+    opt, out, msgs = _run(f, *args)
+    check_close(out, jax.jit(f)(*args), rtol=1e-5)
+    assert not msgs, msgs
+    assert any(k.startswith("reduction") for k in opt.last[1].kernels), opt.last[1].kernels
+    if spelling == "flax" and groups == 4:
+        mod = cross_lower(vtc_jax.optimize(f, backend="triton", guard=None), *args)
+        assert any(k.name.startswith("reduction") for k in mod.triton_kernels), mod.triton_kernels
+
+
+def test_group_statistics_laid_out_across_the_wrong_channels_are_declined():
+    """Statistics of ``(N, G)`` broadcast to ``(N, C/G, G)`` before the reshape to ``(N, C)`` land
+    on channel ``j·G + g``, not on their group's ``g·C/G + j``: not a row's statistic (the check
+    carries row indices through the views), so the template declines, named, and the program
+    stays equal to jit."""
+    def f(x):
+        h = x.reshape(2, 4, 4, 4, 4)
+        mu = h.mean(axis=(1, 2, 4))                                   # (N, G)
+        wrong = jnp.broadcast_to(mu[:, None, :], (2, 4, 4)).reshape(2, 16)
+        return x - wrong[:, None, None, :]
+    (x,) = _rand((2, 4, 4, 16))
+    reasons = [why for _, kind, why in vtc_jax.explain(f)(x).templates if kind == "reduction"]
+    assert any("other than along their rows" in r for r in reasons), reasons
+    opt, out, msgs = _run(f, x)
+    check_close(out, jax.jit(f)(x), rtol=1e-6)
 
 
 @pytest.mark.parametrize("spelling", ["jnp.var", "jnp.std", "equinox"])

@@ -9,11 +9,21 @@ cluster's own primitives on blocks, with the view ops that only move the size-1 
 (keepdims broadcast, reshape, squeeze) as identities: in block space a statistic is
 already ``(rows, 1)``. Math stays in the program's dtypes (``upcast=False``: the kernel
 accumulates in whatever dtype the traced reduce does).
+
+A tensor may be laid out in another factorisation of ``S`` — flax's ``nn.GroupNorm`` reduces
+``(N, H, W, G, C/G)`` and applies the statistics and its per-channel scale to ``(N, H, W, C)`` —:
+its axes are split into S's (:func:`_refine`; where such a tensor is finer than ``S``, the row
+space is their common refinement, :func:`_row_space`), and a statistic broadcast and reshaped into
+it must still hold each element's own row's value (:func:`_statistic_rows`, checked numerically
+with row indices), so that in block space it is a ``(rows, 1)`` statistic like any other.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from ..cluster import Cluster
 from ..graph import Graph
@@ -43,6 +53,10 @@ class ReductionMatch:
     perm: tuple[int, ...] | None = None    # reduced axes not adjacent (GroupNorm's (H, W, C/G) of
                                            # (N, H, W, G, C/G)): the kernel reads and writes S
                                            # through this transpose, the reduced axes last
+    refined: tuple[tuple[int, tuple[int, ...]], ...] = ()   # inputs / outputs laid out in another
+                                           # factorisation of S (flax's GroupNorm applies its
+                                           # statistics to (N, H, W, C), S being (N, H, W, G, C/G)):
+                                           # their shape with its axes split into S's
 
     @property
     def space(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -78,6 +92,140 @@ def _klass(shape: tuple[int, ...], s: tuple[int, ...], axes: tuple[int, ...]) ->
     return None
 
 
+def _groupings(s: tuple[int, ...], shapes: Sequence[tuple[int, ...]]) -> list[list[list[int]]]:
+    """The ways the cluster's full-size tensors of another rank factor S: for each such shape (as
+    many elements as S), its axes as consecutive runs of S's axes with the same products, matched
+    from the minor end (``(N, H, W, C)`` over ``(N, H, W, G, C/G)``: ``[[0], [1], [2], [3, 4]]``)."""
+    out = []
+    size = math.prod(s)
+    for sh in {tuple(x) for x in shapes if math.prod(x) == size and len(x) != len(s) and len(x) > 0}:
+        runs: list[list[int]] = []
+        j = len(s)
+        for n in reversed(sh):
+            run, prod = [], 1
+            while j > 0 and (prod < n or (n == 1 and not run)) and prod * s[j - 1] <= n:
+                j -= 1
+                run.insert(0, j)
+                prod *= s[j]
+            while j > 0 and s[j - 1] == 1 and run and prod == n and len(runs) + 1 == len(sh):
+                j -= 1
+                run.insert(0, j)
+            if prod != n:
+                break
+            runs.insert(0, run)
+        else:
+            if j == 0 and len(runs) == len(sh):
+                out.append(runs)
+    return out
+
+
+def _row_space(s: tuple[int, ...], axes: tuple[int, ...], shapes: Sequence[tuple[int, ...]]
+               ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The kernel's row space: S, or — where a full-size tensor of the cluster splits S's reduced
+    axes more finely (a PyTorch-style GroupNorm reduces ``(N, G, C/G·H·W)`` and applies its scale
+    to ``(N, C, H, W)``) — the common refinement of S and those shapes, with the reduced axes
+    those S's reduced axes split into. S where there is no refinement, or where it would split a
+    kept axis (the statistics' own shape must stay)."""
+    size = math.prod(s)
+    fulls = {tuple(x) for x in shapes if math.prod(x) == size and tuple(x) != tuple(s)}
+    if not fulls or all(_groupings(s, [x]) or len(x) == len(s) for x in fulls):
+        return s, axes
+
+    def suffixes(x: Sequence[int]) -> set[int]:
+        out, p = set(), 1
+        for n in reversed(x):
+            p *= n
+            out.add(p)
+        return out
+    marks = sorted(suffixes(s).union(*(suffixes(x) for x in fulls)) - {1})
+    if any(b % a for a, b in zip(marks, marks[1:])):
+        return s, axes
+    fine = tuple(b // a for a, b in zip([1] + marks[:-1], marks))[::-1]   # major to minor
+    # S's axis a covers the refined axes whose suffix products lie in [inner(a), inner(a) * S[a]);
+    # S's size-1 axes stay where they are (the statistics keep their shape)
+    inner = [math.prod(s[a + 1:]) for a in range(len(s))]
+    fine_inner = [math.prod(fine[i + 1:]) for i in range(len(fine))]
+    owner = [next(a for a in range(len(s)) if inner[a] <= ri < inner[a] * s[a]) for ri in fine_inner]
+    ref: list[int] = []
+    ref_owner: list[int] = []
+    for a in range(len(s)):
+        dims = [n for n, o in zip(fine, owner) if o == a] if s[a] != 1 else [1]
+        ref += dims
+        ref_owner += [a] * len(dims)
+    if any(len([o for o in ref_owner if o == a]) != 1 for a in range(len(s)) if a not in axes):
+        return s, axes   # a kept axis split: the statistics would change shape
+    return tuple(ref), tuple(i for i, a in enumerate(ref_owner) if a in axes)
+
+
+def _refine(shape: tuple[int, ...], s: tuple[int, ...], groupings: Sequence[list[list[int]]]
+            ) -> tuple[int, ...] | None:
+    """``shape`` with its axes split into S's by one of ``groupings`` (an axis of size 1 into 1s),
+    where it has that grouping's rank and broadcasts against it; S's rank: itself; else None."""
+    if len(shape) == len(s) and all(n in (1, m) for n, m in zip(shape, s)):
+        return tuple(shape)
+    for runs in groupings:
+        if len(runs) != len(shape):
+            continue
+        full = [math.prod(s[a] for a in r) for r in runs]
+        if all(n in (1, f) for n, f in zip(shape, full)):
+            return tuple(d for n, r in zip(shape, runs) for d in ((s[a] for a in r) if n != 1 else (1,) * len(r)))
+    return None
+
+
+def _statistic_rows(graph: Graph, ops: Sequence[Any], reds: Sequence[Any], s: tuple[int, ...],
+                    axes: tuple[int, ...], groupings: Sequence[list[list[int]]]) -> set[int]:
+    """The tensors computed from the statistics alone (element-wise work and broadcasts /
+    reshapes of them, scalar constants beside), each checked to hold, for every element of S it
+    is applied to, the statistic of that element's row — numerically: a row index carried through
+    the views (flax's GroupNorm broadcasts its ``(N, G)`` statistics to ``(N, G, C/G)``, reshapes
+    them to ``(N, C)`` and to ``(N, 1, 1, C)`` before applying them to ``(N, H, W, C)``, each a
+    statistic in block space). A tensor of S's factorisation that does not is a Decline."""
+    stat_shape = tuple(n for i, n in enumerate(s) if i not in axes)
+    rows = np.arange(math.prod(stat_shape), dtype=np.int64).reshape(stat_shape)
+    want = rows.reshape(tuple(1 if i in axes else n for i, n in enumerate(s)))
+    ids: dict[int, np.ndarray] = {op.outputs[0]: rows for op in reds}
+
+    def scalar(t: int) -> bool:
+        return graph.tensors[t].const is not None and graph.tensors[t].size == 1
+
+    made = {t for op in ops for t in op.outputs}
+    for op in ops:   # statistics read from outside (another cluster's): one value per row, by shape
+        for t in op.inputs:
+            if t not in made and tuple(graph.tensors[t].shape) in (stat_shape, want.shape):
+                ids[t] = rows.reshape(graph.tensors[t].shape)
+
+    for op in ops:
+        if op in reds or not op.inputs or not all(x in ids or scalar(x) for x in op.inputs):
+            continue
+        vals = [ids[x] for x in op.inputs if x in ids]
+        if op.primitive in _STAT_VIEWS:
+            p = op.params
+            src = vals[0]
+            if op.primitive == "broadcast_in_dim":
+                shape = tuple(p["shape"])
+                src = src.reshape(tuple(shape[d] if src.shape[i] != 1 else 1
+                                        for i, d in enumerate(p["broadcast_dimensions"])))
+                src = np.broadcast_to(np.expand_dims(src, tuple(a for a in range(len(shape))
+                                                                 if a not in p["broadcast_dimensions"])), shape)
+                out = src
+            else:
+                out = np.reshape(src, graph.tensors[op.outputs[0]].shape)
+        elif len(op.outputs) == 1 and block_safe(op.primitive):
+            shape = tuple(graph.tensors[op.outputs[0]].shape)
+            b = [np.broadcast_to(v, shape) for v in vals]
+            if any(not np.array_equal(b[0], v) for v in b[1:]):
+                raise Decline(f"{op.primitive} combines statistics of different rows")
+            out = b[0]
+        else:
+            continue
+        ids[op.outputs[0]] = out
+        r = _refine(out.shape, s, groupings)
+        if r is not None and not np.array_equal(np.broadcast_to(out.reshape(r), s), np.broadcast_to(want, s)):
+            raise Decline(f"{op.primitive} lays statistics of shape {stat_shape} out over {out.shape} "
+                          f"other than along their rows of {s}")
+    return set(ids)
+
+
 def _match(graph: Graph, c: Cluster) -> ReductionMatch:
     ops = [graph.ops[o] for o in c.ops]
     reds = [op for op in ops if role_of(op, graph) is Role.REDUCTION]
@@ -93,28 +241,43 @@ def _match(graph: Graph, c: Cluster) -> ReductionMatch:
     axes, s = next(iter(axes_set)), next(iter(shapes))
     if not axes:
         raise Decline("reduces no axis")
+    every = [tuple(graph.tensors[t].shape) for op in ops for t in (*op.inputs, *op.outputs)]
+    s, axes = _row_space(s, axes, every)
     perm = None
     if list(axes) != list(range(axes[0], axes[-1] + 1)):   # read through a transpose: reduced axes last
         perm = tuple(a for a in range(len(s)) if a not in axes) + tuple(axes)
     if all(s[a] == 1 for a in axes):
         raise Decline("reduces size-1 axes")
+    groupings = _groupings(s, every)
+    stat_rows = _statistic_rows(graph, ops, reds, s, axes, groupings)
     klass: dict[int, str] = {}
+    refined: dict[int, tuple[int, ...]] = {}
     for op in ops:
         for t in (*op.inputs, *op.outputs):
             if graph.tensors[t].const is not None and graph.tensors[t].size == 1:
                 continue
-            k = _klass(tuple(graph.tensors[t].shape), s, axes)
+            shape = tuple(graph.tensors[t].shape)
+            r = _refine(shape, s, groupings)
+            k = _klass(r if r is not None else shape, s, axes)
+            if k is None and t in stat_rows:
+                k = "sview"   # statistics laid out another way, checked row by row: (rows, 1) in blocks
+            elif k is None and r is not None and t not in stat_rows and all(
+                    a in (1, b) for a, b in zip(r, s)):
+                k = "row"     # broadcast along some reduced axes (a per-channel scale of a GroupNorm)
             if k is None:
-                raise Decline(f"t{t} of shape {graph.tensors[t].shape} is neither a row of {s} "
-                              f"nor a statistic over axes {axes}")
+                what = op.primitive if t in op.outputs else "an input"
+                raise Decline(f"a {shape} value ({what}) is neither a row of {s} nor a statistic over "
+                              f"axes {axes}")
             klass[t] = k
+            if r is not None and r != shape:
+                refined[t] = r
     for op in ops:
         if op in reds:
             continue
         if op.primitive in _STAT_VIEWS:
             a, b = klass.get(op.inputs[0]), klass.get(op.outputs[0])
-            if a == "row" and (b != "row" or graph.tensors[op.inputs[0]].shape != graph.tensors[op.outputs[0]].shape) \
-                    and op.primitive != "broadcast_in_dim":
+            src, dst = (refined.get(t, tuple(graph.tensors[t].shape)) for t in (op.inputs[0], op.outputs[0]))
+            if a == "row" and (b != "row" or src != dst) and op.primitive != "broadcast_in_dim":
                 raise Decline(f"{op.primitive} reshapes the rows")
             continue
         if not block_safe(op.primitive) or op.primitive == "broadcast_in_dim":
@@ -145,7 +308,9 @@ def _match(graph: Graph, c: Cluster) -> ReductionMatch:
     inputs = kernel_inputs(graph, c)
     row_out = tuple(t for t in c.outputs if klass.get(t) == "row")
     red_out = tuple(t for t in c.outputs if klass.get(t) in ("stat", "kstat"))
-    if any(tuple(graph.tensors[t].shape) != s for t in row_out):
+    if any(klass.get(t) == "sview" for t in c.outputs):
+        raise Decline("a statistic output laid out over other axes than the statistics'")
+    if any(refined.get(t, tuple(graph.tensors[t].shape)) != s for t in row_out):
         raise Decline("a row output smaller than the row space")
     if len({klass[t] for t in red_out}) > 1:
         raise Decline("statistic outputs with and without keepdims")
@@ -162,7 +327,8 @@ def _match(graph: Graph, c: Cluster) -> ReductionMatch:
     if not all(only_stats(t) for t in red_out):
         raise Decline("a statistic output depends on more than the statistics")
     return ReductionMatch(s, axes, inputs, stat_in, passes, row_out, red_out,
-                          bool(red_out) and klass[red_out[0]] == "kstat", perm)
+                          bool(red_out) and klass[red_out[0]] == "kstat", perm,
+                          tuple(sorted((t, r) for t, r in refined.items() if t in inputs or t in c.outputs)))
 
 
 def _evaluator(graph: Graph, c: Cluster, m: ReductionMatch, stats: Sequence[int],
@@ -229,10 +395,16 @@ def _build(graph: Graph, c: Cluster, m: ReductionMatch, backend: str) -> Step:
         x = VTensor.of(x)
         return x if m.perm is None else VTensor(x.layout.transpose(m.perm), x.dtype, x.buffers, x.symbols)
 
+    refined = dict(m.refined)
+
+    def in_s(t: int, x: Any) -> Any:
+        """``x`` (tensor ``t``) with its axes split into S's where it is laid out in another factorisation."""
+        return view(VTensor.of(x), refined[t]) if t in refined else x
+
     def step(run: Run) -> None:
         ins = []
         for t in m.inputs:
-            x = VTensor.of(run.vtensor(t))
+            x = in_s(t, VTensor.of(run.vtensor(t)))
             if t in m.stat_inputs:   # S without the axes: a size-1 axis to broadcast along
                 x = VTensor(x.layout.expand_dims((a0,)), x.dtype, x.buffers, x.symbols)
             elif len(x.shape) == len(s) and all(x.shape[a] == 1 for a in m.axes):
@@ -241,7 +413,7 @@ def _build(graph: Graph, c: Cluster, m: ReductionMatch, backend: str) -> Step:
             else:                    # a row: broadcast to S, then merge the reduced axes
                 x = view(moved(broadcast_input(x, s)), merged)
             ins.append(x)
-        outs = [view(moved(run.out_vtensor(t)), merged) for t in m.row_outputs]
+        outs = [view(moved(in_s(t, run.out_vtensor(t))), merged) for t in m.row_outputs]
         outs += [view(moved(run.out_vtensor(t)), kmerged) if m.keepdims else run.out_vtensor(t)
                  for t in m.red_outputs]
         res = row_reduce(ins, passes, epi, reduced=red, axis=a0, keepdims=m.keepdims, outs=outs,
@@ -255,12 +427,16 @@ def _build(graph: Graph, c: Cluster, m: ReductionMatch, backend: str) -> Step:
 
 def _match_checked(graph: Graph, c: Cluster) -> ReductionMatch:
     m = _match(graph, c)
-    if not m.inputs or tuple(graph.tensors[m.inputs[0]].shape) != m.shape:
-        first = [t for t in m.inputs if tuple(graph.tensors[t].shape) == m.shape]
+    refined = dict(m.refined)
+
+    def spans(t: int) -> bool:
+        return refined.get(t, tuple(graph.tensors[t].shape)) == m.shape
+    if not m.inputs or not spans(m.inputs[0]):
+        first = [t for t in m.inputs if spans(t)]
         if not first:
             raise Decline("no input spans the whole row space")
         m = ReductionMatch(m.shape, m.axes, (first[0], *(t for t in m.inputs if t != first[0])),
-                           m.stat_inputs, m.passes, m.row_outputs, m.red_outputs, m.keepdims, m.perm)
+                           m.stat_inputs, m.passes, m.row_outputs, m.red_outputs, m.keepdims, m.perm, m.refined)
     return m
 
 
