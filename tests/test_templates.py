@@ -329,7 +329,8 @@ def test_group_norm_statistics_applied_in_another_layout(spelling, groups):
     W)``): each tensor of that layout is read as S's by splitting its axes (``_refine``), and the
     statistics' broadcasts and reshapes into it are checked row by row (``_statistic_rows``), so
     the whole norm, its affine part and the SiLU after it are row-reduction kernels, no fallback,
-    equal to jit (one group: LayerNorm over all; 16: InstanceNorm)."""
+    equal to jit (one group: LayerNorm over all; 16: InstanceNorm). flax's two statistics, ``E[x]``
+    and ``E[x²]`` of the same rows, are one cluster: one kernel reading the rows once for both."""
     norm, shape = _group_norm(spelling, groups)
 
     def f(x, w):
@@ -339,6 +340,11 @@ def test_group_norm_statistics_applied_in_another_layout(spelling, groups):
     check_close(out, jax.jit(f)(*args), rtol=1e-5)
     assert not msgs, msgs
     assert any(k.startswith("reduction") for k in opt.last[1].kernels), opt.last[1].kernels
+    if spelling == "flax":   # E[x] and E[x²] one pass over the rows: one kernel (cluster._sibling_statistic)
+        (x4,) = _rand(shape, seed=1)
+        opt4, out4, msgs4 = _run(norm, x4)
+        check_close(out4, jax.jit(norm)(x4), rtol=1e-5)
+        assert sum(k.startswith("reduction") for k in opt4.last[1].kernels) == 1, opt4.last[1].kernels
     if spelling == "flax" and groups == 4:
         mod = cross_lower(vtc_jax.optimize(f, backend="triton", guard=None), *args)
         assert any(k.name.startswith("reduction") for k in mod.triton_kernels), mod.triton_kernels

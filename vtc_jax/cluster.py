@@ -307,10 +307,21 @@ def _grow_reduction(graph: Graph, roles: list[Kind], groups: _Groups, gid: int, 
         backward = {p.id for o in members for t in graph.ops[o].inputs if (p := graph.producer(t))}
         for p in sorted(backward, reverse=True):
             users = {c.id for t in graph.ops[p].outputs for c in graph.consumers(t)}
-            if (groups.free(p) and roles[p] is Kind.POINTWISE and fits(p) and users <= members
+            if (groups.free(p) and fits(p) and users <= members
+                    and (roles[p] is Kind.POINTWISE or _sibling_statistic(graph, roles, p, seed))
                     and not set(graph.ops[p].outputs) & set(graph.outputs)):
                 changed |= groups.try_add(gid, p)
     _drop_escaping_movement(graph, groups, gid)
+
+
+def _sibling_statistic(graph: Graph, roles: list[Kind], o: int, seed: Op) -> bool:
+    """A reduce over the seed's axes of a tensor of the seed's input shape, read only by the
+    seed's cluster: another statistic of the same rows (``E[x²]`` beside ``E[x]``, as flax's
+    GroupNorm and LayerNorm compute the variance), computed in the same pass over the rows."""
+    op = graph.ops[o]
+    return (roles[o] is Kind.REDUCTION and op.primitive == seed.primitive
+            and tuple(op.params.get("axes", ())) == tuple(seed.params.get("axes", ()))
+            and graph.tensors[op.inputs[0]].shape == graph.tensors[seed.inputs[0]].shape)
 
 
 def _drop_escaping_movement(graph: Graph, groups: _Groups, gid: int) -> None:
