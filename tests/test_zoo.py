@@ -191,6 +191,16 @@ def test_serving_and_groupnorm_programs_match_jit_in_every_mode(name, mode):
     check_close(out, ref)
 
 
+def test_groupnorm_block_norms_are_reduction_kernels():
+    """The U-Net block's flax ``nn.GroupNorm``s (statistics of ``(N, H, W, G, C/G)`` applied to
+    ``(N, H, W, C)``) each run in one row-reduction kernel: both statistics in one pass, the
+    normalisation, the affine part and the SiLU in its epilogue; nothing of them falls back."""
+    step, args, _, _ = _groupnorm_block()
+    report = vtc_jax.explain(step, guard=None)(*args)
+    verdicts = [why for _, kind, why in report.templates if kind == "reduction"]
+    assert len(verdicts) == 2 and all(v == "kernel" for v in verdicts), report.templates
+
+
 @pytest.mark.parametrize("name,mode", list(_cases()))
 def test_zoo_matches_jit(name, mode, record_property):
     step, example_args, donate, axes = MODELS[name]
