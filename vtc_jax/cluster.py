@@ -285,8 +285,10 @@ def _grow_prologue(graph: Graph, roles: list[Kind], groups: _Groups, gid: int, r
             x = big[0]
 
 
-def _grow_reduction(graph: Graph, roles: list[Kind], groups: _Groups, gid: int, seed: Op) -> None:
-    """Absorb the row-wise prologue/epilogue of a reduce op (norms, softmax)."""
+def _grow_reduction(graph: Graph, roles: list[Kind], groups: _Groups, gid: int, seed: Op,
+                    siblings: bool = True) -> None:
+    """Absorb the row-wise prologue/epilogue of a reduce op (norms, softmax) and, with
+    ``siblings``, its sibling statistics (:func:`_sibling_statistic`)."""
     domain = graph.tensors[seed.inputs[0]].size
 
     def fits(o: int) -> bool:  # stays within the row space of the reduction's input
@@ -308,7 +310,7 @@ def _grow_reduction(graph: Graph, roles: list[Kind], groups: _Groups, gid: int, 
         for p in sorted(backward, reverse=True):
             users = {c.id for t in graph.ops[p].outputs for c in graph.consumers(t)}
             if (groups.free(p) and fits(p) and users <= members
-                    and (roles[p] is Kind.POINTWISE or _sibling_statistic(graph, roles, p, seed))
+                    and (roles[p] is Kind.POINTWISE or siblings and _sibling_statistic(graph, roles, p, seed))
                     and not set(graph.ops[p].outputs) & set(graph.outputs)):
                 changed |= groups.try_add(gid, p)
     _drop_escaping_movement(graph, groups, gid)
@@ -355,11 +357,15 @@ def _merge_connected(graph: Graph, roles: list[Kind], groups: _Groups, kind: Kin
                 groups.try_merge(pg, groups.of[op.id])
 
 
-def cluster(graph: Graph, *, not_attention: frozenset[int] = frozenset()) -> tuple[Cluster, ...]:
+def cluster(graph: Graph, *, not_attention: frozenset[int] = frozenset(),
+            siblings: bool = True) -> tuple[Cluster, ...]:
     """Partition `graph.ops` into kernel-shaped clusters, in topological order.
 
     ``not_attention``: first-dot op ids whose attention region the attention template declined;
-    their ops are clustered as matmuls, reductions and pointwise ops instead."""
+    their ops are clustered as matmuls, reductions and pointwise ops instead. ``siblings``: a
+    reduction cluster takes its sibling statistics (one kernel computes both in a pass); the
+    model of XLA starts from clusters without them (``xla.xla_clusters``: XLA fuses sibling
+    reductions by its own rule, and its normalisation is a launch apart)."""
     roles = [_role(op, graph) for op in graph.ops]
     groups = _Groups(graph)
     for op in graph.ops:
@@ -374,7 +380,7 @@ def cluster(graph: Graph, *, not_attention: frozenset[int] = frozenset()) -> tup
                 _grow_prologue(graph, roles, groups, gid, op)
             _grow_epilogue(graph, roles, groups, gid, op)
     while seeds := [op for op in graph.ops if roles[op.id] is Kind.REDUCTION and groups.free(op.id)]:
-        _grow_reduction(graph, roles, groups, groups.make(Kind.REDUCTION, {seeds[0].id}), seeds[0])
+        _grow_reduction(graph, roles, groups, groups.make(Kind.REDUCTION, {seeds[0].id}), seeds[0], siblings)
     _merge_connected(graph, roles, groups, Kind.POINTWISE, same_shape=True)
     _merge_connected(graph, roles, groups, Kind.GLUE, same_shape=False)
     for op in graph.ops:

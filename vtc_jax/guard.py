@@ -30,14 +30,13 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .cluster import cluster
 from .compat import abstract, varying_axes, vary
 from .costmodel import ENGINE_OF_KIND, GPU, GPUS, cluster_math, kernel_flops, kernel_waste, strategy_oracles
 from .graph import Graph, trace
 from .offline import compile_program, h100_devices
 from .primitives import KERNEL_CALLS, is_movement_op
 from .profiling import MAX_CALLS, device_inputs, handed_on, last_positions, threaded, time_interleaved
-from .xla import Price, xla_program
+from .xla import Price, xla_clusters, xla_program
 
 __all__ = ["GUARDS", "PLAIN", "UNDONE", "PRUNE_MIN", "WIN_MARGIN", "Verdict", "price_plain", "price_emitted", "kernel_math", "emitted_graph", "judge", "clear", "blame", "compiled", "measured", "room_to_time", "calls_that_fit", "timed_loss", "MiB", "apart"]
 
@@ -76,7 +75,7 @@ class Verdict:
 
 def price_plain(graph: Graph, donated: frozenset[int]) -> Price:
     """Plain ``jax.jit`` of the traced function, as XLA fuses it (modelled)."""
-    return xla_program(graph, cluster(graph), donated)
+    return xla_program(graph, xla_clusters(graph), donated)
 
 
 def emitted_graph(closed: Any) -> Graph:
@@ -116,7 +115,7 @@ def price_emitted(graph: Graph, emitted: Graph, donated: frozenset[int],
     tensor ids of ``graph``'s inputs; the emitted program takes the same flat inputs; ``math`` is
     :func:`kernel_math` of its kernel calls."""
     don = frozenset(emitted.inputs[graph.inputs.index(t)] for t in donated if t in graph.inputs)
-    return xla_program(emitted, cluster(emitted), don, math)
+    return xla_program(emitted, xla_clusters(emitted), don, math)
 
 
 def judge(plain: Price, vtc: Price, gpu: GPU = GPUS["h100-sxm"], by: str = "model") -> Verdict:
@@ -154,7 +153,7 @@ def blame(graph: Graph, clusters: Sequence[Any], plain: Price, emitted: Graph, v
     if len(calls) != len(kernel_clusters):
         return []
     owner = {op.id: cid for op, cid in zip(calls, kernel_clusters) if cid is not None}
-    vcl = cluster(emitted)
+    vcl = xla_clusters(emitted)
     cost: dict[int, float] = {}
     what: dict[int, list[str]] = {}
     readers: dict[int, set[int]] = {}   # tensor -> clusters whose kernels read it
@@ -172,7 +171,7 @@ def blame(graph: Graph, clusters: Sequence[Any], plain: Price, emitted: Graph, v
             cost[cid] = cost.get(cid, 0.0) + sec(f) / len(mine)
             what.setdefault(cid, []).append(f"{f.what} {f.bytes / MiB:,.2f} MiB")
     by_id = {c.id: c for c in clusters}
-    pcl = cluster(graph)
+    pcl = xla_clusters(graph)
     for f in plain.fusions:
         ops = {o for k in f.clusters for o in pcl[k].ops if not is_movement_op(graph.ops[o], graph)}
         if not ops:

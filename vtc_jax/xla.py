@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from jax import lax
 
-from .cluster import Cluster
+from .cluster import Cluster, cluster
 from .compat import (XLA_BROADCASTS_BIAS_OF_MERGED_GEMMS, XLA_COPIES_PART_OF_ROWS, XLA_COPIES_SCATTERED_CACHE_AGAIN,
                      XLA_DOT_MERGER_JOINS_ONE_WITHIN, XLA_DOT_MERGER_MAX_BYTES, XLA_EPILOGUE_READS_OTHER_GEMMS,
                      XLA_GEMM_REORDERS_BATCHES, XLA_MASKS_REGROUPED_SCORES_APART, XLA_RELAYS_SPLIT_FREE_RHS, XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA,
@@ -38,7 +38,7 @@ from .primitives import (KERNEL_CALLS, TABLE, Kind, Role, data_inputs, inplace_o
                          kernel_aliases)
 from .templates import TEMPLATES, Match
 
-__all__ = ["Facts", "LIBRARY_KINDS", "CAST_ONLY", "MATH_CLASSES", "Fusion", "Price", "op_flops", "math_class",
+__all__ = ["xla_clusters", "Facts", "LIBRARY_KINDS", "CAST_ONLY", "MATH_CLASSES", "Fusion", "Price", "op_flops", "math_class",
            "pointwise_islands", "xla_fuses", "xla_plain", "xla_program"]
 
 LIBRARY_KINDS = frozenset(k for k, t in TEMPLATES.items() if t.library)   # XLA calls cuBLAS / cuDNN
@@ -487,6 +487,13 @@ def xla_plain(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] 
     """Launches and HBM bytes of plain ``jax.jit`` (:func:`xla_program`), as ``Report.modeled`` keys."""
     p = xla_program(graph, clusters, donated)
     return {"kernels_xla": p.launches, "bytes_xla": p.bytes}
+
+
+def xla_clusters(graph: Graph) -> tuple[Cluster, ...]:
+    """The groups the model of XLA starts from: :func:`cluster.cluster` without sibling
+    statistics — XLA's fusions of sibling reductions are this module's own rule, and a norm's
+    statistics and its normalisation are launches apart in XLA however VTC's kernel joins them."""
+    return cluster(graph, siblings=False)
 
 
 def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int] = (),
