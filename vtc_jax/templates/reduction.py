@@ -220,7 +220,9 @@ def _statistic_rows(graph: Graph, ops: Sequence[Any], reds: Sequence[Any], s: tu
             continue
         ids[op.outputs[0]] = out
         r = _refine(out.shape, s, groupings)
-        if r is not None and not np.array_equal(np.broadcast_to(out.reshape(r), s), np.broadcast_to(want, s)):
+        # both sides are broadcasts of S: compared over their joint shape, not all of S's elements
+        joint = np.broadcast_shapes(r, want.shape) if r is not None else None
+        if r is not None and not np.array_equal(np.broadcast_to(out.reshape(r), joint), np.broadcast_to(want, joint)):
             raise Decline(f"{op.primitive} lays statistics of shape {stat_shape} out over {out.shape} "
                           f"other than along their rows of {s}")
     return set(ids)
