@@ -88,3 +88,21 @@ def test_paper_size_explain(name, batch):
     assert len(report.movement) >= 1
     assert MOVEMENT[name] <= {m.primitive for m in report.movement}
     assert seconds < 10, f"explain took {seconds:.1f} s"
+
+
+def test_gemma2_cache_of_2_pow_31_elements_keeps_its_attention_kernel():
+    """Gemma-2's decode layer serving batch 64 at 16,384 tokens: each bf16 cache (64, 16384, 8, 256)
+    has exactly 2^31 elements (4 GiB). Pallas addresses it with i32 element offsets, which reach
+    2^31 - 1: the attention kernel builds (it was refused as "wrapping 32-bit offsets", and the
+    whole layer fell back to jit where the kernel reads the keys up to ``pos`` instead of XLA's
+    copies of the caches). Traced and its kernels built on ShapeDtypeStructs: nothing allocated."""
+    mod = _module("gemma2_layer")
+    args = list(mod.example_args("paper", batch=64))
+    for i in (2, 3):
+        s = args[i]
+        args[i] = jax.ShapeDtypeStruct((64, 16384) + tuple(s.shape[2:]), s.dtype)
+        assert np.prod(args[i].shape) == 2 ** 31
+    report = vtc_jax.explain(mod.step, donate_argnums=(2, 3), guard="model")(*args)
+    reasons = [r for _, kind, r in report.templates if kind == "attention"]
+    assert reasons == ["kernel"], reasons
+    assert not any("32-bit" in r for _, _, r in report.templates)

@@ -1,6 +1,7 @@
 """Virtual tensor I/O through a copy kernel: every access path (strided box, gather/scatter,
 several pieces, masks, runtime symbols, in-place outputs) equals the layout's numpy semantics,
 in interpret mode and cross-lowered to Triton IR."""
+import math
 import re
 
 import jax
@@ -317,10 +318,42 @@ def test_cache_of_2_pow_32_elements_lowers_with_i64_offsets():
 
 
 def test_one_byte_buffer_that_pallas_would_address_in_i32_is_refused():
-    """int8 with 2^31 elements is 2^31 bytes: the Pallas lowering keeps i32 offsets, which wrap."""
+    """int8 with more than 2^31 elements (and at most 2^32 bytes): the Pallas lowering keeps i32
+    element offsets, and the last ones (2^31 and up) wrap."""
     with pytest.raises(NotImplementedError, match="32-bit offsets"):
-        Plan.build([VTensor.physical(jax.ShapeDtypeStruct((2, 2 ** 30), jnp.int8))],
+        Plan.build([VTensor.physical(jax.ShapeDtypeStruct((2, 2 ** 30 + 64), jnp.int8))],
                    [VTensor.fresh((2, 16), jnp.int8)])
+
+
+@pytest.mark.parametrize("shape,dtype,stride", [((64, 16384, 8, 256), jnp.bfloat16, 2 ** 25),
+                                                ((2, 2 ** 30), jnp.int8, None)], ids=["bf16-cache", "int8"])
+def test_buffer_of_2_pow_31_elements_is_addressed_in_i32(shape, dtype, stride):
+    """Exactly 2^31 elements (a bf16 KV cache at batch 64, 16,384 tokens, 8 KV heads of 256: 4 GiB,
+    abstract) is at most 2^32 bytes, so Pallas addresses it with i32 element offsets — and the last
+    element's, 2^31 - 1, fits: the plan builds (it was refused before, and Gemma-2's attention at
+    that size fell back to XLA), and the block at the buffer's very end is read through i32
+    offsets (the cache's per-dim indices by the gather path, its batch stride 2^25 multiplying in
+    i32: the last element's offset is ``63 * 2^25 + 2^25 - 1 = 2^31 - 1``)."""
+    big = jax.ShapeDtypeStruct(shape, dtype)
+    n = math.prod(shape)
+    rows = n // 16
+
+    def read(kc, *, backend="triton"):
+        lay = Layout.physical(0, shape).reshape((rows, 16))
+        out = VTensor.fresh((16, 16), dtype)
+        plan = Plan.build([VTensor(lay, dtype, (kc,))], [out])
+
+        def body(ins, outs):   # the buffer's last 16 rows: elements 2^31 - 256 ... 2^31 - 1
+            outs[0].store((0, 0), (16, 16), ins[0].load((rows - 16, 0), (16, 16)))
+
+        return plan.call(body, grid=(1,), backend=backend)[0]
+
+    [r] = _ir(read, big)
+    loads = _addptrs(r, "%arg0")
+    assert loads and all("xi32>" in ln for ln in loads), r
+    assert "i64" not in "".join(loads)
+    if stride:
+        assert f"{stride} : i32" in r and f"{stride} : i64" not in r
 
 
 # --------------------------------------------------------------------------------------------

@@ -57,8 +57,9 @@ How a piece is accessed (cheapest first)
    buffer keeps its shape and the block is
    gathered/scattered with one int32 index array per buffer dim (each below its dim's size); the
    Pallas Triton lowering multiplies them by the strides in i64 whenever the buffer has more than
-   2^32 bytes (it does the same for path 1's ``pl.ds`` starts). Where it would still use i32 — a
-   1-byte dtype with 2^31 ... 2^32 elements — or a dim has 2^31 elements, ``Plan.build`` raises
+   2^32 bytes (it does the same for path 1's ``pl.ds`` starts); below, its signed i32 element
+   offsets reach 2^31 - 1, enough for 2^31 elements of 16 bits. Where an offset would wrap — a
+   1-byte dtype with more than 2^31 elements, up to 2^32 — or a dim has 2^31 elements, ``Plan.build`` raises
    (the template's cluster then falls back to XLA) rather than emit wrapping offsets.
 """
 from __future__ import annotations
@@ -861,15 +862,17 @@ _I32 = 2 ** 31
 def _check_index_width(shape: tuple[int, ...], dtype: np.dtype) -> None:
     """Raise where a kernel's index arithmetic would wrap: a dim of 2^31 elements or more (vio's
     per-dim indices are int32), or a buffer the Pallas lowering still addresses with i32 offsets
-    although it has 2^31 elements or more (it switches to i64 above 2^32 *bytes*: 1-byte dtypes
-    with 2^31 ... 2^32 elements)."""
+    although its last element's offset is 2^31 or more (it switches to i64 above 2^32 *bytes*: a
+    1-byte dtype with more than 2^31 elements). The offsets are of elements, signed: a 16-bit
+    buffer of exactly 2^31 elements (2^32 bytes, a bf16 KV cache of 64 x 16,384 x 8 x 256) is
+    addressed in i32 up to 2^31 - 1, which fits."""
     n = math.prod(shape)
     if any(d >= _I32 for d in shape):
         raise NotImplementedError(f"buffer {shape}: a dim of 2^31 elements or more cannot be "
                                   "indexed by a Pallas Triton kernel (int32 indices)")
-    if n >= _I32 and n * dtype.itemsize <= 2 ** 32:
+    if n > _I32 and n * dtype.itemsize <= 2 ** 32:
         raise NotImplementedError(
-            f"buffer {shape} {dtype} has {n} >= 2^31 elements but only {n * dtype.itemsize} bytes: "
+            f"buffer {shape} {dtype} has {n} > 2^31 elements but only {n * dtype.itemsize} bytes: "
             "the Pallas Triton lowering would address it with wrapping 32-bit offsets")
 
 
