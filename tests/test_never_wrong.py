@@ -257,3 +257,67 @@ def test_donated_cache_written_from_a_split_rotate_concat(donate):
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
         out = opt(x, w, wq, jnp.array(cache), pos, ang)
     check_close(out, ref)
+
+
+# ---- a cache forked by two in-place updates (speculative decoding, beams) ---------------------
+
+def _fork_rows(c, x):
+    return c.at[1].set(x), c.at[2].set(2.0 * x)
+
+
+def _fork_positions(q, kc, vc, k_a, v_a, k_b, v_b, pos):
+    """Attention over the cache, then the cache forked for two draft tokens at pos and pos + 1."""
+    s = jnp.einsum("bnh,btnh->bnt", q, kc) * q.shape[-1] ** -0.5
+    s = jnp.where(jnp.arange(kc.shape[1]) < pos, s, -jnp.inf)
+    o = jnp.einsum("bnt,btnh->bnh", jax.nn.softmax(s, -1), vc)
+    return o, (kc.at[:, pos].set(k_a), vc.at[:, pos].set(v_a)), (kc.at[:, pos + 1].set(k_b), vc.at[:, pos + 1].set(v_b))
+
+
+@pytest.mark.parametrize("guard", [None, "model"], ids=["unguarded", "guarded"])
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+def test_cache_forked_by_two_updates(guard, donate):
+    """Two updates of one cache returned as two outputs: the second update was made in place, its
+    row written into the cache's buffer by the kernel computing both rows, which ran before
+    XLA's copy of the cache for the first update — the first output then held both rows
+    (``vtog._inplace_problem`` counts the readers of the old cache from the earliest writer)."""
+    c = jnp.arange(32.0).reshape(4, 8)
+    x = jnp.ones((8,))
+    ref = jax.jit(_fork_rows)(c, x)
+    _, out = _optimize(_fork_rows, jnp.array(c), x, guard=guard, donate_argnums=(0,) if donate else ())
+    check_close(out, ref)
+    args = _rand((2, 4, 8), (2, 16, 4, 8), (2, 16, 4, 8), *[(2, 4, 8)] * 4, seed=5) + (jnp.int32(9),)
+    ref = jax.jit(_fork_positions)(*args)
+    _, out = _optimize(_fork_positions, *args, guard=guard,
+                       donate_argnums=(1, 2) if donate else ())
+    check_close(out, ref)
+
+
+# ---- f16 scores past f16's range ---------------------------------------------------------------
+
+def _f16_prefill(q, k, v, m):
+    s = jnp.einsum("bnqh,bnkh->bnqk", q * 100, k * 100) * q.shape[-1] ** -0.5
+    return jnp.einsum("bnqk,bnkh->bnqh", jax.nn.softmax(jnp.where(m, s, jnp.finfo(s.dtype).min), -1), v)
+
+
+def _f16_decode(q, k, v, m):
+    s = jnp.einsum("bnh,bnkh->bnk", q[:, :, 0] * 100, k * 100)
+    return jnp.einsum("bnk,bnkh->bnh", jax.nn.softmax(jnp.where(jnp.arange(k.shape[2]) <= 9, s, -jnp.inf), -1), v)
+
+
+@pytest.mark.parametrize("fn", [_f16_prefill, _f16_decode], ids=["prefill_runtime_mask", "decode_positions"])
+def test_f16_scores_past_the_f16_range_are_inf_as_in_the_program(fn):
+    """f16 q·k past 65504 is inf in the program (the dot's f16 result), its row NaN after the
+    softmax; the kernels kept scores in f32 and gave finite rows there. They now round their
+    scores to f16 after the dot and the scaling (``flash.Flash.rounded``): NaN where jit's is, the
+    same numbers elsewhere."""
+    r = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(r.standard_normal((2, 4, 16, 8)), jnp.float16) for _ in range(3))
+    m = jnp.asarray(r.random((2, 1, 16, 16)) > 0.3)
+    ref = np.asarray(jax.jit(fn)(q, k, v, m), np.float32)
+    assert np.isnan(ref).any() and np.isfinite(ref).any()   # the case is the overflow
+    opt, out = _optimize(fn, q, k, v, m, guard=None)
+    assert [r_ for _, kind, r_ in opt.explain(q, k, v, m).templates if kind == "attention"] == ["kernel"]
+    out = np.asarray(out, np.float32)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    fin = np.isfinite(ref)
+    assert np.abs(out - ref)[fin].max() <= 2e-2 * max(1.0, np.abs(ref[fin]).max())

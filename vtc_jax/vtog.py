@@ -225,11 +225,16 @@ def _inplace_problem(e: Edge, op: Op, graph: Graph, candidates: Sequence[Edge],
                      order: Mapping[int, int]) -> str | None:
     """Why the in-place edge ``out ⇢ operand`` of ``op`` is illegal, or None when it is legal.
 
-    Readers of the operand's *old* contents after ``op`` would see the update. Those readers are
+    Readers of the operand's *old* contents after the update would see it. Those readers are
     the operand's direct consumers and the consumers of every tensor that could be made virtual of
     the operand through other candidate edges (found by walking the edges backwards). "After"
-    is by ``order`` (op id -> position in the emitted order: the cluster order).
-    """
+    is by ``order`` (op id -> position in the emitted order: the cluster order), counted from the
+    earliest op that may write the update into the operand's buffer: ``op`` itself, or the
+    producer of a tensor that may live in the update's result (its row written there by the
+    kernel that makes it, a write edge). Why: ``c.at[1].set(x), c.at[2].set(x)`` (a cache forked
+    for two draft tokens) — the second update in place, its row written into ``c``'s buffer by the
+    kernel that computes both rows, ran before XLA's copy of ``c`` for the first, which then
+    returned both rows."""
     operand = e.dst
     if operand in graph.outputs:
         return f"operand t{operand} is a graph output: its old contents are returned"
@@ -237,18 +242,32 @@ def _inplace_problem(e: Edge, op: Op, graph: Graph, candidates: Sequence[Edge],
     for c in candidates:
         if c is not e and c.src != e.src:
             into.setdefault(c.dst, []).append(c.src)
-    seen, stack = {operand}, [operand]
-    while stack:
-        t = stack.pop()
-        for s in into.get(t, ()):
-            if s not in seen:
-                seen.add(s)
-                stack.append(s)
-    for t in seen:
+
+    def living_in(t: int, into: Mapping[int, Sequence[int]]) -> set[int]:
+        seen, stack = {t}, [t]
+        while stack:
+            for s in into.get(stack.pop(), ()):
+                if s not in seen:
+                    seen.add(s)
+                    stack.append(s)
+        return seen
+
+    into_out: dict[int, list[int]] = {}
+    for c in candidates:
+        if c is not e:
+            into_out.setdefault(c.dst, []).append(c.src)
+    at = order.get(op.id, op.id)
+    writer = op
+    for t in living_in(e.src, into_out):
+        p = graph.producer(t)
+        if p is not None and order.get(p.id, p.id) < at:
+            at, writer = order.get(p.id, p.id), p
+    for t in living_in(operand, into):
         for user in graph.consumers(t):
-            if order.get(user.id, user.id) > order.get(op.id, op.id):
+            if user.id != op.id and order.get(user.id, user.id) > at:
                 via = "" if t == operand else f" (via t{t}, which may live in it)"
-                return f"op #{user.id} reads t{operand}'s old contents after the update{via}"
+                by = "" if writer is op else f", which op #{writer.id} may write there first"
+                return f"op #{user.id} reads t{operand}'s old contents after the update{by}{via}"
     return None
 
 

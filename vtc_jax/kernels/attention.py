@@ -146,7 +146,7 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
                      empty_rows: Any = "zero", precision: Any = None, slopes: Any = None,
                      bias: Any = None, bias_scale: float = 1.0, keep: Any = None,
                      keep_when: str = "nonzero", score_keep: Any = None, inclusive: bool = False,
-                     sink: Any = None) -> Any:
+                     sink: Any = None, score_dtype: Any = None) -> Any:
     """Single-token (decode) attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` per query head.
 
     q: logical (B, Hkv, G, D); k: (B, Hkv, T, D); v: (B, Hkv, T, Dv) — :class:`vio.VTensor` or
@@ -194,6 +194,9 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         the softmax's denominator and no value row (:func:`.flash.with_sink`), in the units of the
         masked, biased scores; folded in by split 0 (with a finite mask, shifted as the empty-row
         pass shifts its scores). None: no sink.
+    score_dtype: the type of the program's scores (its first dot's result): f16 scores are
+        rounded to f16 after the dot and the scaling, so a score past 65504 is inf as the
+        program's is (:func:`.flash.narrow_range`). None: f32 scores.
 
     Returns like :func:`vtc_jax.kernels.matmul.matmul`: the array for a fresh/one-buffer output,
     else the tuple of ``out``'s physical buffers.
@@ -211,7 +214,8 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         raise ValueError(f"per-sequence positions must have shape ({B},), got {end_operand.shape}")
     cfg = _config(q, k, v, end, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                   num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
-                  empty_rows=empty_rows, precision=precision, score_keep=score_keep)
+                  empty_rows=empty_rows, precision=precision, score_keep=score_keep,
+                  score_dtype=score_dtype)
     if bias is not None:
         bias = VTensor.of(bias)
         if tuple(bias.shape) != (B, H, G, k.shape[2]):
@@ -261,7 +265,7 @@ def _check(q: VTensor, k: VTensor, v: VTensor, *, block_k: int, pos: Any, kv_len
 def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, block_k: int,
             num_warps: int | None, num_stages: int | None, num_splits: int | None,
             sm_scale: float | None, soft_cap: float | None, window: int | None,
-            empty_rows: Any, precision: Any, score_keep: Any = None) -> _Cfg:
+            empty_rows: Any, precision: Any, score_keep: Any = None, score_dtype: Any = None) -> _Cfg:
     """Tiles, launch and split count (see the module docstring)."""
     B, H, G, D = q.shape
     T, Dv = k.shape[2], v.shape[3]
@@ -275,7 +279,8 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, block_k: int,
     return _Cfg(B=B, H=H, G=G, D=D, Dv=Dv, Gs=next_pow2(G), Dp=Dp, Dvp=Dvp, S=S,
                 window=None if window is None else int(window), end=end, launch=launch,
                 flash=Flash.of(T, bk, D, compute, sm_scale=sm_scale, soft_cap=soft_cap,
-                               empty_rows=empty_rows, precision=precision, score_keep=score_keep))
+                               empty_rows=empty_rows, precision=precision, score_keep=score_keep,
+                               score_dtype=score_dtype))
 
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any, *,

@@ -30,7 +30,7 @@ from .tiling import MIN_DOT_BLOCK, dot_precision, next_pow2, pipeline_stages
 from .vio import VRef
 
 __all__ = ["AttentionConfig", "Flash", "KeyEnd", "Planned", "SMEM_BUDGET", "NEG", "key_end", "read_end", "keep_lanes",
-           "score_lanes", "softmax_block", "empty_rows_mode", "close_end", "masked_scores", "normalise", "int32_where",
+           "score_lanes", "narrow_range", "softmax_block", "empty_rows_mode", "close_end", "masked_scores", "normalise", "int32_where",
            "with_sink"]
 
 SMEM_BUDGET = 128 * 1024  # bytes of staged K/V blocks; sm_90 allows 227 KiB, sm_80 163 KiB per block
@@ -183,6 +183,18 @@ _COMPARE = {"eq": jnp.equal, "ne": jnp.not_equal, "lt": jnp.less, "le": jnp.less
             "gt": jnp.greater, "ge": jnp.greater_equal}
 
 
+def narrow_range(dtype: Any) -> np.dtype | None:
+    """``dtype`` where a value of it overflows before an f32 does (f16: past 65504), else None
+    (f32; bf16 has f32's exponent range). The attention kernels keep scores in f32 and round them
+    to such a type where the program's are of it (:attr:`Flash.rounded`)."""
+    if dtype is None:
+        return None
+    dt = np.dtype(dtype)
+    if not jnp.issubdtype(dt, jnp.floating) or float(jnp.finfo(dt).max) >= float(jnp.finfo(jnp.float32).max):
+        return None
+    return dt
+
+
 def score_lanes(sc: jax.Array, keep: tuple[str, bool]) -> jax.Array:
     """The lanes a mask computed from the scores keeps: ``keep = (op, when)`` keeps key ``t``
     where ``(score op 0) == when`` (``jnp.where(s != 0, s, -inf)``: ``("ne", True)``). The
@@ -198,17 +210,23 @@ def score_lanes(sc: jax.Array, keep: tuple[str, bool]) -> jax.Array:
 def softmax_block(qt: jax.Array, kb: jax.Array, vb: jax.Array, valid: jax.Array, carry: tuple, *,
                   scale: float, soft_cap: float | None, compute: Any, precision: Any,
                   transform: Any = None, slope: Any = None, keys: Any = None, bias: Any = None,
-                  score_keep: tuple[str, bool] | None = None) -> tuple:
+                  score_keep: tuple[str, bool] | None = None, rounded: Any = None) -> tuple:
     """Stage 2 of both attention kernels: fold one K/V block into the running (max, sum, acc)
     of the online softmax, in f32; lanes not ``valid`` score ``-inf``; ``transform`` (the
     empty-row pass, :func:`masked_scores`) rewrites the scores of the valid lanes first.
     ``slope`` (rows,) with ``keys`` (1, block) int32: an ALiBi bias ``slope · key position``
     added to the scaled scores (f32, as jax adds ``slopes[:, None] * arange(T)``); ``bias``
     (rows, block): any other additive bias's block, added the same way. ``score_keep``: a mask
-    computed from the scaled, capped scores themselves (:func:`score_lanes`)."""
+    computed from the scaled, capped scores themselves (:func:`score_lanes`). ``rounded``: the
+    program's scores are of this narrower-ranged type (f16): the dot and the scaling are rounded to
+    it, so a score past its range is ``inf`` as in the program (:attr:`Flash.rounded`)."""
     m_prev, l_prev, acc_prev = carry
     sc = jnp.dot(qt, kb.T, preferred_element_type=jnp.float32, precision=precision)
+    if rounded is not None:
+        sc = sc.astype(rounded).astype(jnp.float32)
     sc = sc * scale
+    if rounded is not None and scale != 1.0:
+        sc = sc.astype(rounded).astype(jnp.float32)
     if soft_cap is not None:
         sc = soft_cap * jnp.tanh(sc / soft_cap)
     if score_keep is not None:
@@ -316,14 +334,19 @@ class Flash:
     empty_nan: bool = False
     empty_fill: tuple | None = None
     score_keep: tuple[str, bool] | None = None
+    # the program's scores are f16 (a dot of f16 operands without an f32 result type): the kernel
+    # rounds its f32 scores to f16 after the dot and the scaling, so one past f16's range (65504)
+    # is inf, and its row NaN, as jax.jit computes it; None for f32 and bf16 scores (f32's range)
+    rounded: np.dtype | None = None
 
     @classmethod
     def of(cls, T: int, block_k: int, D: int, compute: np.dtype, *, sm_scale: float | None,
            soft_cap: float | None, empty_rows: Any, precision: Any = None,
-           score_keep: Any = None) -> "Flash":
+           score_keep: Any = None, score_dtype: Any = None) -> "Flash":
         """``sm_scale`` defaults to ``1/sqrt(D)``; ``empty_rows`` as :func:`empty_rows_mode`;
         ``precision``: the replaced dots' (lax's meaning, resolved by :func:`tiling.dot_precision`);
-        ``score_keep``: ``(op, when)`` as :func:`score_lanes`, or None."""
+        ``score_keep``: ``(op, when)`` as :func:`score_lanes`, or None; ``score_dtype``: the
+        program's score type (None: f32), rounded to where its range is narrower than f32's."""
         empty_nan, empty_fill = empty_rows_mode(empty_rows)
         if score_keep is not None:
             op, when = score_keep
@@ -334,7 +357,7 @@ class Flash:
         return cls(T=T, block_k=block_k, scale=float(1.0 / math.sqrt(D) if sm_scale is None else sm_scale),
                    soft_cap=None if soft_cap is None else float(soft_cap), compute=compute,
                    precision=dot_precision(precision, compute)[0], empty_nan=empty_nan, empty_fill=empty_fill,
-                   score_keep=score_keep)
+                   score_keep=score_keep, rounded=narrow_range(score_dtype))
 
     def init(self, rows: int, dvp: int) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The running (max, sum, acc) of ``rows`` query rows before any key."""
@@ -375,7 +398,8 @@ class Flash:
                                  soft_cap=self.soft_cap, compute=self.compute,
                                  precision=self.precision, transform=transform, slope=slope,
                                  keys=lanes + t0, bias=None if load_bias is None else load_bias(t0),
-                                 score_keep=self.score_keep if transform is None else None)
+                                 score_keep=self.score_keep if transform is None else None,
+                                 rounded=self.rounded)
         return step
 
     def normalise(self, acc: jax.Array, l: jax.Array) -> jax.Array:

@@ -99,7 +99,8 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
                       backend: str = "interpret", empty_rows: Any = "zero",
                       precision: Any = None, slopes: Any = None, bias: Any = None,
                       bias_scale: float = 1.0, keep: Any = None, keep_when: str = "nonzero",
-                      score_keep: Any = None, inclusive: bool = False, sink: Any = None) -> Any:
+                      score_keep: Any = None, inclusive: bool = False, sink: Any = None,
+                      score_dtype: Any = None) -> Any:
     """Flash attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` for many query rows.
 
     q: logical (Z, M, D); k: (Z, T, D); v: (Z, T, Dv) — VTensors or arrays.
@@ -143,6 +144,7 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
         softmax's denominator and no value row (:func:`.flash.with_sink`), in the units of the
         masked, biased scores (with a finite mask, shifted as the empty-row pass shifts its
         scores for the rows that pass computes). None: no sink.
+    score_dtype: the type of the program's scores, as :func:`.attention.decode_attention`'s.
 
     Returns the array for a fresh/one-buffer output, else the tuple of ``out``'s buffers.
     """
@@ -159,7 +161,8 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
     cap, cap_operand = key_end(None, kv_len, k.shape[1]) if causal and kv_len is not None else (None, None)
     cfg = _config(q, k, v, end, causal=causal, window=window, seq_len=seq_len, sm_scale=sm_scale,
                   soft_cap=soft_cap, block_q=block_q, block_k=block_k, num_warps=num_warps,
-                  num_stages=num_stages, empty_rows=empty_rows, precision=precision, score_keep=score_keep)
+                  num_stages=num_stages, empty_rows=empty_rows, precision=precision, score_keep=score_keep,
+                  score_dtype=score_dtype)
     if bias is not None:
         bias = VTensor.of(bias)
         if tuple(bias.shape) != (Z, M, k.shape[1]):
@@ -210,7 +213,8 @@ def _check(q: VTensor, k: VTensor, v: VTensor, *, block_q: int, block_k: int,
 def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, causal: bool,
             window: int | None, seq_len: int | None, sm_scale: float | None,
             soft_cap: float | None, block_q: int, block_k: int, num_warps: int | None,
-            num_stages: int | None, empty_rows: Any, precision: Any, score_keep: Any = None) -> _Cfg:
+            num_stages: int | None, empty_rows: Any, precision: Any, score_keep: Any = None,
+            score_dtype: Any = None) -> _Cfg:
     """Tiles and launch (:meth:`.flash.AttentionConfig.prefill`) and the flash parameters."""
     Z, M, D = q.shape
     T, Dv = k.shape[1], v.shape[2]
@@ -222,7 +226,8 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, causal: bool,
                 causal=bool(causal), window=None if window is None else int(window), end=end,
                 launch=launch, flash=Flash.of(T, launch.block_k, D, compute, sm_scale=sm_scale,
                                               soft_cap=soft_cap, empty_rows=empty_rows,
-                                              precision=precision, score_keep=score_keep))
+                                              precision=precision, score_keep=score_keep,
+                                              score_dtype=score_dtype))
 
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any, *,

@@ -99,6 +99,7 @@ import numpy as np
 
 from ..cluster import Cluster
 from ..graph import Graph
+from ..kernels.flash import narrow_range
 from ..kernels.attention import decode_attention
 from ..kernels.prefill_attention import prefill_attention
 from ..kernels.tiling import dtype_unsupported, more_precise, native_precision, precision_unsupported
@@ -163,6 +164,8 @@ class _AttnMatch:
                                 # ``t <= pos`` at pos = 2**31 - 1), not ``pos + c`` wrapping
     sink: Any = None            # an attention sink: its logits' view as ``bias``'s (key axis of
                                 # size 1), one per row, read by the kernels (None: no sink)
+    score_dtype: Any = None     # the first dot's result type where its range is narrower than f32's
+                                # (f16 scores: the kernels round to it, ``flash.narrow_range``)
 
     @property
     def kernel(self) -> str:
@@ -1419,7 +1422,7 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
                       float(scale), None if cap is None else float(cap), causal, int(hi_c), hi_x,
                       None if window is None else int(window), decode, empty_rows, per_row, precision,
                       slopes, bias_view, keep_view, (score[0].score, bool(score[0].keep)) if score else None,
-                      kv_cap, inclusive, sink)
+                      kv_cap, inclusive, sink, narrow_range(graph.tensors[d1.outputs[0]].dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1507,6 +1510,8 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
         kw: dict[str, Any] = {} if m.window is None else {"window": m.window}
         if m.inclusive:   # the last valid key x + c - 1, its end saturating (jax's t <= pos)
             kw["inclusive"] = True
+        if m.score_dtype is not None:
+            kw["score_dtype"] = m.score_dtype
         if m.decode:
             if m.hi_scalar is not None and (m.hi_const == 1 or m.inclusive):
                 kw["pos"] = end_minus(1)   # keys t <= pos: the decode kernel's own form
