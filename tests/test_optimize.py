@@ -118,6 +118,32 @@ def test_jit_conventions_pytrees_kwargs_static_and_nesting():
     assert isinstance(f.explain(tree, scale=1.0, mode="t"), vtc_jax.Report)
 
 
+def _scaled_with_a_schedule(x, step, base_lr):
+    """A kernel beside a result of Python scalars (a learning-rate schedule): jax.jit returns the
+    schedule weakly typed."""
+    return jnp.tanh(x.T) * 2.0, base_lr * jnp.minimum(1.0, step / 100.0), step * 3
+
+
+@pytest.mark.parametrize("guard", [None, "model"], ids=["unguarded", "guarded"])
+def test_weak_types_of_results_as_jax_jit(guard, tmp_path):
+    """Results computed from Python scalars keep jax's weak type, as jax.jit returns them: the
+    promotion that reads them later is jit's (``bf16 * lr`` stays bf16), directly, inside an
+    outer jit and from the plan cache. They came back strongly typed (``bf16 * lr`` was f32)."""
+    x = jnp.arange(12.0).reshape(3, 4)
+    ref = jax.jit(_scaled_with_a_schedule)(x, 10, 1e-3)
+    half = jnp.ones((2,), jnp.bfloat16)
+    for cache in (None, tmp_path):
+        f = vtc_jax.optimize(_scaled_with_a_schedule, backend="interpret", guard=guard, plan_cache=cache)
+        for _ in range(2 if cache else 1):   # with a cache: made, then answered from it
+            out = f(x, 10, 1e-3)
+            assert [o.aval.weak_type for o in out] == [r.aval.weak_type for r in ref] == [False, True, True]
+            assert (half * out[1]).dtype == jnp.bfloat16 and (half * out[2]).dtype == jnp.bfloat16
+            assert _max_rel(out, ref) <= 1e-6
+    nested = jax.jit(lambda x: half * vtc_jax.optimize(_scaled_with_a_schedule, backend="interpret",
+                                                       guard=guard)(x, 10, 1e-3)[1])(x)
+    assert nested.dtype == jnp.bfloat16
+
+
 def _cache_step(n, x, cache, pos):
     y = jnp.tanh(x.T) * n
     cache = jax.lax.dynamic_update_slice(cache, y[None], (pos, 0, 0))

@@ -20,7 +20,7 @@ import numpy as np
 
 from .analysis import analyze, cost_model_for, positions
 from .autodiff import with_original_derivatives
-from .compat import abstract, outside_traces, warn
+from .compat import abstract, outside_traces, warn, weak_typed
 from .guard import GUARDS, PLAIN, UNDONE
 from .program import BuildOptions, build, per_shard_only
 from .report import Report, build_report, fallback_messages
@@ -278,7 +278,7 @@ class Optimized:
         self._keep(key, emitted, flat, messages)
         # derivatives: fn's own, as plain XLA
         program = with_original_derivatives(emitted, f, analysis.graph.in_tree)
-        return analysis.graph.unflatten_outputs(program(*flat))
+        return analysis.graph.unflatten_outputs(_weak_as(program(*flat), analysis.graph.weak_outputs))
 
     def _cached(self, f: Callable[..., Any], a: tuple, k: dict, flat: list,
                 donate: tuple[tuple[int, ...], tuple[str, ...]]) -> tuple[str, Callable[[], Any] | None]:
@@ -299,7 +299,8 @@ class Optimized:
         if entry.program is None:   # the guard chose plain jax.jit when the plan was made
             return key, lambda: f(*a, **k)
         program = with_original_derivatives(entry.program.call, f, in_tree)
-        return key, lambda: jax.tree_util.tree_unflatten(out_tree, program(*flat))
+        weak = [bool(getattr(v.aval, "weak_type", False)) for v in closed.jaxpr.outvars]
+        return key, lambda: jax.tree_util.tree_unflatten(out_tree, _weak_as(program(*flat), weak))
 
     def _keep(self, key: str | None, emitted: Callable[..., Any] | None, flat: list, messages: Sequence[str]) -> None:
         """Write the plan just made to the plan cache under ``key`` (None: no cache)."""
@@ -410,6 +411,14 @@ class Optimized:
         return explain(self.fn, static_argnums=self._static[0], static_argnames=self._static[1],
                        donate_argnums=self._donate[0], donate_argnames=self._donate[1], guard=self.guard,
                        **self._opts)(*args, **kwargs)
+
+
+def _weak_as(outs: Sequence[Any], weak: Sequence[bool]) -> list[Any]:
+    """The emitted program's flat results with ``fn``'s weak types back (``compat.weak_typed``):
+    jax.jit returns a result of Python scalars weakly typed, and the promotion that reads it
+    later (``bf16_array * lr``) must not change; a kernel's or a re-bound op's result is strong."""
+    outs = list(outs)
+    return [weak_typed(o) if i < len(weak) and weak[i] else o for i, o in enumerate(outs)]
 
 
 def _flat_jaxpr(f: Callable[..., Any], in_tree: Any, flat: Sequence[Any]) -> tuple[Any, Any]:

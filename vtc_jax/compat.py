@@ -53,6 +53,7 @@ from typing import Any, Iterator
 
 import jax
 from jax.experimental.pallas import triton as plgpu
+from jax.extend.core import primitives as _primitives
 
 try:  # the one private hook (see the module docstring): Pallas's GPU lowering rules by params class
     from jax._src.pallas import core as _pallas_core
@@ -347,6 +348,15 @@ def abstract(x: Any) -> Any:
     # a varying type needs the (manual, abstract) mesh it varies over: the aval's sharding
     extra = {"manual_axis_type": mat, "sharding": aval.sharding} if mat is not None and mat != _EMPTY_MAT else {}
     return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(aval, "weak_type", False), **extra)
+
+
+def weak_typed(x: Any) -> Any:
+    """``x`` as a weakly typed value of its own dtype (what ``jax.jit`` returns for a result of
+    Python scalars): ``convert_element_type`` with ``weak_type=True``, the one primitive that sets
+    it (``jax.extend``). A kernel's or a re-bound op's result is strongly typed."""
+    if getattr(getattr(x, "aval", None), "weak_type", True):
+        return x
+    return _primitives.convert_element_type_p.bind(x, new_dtype=x.dtype, weak_type=True, sharding=None)
 
 
 def manual_axis_type(axes: frozenset) -> dict[str, Any]:

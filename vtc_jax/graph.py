@@ -110,6 +110,9 @@ class Graph:
     # (tensor, primitive): results of the user's equations the trace wrote in other primitives
     # (``canonical.rewrite``: a scatter as a dynamic_update_slice), the primitive XLA is given
     rewritten: tuple[tuple[int, str], ...] = ()
+    # per output: whether ``fn``'s result is weakly typed (a Python scalar's promotion, which
+    # jax.jit returns and which later promotion reads: ``bf16 + out`` stays bf16)
+    weak_outputs: tuple[bool, ...] = ()
 
     def origin(self, t: int) -> str | None:
         """The primitive of the user's program that computes ``t``, where the trace wrote it in
@@ -541,4 +544,5 @@ def trace_with(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str,
     rewritten = tuple((new_id[t], name) for t, name in b.rewritten.items() if t in new_id)
     return Graph(tensors=tensors, ops=ops, inputs=tuple(new_id[t] for t in inputs),
                  outputs=tuple(new_id[t] for t in outputs), in_tree=in_tree, out_tree=out_tree,
-                 speculated=speculated, rewritten=rewritten)
+                 speculated=speculated, rewritten=rewritten,
+                 weak_outputs=tuple(bool(getattr(v.aval, "weak_type", False)) for v in closed.jaxpr.outvars))
