@@ -1055,3 +1055,15 @@ def test_scores_shifted_by_their_max_before_the_softmax(pos):
         return _attend(q, kc, vc, lambda s: jax.nn.softmax(
             (lambda x: x - x.max(-1, keepdims=True))(jnp.where(jnp.arange(T) <= pos, s * D ** -0.5, -jnp.inf)), -1))
     check_attention(fn, decode_args(pos=pos), "decode", lower=False, guard=None)
+
+
+def test_minus_1e4_on_bf16_scores_is_a_mask():
+    """``jnp.where(m, s, -1e4)`` on bf16 scores stores -9984 (the old HF / GPT-2 fill): a mask value
+    as -1e4 is (``NEG_BOUND``), for the same reason — ``exp(-9984 + s - max)`` underflows to 0
+    for any score of magnitude below ~5e3. It was declined ("not a mask value <= -10000")."""
+    args = decode_args(jnp.bfloat16)
+    fn = lambda q, kc, vc, pos: _attend(   # noqa: E731
+        q, kc, vc, lambda s: jax.nn.softmax(jnp.where(jnp.arange(T) <= pos, s, -1e4), -1))
+    report = vtc_jax.explain(fn)(*args)
+    assert [r for _, kind, r in report.templates if kind == "attention"] == ["kernel"]
+    check_close(vtc_jax.optimize(fn, backend="interpret", guard=None)(*args), jax.jit(fn)(*args), 2e-2)

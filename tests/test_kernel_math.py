@@ -1,4 +1,4 @@
-"""erf / erfc inside kernels (Pallas' Triton lowering has neither): ``kernels.tiling.erf_f32`` /
+"""erf / erfc / round inside kernels (Pallas' Triton lowering has none): ``kernels.tiling.erf_f32`` /
 ``erfc_f32`` against jax's own, and exact GELU (``jax.nn.gelu(approximate=False)``, PyTorch's
 default ``x/2·erfc(-x/√2)``) in a matmul epilogue and a pointwise kernel: equal to ``jax.jit``
 in interpret mode, lowered for CUDA with the epilogue inside the Triton kernel (no fallback).
@@ -15,7 +15,7 @@ import pytest
 from jax.scipy import special
 
 import vtc_jax
-from vtc_jax.kernels.tiling import erf_f32, erfc_f32
+from vtc_jax.kernels.tiling import erf_f32, erfc_f32, round_f32
 from vtc_jax.templates import Match
 from vtc_jax.testing import cross_lower
 
@@ -87,3 +87,62 @@ def test_exact_gelu_lowers_for_cuda():
             in_kernels = {o for c in analysis.clusters if isinstance(analysis.matches.get(c.id), Match)
                           for o in c.ops}
             assert erf_ops and all(op.id in in_kernels for op in erf_ops), fn.__name__
+
+
+# ---- round (jnp.round: to nearest even; lax.round's default: away from zero) ---------------------
+
+ROUND_X = np.concatenate([
+    np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.49999997, -0.49999997, 4194304.5, -4194304.5,
+              2.0 ** 23 - 0.5, 2.0 ** 23 + 2, 1e30, -1e30, np.inf, -np.inf, np.nan, -0.3, 0.0, -0.0,
+              3.7, -3.7], np.float32),
+    (np.random.default_rng(0).standard_normal(20000) * 10.0 ** np.random.default_rng(1).uniform(-3, 8, 20000)
+     ).astype(np.float32)])
+
+
+@pytest.mark.parametrize("method", [jax.lax.RoundingMethod.AWAY_FROM_ZERO, jax.lax.RoundingMethod.TO_NEAREST_EVEN],
+                         ids=["away", "even"])
+def test_in_kernel_round_is_jaxs_bit_for_bit(method):
+    """Ties either way, 0.49999997 (where ``floor(x + 0.5)`` rounds up), past 2^23, inf, NaN and
+    the sign of zero: ``round_f32`` equals ``lax.round`` bit for bit."""
+    got = np.asarray(jax.jit(lambda x: round_f32(x, method))(ROUND_X))
+    want = np.asarray(jax.lax.round(ROUND_X, method))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+def quantise_int8(x, scale):
+    """int8 quantisation of a transposed activation (``jnp.round`` to nearest even, then clip)."""
+    return jnp.clip(jnp.round(x.T / scale), -128, 127).astype(jnp.int8)
+
+
+def test_round_runs_in_kernels_and_lowers_for_cuda():
+    """``jnp.round`` (int8 quantisation) in a pointwise kernel: equal to jax.jit, and the program
+    cross-lowers for CUDA with it inside the Triton kernel (before: 'Unimplemented primitive in
+    Pallas Triton lowering: round', and the whole function fell back)."""
+    x = jax.random.normal(jax.random.key(3), (48, 100), jnp.float32) * 40
+    x = x.at[0, :4].set(jnp.array([0.5, 1.5, -2.5, 0.49999997]) * 0.25)   # ties after / 0.25
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", vtc_jax.VTCFallbackWarning)
+        got = vtc_jax.optimize(quantise_int8, backend="interpret", guard=None)(x, 0.25)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(quantise_int8)(x, 0.25)))
+        opt = vtc_jax.optimize(quantise_int8, backend="triton", guard=None)
+        assert cross_lower(opt, x, 0.25).triton_kernels
+        analysis, _ = opt.last
+        in_kernels = {o for c in analysis.clusters if isinstance(analysis.matches.get(c.id), Match) for o in c.ops}
+        assert any(op.primitive == "round" and op.id in in_kernels for op in analysis.graph.ops)
+
+
+@pytest.mark.parametrize("prim", ["lgamma", "digamma", "reduce_precision"])
+def test_primitives_triton_cannot_lower_stay_xla_naming_why(prim):
+    """lgamma, digamma and reduce_precision have no Pallas Triton rule: their cluster is XLA's,
+    declined with that reason, and the program lowers for CUDA (the rest of it keeps kernels)."""
+    op = {"lgamma": jax.lax.lgamma, "digamma": jax.lax.digamma,
+          "reduce_precision": lambda v: jax.lax.reduce_precision(v, 5, 10)}[prim]
+    fn = lambda x: op(jnp.abs(x.T) + 1.0)   # noqa: E731
+    x = jax.random.normal(jax.random.key(4), (32, 64), jnp.float32)
+    report = vtc_jax.explain(fn)(x)
+    assert any(f"{prim} inside the cluster: Pallas' Triton lowering has no rule" in r for _, _, r in report.templates)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        cross_lower(vtc_jax.optimize(fn, backend="triton", guard=None), x)
+        np.testing.assert_allclose(vtc_jax.optimize(fn, backend="interpret")(x), jax.jit(fn)(x), rtol=1e-6)

@@ -149,12 +149,16 @@ def _rows() -> dict[str, PrimInfo]:
         "scatter_max scatter-sub scatter_sub", Role.MOVEMENT, data=(0, 2), inplace=0)
     add("add sub mul div rem pow max min neg sign abs floor ceil round nextafter exp exp2 log log1p "
         "expm1 tanh logistic sin cos tan asin acos atan atan2 sinh cosh asinh acosh atanh sqrt rsqrt "
-        "cbrt square integer_pow erf erfc erf_inv lgamma digamma is_finite reduce_precision "
+        "cbrt square integer_pow erf erfc erf_inv is_finite "
         "stop_gradient select_n clamp copysign eq ne lt le gt ge and or not xor shift_left "
         "shift_right_logical shift_right_arithmetic population_count real imag conj "
         "bitcast_convert_type "   # equal widths only (cluster.py keeps width changes opaque)
         "one_minus_square log2",   # jax >= 0.11 (tanh's and asin's derivatives; jnp.log2)
         Role.ELEMENTWISE, block_safe=True, speculable=True)
+    # elementwise, but Pallas' Triton lowering has no rule for them (jax 0.10.2 and 0.12) and no
+    # kernel computes them from others (``kernels.tiling.IN_KERNEL_MATH`` does erf, erfc, round):
+    # a cluster holding one stays XLA's
+    add("lgamma digamma reduce_precision", Role.ELEMENTWISE, speculable=True)
     # a dtype change is elementwise; the same dtype is a copy (a view): see role_of / is_view
     add("convert_element_type", Role.ELEMENTWISE, view=True, block_safe=True, speculable=True)
     add("iota", Role.GENERATOR, speculable=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.extend.core as jcore
@@ -636,9 +636,30 @@ def erf_f32(x: Any) -> Any:
     return jnp.where(jnp.abs(x) < 0.5, small, big)
 
 
+def round_f32(x: Any, rounding_method: Any = lax.RoundingMethod.AWAY_FROM_ZERO) -> Any:
+    """``lax.round`` in f32 from floor and compares (Pallas' Triton lowering has no ``round``;
+    ``jnp.round`` is to nearest even, int8 quantisation's): the fraction ``|x| - floor(|x|)`` is
+    exact, so the ties are decided exactly — ``floor(|x| + 0.5)`` would round 0.49999997 up —,
+    ``|x| >= 2^23`` (every such f32 an integer), inf and NaN are their own rounding, and the sign
+    is kept (``round(-0.3) = -0.0``)."""
+    x = jnp.asarray(x, jnp.float32)
+    a = jnp.abs(x)
+    r = jnp.floor(a)
+    d = a - r
+    if int(rounding_method) == int(lax.RoundingMethod.TO_NEAREST_EVEN):
+        half = r * 0.5
+        up = (d > 0.5) | ((d == 0.5) & (half != jnp.floor(half)))
+    else:
+        up = d >= 0.5
+    res = jnp.copysign(r + jnp.where(up, 1.0, 0.0), x)
+    return jnp.where(a < 2.0 ** 23, res, x)
+
+
 # primitives Pallas' Triton lowering lacks, computed in kernels from ones it has (f32; 16-bit
-# operands upcast and rounded back)
-IN_KERNEL_MATH: dict[str, Callable[[Any], Any]] = {"erf": erf_f32, "erfc": erfc_f32}
+# operands upcast and rounded back): ``fn(x, params)``, the equation's params
+IN_KERNEL_MATH: dict[str, Callable[[Any, Mapping[str, Any]], Any]] = {
+    "erf": lambda x, p: erf_f32(x), "erfc": lambda x, p: erfc_f32(x),
+    "round": lambda x, p: round_f32(x, p.get("rounding_method", lax.RoundingMethod.AWAY_FROM_ZERO))}
 
 
 def f32_math(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -662,7 +683,7 @@ def _f32_rule(eqn: Any, invals: list[Any]) -> list[Any] | None:
         return _eval_f32_math(inner.jaxpr, inner.consts, invals)
     if eqn.primitive.name in IN_KERNEL_MATH:
         [v] = eqn.outvars
-        return [IN_KERNEL_MATH[eqn.primitive.name](invals[0]).astype(v.aval.dtype)]
+        return [IN_KERNEL_MATH[eqn.primitive.name](invals[0], eqn.params).astype(v.aval.dtype)]
     if eqn.primitive.name in F32_MATH_PRIMITIVES and any(
             np.dtype(v.aval.dtype) in _LOW for v in eqn.invars if hasattr(v.aval, "dtype")):
         up = [jnp.asarray(x).astype(jnp.float32) if np.dtype(v.aval.dtype) in _LOW else x

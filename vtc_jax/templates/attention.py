@@ -11,7 +11,7 @@ the step it did not recognise. Accepted between q·k and p·v:
 * soft-cap ``tanh(s / c) * c`` (in any arrangement of the two scalings around the ``tanh``);
 * masks: ``select_n`` (``jnp.where(mask, s, neg)`` or ``jnp.where(~mask, neg, s)``) and additive
   biases ``s + b`` where ``b`` only takes the values 0 and a large negative. ``neg`` may be
-  ``-inf``, ``finfo.min`` or any value ``<= NEG_BOUND`` (-1e4): the kernels treat such lanes as
+  ``-inf``, ``finfo.min`` or any value ``<= NEG_BOUND`` (-1e4 as bf16 stores it, -9984): the kernels treat such lanes as
   -inf, which equals jax's numbers whenever a row has one valid key (``exp(neg + s - max)``
   underflows to exactly 0 in f32 for scores of magnitude < ~5e3). A row with *no* valid key (a
   runtime position < 0, say) gets what jax computes (:func:`_empty_rows`): NaN for ``-inf``
@@ -110,7 +110,10 @@ from .stage2 import buffers_of
 
 __all__ = ["TEMPLATE", "NEG_BOUND", "DECODE_MAX_ROWS"]
 
-NEG_BOUND = -1e4          # a mask value at or below this is -inf for the kernels
+# a mask value at or below this is -inf for the kernels: -1e4 as bf16 stores it (-9984; HF's old
+# ``(1 - mask) * -10000.0`` and ``jnp.where(m, s, -1e4)`` on bf16 scores), the argument unchanged:
+# ``exp(neg + s - max)`` underflows to exactly 0 in f32 for scores of magnitude < ~5e3
+NEG_BOUND = -9984.0
 INT32_POSITION_LIMIT = 1 << 30   # positions the kernels bound exactly (the matcher probes inside it)
 DECODE_MAX_ROWS = 16      # query rows per batch·head the decode kernel takes (one MIN_DOT tile)
 _MAX_PROBE_ELEMS = 1 << 22
@@ -1164,7 +1167,7 @@ def _bias_masks_nothing(graph: Graph, m: _Mask, T: int) -> None:
         except (_NoFold, ValueError, TypeError):
             raise Decline("an additive bias of a runtime integer that cannot be probed") from None
         if (b <= NEG_BOUND).any():
-            raise Decline("an additive bias that also masks (values <= -1e4 for some position): a row "
+            raise Decline(f"an additive bias that also masks (values <= {NEG_BOUND:g} for some position): a row "
                           "with every key masked would not be jax's")
 
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 from ..graph import Graph
 from ..kernels.vio import VTensor
-from ..primitives import block_safe
+from ..primitives import TABLE, Role, block_safe
 
 __all__ = ["block_supported", "block_fn", "const_value", "kernel_inputs", "broadcast_input", "buffers_of"]
 
@@ -23,6 +23,8 @@ def block_supported(graph: Graph, op_ids: Sequence[int]) -> str | None:
     for oid in op_ids:
         op = graph.ops[oid]
         if not block_safe(op.primitive):
+            if op.primitive in TABLE and TABLE[op.primitive].role is Role.ELEMENTWISE:   # (lgamma, ...)
+                return f"{op.primitive} inside the cluster: Pallas' Triton lowering has no rule for it"
             return f"{op.primitive} inside the cluster cannot be computed on register blocks"
         if op.primitive == "broadcast_in_dim" and graph.tensors[op.inputs[0]].shape != ():
             return "a non-scalar broadcast inside the cluster"
