@@ -1734,6 +1734,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
 
     for members in groups.values():
         head = members[0]
+        scratch: set[int] = set()   # what the group's launches write for each other (buffers, not made)
         if find(head) in recomputed:
             add(members, "recomputed", 0, 0)
             continue
@@ -2109,6 +2110,10 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             else:   # prefill: GEMMs with the softmax between them one fusion (XLA's Triton softmax)
                 made_in = {t for m in members for o in cl[m].ops for t in g.ops[o].outputs}
                 scores = dots[0].outputs[0]
+                # the scores and the probabilities are buffers of their own between the launches
+                # (jit's temporaries: 1,536 MiB for a 2 x 32-head causal prefill of 2,048 tokens,
+                # f32 scores and bf16 probabilities, where the model counted none)
+                scratch |= {scores} | {next((x for x in d.inputs[:2] if x in made_in), d.inputs[0]) for d in dots[1:]}
                 n = len(dots) + (len(red) > len(dots))
                 nbytes += 2 * sum(ctx.nbytes[d.outputs[0]] for d in dots[:-1])
                 nbytes += 2 * sum(ctx.nbytes[next((x for x in d.inputs[:2] if x in made_in), d.inputs[0])]
@@ -2193,6 +2198,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             read[b] = max(read.get(b, 0), read_bytes(t, set(), own, strided=looped or t in relaid))
         nbytes += sum(read.values()) + sum(as_written.get(t, ctx.nbytes[t]) for t in out)
         add(members, what, n, nbytes, made)
+        for t in scratch - made:
+            written.setdefault(t, len(fusions) - 1)
     for members in concatenated:   # weights of widths the GEMM fusion cannot concatenate in its
         # operand (LoRA's rank-16 A matrices): ``wrapped_concatenate``, reading and writing them
         weights = [next(g.ops[o] for o in cl[k].ops if g.ops[o].primitive == "dot_general").inputs[1]

@@ -92,7 +92,7 @@ jax's default precision runs on TF32 tensor cores as ``jax.jit``'s does, at ``HI
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -116,6 +116,10 @@ __all__ = ["TEMPLATE", "NEG_BOUND", "DECODE_MAX_ROWS"]
 NEG_BOUND = -9984.0
 INT32_POSITION_LIMIT = 1 << 30   # positions the kernels bound exactly (the matcher probes inside it)
 DECODE_MAX_ROWS = 16      # query rows per batch·head the decode kernel takes (one MIN_DOT tile)
+# lanes a numeric probe of a mask evaluates at most (per probe value; the heads only where the
+# mask varies along them): 4 Mi is batch 4 x 1,000^2 or batch 1 x 2,048^2. A per-sequence mask is
+# evaluated some 25 times to fit it, about 0.06 s each at 16 Mi lanes: 4 Mi keeps a layer's fit
+# near 0.5 s (batch 1 x 4,096^2 of padded prefill took 2 s a layer)
 _MAX_PROBE_ELEMS = 1 << 22
 _VIEWS = frozenset(n for n, r in TABLE.items() if r.score_view)
 _COMPARE = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
@@ -888,22 +892,34 @@ def _fit_mask(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape: tup
             m = m.T
         return np.broadcast_to(m.reshape((-1, m.shape[-1])) if m.ndim == 2 else m.reshape(1, -1), (S, T))
     mats = {xv: mat_of(arr) for xv, arr in arrays.items()}
-    # rows' [lo, hi)
-    found = None
+    # rows' [lo, hi), per probe: (probe value, row indices with a valid key, their lo, their hi),
+    # whole arrays at once (a Python loop over 4,096 rows per probe took seconds)
+    rows = []
+    for xv, m in mats.items():
+        live = np.nonzero(m.any(axis=1))[0]
+        rows.append((xv, live, np.argmax(m[live], axis=1), T - np.argmax(m[live][:, ::-1], axis=1)))
+
+    def first(pick: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> tuple[Any, int, int, int] | None:
+        """The first row (probe order, then row order) whose (lo, hi) ``pick`` selects."""
+        for xv, live, lo, hi in rows:
+            j = np.nonzero(pick(lo, hi))[0]
+            if j.size:
+                return xv, int(live[j[0]]), int(lo[j[0]]), int(hi[j[0]])
+        return None
+
+    ends_inside = first(lambda lo, hi: hi < T)          # the end from a row that ends inside the keys
+    starts_past = first(lambda lo, hi: lo > 0)          # the window from a row that starts past key 0,
+    found = None                                        # against the unclamped end (a probe past T)
     for causal in ((True, False) if seq_axis is not None else (False,)):
         for use_x in ((True, False) if x is not None else (False,)):
             c = w = None
-            rows = [(xv, i, int(np.argmax(m[i])), T - int(np.argmax(m[i][::-1])))
-                    for xv, m in mats.items() for i in range(m.shape[0]) if m[i].any()]
-            for xv, i, lo, hi in rows:          # the end from a row that ends inside the keys
-                if hi < T:
-                    c = hi - (i if causal else 0) - (xv if use_x else 0)
-                    break
+            if ends_inside is not None:
+                xv, i, lo, hi = ends_inside
+                c = hi - (i if causal else 0) - (xv if use_x else 0)
             c = T if c is None else c
-            for xv, i, lo, hi in rows:          # the window from a row that starts past key 0,
-                if lo > 0:                      # against the unclamped end (a probe past T)
-                    w = c + (i if causal else 0) + (xv if use_x else 0) - lo
-                    break
+            if starts_past is not None:
+                xv, i, lo, hi = starts_past
+                w = c + (i if causal else 0) + (xv if use_x else 0) - lo
             if all(np.array_equal(_family(m.shape[0], T, causal, c + (xv if use_x else 0), w), m)
                    for xv, m in mats.items()):
                 found = (seq_axis, causal, c, x if use_x else None, w)
@@ -1001,8 +1017,6 @@ def _check_per_row(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape
     if info.size != B:
         raise Decline(f"the mask depends on a runtime tensor of shape {info.shape} ({info.size} values; "
                       f"{B} sequences): per-sequence positions need one value per sequence")
-    if np.prod(shape[:nb]) * shape[key] * (shape[seq_axis] if seq_axis is not None else 1) > _MAX_PROBE_ELEMS:
-        raise Decline(f"the mask over {shape} is too large to probe per sequence")
     T = shape[key]
     S = shape[seq_axis] if seq_axis is not None else 1
     for r in range(3):
@@ -1012,8 +1026,13 @@ def _check_per_row(graph: Graph, masks: list[_Mask], dims: dict[str, Any], shape
             arr = _mask_arrays(graph, masks, {x: vals.reshape(info.shape)}, len(shape))
         except _NoFold as e:
             raise Decline(f"mask t{e} cannot be evaluated")
-        arr = np.broadcast_to(arr, tuple(shape[:nb]) + arr.shape[nb:])
-        arr = arr.reshape((B, -1) + arr.shape[nb:])            # (B, heads, query/key axes...)
+        # the heads axis only where the mask varies along it (a padding mask broadcast over 32
+        # heads is checked once per sequence, not 32 times: batch 4 x 1,000 tokens was refused)
+        heads = arr.shape[nb - 1]
+        if B * heads * S * T > _MAX_PROBE_ELEMS:
+            raise Decline(f"the mask over {shape} is too large to probe per sequence")
+        arr = np.broadcast_to(arr, tuple(shape[:nb - 1]) + arr.shape[nb - 1:])
+        arr = arr.reshape((B, heads) + arr.shape[nb:])         # (B, heads or 1, query/key axes...)
         keep = [a - nb + 2 for a in (seq_axis, key) if a is not None]
         others = [a for a in range(2, arr.ndim) if a not in keep]
         for a in others:   # one mask for every value of the other query axes
