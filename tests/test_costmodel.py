@@ -1,8 +1,6 @@
 """The analytical cost model: hand-computed bytes, peak memory and edge savings on tiny graphs,
 Type II penalties, the library loss, the memory objective, and the profiler interface."""
-import sys
 import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -2345,8 +2343,7 @@ def test_xla_plain_buffers_count_the_prefill_scores():
     from vtc_jax import guard as G
     from vtc_jax.analysis import analyze
     from vtc_jax.offline import compile_program
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from zoo import prefill as zp
+    from tests.zoo import prefill as zp
     S = jax.ShapeDtypeStruct
     b, s, h, d, dm = 2, 2048, 32, 80, 2560
     shapes = {"wq": (dm, h * d), "wk": (dm, h * d), "wv": (dm, h * d), "wo": (h * d, dm)}
