@@ -417,7 +417,6 @@ def _weak_as(outs: Sequence[Any], weak: Sequence[bool]) -> list[Any]:
     """The emitted program's flat results with ``fn``'s weak types back (``compat.weak_typed``):
     jax.jit returns a result of Python scalars weakly typed, and the promotion that reads it
     later (``bf16_array * lr``) must not change; a kernel's or a re-bound op's result is strong."""
-    outs = list(outs)
     return [weak_typed(o) if i < len(weak) and weak[i] else o for i, o in enumerate(outs)]
 
 
