@@ -112,3 +112,24 @@ def test_movement_the_guard_keeps_beside_a_kernel_it_undid_is_no_fallback():
         assert not [str(w.message) for w in rec if issubclass(w.category, vtc_jax.VTCFallbackWarning)]
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
     assert any(n.startswith("undid") for n in opt.last[0].guard), opt.last[0].guard
+
+
+def test_a_tril_mask_beside_causal_attention_is_no_fallback():
+    """``jnp.tril(jnp.ones((S, S), bool))``: the iota cluster stays XLA's (an index-dependent
+    kernel) and the ``jnp.ones`` feeding it is kept movement, but a fill moves no data (XLA makes
+    it inside its reader) and the attention kernel reads the mask as causal: nothing to warn about
+    (it used to say "the data movement next to it stays" on every causal layer)."""
+    r = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(r.standard_normal((2, 64, 4, 32)), jnp.float32) for _ in range(3))
+
+    def attn(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+        s = jnp.where(jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool)), s, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always", vtc_jax.VTCFallbackWarning)
+        opt = vtc_jax.optimize(attn, backend="interpret")
+        out = opt(q, k, v)
+    assert not [str(w.message) for w in rec if issubclass(w.category, vtc_jax.VTCFallbackWarning)]
+    assert [r for _, kind, r in vtc_jax.explain(attn)(q, k, v).templates if kind == "attention"] == ["kernel"]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(attn)(q, k, v)), rtol=1e-5, atol=1e-5)

@@ -264,6 +264,13 @@ def is_view(op: Op, graph: Graph) -> bool:
     return True
 
 
+def is_fill(op: Op, graph: Graph) -> bool:
+    """The op broadcasts one element (``jnp.ones``, ``jnp.full``, a scalar operand): XLA never
+    writes it out for a reader, it makes the value inside every fusion that reads it, so it moves
+    no data. The one definition."""
+    return op.primitive == "broadcast_in_dim" and len(op.inputs) == 1 and graph.tensors[op.inputs[0]].size == 1
+
+
 def is_expensive(op: Op) -> bool:
     """XLA's ``IsExpensive`` for the op: its row's flag, and an integer power with a negative
     exponent, which XLA computes as a division (``x ** -2`` is ``1 / (x * x)``: a

@@ -19,7 +19,7 @@ from .analysis import Analysis
 from .cluster import Cluster
 from .graph import Graph
 from .guard import UNDONE
-from .primitives import Kind, Role, data_inputs, is_movement_op, role_of
+from .primitives import Kind, Role, data_inputs, is_fill, is_movement_op, role_of
 from .strategy import Strategy
 from .templates import Match, Reject
 from .vtog import VTOG
@@ -265,11 +265,12 @@ def _kept_by_rejections(a: Analysis, kept: Sequence[Any]) -> set[int]:
     """The tensors of the data movement XLA still runs (``kept``) other than what stays because the
     guard undid a kernel next to it: movement ops linked by the tensors they share, a chain that
     reaches a cluster the guard gave back to XLA left out — its movement is the guard's choice,
-    not a fallback (no warning: ``optimize``'s contract)."""
+    not a fallback (no warning: ``optimize``'s contract), and fills, which move no data (the
+    ``jnp.ones`` of a ``tril`` mask)."""
     undone = {t for c in a.clusters if isinstance(v := a.matches.get(c.id), Reject) and v.reason.startswith(UNDONE)
               for t in (*c.inputs, *c.outputs)}
     chains: list[tuple[set[int], bool]] = []    # (tensors, reaches an undone cluster)
-    for op in kept:
+    for op in (op for op in kept if not is_fill(op, a.graph)):
         ts = set((*op.inputs, *op.outputs))
         joined = [ch for ch in chains if ch[0] & ts]
         chains = [ch for ch in chains if not ch[0] & ts]

@@ -34,8 +34,8 @@ from .compat import (XLA_BROADCASTS_BIAS_OF_MERGED_GEMMS, XLA_COPIES_PART_OF_ROW
                      XLA_TRANSPOSES_REPEATED_VALUES, XLA_WRITES_REPEATED_GEMM_OPERANDS)
 from .graph import Graph, Speculated
 from .kernels.tiling import resolve_precision
-from .primitives import (KERNEL_CALLS, TABLE, Kind, Role, data_inputs, inplace_operand, is_expensive, is_view,
-                         kernel_aliases)
+from .primitives import (KERNEL_CALLS, TABLE, Kind, Role, data_inputs, inplace_operand, is_expensive, is_fill,
+                         is_view, kernel_aliases)
 from .templates import TEMPLATES, Match
 
 __all__ = ["xla_clusters", "Facts", "LIBRARY_KINDS", "CAST_ONLY", "MATH_CLASSES", "Fusion", "Price", "op_flops", "math_class",
@@ -2159,7 +2159,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         for o in (o for m in members if kind[m] == Kind.OPAQUE for o in cl[m].ops):
             op = g.ops[o]
             fill = g.producer(op.inputs[0]) if op.primitive.startswith("scatter") else None
-            if fill is not None and fill.primitive == "broadcast_in_dim" and g.tensors[fill.inputs[0]].size == 1:
+            if fill is not None and is_fill(fill, g):
                 n += 1
         # a full reduction's element-wise epilogue (a loss's mean, its negation): a small loop
         # fusion of its own (a statistic of one row applied back to the row is a norm: below)
