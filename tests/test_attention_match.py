@@ -1091,3 +1091,74 @@ def test_padded_batched_prefill_reaches_the_kernel_at_batch_4_of_1000_tokens():
     opt = vtc_jax.optimize(_padded_prefill, backend="interpret", guard=None)
     check_close(opt(*small, lens), jax.jit(_padded_prefill)(*small, lens), 1e-5)
     assert [r_ for _, kind, r_ in opt.explain(*small, lens).templates if kind == "attention"] == ["kernel"]
+
+
+# --------------------------------------------------------------------------------------------
+# Caches stored narrower than attention computes: the kernels widen the blocks they load
+# --------------------------------------------------------------------------------------------
+
+def _grouped(q, k, v, pos):
+    """GQA by grouping the query heads (MaxText's einsum), the cache's keys ``t <= pos``."""
+    qg = q.reshape(B, 1, HKV, G, D)
+    s = jnp.einsum("bqkgd,btkd->bkgqt", qg, k) / math.sqrt(D)
+    s = jnp.where(jnp.arange(T) <= pos, s, jnp.finfo(s.dtype).min)
+    p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgqt,btkd->bqkgd", p, v).reshape(B, 1, H * D)
+
+
+def d_widened_f32(q, kc, vc, pos):
+    """A bf16 cache attended in f32 (``float32_qk_product``-style upcasts of q, K and V)."""
+    return _grouped(q.astype(jnp.float32), kc.astype(jnp.float32), vc.astype(jnp.float32), pos).astype(q.dtype)
+
+
+def d_int8_per_token(q, kc, vc, pos, ks, vs):
+    """An int8 cache with one bf16 scale per token and head, dequantised before attention."""
+    return _grouped(q, kc.astype(jnp.bfloat16) * ks, vc.astype(jnp.bfloat16) * vs, pos)
+
+
+def d_int8_scale_first(q, kc, vc, pos, ks, vs):
+    """The same with the scale applied in f32 and the product cast (``(c * s).astype(bf16)``)."""
+    return _grouped(q, (kc * ks.astype(jnp.float32)).astype(jnp.bfloat16),
+                    (vc * vs.astype(jnp.float32)).astype(jnp.bfloat16), pos)
+
+
+def d_fp8(q, kc, vc, pos):
+    """An fp8 (e4m3) cache cast to bf16."""
+    return _grouped(q, kc.astype(jnp.bfloat16), vc.astype(jnp.bfloat16), pos)
+
+
+def _int8_args():
+    r = np.random.default_rng(5)
+    q = rand((B, 1, H, D), jnp.bfloat16)
+    kc, vc = (jnp.asarray(r.integers(-127, 128, (B, T, HKV, D)), jnp.int8) for _ in range(2))
+    ks, vs = (jnp.asarray(r.uniform(0.005, 0.05, (B, T, HKV, 1)), jnp.bfloat16) for _ in range(2))
+    return q, kc, vc, jnp.int32(13), ks, vs
+
+
+@pytest.mark.parametrize("fn,args", [
+    (d_widened_f32, lambda: decode_args(jnp.bfloat16)),
+    (d_int8_per_token, _int8_args),
+    (d_int8_scale_first, _int8_args),
+    (d_fp8, lambda: tuple(x.astype(jnp.float8_e4m3fn) if i in (1, 2) else x
+                          for i, x in enumerate(decode_args(jnp.bfloat16)))),
+], ids=["widened_f32", "int8_per_token", "int8_scale_first", "fp8"])
+def test_narrow_cache_widened_in_the_kernel(fn, args):
+    """The chain widening the cache (a cast, a dequantisation by per-token scales) is the attention
+    kernel's prologue: the kernel loads the narrow cache and its scales, so the attention cluster's
+    inputs are the stored tensors and no widened cache is made anywhere in the program (jit writes
+    one out: 2.9x-4.1x by XLA's compile at Llama-3 batch 16 x 4k, ``benchmarks/guard.py``)."""
+    args = args()
+    check_attention(fn, args, "decode", guard=None)
+    opt = vtc_jax.optimize(fn, backend="interpret", guard=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        opt(*args)
+    analysis, _ = opt.last
+    g = analysis.graph
+    (c,) = [c for c in analysis.clusters if c.kind == "attention"]
+    narrow = {int(np.dtype(a.dtype).itemsize) for a in args[1:3]}
+    assert {g.tensors[t].dtype.itemsize for t in c.inputs if g.tensors[t].shape == (B, T, HKV, D)} == narrow
+    emitted = jax.make_jaxpr(opt)(*args)
+    wide = [e for e in emitted.eqns if any(getattr(v.aval, "shape", None) == (B, T, HKV, D)
+                                           and v.aval.dtype.itemsize > min(narrow) for v in e.outvars)]
+    assert not wide, wide

@@ -5,6 +5,9 @@ The paper's input is "a computation graph after operator fusion": VTC removes th
 
 * attention — dot_general -> (scale / mask / soft-cap / transpose) -> softmax -> dot_general, found
   by pattern: nothing inside may be used outside (a flash kernel never materialises the scores).
+  It also takes the element-wise chains that widen q, K or V from what is stored (a dequantised
+  int8 cache, ``k.astype(jnp.float32)``: :func:`operand_chain`), which the kernel applies to the
+  blocks it loads.
 * matmul / conv — dot_general / conv_general_dilated plus an elementwise epilogue whose other
   operands are small or broadcast (bias); a matmul also takes a unary elementwise prologue on an
   operand only it reads (a ReLU on q or k). The epilogue may branch (SiLU reads the dot output twice)
@@ -22,7 +25,7 @@ Merges are checked so the cluster graph stays acyclic; clusters come out in topo
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from typing import Callable, Sequence
 from dataclasses import dataclass
 
 import jax.numpy as jnp
@@ -228,8 +231,60 @@ def _attention(graph: Graph, roles: list[Kind], d1: Op) -> set[int] | None:
                     and users[0].primitive == "convert_element_type":
                 ops.add(users[0].id)
                 t = users[0].outputs[0]
-            return ops
+            return ops | _attention_prologues(graph, roles, ops, d1, graph.ops[d2])
     return None
+
+
+def operand_chain(graph: Graph, x: int, member: Callable[[Op], bool]) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """``(base, chain, side)``: the element-wise ops (``member``) that make a dot operand ``x`` from
+    one tensor ``base`` of its shape, in program order, and the other tensors they read — each a
+    broadcast of something smaller (a per-row scale) to ``x``'s shape; scalar constants are
+    inlined. A chain with a dtype change is what a kernel loads narrow and widens in registers
+    (``cache.astype(jnp.bfloat16) * scale``). The one definition, for the attention cluster's
+    growth and the attention template's prologues."""
+    chain: list[int] = []
+    side: list[int] = []
+    shape = tuple(graph.tensors[x].shape)
+    while (p := graph.producer(x)) is not None and len(p.outputs) == 1 and member(p):
+        big = [t for t in p.inputs if not _side_operand(graph, t, shape)]
+        if len(big) != 1 or graph.tensors[big[0]].shape != shape:
+            break
+        chain.append(p.id)
+        side.extend(t for t in p.inputs if t not in big and graph.tensors[t].const is None)
+        x = big[0]
+    return x, tuple(reversed(chain)), tuple(dict.fromkeys(side))
+
+
+def _side_operand(graph: Graph, t: int, shape: tuple[int, ...]) -> bool:
+    """A scalar constant, or fewer elements than ``shape`` broadcast to it (a per-row scale): by
+    size-1 dims the op broadcasts itself, or by a ``broadcast_in_dim``."""
+    info = graph.tensors[t]
+    if info.const is not None and info.size == 1:
+        return True
+    if len(info.shape) == len(shape) and info.shape != shape and _broadcastable(info.shape, shape):
+        return True
+    p = graph.producer(t)
+    return p is not None and p.primitive == "broadcast_in_dim" and info.shape == shape and \
+        graph.tensors[p.inputs[0]].size < info.size
+
+
+def _attention_prologues(graph: Graph, roles: list[Kind], ops: set[int], d1: Op, d2: Op) -> set[int]:
+    """The element-wise chains (:func:`operand_chain`) with a dtype change that make the attention's
+    q, K and V from narrower tensors, each op read only by its chain: the kernel loads the narrow
+    tensor (and its scales) and applies the chain to every block, so the widened copy never
+    exists. A chain without a cast (``q * scale``) stays where it is: nothing narrower to load."""
+    taken: set[int] = set()
+
+    def member(p: Op) -> bool:
+        x = p.outputs[0]
+        return (p.id not in ops and p.id not in taken and roles[p.id] is Kind.POINTWISE
+                and x not in graph.outputs and len(graph.consumers(x)) == 1)
+    v = [t for t in d2.inputs if (p := graph.producer(t)) is None or p.id not in ops]
+    for x in (*d1.inputs, *v):
+        _, chain, _ = operand_chain(graph, x, member)
+        if any(graph.ops[o].primitive == "convert_element_type" for o in chain):
+            taken.update(chain)
+    return taken
 
 
 def _small_operand(graph: Graph, t: int, size: int) -> bool:

@@ -76,7 +76,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .flash import (AttentionConfig, Flash, KeyEnd, NEG, SMEM_BUDGET, Planned, empty_rows_mode, int32_where,
+from .flash import (AttentionConfig, Flash, KeyEnd, NEG, SMEM_BUDGET, Planned, Prologue, ProloguePlan,
+                    empty_rows_mode, logical_dtypes, int32_where,
                     keep_lanes, key_end, masked_scores, normalise, read_end, softmax_block, close_end, with_sink)
 from .tiling import MIN_DOT_BLOCK, NUM_SMS, check_pow2, next_pow2, program_id
 from .vio import Plan, VTensor, output, pack_results
@@ -132,6 +133,7 @@ class _Cfg(Planned):
     bias_scale: float = 1.0   # times this (a bias added before a scaling of the scores)
     keep: str | None = None   # a (B, Hkv, G, T) runtime mask operand next: which values keep a key
     sink: bool = False        # a (B, Hkv, G) sink-logit operand next (:func:`.flash.with_sink`)
+    pro: ProloguePlan = ProloguePlan()   # q's, K's, V's prologues: their operands are the last inputs
 
     @property
     def Gp(self) -> int:
@@ -146,7 +148,8 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
                      empty_rows: Any = "zero", precision: Any = None, slopes: Any = None,
                      bias: Any = None, bias_scale: float = 1.0, keep: Any = None,
                      keep_when: str = "nonzero", score_keep: Any = None, inclusive: bool = False,
-                     sink: Any = None, score_dtype: Any = None) -> Any:
+                     sink: Any = None, score_dtype: Any = None, q_prologue: Prologue | None = None,
+                     k_prologue: Prologue | None = None, v_prologue: Prologue | None = None) -> Any:
     """Single-token (decode) attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` per query head.
 
     q: logical (B, Hkv, G, D); k: (B, Hkv, T, D); v: (B, Hkv, T, Dv) — :class:`vio.VTensor` or
@@ -197,22 +200,27 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
     score_dtype: the type of the program's scores (its first dot's result): f16 scores are
         rounded to f16 after the dot and the scaling, so a score past 65504 is inf as the
         program's is (:func:`.flash.narrow_range`). None: f32 scores.
+    q_prologue, k_prologue, v_prologue: a :class:`.flash.Prologue` applied to every block loaded of
+        q, K or V (an int8 or fp8 cache dequantised, a bf16 cache widened to f32): the kernel
+        computes in the dtypes they return. None: the blocks as loaded.
 
     Returns like :func:`vtc_jax.kernels.matmul.matmul`: the array for a fresh/one-buffer output,
     else the tuple of ``out``'s physical buffers.
     """
     q, k, v = VTensor.of(q), VTensor.of(k), VTensor.of(v)
-    _check(q, k, v, block_k=block_k, pos=pos, kv_len=kv_len, window=window)
+    pro = (q_prologue, k_prologue, v_prologue)
+    dtypes = logical_dtypes((q, k, v), pro)
+    _check(q, k, v, block_k=block_k, pos=pos, kv_len=kv_len, window=window, dtypes=dtypes)
     B, H, G, _ = q.shape
     if slopes is not None:
         slopes = VTensor.of(slopes)
         if tuple(slopes.shape) != (B, H, G) or slopes.dtype != np.float32:
             raise ValueError(f"slopes must be f32 of shape {(B, H, G)}, got {slopes.dtype} {slopes.shape}")
-    out = output(out, (B, H, G, v.shape[3]), q.dtype)
+    out = output(out, (B, H, G, v.shape[3]), dtypes[0])
     end, end_operand = key_end(pos, kv_len, k.shape[2], inclusive)
     if end.per_row and end_operand.shape != (B,):
         raise ValueError(f"per-sequence positions must have shape ({B},), got {end_operand.shape}")
-    cfg = _config(q, k, v, end, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+    cfg = _config(q, k, v, end, dtypes=dtypes, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                   num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
                   empty_rows=empty_rows, precision=precision, score_keep=score_keep,
                   score_dtype=score_dtype)
@@ -235,13 +243,14 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         if tuple(sink.shape) != (B, H, G) or not jnp.issubdtype(sink.dtype, jnp.floating):
             raise ValueError(f"sink must be floating of shape {(B, H, G)}, got {sink.dtype} {sink.shape}")
     cfg = dataclasses.replace(cfg, alibi=slopes is not None, bias=bias is not None, bias_scale=float(bias_scale),
-                              keep=None if keep is None else keep_when, sink=sink is not None)
+                              keep=None if keep is None else keep_when, sink=sink is not None,
+                              pro=ProloguePlan.of(*pro))
     return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes, bias=bias, keep=keep,
-                   sink=sink)
+                   sink=sink, extra=[VTensor.of(o) for o in ProloguePlan.operands(*pro)])
 
 
 def _check(q: VTensor, k: VTensor, v: VTensor, *, block_k: int, pos: Any, kv_len: Any,
-           window: int | None) -> None:
+           window: int | None, dtypes: tuple[np.dtype, ...]) -> None:
     if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
         raise ValueError(f"expected q (B, Hkv, G, D), k/v (B, Hkv, T, D); got {q.shape}, {k.shape}, "
                          f"{v.shape}")
@@ -257,19 +266,19 @@ def _check(q: VTensor, k: VTensor, v: VTensor, *, block_k: int, pos: Any, kv_len
         raise ValueError(f"pos / kv_len must be a scalar or a (B,) vector, got shape {jnp.shape(end)}")
     if window is not None and int(window) < 1:
         raise ValueError(f"window={window} must be >= 1")
-    for v_ in (q, k, v):
-        if not jnp.issubdtype(v_.dtype, jnp.floating):
-            raise NotImplementedError(f"floating dtypes only, got {v_.dtype}")
+    for dt in dtypes:
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise NotImplementedError(f"floating dtypes only, got {dt}")
 
 
-def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, block_k: int,
+def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, dtypes: tuple[np.dtype, ...], block_k: int,
             num_warps: int | None, num_stages: int | None, num_splits: int | None,
             sm_scale: float | None, soft_cap: float | None, window: int | None,
             empty_rows: Any, precision: Any, score_keep: Any = None, score_dtype: Any = None) -> _Cfg:
     """Tiles, launch and split count (see the module docstring)."""
     B, H, G, D = q.shape
     T, Dv = k.shape[2], v.shape[3]
-    compute = np.dtype(jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype))
+    compute = np.dtype(jnp.promote_types(jnp.promote_types(dtypes[0], dtypes[1]), dtypes[2]))
     Dp, Dvp = max(MIN_DOT_BLOCK, next_pow2(D)), max(MIN_DOT_BLOCK, next_pow2(Dv))
     launch = AttentionConfig.decode(G, T, Dp, Dvp, compute, block_k=block_k, num_warps=num_warps,
                                     num_stages=num_stages, precision=precision)
@@ -284,11 +293,13 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, block_k: int,
 
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any, *,
-            backend: str, slopes: Any = None, bias: Any = None, keep: Any = None, sink: Any = None) -> Any:
+            backend: str, slopes: Any = None, bias: Any = None, keep: Any = None, sink: Any = None,
+            extra: list[VTensor] | None = None) -> Any:
     """Grid and launch: one kernel when S == 1; else the split kernel into f32 partials, then the
-    combine kernel. ``end``: the runtime end operand, or None (a static end)."""
+    combine kernel. ``end``: the runtime end operand, or None (a static end); ``extra``: the
+    prologues' operands."""
     ins = [q, k, v] + ([slopes] if c.alibi else []) + ([bias] if c.bias else []) + ([keep] if c.keep else []) \
-        + ([sink] if c.sink else []) + ([end] if end is not None else [])
+        + ([sink] if c.sink else []) + ([end] if end is not None else []) + (extra or [])
     warps, stages = c.launch.num_warps, c.launch.num_stages
     if c.S == 1:
         plan = Plan.build(ins, [out])
@@ -313,13 +324,13 @@ def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any,
 # --------------------------------------------------------------------------------------------
 
 def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
-    q_ref, k_ref, v_ref = ins[:3]
     b, h, s = program_id(0, c.B), program_id(1, c.H), program_id(2, c.S)
 
     # The valid keys [lo, hi): scalars (traced or static); a window counts back from the
     # unclamped end (jax's ``t > pos - window`` for any pos).
     n_fixed = 3 + c.alibi + c.bias + bool(c.keep) + c.sink
-    end = close_end(c.end, read_end(c.end, ins[n_fixed] if len(ins) > n_fixed else None, b))
+    end = close_end(c.end, read_end(c.end, ins[n_fixed] if c.end.static is None else None, b))
+    load_q, load_k, load_v = c.pro.loaders(ins[:3], ins[n_fixed + (c.end.static is None):])
     if c.end.static is None:
         hi: Any = jnp.minimum(end, c.T)
         lo: Any = jnp.maximum(end - c.window, 0) if c.window is not None else 0
@@ -338,12 +349,12 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
         j1 = jnp.minimum(j0 + per, last)
 
     # Stage 1 (once): the q tile of this KV head's G query heads, padded to Gp rows.
-    qt = q_ref.load((b, h, 0, 0), (1, 1, c.Gp, c.Dp)).reshape(c.Gp, c.Dp).astype(c.flash.compute)
+    qt = load_q((b, h, 0, 0), (1, 1, c.Gp, c.Dp)).reshape(c.Gp, c.Dp).astype(c.flash.compute)
 
     def load_kv(t0: Any) -> tuple[jax.Array, jax.Array]:
         # one K and one V block, shared by all G query heads of the group
-        kb = k_ref.load((b, h, t0, 0), (1, 1, c.bk, c.Dp)).reshape(c.bk, c.Dp).astype(c.flash.compute)
-        vb = v_ref.load((b, h, t0, 0), (1, 1, c.bk, c.Dvp)).reshape(c.bk, c.Dvp).astype(c.flash.compute)
+        kb = load_k((b, h, t0, 0), (1, 1, c.bk, c.Dp)).reshape(c.bk, c.Dp).astype(c.flash.compute)
+        vb = load_v((b, h, t0, 0), (1, 1, c.bk, c.Dvp)).reshape(c.bk, c.Dvp).astype(c.flash.compute)
         return kb, vb
 
     # The rows' ALiBi slopes and bias blocks (padded rows and keys past T read 0).

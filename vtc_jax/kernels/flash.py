@@ -9,6 +9,8 @@ the flash step and the empty-row pass.
   kernel's read of that operand. Pallas' Triton backend has no scalar prefetch: a runtime scalar
   reaches the kernel as a small int32 array (``(1,)``, or ``(B,)`` per sequence) passed as an
   ordinary operand and read with one scalar load.
+* :class:`Prologue`: an element-wise function of each block a kernel loads of q, K or V (a
+  dequantised or upcast cache), with the operands it reads beside the block.
 * :class:`Flash`: the static parameters of the online softmax (scale, soft-cap, dot precision,
   what a row with no valid key outputs) and its two loops: :meth:`Flash.loop`, the flash step over
   a run of K/V blocks, and :meth:`Flash.empty_pass`, the pass over every key at jax's masked value
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +31,7 @@ from jax import lax
 from .tiling import MIN_DOT_BLOCK, dot_precision, next_pow2, pipeline_stages
 from .vio import VRef
 
-__all__ = ["AttentionConfig", "Flash", "KeyEnd", "Planned", "SMEM_BUDGET", "NEG", "key_end", "read_end", "keep_lanes",
+__all__ = ["AttentionConfig", "Flash", "KeyEnd", "Planned", "Prologue", "ProloguePlan", "logical_dtypes", "SMEM_BUDGET", "NEG", "key_end", "read_end", "keep_lanes",
            "score_lanes", "narrow_range", "softmax_block", "empty_rows_mode", "close_end", "masked_scores", "normalise", "int32_where",
            "with_sink"]
 
@@ -415,6 +417,71 @@ class Flash:
             return float(self.empty_fill[1])
         _, b, f = self.empty_fill
         return float(np.float32(b) * np.float32(f))
+
+
+@dataclass(frozen=True)
+class Prologue:
+    """An element-wise function a kernel applies to every block it loads of q, K or V: ``fn(block,
+    *operand_blocks)``, each of ``operands`` (VTensors or arrays of the operand's logical shape) read
+    at the same origin through its own layout — a per-key-row scale is a broadcast layout, one
+    value per row loaded.
+
+    Why: serving code keeps its caches narrow and widens them for attention (``cache.astype(jnp.
+    float32)``, an int8 cache ``cache.astype(jnp.bfloat16) * scale``, fp8); applied as the blocks
+    are loaded, the kernel reads the narrow cache and its scales, where a program that widens first
+    writes the wide cache out and reads it back. ``fn`` must map zeros to zero: lanes past the
+    operand's edges (padded keys, head dims, query rows) load 0, and the dots read them."""
+    fn: Callable[..., Any]
+    operands: tuple[Any, ...] = ()
+
+    def dtype(self, x: Any) -> np.dtype:
+        """The dtype ``fn`` returns for blocks of ``x`` (and of the operands)."""
+        args = [jax.ShapeDtypeStruct((1,) * len(x.shape), x.dtype)] + [
+            jax.ShapeDtypeStruct((1,) * len(x.shape), o.dtype) for o in self.operands]
+        return np.dtype(jax.eval_shape(self.fn, *args).dtype)
+
+
+@dataclass(frozen=True)
+class ProloguePlan:
+    """A kernel plan's static view of the :class:`Prologue` of q, K and V: each one's function
+    (None: none) and operand count. The operands are the kernel's last inputs, q's first."""
+    fns: tuple[Callable[..., Any] | None, ...] = (None, None, None)
+    counts: tuple[int, ...] = (0, 0, 0)
+
+    @staticmethod
+    def of(*prologues: "Prologue | None") -> "ProloguePlan":
+        return ProloguePlan(tuple(None if p is None else p.fn for p in prologues),
+                            tuple(0 if p is None else len(p.operands) for p in prologues))
+
+    @staticmethod
+    def operands(*prologues: "Prologue | None") -> list[Any]:
+        return [o for p in prologues if p is not None for o in p.operands]
+
+    def loaders(self, qkv: Sequence[Any], extra: Sequence[Any]) -> tuple[Callable[..., jax.Array], ...]:
+        """``load(origin, block)`` for q, K and V: their refs ``qkv`` read and passed through their
+        functions with the operands' refs ``extra`` (q's first, as :meth:`operands` orders them)."""
+        out, extra = [], list(extra)
+        for ref, fn, n in zip(qkv, self.fns, self.counts):
+            out.append(_loader(ref, fn, extra[:n]))
+            extra = extra[n:]
+        return tuple(out)
+
+
+def logical_dtypes(xs: tuple[Any, ...], pro: tuple[Prologue | None, ...]) -> tuple[np.dtype, ...]:
+    """q's, K's and V's dtypes as the kernel computes with them: what their prologues return (each
+    operand of a prologue checked to have the shape of what it reads beside)."""
+    for name, x, p in zip("qkv", xs, pro):
+        for o in () if p is None else p.operands:
+            if tuple(o.shape) != tuple(x.shape):
+                raise ValueError(f"{name}_prologue operands must have {name}'s shape {x.shape}, got {o.shape}")
+    return tuple(x.dtype if p is None else p.dtype(x) for x, p in zip(xs, pro))
+
+
+def _loader(ref: Any, fn: Callable[..., Any] | None, ops: Sequence[Any]) -> Callable[..., jax.Array]:
+    def load(origin: Sequence[Any], block: Sequence[int]) -> jax.Array:
+        x = ref.load(origin, block)
+        return x if fn is None else fn(x, *(o.load(origin, block) for o in ops))
+    return load
 
 
 class Planned:

@@ -56,8 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .flash import (AttentionConfig, Flash, KeyEnd, Planned, close_end, int32_where, keep_lanes, key_end, read_end,
-                    with_sink)
+from .flash import (AttentionConfig, Flash, KeyEnd, Planned, Prologue, ProloguePlan, close_end, int32_where,
+                    keep_lanes, key_end, logical_dtypes, read_end, with_sink)
 from .tiling import MIN_DOT_BLOCK, cdiv, check_pow2, next_pow2, program_id
 from .vio import Plan, VTensor, output, pack_results
 
@@ -85,6 +85,7 @@ class _Cfg(Planned):
     keep: str | None = None    # a (Z, M, T) runtime mask operand next: which values keep a key
     cap: KeyEnd | None = None  # causal rows' ends also capped at this (``kv_len`` with ``causal``)
     sink: bool = False         # a (Z, M) sink-logit operand after keep (:func:`.flash.with_sink`)
+    pro: ProloguePlan = ProloguePlan()   # q's, K's, V's prologues: their operands are the last inputs
 
     @property
     def bq(self) -> int:
@@ -100,7 +101,8 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
                       precision: Any = None, slopes: Any = None, bias: Any = None,
                       bias_scale: float = 1.0, keep: Any = None, keep_when: str = "nonzero",
                       score_keep: Any = None, inclusive: bool = False, sink: Any = None,
-                      score_dtype: Any = None) -> Any:
+                      score_dtype: Any = None, q_prologue: Prologue | None = None,
+                      k_prologue: Prologue | None = None, v_prologue: Prologue | None = None) -> Any:
     """Flash attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` for many query rows.
 
     q: logical (Z, M, D); k: (Z, T, D); v: (Z, T, Dv) — VTensors or arrays.
@@ -145,21 +147,25 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
         masked, biased scores (with a finite mask, shifted as the empty-row pass shifts its
         scores for the rows that pass computes). None: no sink.
     score_dtype: the type of the program's scores, as :func:`.attention.decode_attention`'s.
+    q_prologue, k_prologue, v_prologue: :class:`.flash.Prologue` of the blocks loaded of q, K, V,
+        as :func:`.attention.decode_attention`'s.
 
     Returns the array for a fresh/one-buffer output, else the tuple of ``out``'s buffers.
     """
     q, k, v = VTensor.of(q), VTensor.of(k), VTensor.of(v)
+    pro = (q_prologue, k_prologue, v_prologue)
+    dtypes = logical_dtypes((q, k, v), pro)
     _check(q, k, v, block_q=block_q, block_k=block_k, seq_len=seq_len, causal=causal,
-           q_offset=q_offset, kv_len=kv_len, window=window)
+           q_offset=q_offset, kv_len=kv_len, window=window, dtypes=dtypes)
     Z, M, _ = q.shape
     if slopes is not None:
         slopes = VTensor.of(slopes)
         if tuple(slopes.shape) != (Z, M) or slopes.dtype != np.float32:
             raise ValueError(f"slopes must be f32 of shape {(Z, M)}, got {slopes.dtype} {slopes.shape}")
-    out = output(out, (Z, M, v.shape[2]), q.dtype)
+    out = output(out, (Z, M, v.shape[2]), dtypes[0])
     end, end_operand = key_end(q_offset if causal else None, None if causal else kv_len, k.shape[1], inclusive)
     cap, cap_operand = key_end(None, kv_len, k.shape[1]) if causal and kv_len is not None else (None, None)
-    cfg = _config(q, k, v, end, causal=causal, window=window, seq_len=seq_len, sm_scale=sm_scale,
+    cfg = _config(q, k, v, end, dtypes=dtypes, causal=causal, window=window, seq_len=seq_len, sm_scale=sm_scale,
                   soft_cap=soft_cap, block_q=block_q, block_k=block_k, num_warps=num_warps,
                   num_stages=num_stages, empty_rows=empty_rows, precision=precision, score_keep=score_keep,
                   score_dtype=score_dtype)
@@ -178,14 +184,15 @@ def prefill_attention(q: Any, k: Any, v: Any, *, causal: bool = False, q_offset:
         if tuple(sink.shape) != (Z, M) or not jnp.issubdtype(sink.dtype, jnp.floating):
             raise ValueError(f"sink must be floating of shape {(Z, M)}, got {sink.dtype} {sink.shape}")
     cfg = dataclasses.replace(cfg, alibi=slopes is not None, bias=bias is not None, bias_scale=float(bias_scale),
-                              keep=None if keep is None else keep_when, cap=cap, sink=sink is not None)
+                              keep=None if keep is None else keep_when, cap=cap, sink=sink is not None,
+                              pro=ProloguePlan.of(*pro))
     return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes, bias=bias, keep=keep,
-                   cap=cap_operand, sink=sink)
+                   cap=cap_operand, sink=sink, extra=[VTensor.of(o) for o in ProloguePlan.operands(*pro)])
 
 
 def _check(q: VTensor, k: VTensor, v: VTensor, *, block_q: int, block_k: int,
            seq_len: int | None, causal: bool, q_offset: Any, kv_len: Any,
-           window: int | None) -> None:
+           window: int | None, dtypes: tuple[np.dtype, ...]) -> None:
     if len(q.shape) != 3 or len(k.shape) != 3 or len(v.shape) != 3:
         raise ValueError(f"expected q (Z, M, D), k (Z, T, D), v (Z, T, Dv); got {q.shape}, {k.shape}, "
                          f"{v.shape}")
@@ -205,12 +212,12 @@ def _check(q: VTensor, k: VTensor, v: VTensor, *, block_q: int, block_k: int,
                              f"got shape {jnp.shape(end)}")
     if window is not None and int(window) < 1:
         raise ValueError(f"window={window} must be >= 1")
-    for x in (q, k, v):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise NotImplementedError(f"floating dtypes only, got {x.dtype}")
+    for dt in dtypes:
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise NotImplementedError(f"floating dtypes only, got {dt}")
 
 
-def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, causal: bool,
+def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, dtypes: tuple[np.dtype, ...], causal: bool,
             window: int | None, seq_len: int | None, sm_scale: float | None,
             soft_cap: float | None, block_q: int, block_k: int, num_warps: int | None,
             num_stages: int | None, empty_rows: Any, precision: Any, score_keep: Any = None,
@@ -218,7 +225,7 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, causal: bool,
     """Tiles and launch (:meth:`.flash.AttentionConfig.prefill`) and the flash parameters."""
     Z, M, D = q.shape
     T, Dv = k.shape[1], v.shape[2]
-    compute = np.dtype(jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype))
+    compute = np.dtype(jnp.promote_types(jnp.promote_types(dtypes[0], dtypes[1]), dtypes[2]))
     Dp, Dvp = max(MIN_DOT_BLOCK, next_pow2(D)), max(MIN_DOT_BLOCK, next_pow2(Dv))
     launch = AttentionConfig.prefill(M, T, Dp, Dvp, compute, block_q=block_q, block_k=block_k,
                                      num_warps=num_warps, num_stages=num_stages, precision=precision)
@@ -232,11 +239,12 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, causal: bool,
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any, *,
             backend: str, slopes: Any = None, bias: Any = None, keep: Any = None, cap: Any = None,
-            sink: Any = None) -> Any:
-    """Grid ``(Z, cdiv(M, bq))`` and launch. ``end``, ``cap``: the runtime end / cap operands, or None."""
+            sink: Any = None, extra: list[VTensor] | None = None) -> Any:
+    """Grid ``(Z, cdiv(M, bq))`` and launch. ``end``, ``cap``: the runtime end / cap operands, or None;
+    ``extra``: the prologues' operands."""
     plan = Plan.build([q, k, v] + ([slopes] if c.alibi else []) + ([bias] if c.bias else [])
                       + ([keep] if c.keep else []) + ([sink] if c.sink else []) + ([end] if end is not None else [])
-                      + ([cap] if cap is not None else []), [out])
+                      + ([cap] if cap is not None else []) + (extra or []), [out])
     bufs = plan.call(functools.partial(_body, c), grid=(c.Z, cdiv(c.M, c.bq)), backend=backend,
                      num_warps=c.launch.num_warps, num_stages=c.launch.num_stages,
                      name="vtc_prefill_attention")
@@ -244,7 +252,6 @@ def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any,
 
 
 def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
-    q_ref, k_ref, v_ref = ins[:3]
     (o_ref,) = outs
     z, i = program_id(0, c.Z), program_id(1, cdiv(c.M, c.bq))
     r0 = i * c.bq
@@ -253,6 +260,7 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     n_fixed = 3 + c.alibi + c.bias + bool(c.keep) + c.sink
     end_ref = ins[n_fixed] if c.end.static is None else None
     cap_ref = ins[n_fixed + (end_ref is not None)] if c.cap is not None and c.cap.static is None else None
+    load_q, load_k, load_v = c.pro.loaders(ins[:3], ins[n_fixed + (end_ref is not None) + (cap_ref is not None):])
 
     def end_of(end: KeyEnd, ref: Any) -> Any:   # a (B,) operand: program z reads its sequence's entry
         return read_end(end, ref, z // (c.Z // ref.shape[0]) if end.per_row else 0)
@@ -271,11 +279,11 @@ def _body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     j1 = (jnp.max(jnp.where(live, hi, 0)) + c.bk - 1) // c.bk
     j0 = jnp.min(jnp.where(live, lo, c.T)) // c.bk if lo is not None else 0
 
-    qt = q_ref.load((z, r0, 0), (1, c.bq, c.Dp)).reshape(c.bq, c.Dp).astype(c.flash.compute)
+    qt = load_q((z, r0, 0), (1, c.bq, c.Dp)).reshape(c.bq, c.Dp).astype(c.flash.compute)
 
     def load_kv(t0: Any) -> tuple[jax.Array, jax.Array]:
-        kb = k_ref.load((z, t0, 0), (1, c.bk, c.Dp)).reshape(c.bk, c.Dp).astype(c.flash.compute)
-        vb = v_ref.load((z, t0, 0), (1, c.bk, c.Dvp)).reshape(c.bk, c.Dvp).astype(c.flash.compute)
+        kb = load_k((z, t0, 0), (1, c.bk, c.Dp)).reshape(c.bk, c.Dp).astype(c.flash.compute)
+        vb = load_v((z, t0, 0), (1, c.bk, c.Dvp)).reshape(c.bk, c.Dvp).astype(c.flash.compute)
         return kb, vb
 
     slope = ins[3].load((z, r0), (1, c.bq)).reshape(c.bq) if c.alibi else None   # padded rows: 0

@@ -15,6 +15,8 @@ one line in :data:`TEMPLATES`.
 What no template can take is decided from dtypes up front (:func:`dtype_problem`): complex
 numbers, PRNG keys and other extended dtypes, float8 and sub-byte integers have no
 Triton lowering in Pallas, so such clusters stay XLA from the analysis on (and ``explain`` says so).
+One use of float8 lowers: a kernel loading an fp8 input and widening it at once (an fp8 KV cache
+cast to bf16 for attention: ``tt.fp_to_fp``, compiled by ptxas for sm_90, e4m3fn and e5m2).
 
 Kernel modules are imported lazily (inside ``build``): analysis never pays for Pallas.
 """
@@ -45,7 +47,7 @@ _NO_TRITON = ("float8", "float4", "int4", "uint4", "int2", "uint2")
 
 def dtype_problem(graph: Graph, c: Cluster) -> str | None:
     """Why no template can take ``c`` because of a dtype it touches (None: dtypes are fine)."""
-    seen: set[int] = set()
+    seen: set[int] = set(_widened_fp8_inputs(graph, c))
     for oid in c.ops:
         op = graph.ops[oid]
         for t in (*op.inputs, *op.outputs):
@@ -63,6 +65,21 @@ def dtype_problem(graph: Graph, c: Cluster) -> str | None:
                     d == np.bool_ or jnp.issubdtype(d, jnp.floating) or jnp.issubdtype(d, jnp.integer)):
                 return f"t{t} is {d.name}: no Pallas Triton lowering for this dtype"
     return None
+
+
+def _widened_fp8_inputs(graph: Graph, c: Cluster) -> set[int]:
+    """The cluster's float8 inputs that it only widens (each reader inside a cast to a float type
+    of two bytes or more): what a kernel loads as fp8 and converts in registers."""
+    own = set(c.ops)
+    out = set()
+    for t in c.inputs:
+        if not str(graph.tensors[t].dtype).startswith("float8"):   # (extended dtypes are no numpy dtype)
+            continue
+        readers = [op for op in graph.consumers(t) if op.id in own]
+        if readers and all(op.primitive == "convert_element_type" and jnp.issubdtype(
+                d := np.dtype(graph.tensors[op.outputs[0]].dtype), jnp.floating) and d.itemsize >= 2 for op in readers):
+            out.add(t)
+    return out
 
 
 def empty_problem(graph: Graph, c: Cluster) -> str | None:

@@ -94,19 +94,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..cluster import Cluster
+from ..cluster import Cluster, operand_chain
 from ..graph import Graph
-from ..kernels.flash import narrow_range
+from ..kernels.flash import Prologue, narrow_range
 from ..kernels.attention import decode_attention
 from ..kernels.prefill_attention import prefill_attention
-from ..kernels.tiling import dtype_unsupported, more_precise, native_precision, precision_unsupported
+from ..kernels.tiling import dtype_unsupported, f32_math, more_precise, native_precision, precision_unsupported
 from ..kernels.vio import VTensor
 from ..primitives import TABLE, Kind
 from .base import Decline, Run, Step, Template
-from .stage2 import buffers_of
+from .stage2 import block_fn, block_supported, broadcast_input, buffers_of
 
 __all__ = ["TEMPLATE", "NEG_BOUND", "DECODE_MAX_ROWS"]
 
@@ -173,6 +174,9 @@ class _AttnMatch:
                                 # size 1), one per row, read by the kernels (None: no sink)
     score_dtype: Any = None     # the first dot's result type where its range is narrower than f32's
                                 # (f16 scores: the kernels round to it, ``flash.narrow_range``)
+    prologues: tuple[Any, ...] = (None, None, None)   # q's, K's, V's: None, or (the tensor the
+                                # kernel loads, the cluster's ops making the operand from it, the
+                                # broadcast operands they read: ``cluster.operand_chain``)
 
     @property
     def kernel(self) -> str:
@@ -389,9 +393,49 @@ def _pred_key(graph: Graph, t: int) -> tuple:
     return t, tuple(chain)
 
 
+def _prologue_ops(graph: Graph, c: Cluster) -> set[int]:
+    """The cluster's ops before its first dot or on V's way into the second: the chains widening
+    q, K, V (``cluster._attention_prologues``), applied by the kernels to the blocks they load."""
+    own = set(c.ops)
+    dots = sorted(o for o in own if graph.ops[o].primitive == "dot_general")
+    if len(dots) != 2:
+        return set()
+    region = {dots[0]}
+    for o in sorted(own):   # program order: what the first dot's result reaches
+        if o > dots[0] and any((p := graph.producer(t)) is not None and p.id in region for t in graph.ops[o].inputs):
+            region.add(o)
+    return own - region
+
+
+def _prologues(graph: Graph, c: Cluster, operands: tuple[int, int, int]) -> tuple[Any, ...]:
+    """Per q, K, V: None, or ``(base, chain, side operands)`` of the chain the kernel applies to
+    each block it loads of ``base`` (checked: it runs on register blocks and maps zeros to zero,
+    since padded lanes load 0 and the dots read them)."""
+    pro = _prologue_ops(graph, c)
+    out: list[Any] = []
+    for x in operands:
+        base, chain, side = operand_chain(graph, x, lambda p: p.id in pro)
+        if not chain:
+            out.append(None)
+            continue
+        why = block_supported(graph, chain)
+        if why:
+            raise Decline(f"the chain widening an operand: {why}")
+        f = block_fn(graph, chain, [base, *side], [x])
+        with jax.ensure_compile_time_eval():   # matched while jit traces the program: evaluate now
+            zero = f(*(jnp.zeros((), graph.tensors[t].dtype) for t in (base, *side)))
+        if bool(np.asarray(zero) != 0):
+            raise Decline("the chain widening an operand maps 0 elsewhere (padded lanes would count)")
+        out.append((base, chain, side))
+    if sum(len(p[1]) for p in out if p is not None) != len(pro):
+        raise Decline("element-wise ops before the first dot that do not make q, K or V from one tensor")
+    return tuple(out)
+
+
 def _analyse(graph: Graph, c: Cluster) -> dict[str, Any]:
     """Walk the cluster in program order; give each value a role or raise Decline."""
-    ops = [graph.ops[i] for i in sorted(c.ops)]
+    pro = _prologue_ops(graph, c)
+    ops = [graph.ops[i] for i in sorted(c.ops) if i not in pro]
     dots = [op for op in ops if op.primitive == "dot_general"]
     if len(dots) != 2:
         raise Decline(f"expected two dot_generals (q·k and p·v), found {len(dots)}")
@@ -1444,7 +1488,8 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
                       float(scale), None if cap is None else float(cap), causal, int(hi_c), hi_x,
                       None if window is None else int(window), decode, empty_rows, per_row, precision,
                       slopes, bias_view, keep_view, (score[0].score, bool(score[0].keep)) if score else None,
-                      kv_cap, inclusive, sink, narrow_range(graph.tensors[d1.outputs[0]].dtype))
+                      kv_cap, inclusive, sink, narrow_range(graph.tensors[d1.outputs[0]].dtype),
+                      _prologues(graph, c, (q, k, v)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1499,13 +1544,32 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
         x = bias_of(run, m.sink)
         return VTensor(x.layout.slice((0,) * 4, (B, H, R, 1)).reshape((B, H, R)), x.dtype, x.buffers, x.symbols)
 
+    # the chains widening q, K, V: applied by the kernel to each block it loads of their bases
+    fns = tuple(None if p is None else f32_math(block_fn(graph, p[1], [p[0], *p[2]], [x]))
+                for p, x in zip(m.prologues, (m.q, m.k, m.v)))
+
+    def operand(run: Run, i: int, perm: tuple[int, ...], shape: tuple[int, ...]) -> tuple[VTensor, Prologue | None]:
+        """q, K or V (``i``) in the kernel's logical shape: the tensor itself, or its prologue's
+        base with the prologue (its broadcast operands viewed alike)."""
+        p = m.prologues[i]
+        if p is None:
+            return view(run.vtensor((m.q, m.k, m.v)[i]), perm, shape), None
+        full = tuple(graph.tensors[p[0]].shape)   # side operands broadcast to it by numpy's rules
+        return view(run.vtensor(p[0]), perm, shape), Prologue(
+            fns[i], tuple(view(broadcast_input(VTensor.of(run.vtensor(t)), full), perm, shape) for t in p[2]))
+
+    def each(x: VTensor, p: Prologue | None, f: Callable[[VTensor], VTensor]) -> tuple[VTensor, Prologue | None]:
+        """``f`` (a re-view) applied to an operand and its prologue's operands alike."""
+        return f(x), None if p is None else Prologue(p.fn, tuple(f(o) for o in p.operands))
+
     def step(run: Run) -> None:
-        q = view(run.vtensor(m.q), m.q_perm, (B, H, R, D))
-        k = view(run.vtensor(m.k), m.k_perm, (B, H, T, D))
-        v = view(run.vtensor(m.v), m.v_perm, (B, H, T, Dv))
+        q, qp = operand(run, 0, m.q_perm, (B, H, R, D))
+        k, kp = operand(run, 1, m.k_perm, (B, H, T, D))
+        v, vp = operand(run, 2, m.v_perm, (B, H, T, Dv))
         out0 = run.out_vtensor(m.out)
         out = view(out0, m.out_perm, (B, H, R, Dv))
-        g = min(_group_size(k, H), _group_size(v, H))
+        g = min(_group_size(x, H) for x in (k, v, *(() if kp is None else kp.operands),
+                                            *(() if vp is None else vp.operands)))
         hk = H // g
 
         def per_group(x: VTensor) -> VTensor:
@@ -1535,6 +1599,10 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
         if m.score_dtype is not None:
             kw["score_dtype"] = m.score_dtype
         if m.decode:
+            q, qp = each(q, qp, lambda x: re(x, (B, hk, g * R, D)))
+            k, kp = each(k, kp, per_group)
+            v, vp = each(v, vp, per_group)
+            kw.update(q_prologue=qp, k_prologue=kp, v_prologue=vp)
             if m.hi_scalar is not None and (m.hi_const == 1 or m.inclusive):
                 kw["pos"] = end_minus(1)   # keys t <= pos: the decode kernel's own form
             elif m.hi_scalar is not None or m.hi_const < T or m.window is not None:
@@ -1549,10 +1617,14 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
                 kw["score_keep"] = m.score_keep
             if m.sink is not None:
                 kw["sink"] = re(sink_of(run), (B, hk, g * R))
-            res = decode_attention(re(q, (B, hk, g * R, D)), per_group(k), per_group(v),
+            res = decode_attention(q, k, v,
                                    sm_scale=m.scale, soft_cap=m.soft_cap, out=re(out, (B, hk, g * R, Dv)),
                                    backend=backend, empty_rows=m.empty_rows, precision=m.precision, **kw)
         else:
+            q, qp = each(q, qp, lambda x: re(x, (B * hk, g * R, D)))
+            k, kp = each(k, kp, lambda x: re(per_group(x), (B * hk, T, D)))
+            v, vp = each(v, vp, lambda x: re(per_group(x), (B * hk, T, Dv)))
+            kw.update(q_prologue=qp, k_prologue=kp, v_prologue=vp)
             if m.causal and m.kv_cap is not None:   # the runtime value caps the causal ends
                 kw.update(causal=True, q_offset=int(m.hi_const) - 1, kv_len=pos if m.kv_cap == 0 else pos + m.kv_cap)
             elif m.causal:
@@ -1569,8 +1641,7 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
                 kw["score_keep"] = m.score_keep
             if m.sink is not None:
                 kw["sink"] = re(sink_of(run), (B * hk, g * R))
-            res = prefill_attention(re(q, (B * hk, g * R, D)), re(per_group(k), (B * hk, T, D)),
-                                    re(per_group(v), (B * hk, T, Dv)), seq_len=m.seq, sm_scale=m.scale,
+            res = prefill_attention(q, k, v, seq_len=m.seq, sm_scale=m.scale,
                                     soft_cap=m.soft_cap, out=re(out, (B * hk, g * R, Dv)),
                                     backend=backend, empty_rows=m.empty_rows, precision=m.precision,
                                     **kw)
