@@ -1127,6 +1127,25 @@ def d_fp8(q, kc, vc, pos):
     return _grouped(q, kc.astype(jnp.bfloat16), vc.astype(jnp.bfloat16), pos)
 
 
+def _repeated(q, k, v, pos):
+    """GQA by ``jnp.repeat`` of K and V (HF's ``repeat_kv``), the cache's keys ``t <= pos``."""
+    k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
+    s = jnp.where(jnp.arange(T) <= pos, s, jnp.finfo(s.dtype).min)
+    p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(B, 1, H * D)
+
+
+def d_repeat_widened_f32(q, kc, vc, pos):
+    """A bf16 cache widened to f32, then repeated for the query heads."""
+    return _repeated(q.astype(jnp.float32), kc.astype(jnp.float32), vc.astype(jnp.float32), pos).astype(q.dtype)
+
+
+def d_repeat_int8(q, kc, vc, pos, ks, vs):
+    """An int8 cache dequantised by per-token scales, then repeated."""
+    return _repeated(q, kc.astype(jnp.bfloat16) * ks, vc.astype(jnp.bfloat16) * vs, pos)
+
+
 def _int8_args():
     r = np.random.default_rng(5)
     q = rand((B, 1, H, D), jnp.bfloat16)
@@ -1141,12 +1160,15 @@ def _int8_args():
     (d_int8_scale_first, _int8_args),
     (d_fp8, lambda: tuple(x.astype(jnp.float8_e4m3fn) if i in (1, 2) else x
                           for i, x in enumerate(decode_args(jnp.bfloat16)))),
-], ids=["widened_f32", "int8_per_token", "int8_scale_first", "fp8"])
+    (d_repeat_widened_f32, lambda: decode_args(jnp.bfloat16)),
+    (d_repeat_int8, _int8_args),
+], ids=["widened_f32", "int8_per_token", "int8_scale_first", "fp8", "repeat_widened_f32", "repeat_int8"])
 def test_narrow_cache_widened_in_the_kernel(fn, args):
     """The chain widening the cache (a cast, a dequantisation by per-token scales) is the attention
-    kernel's prologue: the kernel loads the narrow cache and its scales, so the attention cluster's
-    inputs are the stored tensors and no widened cache is made anywhere in the program (jit writes
-    one out: 2.9x-4.1x by XLA's compile at Llama-3 batch 16 x 4k, ``benchmarks/guard.py``)."""
+    kernel's prologue — also where the program widens before a GQA repeat (the tracer moves it past
+    the repeat: ``graph._sink_into_dot_operands``): the kernel loads the narrow cache and its scales
+    through the repeat's views, and no widened cache is made anywhere in the program (jit writes
+    one out: 2.2x-4.1x by XLA's compile at Llama-3 batch 16 x 4k)."""
     args = args()
     check_attention(fn, args, "decode", guard=None)
     opt = vtc_jax.optimize(fn, backend="interpret", guard=None)
@@ -1157,8 +1179,9 @@ def test_narrow_cache_widened_in_the_kernel(fn, args):
     g = analysis.graph
     (c,) = [c for c in analysis.clusters if c.kind == "attention"]
     narrow = {int(np.dtype(a.dtype).itemsize) for a in args[1:3]}
-    assert {g.tensors[t].dtype.itemsize for t in c.inputs if g.tensors[t].shape == (B, T, HKV, D)} == narrow
+    loaded = {g.tensors[t].dtype.itemsize for t in c.inputs if g.tensors[t].size >= B * T * HKV * D}
+    assert min(narrow) in loaded, loaded   # the cache as stored (or its virtual repeat; the scales' broadcasts)
     emitted = jax.make_jaxpr(opt)(*args)
-    wide = [e for e in emitted.eqns if any(getattr(v.aval, "shape", None) == (B, T, HKV, D)
+    wide = [e for e in emitted.eqns if any(np.prod(getattr(v.aval, "shape", ())) >= B * T * HKV * D
                                            and v.aval.dtype.itemsize > min(narrow) for v in e.outvars)]
     assert not wide, wide

@@ -270,3 +270,35 @@ def test_casts_across_views_keep_values_and_dtypes(steps):
                     src_op is not None and src_op.primitive == "dot_general":
                 src, dst = g.tensors[op.inputs[0]].dtype, g.tensors[user[0].outputs[0]].dtype
                 assert np.dtype(dst).itemsize >= np.dtype(src).itemsize, (op.primitive, src, dst)
+
+
+@pytest.mark.parametrize("widen", ["int8_scaled", "f32", "scale_only"])
+def test_widening_chains_move_past_a_repeat_into_the_dot(widen):
+    """``jnp.repeat(cache.astype(bf16) * scale, G, axis=2)`` on its way into a dot is traced with the
+    repeat's views on the int8 cache and on the scale, the cast and the product after them, next
+    to the dot (``graph._sink_into_dot_operands``: the attention kernel's prologue); the values are
+    jit's bit for bit. A chain that widens nothing (``k * scale`` in the cache's own dtype) stays."""
+    r = np.random.default_rng(0)
+    b, t, hk, g, d = 2, 6, 2, 3, 4
+    q = jnp.asarray(r.standard_normal((b, hk * g, d)), jnp.float32 if widen == "f32" else jnp.bfloat16)
+    c = jnp.asarray(r.integers(-100, 100, (b, t, hk, d)), jnp.int8 if widen == "int8_scaled" else jnp.bfloat16)
+    s = jnp.asarray(r.uniform(0.01, 0.1, (b, t, hk, 1)), jnp.bfloat16)
+
+    def fn(q, c, s):
+        k = {"int8_scaled": lambda: c.astype(jnp.bfloat16) * s, "f32": lambda: c.astype(jnp.float32),
+             "scale_only": lambda: c * s}[widen]()
+        return jnp.einsum("bhd,bthd->bht", q, jnp.repeat(k, g, axis=2))
+
+    gr = trace(fn, q, c, s)
+    (out,) = gr.evaluate(q, c, s)
+    ref = jax.jit(fn)(q, c, s)
+    assert out.dtype == ref.dtype
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+    dot = next(op for op in gr.ops if op.primitive == "dot_general")
+    k_op = gr.producer(dot.inputs[1])
+    if widen == "scale_only":
+        assert k_op.primitive == "reshape", k_op.primitive   # the repeat's view stays last
+    else:
+        assert k_op.primitive in ("mul", "convert_element_type"), k_op.primitive
+        views = [gr.producer(x) for x in k_op.inputs if gr.producer(x) is not None]
+        assert views and all(p.primitive in ("reshape", "convert_element_type") for p in views), views

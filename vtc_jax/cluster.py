@@ -237,35 +237,39 @@ def _attention(graph: Graph, roles: list[Kind], d1: Op) -> set[int] | None:
 
 def operand_chain(graph: Graph, x: int, member: Callable[[Op], bool]) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """``(base, chain, side)``: the element-wise ops (``member``) that make a dot operand ``x`` from
-    one tensor ``base`` of its shape, in program order, and the other tensors they read — each a
-    broadcast of something smaller (a per-row scale) to ``x``'s shape; scalar constants are
-    inlined. A chain with a dtype change is what a kernel loads narrow and widens in registers
-    (``cache.astype(jnp.bfloat16) * scale``). The one definition, for the attention cluster's
-    growth and the attention template's prologues."""
+    one tensor ``base`` of its shape, in program order, and the other tensors they read — each
+    fewer elements broadcast to ``x``'s shape (a per-token scale: by the op's size-1 dims, or by a
+    ``broadcast_in_dim`` and rearrangements); scalar constants are inlined. A chain with a dtype
+    change is what a kernel loads narrow and widens in registers (``cache.astype(jnp.bfloat16) *
+    scale``). The one definition, for the attention cluster's growth and the attention template's
+    prologues."""
     chain: list[int] = []
     side: list[int] = []
     shape = tuple(graph.tensors[x].shape)
+    size = graph.tensors[x].size
     while (p := graph.producer(x)) is not None and len(p.outputs) == 1 and member(p):
-        big = [t for t in p.inputs if not _side_operand(graph, t, shape)]
-        if len(big) != 1 or graph.tensors[big[0]].shape != shape:
+        ins = list(dict.fromkeys(t for t in p.inputs if not (graph.tensors[t].const is not None and graph.tensors[t].size == 1)))
+        if not ins or not all(len(graph.tensors[t].shape) == len(shape) and _broadcastable(graph.tensors[t].shape, shape)
+                              for t in ins):
             break
+        roots = [_root_size(graph, t) for t in ins]
+        base = ins[roots.index(max(roots))]
+        if tuple(graph.tensors[base].shape) != shape or sorted(roots)[-2:-1] == [max(roots)] or \
+                any(r >= size for t, r in zip(ins, roots) if t != base):
+            break   # no one tensor of x's shape with the others broadcast smaller
         chain.append(p.id)
-        side.extend(t for t in p.inputs if t not in big and graph.tensors[t].const is None)
-        x = big[0]
+        side.extend(t for t in ins if t != base)
+        x = base
     return x, tuple(reversed(chain)), tuple(dict.fromkeys(side))
 
 
-def _side_operand(graph: Graph, t: int, shape: tuple[int, ...]) -> bool:
-    """A scalar constant, or fewer elements than ``shape`` broadcast to it (a per-row scale): by
-    size-1 dims the op broadcasts itself, or by a ``broadcast_in_dim``."""
-    info = graph.tensors[t]
-    if info.const is not None and info.size == 1:
-        return True
-    if len(info.shape) == len(shape) and info.shape != shape and _broadcastable(info.shape, shape):
-        return True
-    p = graph.producer(t)
-    return p is not None and p.primitive == "broadcast_in_dim" and info.shape == shape and \
-        graph.tensors[p.inputs[0]].size < info.size
+def _root_size(graph: Graph, t: int) -> int:
+    """The elements ``t`` is made of through broadcasts and rearrangements (a GQA repeat of a
+    cache: the cache's; of a per-token scale: the scale's)."""
+    while (p := graph.producer(t)) is not None and len(p.inputs) == 1 and (
+            p.primitive == "broadcast_in_dim" or (TABLE.get(p.primitive) is not None and TABLE[p.primitive].sinkable)):
+        t = p.inputs[0]
+    return graph.tensors[t].size
 
 
 def _attention_prologues(graph: Graph, roles: list[Kind], ops: set[int], d1: Op, d2: Op) -> set[int]:

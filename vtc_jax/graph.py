@@ -380,6 +380,108 @@ def _sink_elementwise(raw: list[_RawOp], b: "_Builder", outputs: list[int]) -> l
     return out
 
 
+def _sink_into_dot_operands(raw: list[_RawOp], b: "_Builder", outputs: list[int]) -> list[_RawOp]:
+    """``view(f(x, s))`` traced as ``f(view(x), view(s))`` on the way into a dot operand that widens
+    what is stored: ``jnp.repeat(cache.astype(jnp.bfloat16) * scale, G, axis=2)``, GQA's K and V
+    from an int8 cache, or a bf16 cache repeated and attended in f32.
+
+    The path (:func:`_widening_path`) runs back from a dot operand through single-use views
+    (broadcasts, rearrangements) and element-wise ops, each op's other operands scalars or smaller
+    tensors it broadcasts (a per-token scale), and holds a cast from an integer or a narrower
+    float. Each element-wise op of it moves below the view after it, the view applied to each of
+    its operands (a side operand keeps its size-1 dims through a broadcast; through a
+    rearrangement it must already have the op's shape).
+
+    Why: next to the dot the element-wise ops are the prologue of the blocks the attention kernel
+    loads (``cluster.operand_chain``), which then reads the int8 or bf16 cache and its scales as
+    stored, through the repeat's views, where ``f`` left behind the repeat is a kernel writing the
+    widened, repeated cache out. The same values per element."""
+    out = list(raw)
+    while True:
+        readers: dict[int, list[int]] = {}
+        for i, r in enumerate(out):
+            for t in r.inputs:
+                readers.setdefault(t, []).append(i)
+        made = {t: i for i, r in enumerate(out) for t in r.outputs}
+        path: dict[int, int] = {}   # op index -> the input the path continues through
+        for r in out:
+            if r.eqn.primitive.name == "dot_general":
+                for t in r.inputs[:2]:
+                    path.update(_widening_path(out, b, t, made, readers, outputs))
+        for j in sorted(path):
+            m = out[j]
+            i = made.get(m.inputs[0])
+            if not _view_like(m) or i not in path or _view_like(out[i]):
+                continue
+            e, shape = out[i], b.tensors[m.inputs[0]][0]
+            broadcast = m.eqn.primitive.name == "broadcast_in_dim"
+            if any(x != path[i] and b.tensors[x][0] != () and not broadcast and b.tensors[x][0] != shape
+                   for x in e.inputs):
+                continue   # a side operand with size-1 dims cannot take a rearrangement's view
+            views: list[_RawOp] = []
+            ins = []
+            for x in e.inputs:
+                if b.tensors[x][0] == ():
+                    ins.append(x)
+                    continue
+                y = b.tensor(jax.ShapeDtypeStruct(b.tensors[m.outputs[0]][0], b.tensors[x][1]))
+                views.append(_RawOp(m.eqn, (x,), (y,)))
+                ins.append(y)
+            out = out[:i] + out[i + 1:j] + views + [_RawOp(e.eqn, tuple(ins), m.outputs)] + out[j + 1:]
+            break
+        else:
+            return out
+
+
+def _widening_path(out: list[_RawOp], b: "_Builder", t: int, made: Mapping[int, int],
+                   readers: Mapping[int, list[int]], outputs: list[int]) -> dict[int, int]:
+    """``{op index: its input on the path}`` of :func:`_sink_into_dot_operands`' path back from the
+    dot operand ``t`` (empty when it holds no widening cast). Through an element-wise op the path
+    follows the operand of the most elements below the views (the cache, not its scale); a tie
+    ends it."""
+    path: dict[int, int] = {}
+    widens = False
+    while (i := made.get(t)) is not None and len(readers.get(t, ())) == 1 and t not in outputs:
+        r = out[i]
+        if _view_like(r):
+            path[i] = t = r.inputs[0]
+            continue
+        info = TABLE.get(r.eqn.primitive.name)
+        if info is None or info.role is not Role.ELEMENTWISE or len(r.outputs) != 1 or r.eqn.effects:
+            break
+        shape = b.tensors[r.outputs[0]][0]
+        ins = list(dict.fromkeys(x for x in r.inputs if b.tensors[x][0] != ()))
+        if not ins or any(len(b.tensors[x][0]) != len(shape) or
+                          not all(n in (1, f) for n, f in zip(b.tensors[x][0], shape)) for x in ins):
+            break
+        roots = [_root_elements(out, b, x, made) for x in ins]
+        if roots.count(max(roots)) > 1 or b.tensors[ins[roots.index(max(roots))]][0] != shape:
+            break
+        src = ins[roots.index(max(roots))]
+        if r.eqn.primitive.name == "convert_element_type":
+            try:
+                a, z = np.dtype(b.tensors[src][1]), np.dtype(b.tensors[r.outputs[0]][1])
+                widens |= bool(jax.numpy.issubdtype(z, jax.numpy.floating)) and (   # (numpy's misses bfloat16)
+                    bool(jax.numpy.issubdtype(a, jax.numpy.integer)) or a.itemsize < z.itemsize)
+            except TypeError:   # extended dtypes
+                break
+        path[i] = t = src
+    return path if widens else {}
+
+
+def _root_elements(out: list[_RawOp], b: "_Builder", t: int, made: Mapping[int, int]) -> int:
+    """The elements ``t`` is made of through views (a repeated cache: the cache's)."""
+    while (i := made.get(t)) is not None and _view_like(out[i]):
+        t = out[i].inputs[0]
+    return int(np.prod(b.tensors[t][0], dtype=np.int64))
+
+
+def _view_like(r: _RawOp) -> bool:
+    """A one-operand view an element-wise op commutes with: a broadcast or a rearrangement."""
+    return len(r.inputs) == 1 and len(r.outputs) == 1 and (
+        r.eqn.primitive.name == "broadcast_in_dim" or _sinkable(r.eqn.primitive.name))
+
+
 def _hoist_narrowing_casts(raw: list[_RawOp], b: "_Builder", outputs: list[int]) -> list[_RawOp]:
     """``cast(view(x))`` traced as ``view(cast(x))`` for a cast to a narrower dtype whose operand
     only it reads (:func:`_commutes_with_cast`: transpose, reshape, squeeze, a broadcast that adds
@@ -524,8 +626,8 @@ def trace_with(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str,
     b = _Builder(frozenset(channels_last))
     inputs = [b.tensor(v.aval) for v in closed.jaxpr.invars]
     outputs = b.inline(closed.jaxpr, list(closed.consts), inputs)
-    live = _slices_as_split(_hoist_narrowing_casts(
-        _sink_elementwise(_live_ops(b.ops, outputs), b, outputs), b, outputs), b)
+    live = _slices_as_split(_hoist_narrowing_casts(_sink_into_dot_operands(
+        _sink_elementwise(_live_ops(b.ops, outputs), b, outputs), b, outputs), b, outputs), b)
 
     # Renumber densely: tensors still referenced, ops by position.
     used = dict.fromkeys([*inputs, *outputs, *(t for r in live for t in (*r.inputs, *r.outputs))])
