@@ -287,6 +287,30 @@ def test_every_kernel_undone_runs_jits_own_program():
         assert strip(opt.lower(*args).as_text()) == strip(jax.jit(step).lower(*args).as_text())
 
 
+def test_a_plan_with_no_kernel_runs_jits_own_program():
+    """Nothing matched a kernel (train-mode BatchNorm's reductions, whose running averages are no
+    template's): the guard runs jit's own program, not VTC's re-emission of it, and says so; the
+    reasons still reach the user as they do without the guard."""
+    r = np.random.default_rng(3)
+    x = jnp.asarray(r.standard_normal((2, 8, 8, 16)), jnp.float32)
+
+    def bn_train(x, m_run, v_run):
+        m, v = x.mean((0, 1, 2)), x.var((0, 1, 2))
+        return (x - m) * jax.lax.rsqrt(v + 1e-5), 0.9 * m_run + 0.1 * m, 0.9 * v_run + 0.1 * v
+    args = (x, jnp.zeros(16), jnp.ones(16))
+    opt = vtc_jax.optimize(bn_train)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = opt(*args)
+    assert opt.last[0].guard == ("plain jax.jit: no Pallas kernel in the plan",), opt.last[0].guard
+    check_close(out, jax.jit(bn_train)(*args))
+    strip = lambda text: re.sub(r"(module @\S+|loc\(.*?\)|#loc\d*( = .*)?)", "", text)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert strip(opt.lower(*args).as_text()) == strip(jax.jit(bn_train).lower(*args).as_text())
+    assert vtc_jax.explain(bn_train, guard="model")(*args).guard == opt.last[0].guard
+
+
 def _slow(x, y):
     # ~1.7 GFLOP against jit's 4 MFLOP: ~80x the time on CI's two cores, so a scheduling hiccup
     # of the other test worker (a millisecond was seen) cannot reorder the medians

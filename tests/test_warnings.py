@@ -133,3 +133,36 @@ def test_a_tril_mask_beside_causal_attention_is_no_fallback():
     assert not [str(w.message) for w in rec if issubclass(w.category, vtc_jax.VTCFallbackWarning)]
     assert [r for _, kind, r in vtc_jax.explain(attn)(q, k, v).templates if kind == "attention"] == ["kernel"]
     np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(attn)(q, k, v)), rtol=1e-5, atol=1e-5)
+
+
+def test_batchnorm_in_train_mode_warns_of_no_movement_that_moves_nothing():
+    """Train-mode BatchNorm between convolutions (a ResNet block, the running averages updated): its
+    reductions stay XLA's (a statistic output depends on more than the statistics), and the only
+    movement beside them is ``[C] -> [1, 1, 1, C]``, a bitcast in XLA. Nothing stays that moves
+    data, so nothing is said (it used to warn on every training step), with or without the guard."""
+    r = np.random.default_rng(2)
+    x = jnp.asarray(r.standard_normal((2, 8, 8, 16)), jnp.float32)
+    k1 = jnp.asarray(r.standard_normal((1, 1, 16, 8)) * 0.3, jnp.float32)
+    k2 = jnp.asarray(r.standard_normal((1, 1, 8, 16)) * 0.3, jnp.float32)
+    st = {n: jnp.asarray(r.uniform(0.5, 1.5, c), jnp.float32) for n, c in (("m1", 8), ("v1", 8), ("m2", 16), ("v2", 16))}
+
+    def conv(x, k):
+        return jax.lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def bn(x, m_run, v_run):
+        m, v = x.mean((0, 1, 2)), x.var((0, 1, 2))
+        y = (x - m.reshape(1, 1, 1, -1)) * jax.lax.rsqrt(v.reshape(1, 1, 1, -1) + 1e-5)
+        return y, 0.9 * m_run + 0.1 * m, 0.9 * v_run + 0.1 * v
+
+    def block(x, k1, k2, st):
+        y, m1, v1 = bn(conv(x, k1), st["m1"], st["v1"])
+        y, m2, v2 = bn(conv(jax.nn.relu(y), k2), st["m2"], st["v2"])
+        return jax.nn.relu(y + x), dict(m1=m1, v1=v1, m2=m2, v2=v2)
+    ref = jax.jit(block)(x, k1, k2, st)
+    for guard in (None, "model"):
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always", vtc_jax.VTCFallbackWarning)
+            out = vtc_jax.optimize(block, backend="interpret", guard=guard)(x, k1, k2, st)
+        assert not [str(w.message) for w in rec if issubclass(w.category, vtc_jax.VTCFallbackWarning)]
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)

@@ -22,7 +22,7 @@ from .analysis import analyze, cost_model_for, positions
 from .autodiff import with_original_derivatives
 from .compat import abstract, outside_traces, warn, weak_typed
 from .guard import GUARDS, PLAIN, UNDONE
-from .program import BuildOptions, build, per_shard_only
+from .program import NO_KERNEL, BuildOptions, build, per_shard_only
 from .report import Report, build_report, fallback_messages
 from . import plancache
 from .spmd import Refused, per_shard
@@ -269,10 +269,14 @@ class Optimized:
         self.last = (analysis, lowered)
         emitted = (lambda *xs: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *xs))  # noqa: E731
         if analysis.guard and analysis.guard[-1].startswith(PLAIN):   # the guard's last word: jax.jit's own program
-            self._keep(key, None, flat, ())
+            # where nothing was ever a kernel, why is still worth a warning (as without the guard)
+            messages = fallback_messages(analysis, self._failed(), self._build.bodies) \
+                if analysis.guard[-1].endswith(NO_KERNEL) else []
+            for msg in messages:
+                self._fallback(msg)
+            self._keep(key, None, flat, messages)
             return f(*a, **k)
-        failed = frozenset(c for c, why in self._rejected.items() if not why.startswith(UNDONE))
-        messages = [*fallback_messages(analysis, failed, self._build.bodies), *lowered.fallbacks]
+        messages = [*fallback_messages(analysis, self._failed(), self._build.bodies), *lowered.fallbacks]
         for msg in messages:
             self._fallback(msg)
         self._keep(key, emitted, flat, messages)
@@ -301,6 +305,10 @@ class Optimized:
         program = with_original_derivatives(entry.program.call, f, in_tree)
         weak = [bool(getattr(v.aval, "weak_type", False)) for v in closed.jaxpr.outvars]
         return key, lambda: jax.tree_util.tree_unflatten(out_tree, _weak_as(program(*flat), weak))
+
+    def _failed(self) -> frozenset[int]:
+        """The clusters whose kernels failed to build (not the ones the guard undid)."""
+        return frozenset(c for c, why in self._rejected.items() if not why.startswith(UNDONE))
 
     def _keep(self, key: str | None, emitted: Callable[..., Any] | None, flat: list, messages: Sequence[str]) -> None:
         """Write the plan just made to the plan cache under ``key`` (None: no cache)."""

@@ -27,10 +27,12 @@ from .lower import Lowered, has_kernels, kernel_clusters, lower, triton_failures
 from .primitives import CONTROL_FLOW
 from .templates import KernelBuildError, Match
 
-__all__ = ["BuildOptions", "build", "optimize_body", "per_shard_only", "MAX_BUILD_ATTEMPTS"]
+__all__ = ["BuildOptions", "build", "optimize_body", "per_shard_only", "MAX_BUILD_ATTEMPTS", "NO_KERNEL"]
 
 MAX_BUILD_ATTEMPTS = 6   # re-plans after kernel build failures before giving up on the whole rewrite
 
+
+NO_KERNEL = "no Pallas kernel in the plan"   # the guard's note where nothing was ever a kernel
 
 MAX_GUARD_STEPS = 4      # re-plans with the guard's worst kernels undone before running plain jit
 
@@ -96,10 +98,11 @@ def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequ
                 continue
         if best is not None and not has_kernels(closed.jaxpr):
             return best[1]   # pruning undid every kernel: the winning build stands
-        if opts.guard is not None and undone and not has_kernels(closed.jaxpr):
-            # every kernel undone: what is left is VTC's re-emission of jit's program with nothing
-            # gained (measured on an H200: YOLO's C3k2 block so re-emitted ran 0.80-0.91x of jit)
-            undone.append(f"{guard.PLAIN}: every kernel undone")
+        if opts.guard is not None and not has_kernels(closed.jaxpr):
+            # no kernel (none matched, or every one undone): what is left is VTC's re-emission of
+            # jit's program with nothing gained (measured on an H200: YOLO's C3k2 block so
+            # re-emitted ran 0.80-0.91x of jit)
+            undone.append(f"{guard.PLAIN}: every kernel undone" if undone else f"{guard.PLAIN}: {NO_KERNEL}")
             return _plain(f, _noted(analysis, undone), flat)
         if opts.guard is None or not kernel_clusters(closed.jaxpr):
             return _noted(analysis, undone), lowered, closed

@@ -19,7 +19,7 @@ from .analysis import Analysis
 from .cluster import Cluster
 from .graph import Graph
 from .guard import UNDONE
-from .primitives import Kind, Role, data_inputs, is_fill, is_movement_op, role_of
+from .primitives import Kind, Role, data_inputs, is_fill, is_movement_op, is_view, role_of
 from .strategy import Strategy
 from .templates import Match, Reject
 from .vtog import VTOG
@@ -265,17 +265,20 @@ def _kept_by_rejections(a: Analysis, kept: Sequence[Any]) -> set[int]:
     """The tensors of the data movement XLA still runs (``kept``) other than what stays because the
     guard undid a kernel next to it: movement ops linked by the tensors they share, a chain that
     reaches a cluster the guard gave back to XLA left out — its movement is the guard's choice,
-    not a fallback (no warning: ``optimize``'s contract), and fills, which move no data (the
-    ``jnp.ones`` of a ``tril`` mask)."""
+    not a fallback (no warning: ``optimize``'s contract) — and a chain of fills and views only,
+    which moves no data (the ``jnp.ones`` of a ``tril`` mask, BatchNorm's ``[C] -> [1, 1, 1, C]``:
+    XLA makes a fill inside its reader and runs a view as a bitcast)."""
+    g = a.graph
     undone = {t for c in a.clusters if isinstance(v := a.matches.get(c.id), Reject) and v.reason.startswith(UNDONE)
               for t in (*c.inputs, *c.outputs)}
-    chains: list[tuple[set[int], bool]] = []    # (tensors, reaches an undone cluster)
-    for op in (op for op in kept if not is_fill(op, a.graph)):
+    chains: list[tuple[set[int], bool, bool]] = []    # (tensors, reaches an undone cluster, moves data)
+    for op in kept:
         ts = set((*op.inputs, *op.outputs))
         joined = [ch for ch in chains if ch[0] & ts]
         chains = [ch for ch in chains if not ch[0] & ts]
-        chains.append((ts.union(*(ch[0] for ch in joined)), bool(ts & undone) or any(ch[1] for ch in joined)))
-    return {t for ts, guarded in chains if not guarded for t in ts}
+        chains.append((ts.union(*(ch[0] for ch in joined)), bool(ts & undone) or any(ch[1] for ch in joined),
+                       not (is_fill(op, g) or is_view(op, g)) or any(ch[2] for ch in joined)))
+    return {t for ts, guarded, moves in chains if moves and not guarded for t in ts}
 
 
 def fallback_messages(a: Analysis, always: frozenset[int] = frozenset(),
