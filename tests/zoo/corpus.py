@@ -17,7 +17,8 @@ a ConvNeXt block ported from PyTorch (NCHW<->NHWC, ``weight.T``); a U-Net up blo
 two samplers (temperature + ``lax.top_k`` + top-p, and vLLM's sort / cumsum / scatter-back with
 per-request parameters), both with ``jax.random.categorical`` from a key argument; a rolling KV
 cache decode (``pos % window``, ``.at[].set``, separate q/k/v matmuls from one input) and a paged
-KV cache decode (vLLM block table); LoRA attention in flax.linen; LLaVA-style sequence packing and
+KV cache decode (vLLM block table); quantised caches (MaxText-style int8 with per-token scales, an
+HF-style fp8 cache repeated for GQA); LoRA attention in flax.linen; LLaVA-style sequence packing and
 a DenseNet block (``jnp.pad`` + ``jnp.concatenate``); training steps by ``value_and_grad`` (a
 GPT-2 in flax.nnx, a LoRA fine-tuning step); a T5 FFN with dropout by ``jax.random.bernoulli``
 and a T5 encoder self-attention with its bucketed relative-position bias.
@@ -783,6 +784,77 @@ def rolling_kv_decode(size):
 
     return Entry(step, (p, x, ck, cv, pos), donate_argnums=(2, 3),
                  style="Mistral-7B sliding-window decode, rolling cache by pos % W and .at[].set")
+
+
+@case
+def int8_kv_cache_decode(size):
+    """A MaxText-style decode layer over an int8 KV cache: q/k/v projections (bf16), rotate-half
+    RoPE, the new K/V rows quantised per token and head (``max|x| / 127`` scales in bf16, round,
+    clip, int8) and written with ``lax.dynamic_update_slice`` into the int8 caches and their scale
+    caches, the caches dequantised for attention (``cache.astype(bf16) * scale``), GQA by grouping
+    the query heads in the einsum, keys ``t <= pos``, f32 softmax, output projection."""
+    B, T, H, KV, D = _pick(size, (2, 16, 4, 2, 8), (16, 4096, 32, 8, 128))
+    d, G = H * D, H // KV
+    g = _Gen(size, 31)
+    p = {"wq": g.w(d, H * D, dtype=BF16), "wk": g.w(d, KV * D, dtype=BF16), "wv": g.w(d, KV * D, dtype=BF16),
+         "wo": g.w(H * D, d, dtype=BF16)}
+    x = g.normal(B, d, dtype=BF16)
+    ck, cv = g.ints(B, T, KV, D, lo=-127, hi=128, dtype=jnp.int8), g.ints(B, T, KV, D, lo=-127, hi=128, dtype=jnp.int8)
+    sk, sv = g.uniform(B, T, KV, 1, lo=0.005, hi=0.02, dtype=BF16), g.uniform(B, T, KV, 1, lo=0.005, hi=0.02, dtype=BF16)
+    pos = g.value(_pick(size, 9, 3000), jnp.int32)
+
+    def quantise(r):
+        scale = (jnp.max(jnp.abs(r.astype(F32)), -1, keepdims=True) / 127.0).astype(BF16)
+        q8 = jnp.clip(jnp.round(r.astype(F32) / jnp.maximum(scale.astype(F32), 1e-8)), -127, 127)
+        return q8.astype(jnp.int8), scale
+
+    def step(p, x, cache_k, cache_v, scale_k, scale_v, pos):
+        q = _rope_half((x @ p["wq"]).reshape(B, H, D), pos)
+        k = _rope_half((x @ p["wk"]).reshape(B, 1, KV, D), pos)
+        v = (x @ p["wv"]).reshape(B, 1, KV, D)
+        (k8, ks), (v8, vs) = quantise(k), quantise(v)
+        cache_k = lax.dynamic_update_slice(cache_k, k8, (0, pos, 0, 0))
+        cache_v = lax.dynamic_update_slice(cache_v, v8, (0, pos, 0, 0))
+        scale_k = lax.dynamic_update_slice(scale_k, ks, (0, pos, 0, 0))
+        scale_v = lax.dynamic_update_slice(scale_v, vs, (0, pos, 0, 0))
+        kd, vd = cache_k.astype(BF16) * scale_k, cache_v.astype(BF16) * scale_v
+        s = jnp.einsum("bkgd,btkd->bkgt", q.reshape(B, KV, G, D), kd).astype(F32) / math.sqrt(D)
+        s = jnp.where(jnp.arange(T) <= pos, s, -jnp.inf)
+        probs = jax.nn.softmax(s, axis=-1).astype(BF16)
+        o = jnp.einsum("bkgt,btkd->bkgd", probs, vd).reshape(B, H * D)
+        return x + o @ p["wo"], cache_k, cache_v, scale_k, scale_v
+
+    return Entry(step, (p, x, ck, cv, sk, sv, pos), donate_argnums=(2, 3, 4, 5),
+                 style="MaxText-style int8 KV cache: per-token scales, dynamic_update_slice, dequantised attention")
+
+
+@case
+def fp8_kv_repeat_decode(size):
+    """An HF-style decode attention over an fp8 (e4m3) KV cache: the new rows cast to fp8 and
+    written by ``.at[:, pos].set``, the caches cast back to bf16 and repeated for the query heads
+    (``repeat_kv``: ``jnp.repeat(k, G, axis=2)``), scores ``(B, H, 1, T)`` with an additive causal
+    mask of ``finfo.min``, f32 softmax."""
+    B, T, H, KV, D = _pick(size, (2, 16, 4, 2, 8), (16, 4096, 32, 8, 128))
+    G = H // KV
+    g = _Gen(size, 32)
+    q = g.normal(B, 1, H, D, dtype=BF16)
+    kn, vn = g.normal(B, KV, D, dtype=BF16), g.normal(B, KV, D, dtype=BF16)
+    ck, cv = g.normal(B, T, KV, D, dtype=jnp.float8_e4m3fn), g.normal(B, T, KV, D, dtype=jnp.float8_e4m3fn)
+    pos = g.value(_pick(size, 12, 3500), jnp.int32)
+
+    def step(q, k_new, v_new, cache_k, cache_v, pos):
+        cache_k = cache_k.at[:, pos].set(k_new.astype(cache_k.dtype))
+        cache_v = cache_v.at[:, pos].set(v_new.astype(cache_v.dtype))
+        k = jnp.repeat(cache_k.astype(BF16), G, axis=2).transpose(0, 2, 1, 3)
+        v = jnp.repeat(cache_v.astype(BF16), G, axis=2).transpose(0, 2, 1, 3)
+        s = jnp.matmul(q.transpose(0, 2, 1, 3), k.transpose(0, 1, 3, 2)) / math.sqrt(D)
+        mask = jnp.where(jnp.arange(T) <= pos, 0.0, jnp.finfo(BF16).min).astype(BF16)
+        probs = jax.nn.softmax((s + mask).astype(F32), axis=-1).astype(BF16)
+        o = jnp.matmul(probs, v).transpose(0, 2, 1, 3).reshape(B, 1, H * D)
+        return o, cache_k, cache_v
+
+    return Entry(step, (q, kn, vn, ck, cv, pos), donate_argnums=(3, 4),
+                 style="HF-style fp8 KV cache: repeat_kv of the widened cache, additive causal mask")
 
 
 @case
