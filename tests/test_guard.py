@@ -565,3 +565,4 @@ def test_a_verdicts_figures_are_written_apart_when_they_differ():
     assert apart(2.0e-6, 2.0e-6, "µs") == ("2.0 µs", "2.0 µs")
     assert apart(0.11 * MiB, 0.1 * MiB, "MiB") == ("112.6 KiB", "102.4 KiB")
     assert apart(300 * MiB, 300.04 * MiB, "MiB") == ("300.00 MiB", "300.04 MiB")
+    assert apart(135_031_936, 135_031_696, "MiB") == ("128.776 MiB (+240 B)", "128.776 MiB")
