@@ -166,3 +166,20 @@ def test_batchnorm_in_train_mode_warns_of_no_movement_that_moves_nothing():
         assert not [str(w.message) for w in rec if issubclass(w.category, vtc_jax.VTCFallbackWarning)]
         for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def test_a_donation_no_output_can_take_is_said_once_as_jit_says_it():
+    """jax warns "Some donated buffers were not usable" once per call of ``jax.jit``; the guard's
+    deviceless compiles of both programs (pricing) said it twice more on the first call."""
+    def f(w, x):
+        return jnp.tanh(x.reshape(2, 8, 4, 8).transpose(0, 2, 1, 3) @ w)
+    w = jnp.ones((8, 16))
+    x = jnp.ones((2, 32, 8))
+    counts = []
+    for make in (lambda: jax.jit(f, donate_argnums=(1,)), lambda: vtc_jax.optimize(f, donate_argnums=(1,))):
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            out = make()(w, jnp.array(x, copy=True))
+        counts.append(sum("donated buffers were not usable" in str(r.message) for r in rec))
+        np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(f)(w, x)), rtol=1e-6)
+    assert counts == [1, 1], counts

@@ -731,6 +731,8 @@ def compile_program(fn: Callable, *args: Any, kernels: bool = True, donate_argnu
         # vtc_jax's kernels name their abstract GPU themselves, compat.triton_compiler_params)
         with (contextlib.nullcontext() if local or placed else cuda_lowering()), warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=DeprecationWarning)
+            # a donation no output can take: jax says so at the user's own call, not at each price
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             compiled = target.lower(*args, **kwargs).compile(compiler_options=options)
         hlo_files = sorted(dump.glob("*after_optimizations.txt"))
         if not hlo_files:
