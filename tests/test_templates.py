@@ -388,3 +388,30 @@ def test_layer_norm_by_jnp_var_is_one_row_reduction_kernel(spelling):
     check_close(out, jax.jit(f)(*args), rtol=1e-5)
     assert not msgs, msgs
     assert any(k.startswith("reduction") for k in opt.last[1].kernels), opt.last[1].kernels
+
+
+@pytest.mark.parametrize("form", ["sum_of_scaled", "rms_norm_of_scaled"])
+def test_a_runtime_scalar_in_a_reduction_is_a_row_broadcast(form):
+    """A runtime scalar input (a dequantisation scale ``s`` of shape ``()``) read by a row reduction:
+    one value broadcast to every row, loaded through a broadcast layout (it was declined as
+    "neither a row nor a statistic"); equal to jit, and cross-lowered for CUDA."""
+    from vtc_jax.testing import cross_lower
+
+    def f(x, s, w):
+        if form == "sum_of_scaled":
+            return jnp.sum(x.reshape(2, 16, 4, 32).transpose(0, 2, 1, 3).astype(jnp.float32) * s, axis=-1)
+        h = x.astype(jnp.float32) * s
+        return (h * lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6)).astype(x.dtype) * w
+    r = np.random.default_rng(4)
+    args = (jnp.asarray(r.standard_normal((2, 16, 128)), jnp.bfloat16), jnp.float32(0.37), jnp.ones(128, jnp.bfloat16))
+    opt = vtc_jax.optimize(f, backend="interpret", guard=None)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always", vtc_jax.VTCFallbackWarning)
+        out = opt(*args)
+    assert not [w for w in rec if issubclass(w.category, vtc_jax.VTCFallbackWarning)]
+    assert [r for _, kind, r in vtc_jax.explain(f)(*args).templates if kind == "reduction"] == ["kernel"]
+    ref = jax.jit(f)(*args)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=1e-5,
+                               atol=1e-5 if form == "sum_of_scaled" else 1e-2)
+    mod = cross_lower(vtc_jax.optimize(f, backend="triton", guard=None), *args)
+    assert [k.name for k in mod.triton_kernels] == ["reduction"]

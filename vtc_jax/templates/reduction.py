@@ -259,6 +259,9 @@ def _match(graph: Graph, c: Cluster) -> ReductionMatch:
             if graph.tensors[t].const is not None and graph.tensors[t].size == 1:
                 continue
             shape = tuple(graph.tensors[t].shape)
+            if shape == () and t in c.inputs:   # a runtime scalar (a dequantisation scale): a row
+                klass[t] = "row"                # broadcast to S, read through its layout
+                continue
             r = _refine(shape, s, groupings)
             k = _klass(r if r is not None else shape, s, axes)
             if k is None and t in stat_rows:
