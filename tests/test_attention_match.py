@@ -1185,3 +1185,23 @@ def test_narrow_cache_widened_in_the_kernel(fn, args):
     wide = [e for e in emitted.eqns if any(np.prod(getattr(v.aval, "shape", ())) >= B * T * HKV * D
                                            and v.aval.dtype.itemsize > min(narrow) for v in e.outvars)]
     assert not wide, wide
+
+
+def p_widened_causal(q, k, v):
+    """bf16 q, K, V attended in f32 (a flax module with ``dtype=jnp.float32`` over bf16 inputs),
+    K and V repeated for GQA after the cast, a causal tril mask."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    return p_tril_select(q, k, v).astype(jnp.bfloat16)
+
+
+def test_prefill_widens_the_blocks_it_loads():
+    """The prefill kernel takes the same prologues: bf16 blocks loaded and widened to f32 in
+    registers, the repeat's views read as maps (no f32 copy of q, K or V anywhere)."""
+    args = prefill_args(jnp.bfloat16)
+    check_attention(p_widened_causal, args, "prefill", guard=None)
+    opt = vtc_jax.optimize(p_widened_causal, backend="interpret", guard=None)
+    emitted = jax.make_jaxpr(opt)(*args)
+    wide = [e.primitive.name for e in emitted.eqns
+            if any(getattr(v.aval, "dtype", None) == jnp.float32 and np.prod(v.aval.shape) >= B * S * HKV * D
+                   for v in e.outvars)]
+    assert not wide, wide
