@@ -408,29 +408,39 @@ def _sink_into_dot_operands(raw: list[_RawOp], b: "_Builder", outputs: list[int]
             if r.eqn.primitive.name == "dot_general":
                 for t in r.inputs[:2]:
                     path.update(_widening_path(out, b, t, made, readers, outputs))
+        moves: dict[int, int] = {}   # view index -> the element-wise op's index it moves past
         for j in sorted(path):
             m = out[j]
             i = made.get(m.inputs[0])
-            if not _view_like(m) or i not in path or _view_like(out[i]):
+            if not _view_like(m) or i not in path or _view_like(out[i]) or i in moves.values() or i in moves:
                 continue
             e, shape = out[i], b.tensors[m.inputs[0]][0]
             broadcast = m.eqn.primitive.name == "broadcast_in_dim"
             if any(x != path[i] and b.tensors[x][0] != () and not broadcast and b.tensors[x][0] != shape
                    for x in e.inputs):
                 continue   # a side operand with size-1 dims cannot take a rearrangement's view
-            views: list[_RawOp] = []
+            moves[j] = i
+        if not moves:
+            return out
+        # every move of this round at once (disjoint pairs; a path of k ops takes about k rounds)
+        new: list[_RawOp] = []
+        for k, r in enumerate(out):
+            if k in moves.values():
+                continue
+            if k not in moves:
+                new.append(r)
+                continue
+            e = out[moves[k]]
             ins = []
             for x in e.inputs:
                 if b.tensors[x][0] == ():
                     ins.append(x)
                     continue
-                y = b.tensor(jax.ShapeDtypeStruct(b.tensors[m.outputs[0]][0], b.tensors[x][1]))
-                views.append(_RawOp(m.eqn, (x,), (y,)))
+                y = b.tensor(jax.ShapeDtypeStruct(b.tensors[r.outputs[0]][0], b.tensors[x][1]))
+                new.append(_RawOp(r.eqn, (x,), (y,)))
                 ins.append(y)
-            out = out[:i] + out[i + 1:j] + views + [_RawOp(e.eqn, tuple(ins), m.outputs)] + out[j + 1:]
-            break
-        else:
-            return out
+            new.append(_RawOp(e.eqn, tuple(ins), r.outputs))
+        out = new
 
 
 def _widening_path(out: list[_RawOp], b: "_Builder", t: int, made: Mapping[int, int],
