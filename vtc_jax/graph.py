@@ -412,7 +412,7 @@ def _sink_into_dot_operands(raw: list[_RawOp], b: "_Builder", outputs: list[int]
         for j in sorted(path):
             m = out[j]
             i = made.get(m.inputs[0])
-            if not _view_like(m) or i not in path or _view_like(out[i]) or i in moves.values() or i in moves:
+            if not _view_like(m) or i not in path or _view_like(out[i]) or i in moves.values():
                 continue
             e, shape = out[i], b.tensors[m.inputs[0]][0]
             broadcast = m.eqn.primitive.name == "broadcast_in_dim"
