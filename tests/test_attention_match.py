@@ -1097,13 +1097,19 @@ def test_padded_batched_prefill_reaches_the_kernel_at_batch_4_of_1000_tokens():
 # Caches stored narrower than attention computes: the kernels widen the blocks they load
 # --------------------------------------------------------------------------------------------
 
-def _grouped(q, k, v, pos):
-    """GQA by grouping the query heads (MaxText's einsum), the cache's keys ``t <= pos``."""
-    qg = q.reshape(B, 1, HKV, G, D)
-    s = jnp.einsum("bqkgd,btkd->bkgqt", qg, k) / math.sqrt(D)
+def _grouped(q, k, v, pos, repeat=False):
+    """Decode attention over the cache's keys ``t <= pos``, GQA by grouping the query heads
+    (MaxText's einsum) or, with ``repeat``, by ``jnp.repeat`` of K and V (HF's ``repeat_kv``)."""
+    if repeat:
+        k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+        dims = ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd")
+    else:
+        q = q.reshape(B, 1, HKV, G, D)
+        dims = ("bqkgd,btkd->bkgqt", "bkgqt,btkd->bqkgd")
+    s = jnp.einsum(dims[0], q, k) / math.sqrt(D)
     s = jnp.where(jnp.arange(T) <= pos, s, jnp.finfo(s.dtype).min)
     p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgqt,btkd->bqkgd", p, v).reshape(B, 1, H * D)
+    return jnp.einsum(dims[1], p, v).reshape(B, 1, H * D)
 
 
 def d_widened_f32(q, kc, vc, pos):
@@ -1127,23 +1133,15 @@ def d_fp8(q, kc, vc, pos):
     return _grouped(q, kc.astype(jnp.bfloat16), vc.astype(jnp.bfloat16), pos)
 
 
-def _repeated(q, k, v, pos):
-    """GQA by ``jnp.repeat`` of K and V (HF's ``repeat_kv``), the cache's keys ``t <= pos``."""
-    k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
-    s = jnp.where(jnp.arange(T) <= pos, s, jnp.finfo(s.dtype).min)
-    p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(B, 1, H * D)
-
-
 def d_repeat_widened_f32(q, kc, vc, pos):
     """A bf16 cache widened to f32, then repeated for the query heads."""
-    return _repeated(q.astype(jnp.float32), kc.astype(jnp.float32), vc.astype(jnp.float32), pos).astype(q.dtype)
+    return _grouped(q.astype(jnp.float32), kc.astype(jnp.float32), vc.astype(jnp.float32), pos,
+                    repeat=True).astype(q.dtype)
 
 
 def d_repeat_int8(q, kc, vc, pos, ks, vs):
     """An int8 cache dequantised by per-token scales, then repeated."""
-    return _repeated(q, kc.astype(jnp.bfloat16) * ks, vc.astype(jnp.bfloat16) * vs, pos)
+    return _grouped(q, kc.astype(jnp.bfloat16) * ks, vc.astype(jnp.bfloat16) * vs, pos, repeat=True)
 
 
 def _int8_args():
