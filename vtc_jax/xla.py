@@ -1241,6 +1241,27 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             return src                          # charges the rows whole — GPT-2's picked log-probs)
         return min(ctx.nbytes[t], src)
 
+    def transposed_copies(dots: Sequence[Any]) -> tuple[int, int]:
+        """(launches, bytes) of the operands XLA copies transposed before decode's vector dots
+        (:func:`_transposed_operands`): jax <= 0.10 always; jax 0.12 where the dot keeps the
+        cache's 16-bit type (a widening or 32-bit ``p @ v`` is read where it is: see compat).
+        The copy holds the repeat's source (the cache's heads, not the query heads), widened to
+        the dot's type: it is written, and the reduction reads it instead of the cache (an int8
+        or fp8 cache: read narrow by the copy, the dot reads the wide copy)."""
+        n = nbytes = 0
+        for d in dots:
+            for x, wide in _transposed_operands(g, d):
+                if not XLA_TRANSPOSES_REPEATED_VALUES and (wide != g.tensors[x].dtype.itemsize or wide > 2):
+                    continue
+                src = read_bytes(x, set())
+                base, elems = x, g.tensors[x].size
+                while (p := g.producer(base)) is not None and (p.primitive in _FUSED_VIEWS or p.primitive in CAST_ONLY):
+                    base = data_inputs(p)[0]
+                    elems = min(elems, g.tensors[base].size)
+                copy = elems * wide
+                n, nbytes = n + 1, nbytes + src + copy + (copy - src)
+        return n, nbytes
+
     strided_memo: dict[int, bool] = {}
 
     def strided_cut(k: int) -> bool:
@@ -2089,6 +2110,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 probs = next((x for x in dots[-1].inputs[:2] if x in made_in), dots[-1].inputs[0])
                 n = len(dots) + 1
                 nbytes += 2 * ctx.nbytes[dots[0].outputs[0]] + 2 * ctx.nbytes[probs]
+                n, nbytes = (a + b for a, b in zip((n, nbytes), transposed_copies(dots)))
             elif any(_vector_dot(g, d) for d in dots):   # decode: every step its own reduction
                 n = max(1, 2 * len(red) - 1)
                 # the scores written by the first, and each element-wise fusion between two
@@ -2098,15 +2120,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 scores = ctx.nbytes[g.ops[red[0]].outputs[0]] if len(red) > 1 else 0
                 nbytes += scores * (1 + 3 * (len(red) - 1)) + 2 * sum(
                     ctx.nbytes[g.ops[o].outputs[0]] for o in red[1:-1])
-                for d in dots:   # jax <= 0.10 always; jax 0.12 where the dot keeps the cache's type
-                    for x, wide in _transposed_operands(g, d):
-                        if not XLA_TRANSPOSES_REPEATED_VALUES and (wide != g.tensors[x].dtype.itemsize
-                                                                   or wide > 2):
-                            continue   # (a widening or 32-bit p @ v is read where it is: see compat)
-                        src = read_bytes(x, set())
-                        copy = src * wide // g.tensors[x].dtype.itemsize
-                        n += 1
-                        nbytes += src + copy + (copy - src)   # read, write the copy; the reduction reads it
+                n, nbytes = (a + b for a, b in zip((n, nbytes), transposed_copies(dots)))
             else:   # prefill: GEMMs with the softmax between them one fusion (XLA's Triton softmax)
                 made_in = {t for m in members for o in cl[m].ops for t in g.ops[o].outputs}
                 scores = dots[0].outputs[0]
@@ -2875,14 +2889,17 @@ def _transposed_operands(g: Graph, op: Any) -> list[tuple[int, int]]:
     dot: an operand repeated by a broadcast (a GQA group axis) and not contracted along its
     contiguous axis, written out whole, contracted axis last, in the dot's result type (the
     decode attention's ``p @ v``: an ``input_transpose_fusion`` writing the bf16 value cache as
-    f32 with ``preferred_element_type=f32``; unrepeated, or ``q @ k``, the cache is read in place)."""
+    f32 with ``preferred_element_type=f32``; unrepeated, or ``q @ k``, the cache is read in place).
+    Not where the contracted axis is the operand's most major one of more than one element (a
+    batch of one: Gemma-2's ``(1, T, KV, D)`` value cache): a column reduction reads it in place."""
     if op.primitive != "dot_general" or not _vector_dot(g, op):
         return []
     (lc, rc), _ = op.params["dimension_numbers"]
     out = []
     for x, c, f in zip(op.inputs[:2], (tuple(lc), tuple(rc)), _free_sizes(g, op)):
-        m = _minor_axis(g, x)
-        if f > 1 and _repeated(g, x) and len(c) == 1 and m is not None and m != c[0]:
+        m, order = _minor_axis(g, x), _physical_order(g, x)
+        major = next((a for a in order or () if g.tensors[x].shape[a] != 1), None)
+        if f > 1 and _repeated(g, x) and len(c) == 1 and m is not None and m != c[0] and major != c[0]:
             out.append((x, g.tensors[op.outputs[0]].dtype.itemsize))
     return out
 
