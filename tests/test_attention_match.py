@@ -1203,3 +1203,75 @@ def test_prefill_widens_the_blocks_it_loads():
             if any(getattr(v.aval, "dtype", None) == jnp.float32 and np.prod(v.aval.shape) >= B * S * HKV * D
                    for v in e.outvars)]
     assert not wide, wide
+
+
+def _rotate_half(x):
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def _rope(x, positions, interleaved=False):
+    """Rotary embedding of ``x`` (..., L, heads, D) at ``positions`` (a scalar or (L,)): HF's
+    ``rotate_half`` of two halves, or GPT-J's interleaved pairs."""
+    inv = 1.0 / (10000.0 ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
+    ang = jnp.asarray(positions, jnp.float32)[..., None] * inv                       # (L, D/2) or (D/2,)
+    ang = ang[..., None, :] if ang.ndim == 2 else ang
+    if interleaved:
+        pairs = x.reshape(*x.shape[:-1], D // 2, 2)
+        x1, x2 = pairs[..., 0], pairs[..., 1]
+        c, s = jnp.cos(ang), jnp.sin(ang)
+        return jnp.stack([x1 * c - x2 * s, x1 * s + x2 * c], -1).reshape(x.shape).astype(x.dtype)
+    emb = jnp.concatenate([ang, ang], -1)
+    return (x * jnp.cos(emb) + _rotate_half(x) * jnp.sin(emb)).astype(x.dtype)
+
+
+def d_rope_q(q, kc, vc, pos):
+    """Decode: the query rotated at ``pos`` (HF's ``rotate_half``), keys already rotated in the cache."""
+    q = _rope(q, pos)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(kc, G, axis=2)) / math.sqrt(D)
+    s = jnp.where(jnp.arange(T) <= pos, s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), jnp.repeat(vc, G, axis=2)).reshape(B, 1, H * D)
+
+
+def d_rope_q_interleaved(q, kc, vc, pos):
+    """Decode with GPT-J's interleaved rotary pairs on the query, a grouped einsum for GQA."""
+    q = _rope(q, pos, interleaved=True).reshape(B, 1, HKV, G, D)
+    s = jnp.einsum("bqkgd,btkd->bkgqt", q, kc) / math.sqrt(D)
+    s = jnp.where(jnp.arange(T) <= pos, s, -jnp.inf)
+    return jnp.einsum("bkgqt,btkd->bqkgd", jax.nn.softmax(s, -1), vc).reshape(B, 1, H * D)
+
+
+def p_rope_causal(q, k, v):
+    """Prefill: q and K rotated at their positions, causal."""
+    t = jnp.arange(S)
+    return p_tril_select(_rope(q, t), _rope(k, t), v)
+
+
+@pytest.mark.parametrize("fn,kernel,dtype", [
+    (d_rope_q, "decode", jnp.float32), (d_rope_q, "decode", jnp.bfloat16),
+    (d_rope_q_interleaved, "decode", jnp.float32), (p_rope_causal, "prefill", jnp.float32),
+], ids=["decode", "decode_bf16", "decode_interleaved", "prefill"])
+def test_rotary_query_recomputed_in_the_attention_kernel(fn, kernel, dtype):
+    """The rotary embedding of the query (an island: halves or pairs swapped by slices and a
+    concat, cos/sin of the positions) is recomputed by the attention kernel on the query blocks it
+    loads (``cluster.query_prologue_islands``): the rotated query is never written, one launch fewer
+    than a pointwise kernel writing it (a Llama-3 decode layer: 14 -> 13 launches by XLA's compile).
+    Equal to jit, cross-lowered for CUDA; the attention cluster holds the rotation, and no kernel
+    but the attention's reads the query (prefill's K rotation stays a kernel of its own: K is read
+    by every query block)."""
+    args = decode_args(dtype) if kernel == "decode" else prefill_args(dtype)
+    check_attention(fn, args, kernel, guard=None)
+    opt = vtc_jax.optimize(fn, backend="interpret", guard=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        opt(*args)
+    analysis, lowered = opt.last
+    g = analysis.graph
+    (c,) = [c for c in analysis.clusters if c.kind == "attention"]
+    prims = {g.ops[o].primitive for o in c.ops}
+    assert "mul" in prims and prims & {"concatenate", "stack", "split"}, prims   # the rotation
+    q_in = analysis.graph.inputs[0]
+    readers = [k for k in analysis.clusters if q_in in k.inputs]
+    assert {k.kind for k in readers} <= {"attention", "movement"}, [(k.kind, k.ops) for k in readers]
+    pointwise = [k for k in lowered.kernels if k.startswith("pointwise")]
+    assert len(pointwise) == (0 if kernel == "decode" else 1), lowered.kernels

@@ -498,6 +498,10 @@ def fuse_islands(graph: Graph, clusters: Sequence[Cluster],
     cluster is an index map, never a copy), so one launch replaces one per member — what XLA's
     loop fusion does for the same island.
 
+    An island may also hold one attention cluster (:func:`query_prologue_islands`: the query's
+    rotary embedding, which the attention kernel then recomputes on the blocks it loads); the
+    fused cluster has the kind of its member that is not pointwise.
+
     The island takes the movement clusters between its members and the concats/stacks that join
     them (a complex RoPE's real and imaginary parts meet in a stack); it is fused only when its
     escaping tensors — members' or movement results — share one shape (one kernel, one grid) and
@@ -527,7 +531,7 @@ def fuse_islands(graph: Graph, clusters: Sequence[Cluster],
         if why is not None:
             left[min(o for k in members for o in by_id[k].ops)] = why
             continue
-        keep = gid_of[min(members)]
+        keep = gid_of[next((k for k in sorted(members) if by_id[k].kind != Kind.POINTWISE), min(members))]
         for k in island:
             g = gid_of[k]
             if g == keep:
@@ -537,6 +541,46 @@ def fuse_islands(graph: Graph, clusters: Sequence[Cluster],
     if len(left) == len(islands):
         return tuple(clusters), left
     return _finalise(graph, groups), left
+
+
+def query_prologue_islands(graph: Graph, clusters: Sequence[Cluster], queries: dict[int, int]) -> list[set[int]]:
+    """``{attention cluster, pointwise cluster}`` pairs where the pointwise cluster is an island
+    (it holds movement: a rotary embedding rotating the query by halves) whose one result reaches
+    the attention's query only through rearrangements (transposes, reshapes, squeezes), each read
+    once. The attention kernel loads each query block once per program (decode: its group of
+    heads; prefill: its query rows), so it recomputes the island there at no cost and the rotated
+    query is never written: one launch fewer (:func:`fuse_islands` merges each pair). ``queries``:
+    attention cluster id -> its query operand, as the attention template matched it; K's island
+    (written to a cache, read by every query block) is not taken."""
+    made_by = {t: c for c in clusters for t in c.outputs}
+    cluster_of = {o: c for c in clusters for o in c.ops}
+    out: list[set[int]] = []
+    for a in clusters:
+        if a.kind != Kind.ATTENTION or a.id not in queries:
+            continue
+        t = queries[a.id]   # back through rearrangements and the attention's own chain on q (a widening cast)
+        while (p := graph.producer(t)) is not None and len(graph.consumers(t)) == 1 and t not in graph.outputs \
+                and (cluster_of[p.id].kind == Kind.MOVEMENT and _rearranges(p, graph)
+                     or p.id in a.ops and len(p.outputs) == 1 and len(_non_scalar(graph, p)) == 1):
+            t = _non_scalar(graph, p)[0]
+        pw = made_by.get(t)
+        if pw is None or pw.kind != Kind.POINTWISE or pw.outputs != (t,) or t in graph.outputs \
+                or len(graph.consumers(t)) != 1 or not any(is_movement_op(graph.ops[o], graph) for o in pw.ops):
+            continue
+        out.append({a.id, pw.id})
+    return out
+
+
+def _non_scalar(graph: Graph, op: Op) -> list[int]:
+    """The operands of ``op`` that are not single-element constants."""
+    return [t for t in op.inputs if not (graph.tensors[t].const is not None and graph.tensors[t].size == 1)]
+
+
+def _rearranges(op: Op, graph: Graph) -> bool:
+    """A transpose, reshape or squeeze, or a broadcast that adds no elements: every element read once."""
+    r = TABLE.get(op.primitive)
+    return r is not None and (r.sinkable or op.primitive == "broadcast_in_dim" and len(op.inputs) == 1
+                              and graph.tensors[op.inputs[0]].size == graph.tensors[op.outputs[0]].size)
 
 
 def _between(graph: Graph, by_id: dict[int, Cluster], made_by: dict[int, Cluster], members: set[int]) -> set[int]:

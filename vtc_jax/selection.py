@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .cluster import Cluster, cluster, fuse_islands
+from .cluster import Cluster, cluster, fuse_islands, query_prologue_islands
 from .graph import Graph
 from .primitives import Kind, is_movement_op
 from .templates import Match, Reject, empty_problem, match_all
@@ -65,12 +65,38 @@ def select(graph: Graph, rejected: Mapping[int, str] | None = None, *, xla_fusio
     fused: dict[int, str] = {}
     if xla_fusion:
         clusters, verdicts, not_fused = _fuse_islands(graph, clusters, verdicts, rejected)
+        clusters, verdicts = _fuse_query_prologues(graph, clusters, verdicts, rejected)
         fused = xla_fuses(graph, clusters, verdicts, not_fused)
     fused.update({c.id: why for c in clusters if isinstance(verdicts.get(c.id), Match)
                   for why in [empty_problem(graph, c)] if why is not None})
     kinds = {c.id: c.kind for c in clusters}
     verdicts = {**verdicts, **{k: Reject(k, Kind(kinds[k]), why) for k, why in fused.items()}}
     return Selection(clusters, verdicts, declined, frozenset(fused))
+
+
+def _fuse_query_prologues(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],
+                          rejected: Mapping[int, str] | None
+                          ) -> tuple[tuple[Cluster, ...], dict[int, Match | Reject]]:
+    """Each attention kernel takes the island making its query (``cluster.query_prologue_islands``:
+    a rotary embedding), where both are kernels and the attention template takes the merged
+    cluster; a pair it declines stays two kernels."""
+    queries = {c.id: m.detail.q for c in clusters if c.kind == Kind.ATTENTION
+               and isinstance(m := verdicts.get(c.id), Match)}
+    pairs = [p for p in query_prologue_islands(graph, clusters, queries)
+             if all(isinstance(verdicts.get(k), Match) for k in p)]
+    while pairs:
+        regrouped, _ = fuse_islands(graph, clusters, pairs)
+        if regrouped is clusters:
+            break
+        merged = match_all(graph, regrouped, rejected)
+        ops_of = {c.id: set(c.ops) for c in clusters}
+        declined = {frozenset(c.ops) for c in regrouped
+                    if c.kind == Kind.ATTENTION and isinstance(merged.get(c.id), Reject)}
+        keep = [p for p in pairs if not any(set().union(*(ops_of[k] for k in p)) <= d for d in declined)]
+        if len(keep) == len(pairs):
+            return regrouped, merged
+        pairs = keep
+    return clusters, verdicts
 
 
 def _fuse_islands(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],

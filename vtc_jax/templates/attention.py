@@ -105,8 +105,11 @@ from ..kernels.attention import decode_attention
 from ..kernels.prefill_attention import prefill_attention
 from ..kernels.tiling import dtype_unsupported, f32_math, more_precise, native_precision, precision_unsupported
 from ..kernels.vio import VTensor
-from ..primitives import TABLE, Kind
+from ..primitives import TABLE, Kind, is_movement_op
 from .base import Decline, Run, Step, Template
+from .island import IslandPlan, Load, leaf_vtensor
+from .island import plan as island_plan
+from .island import program as island_program
 from .stage2 import block_fn, block_supported, broadcast_input, buffers_of
 
 __all__ = ["TEMPLATE", "NEG_BOUND", "DECODE_MAX_ROWS"]
@@ -176,7 +179,8 @@ class _AttnMatch:
                                 # (f16 scores: the kernels round to it, ``flash.narrow_range``)
     prologues: tuple[Any, ...] = (None, None, None)   # q's, K's, V's: None, or (the tensor the
                                 # kernel loads, the cluster's ops making the operand from it, the
-                                # broadcast operands they read: ``cluster.operand_chain``)
+                                # broadcast operands they read: ``cluster.operand_chain``), or an
+                                # :class:`_IslandPrologue` (movement among them: a rotary embedding)
 
     @property
     def kernel(self) -> str:
@@ -407,13 +411,59 @@ def _prologue_ops(graph: Graph, c: Cluster) -> set[int]:
     return own - region
 
 
+@dataclass(frozen=True)
+class _IslandPrologue:
+    """q made by element-wise ops *and movement* inside the cluster (a rotary embedding: the query
+    rotated by halves, ``cluster.query_prologue_islands``): the kernel loads every block it needs
+    of q through the island's index maps (:mod:`templates.island`) and recomputes q in registers,
+    so the rotated q is never written. ``ops``: the island's ops."""
+    plan: IslandPlan
+    ops: tuple[int, ...]
+
+
+def _ancestors(graph: Graph, x: int, ops: set[int]) -> set[int]:
+    """The ops of ``ops`` that ``x`` is computed from."""
+    found: set[int] = set()
+    todo = [x]
+    while todo:
+        p = graph.producer(todo.pop())
+        if p is not None and p.id in ops and p.id not in found:
+            found.add(p.id)
+            todo.extend(p.inputs)
+    return found
+
+
+def _island_prologue(graph: Graph, x: int, ops: set[int]) -> _IslandPrologue:
+    """The island making operand ``x`` from the cluster's ``ops`` (checked: it plans, and maps
+    zeros to zero — padded lanes load 0 from every input, index inputs included)."""
+    made = {t for o in ops for t in graph.ops[o].outputs}
+    inputs = tuple(dict.fromkeys(t for o in sorted(ops) for t in graph.ops[o].inputs if t not in made
+                                 and not (graph.tensors[t].const is not None and graph.tensors[t].size == 1)))
+    plan = island_plan(graph, sorted(ops), inputs, [x])
+    if not plan.inputs or not isinstance(plan.inputs[0], Load):
+        raise Decline("the movement making an operand loads no tensor first")
+    f = island_program(graph, plan)
+    n = len(plan.inputs) + (len(plan.shape) if plan.uses_index else 0)
+    with jax.ensure_compile_time_eval():
+        zero = f(*(jnp.zeros((), graph.tensors[s.tensor].dtype if isinstance(s, Load) else jnp.int32)
+                   for s in plan.inputs), *([jnp.zeros((), jnp.int32)] * (n - len(plan.inputs))))
+    if bool(np.asarray(zero) != 0):
+        raise Decline("the ops making an operand map 0 elsewhere (padded lanes would count)")
+    return _IslandPrologue(plan, tuple(sorted(ops)))
+
+
 def _prologues(graph: Graph, c: Cluster, operands: tuple[int, int, int]) -> tuple[Any, ...]:
     """Per q, K, V: None, or ``(base, chain, side operands)`` of the chain the kernel applies to
     each block it loads of ``base`` (checked: it runs on register blocks and maps zeros to zero,
-    since padded lanes load 0 and the dots read them)."""
+    since padded lanes load 0 and the dots read them), or the :class:`_IslandPrologue` of an
+    operand the cluster makes through movement."""
     pro = _prologue_ops(graph, c)
     out: list[Any] = []
     for x in operands:
+        own = _ancestors(graph, x, pro)
+        if any(is_movement_op(graph.ops[o], graph) for o in own):
+            out.append(_island_prologue(graph, x, own))
+            continue
         base, chain, side = operand_chain(graph, x, lambda p: p.id in pro)
         if not chain:
             out.append(None)
@@ -427,7 +477,7 @@ def _prologues(graph: Graph, c: Cluster, operands: tuple[int, int, int]) -> tupl
         if bool(np.asarray(zero) != 0):
             raise Decline("the chain widening an operand maps 0 elsewhere (padded lanes would count)")
         out.append((base, chain, side))
-    if sum(len(p[1]) for p in out if p is not None) != len(pro):
+    if sum(len(p.ops) if isinstance(p, _IslandPrologue) else len(p[1]) for p in out if p is not None) != len(pro):
         raise Decline("element-wise ops before the first dot that do not make q, K or V from one tensor")
     return tuple(out)
 
@@ -1545,15 +1595,31 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
         return VTensor(x.layout.slice((0,) * 4, (B, H, R, 1)).reshape((B, H, R)), x.dtype, x.buffers, x.symbols)
 
     # the chains widening q, K, V: applied by the kernel to each block it loads of their bases
-    fns = tuple(None if p is None else f32_math(block_fn(graph, p[1], [p[0], *p[2]], [x]))
+    fns = tuple(None if p is None else f32_math(island_program(graph, p.plan)) if isinstance(p, _IslandPrologue)
+                else f32_math(block_fn(graph, p[1], [p[0], *p[2]], [x]))
                 for p, x in zip(m.prologues, (m.q, m.k, m.v)))
 
     def operand(run: Run, i: int, perm: tuple[int, ...], shape: tuple[int, ...]) -> tuple[VTensor, Prologue | None]:
         """q, K or V (``i``) in the kernel's logical shape: the tensor itself, or its prologue's
-        base with the prologue (its broadcast operands viewed alike)."""
+        base with the prologue (its broadcast operands viewed alike). An island's inputs are read
+        through its index maps, and the index steps it evaluates take each lane's index from
+        a small ``arange`` per axis broadcast over the operand (viewed like the rest)."""
         p = m.prologues[i]
         if p is None:
             return view(run.vtensor((m.q, m.k, m.v)[i]), perm, shape), None
+        if isinstance(p, _IslandPrologue):
+            ins = [view(leaf_vtensor(run.vtensor(s.tensor) if isinstance(s, Load) else None, s), perm, shape)
+                   for s in p.plan.inputs]
+            full = p.plan.shape
+            idx = []
+            if p.plan.uses_index:   # every axis's indices in one constant (XLA would launch a
+                # kernel per ``iota`` a custom call reads, and finds iotas among constants)
+                table = VTensor.of(np.concatenate([np.arange(n, dtype=np.int32) for n in full]))
+                starts = np.cumsum((0,) + full)
+                idx = [view(VTensor(table.layout.slice((int(starts[a]),), (int(starts[a + 1]),)).broadcast(full, (a,)),
+                                    table.dtype, table.buffers, table.symbols), perm, shape)
+                       for a in range(len(full))]
+            return ins[0], Prologue(fns[i], tuple(ins[1:] + idx))
         full = tuple(graph.tensors[p[0]].shape)   # side operands broadcast to it by numpy's rules
         return view(run.vtensor(p[0]), perm, shape), Prologue(
             fns[i], tuple(view(broadcast_input(VTensor.of(run.vtensor(t)), full), perm, shape) for t in p[2]))
