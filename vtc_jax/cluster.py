@@ -7,7 +7,8 @@ The paper's input is "a computation graph after operator fusion": VTC removes th
   by pattern: nothing inside may be used outside (a flash kernel never materialises the scores).
   It also takes the element-wise chains that widen q, K or V from what is stored (a dequantised
   int8 cache, ``k.astype(jnp.float32)``: :func:`operand_chain`), which the kernel applies to the
-  blocks it loads.
+  blocks it loads; after islands are fused, the island making its query (a rotary embedding:
+  :func:`query_prologue_islands`, merged by :func:`fuse_islands`).
 * matmul / conv — dot_general / conv_general_dilated plus an elementwise epilogue whose other
   operands are small or broadcast (bias); a matmul also takes a unary elementwise prologue on an
   operand only it reads (a ReLU on q or k). The epilogue may branch (SiLU reads the dot output twice)

@@ -11,7 +11,9 @@ compute cluster with its verdict (:class:`~vtc_jax.templates.Match`, or
    as its parts (matmuls, softmax reduction, pointwise), which other templates may take;
 4. **islands**: pointwise clusters XLA would run as one loop fusion (``xla.pointwise_islands``) are
    merged into one cluster (``cluster.fuse_islands``) when one kernel can serve them; an island its
-   template cannot plan stays its parts;
+   template cannot plan stays its parts; an island making an attention's query (its rotary
+   embedding, ``cluster.query_prologue_islands``) joins the attention cluster, whose kernel
+   recomputes it on the query blocks it loads, unless the attention template then declines;
 5. **XLA verdicts** (``xla.xla_fuses``): pointwise work XLA fuses better is rejected with the
    reason, recorded in ``xla_fused`` (XLA's by choice, not a fallback); so is a cluster touching a
    tensor with no elements (``templates.empty_problem``: nothing for a kernel to do).
