@@ -1241,6 +1241,41 @@ def d_rope_q_interleaved(q, kc, vc, pos):
     return jnp.einsum("bkgqt,btkd->bqkgd", jax.nn.softmax(s, -1), vc).reshape(B, 1, H * D)
 
 
+def _attend_decode(q, kc, vc, pos):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(kc, G, axis=2)) / math.sqrt(D)
+    s = jnp.where(jnp.arange(T) <= pos, s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), jnp.repeat(vc, G, axis=2)).reshape(B, 1, H * D)
+
+
+def d_rope_q_partial(q, kc, vc, pos):
+    """GPT-NeoX's partial rotary: the first half of each head rotated (by halves of it), the rest
+    passed through, joined by a concatenate."""
+    r = D // 2
+    inv = 1.0 / (10000.0 ** (jnp.arange(0, r, 2, dtype=jnp.float32) / r))
+    ang = jnp.concatenate([pos * inv, pos * inv])
+    x = q[..., :r]
+    x1, x2 = x[..., : r // 2], x[..., r // 2:]
+    rot = x * jnp.cos(ang) + jnp.concatenate([-x2, x1], -1) * jnp.sin(ang)
+    return _attend_decode(jnp.concatenate([rot, q[..., r:]], -1), kc, vc, pos)
+
+
+def d_rope_mla(q_nope, q_pe, kc, vc, pos):
+    """DeepSeek's MLA: the decoupled rotary part of the query rotated (interleaved pairs) and
+    joined to the part without position, ``concat([q_nope, rope(q_pe)])``."""
+    r = q_pe.shape[-1]
+    inv = 1.0 / (10000.0 ** (jnp.arange(0, r, 2, dtype=jnp.float32) / r))
+    c, s = jnp.cos(pos * inv), jnp.sin(pos * inv)
+    pairs = q_pe.reshape(*q_pe.shape[:-1], r // 2, 2)
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    pe = jnp.stack([x1 * c - x2 * s, x1 * s + x2 * c], -1).reshape(q_pe.shape)
+    return _attend_decode(jnp.concatenate([q_nope, pe], -1), kc, vc, pos)
+
+
+def _mla_args(dtype):
+    q, kc, vc, pos = decode_args(dtype)
+    return q[..., : D // 2], q[..., D // 2:] * 0.5, kc, vc, pos
+
+
 def p_rope_causal(q, k, v):
     """Prefill: q and K rotated at their positions, causal."""
     t = jnp.arange(S)
@@ -1249,8 +1284,9 @@ def p_rope_causal(q, k, v):
 
 @pytest.mark.parametrize("fn,kernel,dtype", [
     (d_rope_q, "decode", jnp.float32), (d_rope_q, "decode", jnp.bfloat16),
-    (d_rope_q_interleaved, "decode", jnp.float32), (p_rope_causal, "prefill", jnp.float32),
-], ids=["decode", "decode_bf16", "decode_interleaved", "prefill"])
+    (d_rope_q_interleaved, "decode", jnp.float32), (d_rope_q_partial, "decode", jnp.float32),
+    (d_rope_mla, "decode", jnp.float32), (p_rope_causal, "prefill", jnp.float32),
+], ids=["decode", "decode_bf16", "decode_interleaved", "decode_partial", "decode_mla", "prefill"])
 def test_rotary_query_recomputed_in_the_attention_kernel(fn, kernel, dtype):
     """The rotary embedding of the query (an island: halves or pairs swapped by slices and a
     concat, cos/sin of the positions) is recomputed by the attention kernel on the query blocks it
@@ -1258,8 +1294,9 @@ def test_rotary_query_recomputed_in_the_attention_kernel(fn, kernel, dtype):
     than a pointwise kernel writing it (a Llama-3 decode layer: 14 -> 13 launches by XLA's compile).
     Equal to jit, cross-lowered for CUDA; the attention cluster holds the rotation, and no kernel
     but the attention's reads the query (prefill's K rotation stays a kernel of its own: K is read
-    by every query block)."""
-    args = decode_args(dtype) if kernel == "decode" else prefill_args(dtype)
+    by every query block). Also where a concatenate joins the rotated part with parts read as
+    they are (GPT-NeoX's partial rotary, DeepSeek's MLA)."""
+    args = _mla_args(dtype) if fn is d_rope_mla else decode_args(dtype) if kernel == "decode" else prefill_args(dtype)
     check_attention(fn, args, kernel, guard=None)
     opt = vtc_jax.optimize(fn, backend="interpret", guard=None)
     with warnings.catch_warnings():

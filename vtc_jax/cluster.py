@@ -544,44 +544,68 @@ def fuse_islands(graph: Graph, clusters: Sequence[Cluster],
     return _finalise(graph, groups), left
 
 
-def query_prologue_islands(graph: Graph, clusters: Sequence[Cluster], queries: dict[int, int]) -> list[set[int]]:
-    """``{attention cluster, pointwise cluster}`` pairs where the pointwise cluster is an island
-    (it holds movement: a rotary embedding rotating the query by halves) whose one result reaches
-    the attention's query only through rearrangements (transposes, reshapes, squeezes), each read
-    once. The attention kernel loads each query block once per program (decode: its group of
-    heads; prefill: its query rows), so it recomputes the island there at no cost and the rotated
-    query is never written: one launch fewer (:func:`fuse_islands` merges each pair). ``queries``:
-    attention cluster id -> its query operand, as the attention template matched it; K's island
-    (written to a cache, read by every query block) is not taken."""
-    made_by = {t: c for c in clusters for t in c.outputs}
+def query_prologue_islands(graph: Graph, clusters: Sequence[Cluster], queries: dict[int, int],
+                           kernels: frozenset[int]) -> list[set[int]]:
+    """``{attention cluster, pointwise clusters...}`` groups where the pointwise clusters (kernels,
+    ``kernels``) and the movement between them make the attention's query and nothing else, with
+    movement among them (a rotary embedding: the query rotated by halves or by pairs, GPT-NeoX's
+    partial rotary ``concat([rope(q[..., :r]), q[..., r:]])``, DeepSeek's MLA ``concat([q_nope,
+    rope(q_pe)])``). The attention kernel loads each query block once per program (decode: its
+    group of heads; prefill: its query rows), so it recomputes them there at no cost and the
+    rotated query is never written: a launch fewer per pointwise kernel (:func:`fuse_islands`
+    merges each group). ``queries``: attention cluster id -> its query operand, as the attention
+    template matched it. Walked back from the query through pointwise kernels and read-only
+    movement (transposes, reshapes, slices, concatenates; the attention's own chain on q first),
+    keeping only clusters whose results nothing else reads. K's rotation (written to a cache,
+    read by every query block) is not taken."""
     cluster_of = {o: c for c in clusters for o in c.ops}
+
+    def part(c: Cluster) -> bool:
+        return c.id in kernels and c.kind == Kind.POINTWISE or c.kind == Kind.MOVEMENT and all(
+            (r := TABLE.get(graph.ops[o].primitive)) is not None and r.read_only for o in c.ops)
+
+    def reach(t0: int, within: set[int] | None) -> set[int]:
+        """Clusters making ``t0`` through :func:`part` clusters (only ``within``, when given)."""
+        found: set[int] = set()
+        todo = [t0]
+        while todo:
+            p = graph.producer(todo.pop())
+            if p is None:
+                continue
+            c = cluster_of[p.id]
+            if c.id in found or not part(c) or within is not None and c.id not in within:
+                continue
+            found.add(c.id)
+            todo.extend(c.inputs)
+        return found
+
+    by_id = {c.id: c for c in clusters}
     out: list[set[int]] = []
     for a in clusters:
         if a.kind != Kind.ATTENTION or a.id not in queries:
             continue
-        t = queries[a.id]   # back through rearrangements and the attention's own chain on q (a widening cast)
-        while (p := graph.producer(t)) is not None and len(graph.consumers(t)) == 1 and t not in graph.outputs \
-                and (cluster_of[p.id].kind == Kind.MOVEMENT and _rearranges(p, graph)
-                     or p.id in a.ops and len(p.outputs) == 1 and len(_non_scalar(graph, p)) == 1):
+        t = queries[a.id]   # back through the attention's own chain on q (a widening cast)
+        while (p := graph.producer(t)) is not None and p.id in a.ops and len(p.outputs) == 1 \
+                and len(_non_scalar(graph, p)) == 1 and len(graph.consumers(t)) == 1:
             t = _non_scalar(graph, p)[0]
-        pw = made_by.get(t)
-        if pw is None or pw.kind != Kind.POINTWISE or pw.outputs != (t,) or t in graph.outputs \
-                or len(graph.consumers(t)) != 1 or not any(is_movement_op(graph.ops[o], graph) for o in pw.ops):
-            continue
-        out.append({a.id, pw.id})
+        group = reach(t, None)
+        while True:   # drop what something else reads, and what then no longer makes the query
+            inside = {o for k in group for o in by_id[k].ops} | set(a.ops)
+            kept = {k for k in group if not any(
+                x in graph.outputs or any(u.id not in inside for u in graph.consumers(x)) for x in by_id[k].outputs)}
+            kept = reach(t, kept)
+            if kept == group:
+                break
+            group = kept
+        pointwise = {k for k in group if by_id[k].kind == Kind.POINTWISE}
+        if pointwise and any(is_movement_op(graph.ops[o], graph) for k in group for o in by_id[k].ops):
+            out.append({a.id} | pointwise)
     return out
 
 
 def _non_scalar(graph: Graph, op: Op) -> list[int]:
     """The operands of ``op`` that are not single-element constants."""
     return [t for t in op.inputs if not (graph.tensors[t].const is not None and graph.tensors[t].size == 1)]
-
-
-def _rearranges(op: Op, graph: Graph) -> bool:
-    """A transpose, reshape or squeeze, or a broadcast that adds no elements: every element read once."""
-    r = TABLE.get(op.primitive)
-    return r is not None and (r.sinkable or op.primitive == "broadcast_in_dim" and len(op.inputs) == 1
-                              and graph.tensors[op.inputs[0]].size == graph.tensors[op.outputs[0]].size)
 
 
 def _between(graph: Graph, by_id: dict[int, Cluster], made_by: dict[int, Cluster], members: set[int]) -> set[int]:

@@ -84,8 +84,8 @@ def _fuse_query_prologues(graph: Graph, clusters: tuple[Cluster, ...], verdicts:
     cluster; a pair it declines stays two kernels."""
     queries = {c.id: m.detail.q for c in clusters if c.kind == Kind.ATTENTION
                and isinstance(m := verdicts.get(c.id), Match)}
-    pairs = [p for p in query_prologue_islands(graph, clusters, queries)
-             if all(isinstance(verdicts.get(k), Match) for k in p)]
+    kernels = frozenset(k for k, v in verdicts.items() if isinstance(v, Match))
+    pairs = query_prologue_islands(graph, clusters, queries, kernels)
     while pairs:
         regrouped, _ = fuse_islands(graph, clusters, pairs)
         if regrouped is clusters:
