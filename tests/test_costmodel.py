@@ -1609,13 +1609,11 @@ def test_xla_gqa_decode_value_transpose_against_xlas_compile():
 
 
 @pytest.mark.offline
-@pytest.mark.parametrize("name", ["gemma2_layer b1", "corpus fp8_kv_repeat_decode"])
+@pytest.mark.parametrize("name", ["corpus fp8_kv_repeat_decode"])
 def test_xla_gqa_decode_value_copy_where_xla_makes_it(name):
     """Where XLA copies a repeated value cache before a decode ``p @ v`` (``xla._transposed_operands``),
-    read off the deviceless H100 compiles: not at batch one (Gemma-2's ``(1, T, KV, D)`` cache: the
-    keys are its most major axis, a column reduction reads it in place — the model was +15% of
-    jit's bytes on jax 0.10.2), and, for a cache stored narrower than the dot (fp8 widened to bf16
-    behind ``repeat_kv``), a copy holding the cache's heads in the dot's type, also where the
+    read off the deviceless H100 compiles: for a cache stored narrower than the dot (fp8 widened to
+    bf16 behind ``repeat_kv``), a copy holding the cache's heads in the dot's type, also where the
     scores come out keys-minor (the model was -65%). The model of plain jit is within one launch
     of the compile and within 10% of its bytes, on the running jax."""
     import sys

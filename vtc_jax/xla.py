@@ -2889,17 +2889,14 @@ def _transposed_operands(g: Graph, op: Any) -> list[tuple[int, int]]:
     dot: an operand repeated by a broadcast (a GQA group axis) and not contracted along its
     contiguous axis, written out whole, contracted axis last, in the dot's result type (the
     decode attention's ``p @ v``: an ``input_transpose_fusion`` writing the bf16 value cache as
-    f32 with ``preferred_element_type=f32``; unrepeated, or ``q @ k``, the cache is read in place).
-    Not where the contracted axis is the operand's most major one of more than one element (a
-    batch of one: Gemma-2's ``(1, T, KV, D)`` value cache): a column reduction reads it in place."""
+    f32 with ``preferred_element_type=f32``; unrepeated, or ``q @ k``, the cache is read in place)."""
     if op.primitive != "dot_general" or not _vector_dot(g, op):
         return []
     (lc, rc), _ = op.params["dimension_numbers"]
     out = []
     for x, c, f in zip(op.inputs[:2], (tuple(lc), tuple(rc)), _free_sizes(g, op)):
-        m, order = _minor_axis(g, x), _physical_order(g, x)
-        major = next((a for a in order or () if g.tensors[x].shape[a] != 1), None)
-        if f > 1 and _repeated(g, x) and len(c) == 1 and m is not None and m != c[0] and major != c[0]:
+        m = _minor_axis(g, x)
+        if f > 1 and _repeated(g, x) and len(c) == 1 and m is not None and m != c[0]:
             out.append((x, g.tensors[op.outputs[0]].dtype.itemsize))
     return out
 
