@@ -1312,3 +1312,25 @@ def test_rotary_query_recomputed_in_the_attention_kernel(fn, kernel, dtype):
     assert {k.kind for k in readers} <= {"attention", "movement"}, [(k.kind, k.ops) for k in readers]
     pointwise = [k for k in lowered.kernels if k.startswith("pointwise")]
     assert len(pointwise) == (0 if kernel == "decode" else 1), lowered.kernels
+
+
+def d_rope_q_shifted(q, kc, vc, pos):
+    """The rotated query shifted by a constant: the ops making q map 0 to 1, which the kernel's
+    padded query lanes (loaded as 0) must not see."""
+    return _attend_decode(_rope(q, pos) + 1.0, kc, vc, pos)
+
+
+def test_a_query_island_the_attention_declines_stays_its_own_kernel():
+    """Where the attention template declines the merged cluster (here: the ops making q map 0
+    elsewhere, ``templates.attention._island_prologue``), selection keeps the two kernels it had —
+    the rotation as a pointwise kernel, the attention as its kernel — and the result equals jit."""
+    args = decode_args()
+    check_attention(d_rope_q_shifted, args, "decode", guard=None)
+    opt = vtc_jax.optimize(d_rope_q_shifted, backend="interpret", guard=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        opt(*args)
+    analysis, lowered = opt.last
+    (c,) = [c for c in analysis.clusters if c.kind == "attention"]
+    assert "neg" not in {analysis.graph.ops[o].primitive for o in c.ops}
+    assert [k for k in lowered.kernels if k.startswith("pointwise")], lowered.kernels
