@@ -136,7 +136,8 @@ def render(rows: list[dict[str, Any]], info: str) -> str:
         "* **bytes**: per launch, every distinct HBM buffer it reads plus every buffer it writes, "
         "from the optimised HLO; a buffer updated in place (an operand aliased to its result: the KV "
         "caches) is left out, because HLO does not show how much of it a kernel touches — XLA's "
-        "in-place dynamic-update-slice counts the row it writes. A buffer-level figure: a kernel "
+        "in-place dynamic-update-slice counts the row it writes. A buffer read only as a gather's "
+        "table (an embedding) is charged the rows the gathers take. Otherwise a buffer-level figure: a kernel "
         "that reads only part of a buffer (decode attention up to `pos`) is charged the whole.",
         "* **buffers**: XLA's buffer assignment, `compiled.memory_analysis()`: arguments + outputs + "
         "temporaries − aliased (donated caches counted once). Temporaries are the part either "
