@@ -24,6 +24,7 @@ matches; the report prints the reasons) and never re-decide them.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -90,7 +91,7 @@ def _fuse_query_prologues(graph: Graph, clusters: tuple[Cluster, ...], verdicts:
         regrouped, _ = fuse_islands(graph, clusters, pairs)
         if regrouped is clusters:
             break
-        merged = match_all(graph, regrouped, rejected)
+        merged = _rematched(graph, clusters, verdicts, regrouped, rejected)
         ops_of = {c.id: set(c.ops) for c in clusters}
         declined = {frozenset(c.ops) for c in regrouped
                     if c.kind == Kind.ATTENTION and isinstance(merged.get(c.id), Reject)}
@@ -99,6 +100,21 @@ def _fuse_query_prologues(graph: Graph, clusters: tuple[Cluster, ...], verdicts:
             return regrouped, merged
         pairs = keep
     return clusters, verdicts
+
+
+def _rematched(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],
+               regrouped: tuple[Cluster, ...], rejected: Mapping[int, str] | None) -> dict[int, Match | Reject]:
+    """``match_all`` of ``regrouped``, matching only the clusters regrouping changed: one whose
+    ops are those of an earlier cluster keeps that cluster's verdict under its new id (matching
+    an attention cluster again means probing its masks again), unless ``rejected`` names either id."""
+    forced = rejected or {}
+    before = {frozenset(c.ops): verdicts[c.id] for c in clusters if c.id in verdicts and c.id not in forced}
+    fresh = [c for c in regrouped if frozenset(c.ops) not in before or c.id in forced]
+    out = match_all(graph, fresh, rejected)
+    for c in regrouped:
+        if c.id not in out and (v := before.get(frozenset(c.ops))) is not None:
+            out[c.id] = dataclasses.replace(v, cluster=c.id)
+    return out
 
 
 def _fuse_islands(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],
