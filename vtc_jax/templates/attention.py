@@ -107,7 +107,7 @@ from ..kernels.tiling import dtype_unsupported, f32_math, more_precise, native_p
 from ..kernels.vio import VTensor
 from ..primitives import TABLE, Kind, is_movement_op
 from .base import Decline, Run, Step, Template
-from .island import IslandPlan, Load, leaf_vtensor
+from .island import Apply, IslandPlan, Load, leaf_vtensor
 from .island import plan as island_plan
 from .island import program as island_program
 from .stage2 import block_fn, block_supported, broadcast_input, buffers_of
@@ -411,6 +411,12 @@ def _prologue_ops(graph: Graph, c: Cluster) -> set[int]:
     return own - region
 
 
+# Transcendentals a decode kernel would evaluate on a prologue's blocks (libdevice calls: their
+# registers count for the whole kernel, whose main loop is bandwidth-bound on its occupancy)
+_REGISTER_HEAVY = frozenset("sin cos tan pow exp exp2 log log1p expm1 tanh logistic erf erfc erf_inv "
+                            "atan atan2 asin acos sinh cosh asinh acosh atanh cbrt lgamma digamma".split())
+
+
 @dataclass(frozen=True)
 class _IslandPrologue:
     """q made by element-wise ops *and movement* inside the cluster (a rotary embedding: the query
@@ -452,7 +458,7 @@ def _island_prologue(graph: Graph, x: int, ops: set[int]) -> _IslandPrologue:
     return _IslandPrologue(plan, tuple(sorted(ops)))
 
 
-def _prologues(graph: Graph, c: Cluster, operands: tuple[int, int, int]) -> tuple[Any, ...]:
+def _prologues(graph: Graph, c: Cluster, operands: tuple[int, int, int], decode: bool) -> tuple[Any, ...]:
     """Per q, K, V: None, or ``(base, chain, side operands)`` of the chain the kernel applies to
     each block it loads of ``base`` (checked: it runs on register blocks and maps zeros to zero,
     since padded lanes load 0 and the dots read them), or the :class:`_IslandPrologue` of an
@@ -462,7 +468,13 @@ def _prologues(graph: Graph, c: Cluster, operands: tuple[int, int, int]) -> tupl
     for x in operands:
         own = _ancestors(graph, x, pro)
         if any(is_movement_op(graph.ops[o], graph) for o in own):
-            out.append(_island_prologue(graph, x, own))
+            p = _island_prologue(graph, x, own)
+            if decode and (heavy := sorted({graph.ops[s.op].primitive for s in p.plan.steps
+                                            if isinstance(s, Apply) and graph.ops[s.op].primitive in _REGISTER_HEAVY})):
+                raise Decline(f"the ops making q compute {', '.join(heavy)} in registers: in the decode kernel that "
+                              "costs its occupancy (Llama-3's rotation tables recomputed there: 64 -> 198 "
+                              "registers, 1.93x -> 1.83x of jit measured on an H200 at batch 16)")
+            out.append(p)
             continue
         base, chain, side = operand_chain(graph, x, lambda p: p.id in pro)
         if not chain:
@@ -1539,7 +1551,7 @@ def _match(graph: Graph, c: Cluster) -> _AttnMatch:
                       None if window is None else int(window), decode, empty_rows, per_row, precision,
                       slopes, bias_view, keep_view, (score[0].score, bool(score[0].keep)) if score else None,
                       kv_cap, inclusive, sink, narrow_range(graph.tensors[d1.outputs[0]].dtype),
-                      _prologues(graph, c, (q, k, v)))
+                      _prologues(graph, c, (q, k, v), decode))
 
 
 # --------------------------------------------------------------------------------------------
