@@ -67,17 +67,15 @@ _LLAMA = ("none of activation size. K: the complex RoPE is traced as real pairs 
           "and its select (which reads the old window too) joins the K RoPE kernel: one launch writes "
           "both rows of the step in place (xla.pointwise_islands: same-shape kernels whose "
           "outputs only update caches are one island; the V projection itself stays XLA's split-K "
-          "GEMM, which the cost model prices lower than the template); q's RoPE is recomputed by the "
-          "decode kernel on the query blocks it loads (cluster.query_prologue_islands: no launch, "
-          "the rotated q never written). The two movement ops left are "
+          "GEMM, which the cost model prices lower than the template). The two movement ops left are "
           "a scalar position's broadcast/squeeze (glue)")
 NOTES = {
     "llama_pure (where -inf)": _LLAMA,
     "llama_pure (finfo.min)": _LLAMA,
     "llama_pure (additive -1e30)": _LLAMA,
     "llama_pure (real RoPE, where -inf)": (
-        "the control: the real RoPE is the same fused kernel for the K row (into the cache), the V "
-        "row's guarded select in the same launch, and q's recomputed in the decode kernel, as above"),
+        "the control: the real RoPE is the same one fused kernel per rotated tensor (K row into the "
+        "cache), the V row's guarded select in the same launch, as above"),
     "llama_pure (mask on the scores, != 0)": (
         "as llama_pure: the mask is the scores' own (`where(scores != 0, scores, -inf)`, a zero cache "
         "row never written scores 0), computed by the decode kernel on its scores "
@@ -86,8 +84,7 @@ NOTES = {
         "none of activation size. K and V come from one einsum with a stacked [2, d, KV, hd] weight: "
         "`kv[0]`, `kv[1]` are traced as one split (graph._slices_as_split), and the projection "
         "writes through the transpose's and the split's write edges (strategy.producer_writes), "
-        "the V row straight into the cache at pos; K through the fused RoPE kernel, q's RoPE in the "
-        "decode kernel's query loads. Left: the "
+        "the V row straight into the cache at pos; K through the fused RoPE kernel. Left: the "
         "four (1, d) broadcasts of the `1 + w` norm scales, which XLA folds into the norms"),
     "gemma_flax (lax.cond window)": (
         "as gemma_flax: the window's `lax.cond` has elementwise branches, traced as both branches "
