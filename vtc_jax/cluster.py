@@ -551,9 +551,9 @@ def query_prologue_islands(graph: Graph, clusters: Sequence[Cluster], queries: d
     movement among them (a rotary embedding: the query rotated by halves or by pairs, GPT-NeoX's
     partial rotary ``concat([rope(q[..., :r]), q[..., r:]])``, DeepSeek's MLA ``concat([q_nope,
     rope(q_pe)])``). The attention kernel loads each query block once per program (decode: its
-    group of heads; prefill: its query rows), so it recomputes them there at no cost and the
-    rotated query is never written: a launch fewer per pointwise kernel (:func:`fuse_islands`
-    merges each group). ``queries``: attention cluster id -> its query operand, as the attention
+    group of heads; prefill: its query rows), so it recomputes them there and the rotated query is
+    never written: a launch fewer per pointwise kernel (:func:`fuse_islands` merges each group;
+    the template declines what costs its kernel more, ``templates.attention._REGISTER_HEAVY``). ``queries``: attention cluster id -> its query operand, as the attention
     template matched it. Walked back from the query through pointwise kernels and read-only
     movement (transposes, reshapes, slices, concatenates; the attention's own chain on q first),
     keeping only clusters whose results nothing else reads. K's rotation (written to a cache,
