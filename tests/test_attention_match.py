@@ -314,6 +314,7 @@ def check_attention(fn, args, kernel, lower=True, **opts):
             mod = cross_lower(vtc_jax.optimize(fn, backend="triton", **opts), *args)
         names = [k.name for k in mod.triton_kernels]
         assert any(f"{kernel}_attention" in n for n in names), names
+    return analysis, lowered
 
 
 @pytest.mark.parametrize("fn", DECODE, ids=lambda f: f.__name__)
@@ -1168,18 +1169,13 @@ def test_narrow_cache_widened_in_the_kernel(fn, args):
     through the repeat's views, and no widened cache is made anywhere in the program (jit writes
     one out: 2.2x-4.1x by XLA's compile at Llama-3 batch 16 x 4k)."""
     args = args()
-    check_attention(fn, args, "decode", guard=None)
-    opt = vtc_jax.optimize(fn, backend="interpret", guard=None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-        opt(*args)
-    analysis, _ = opt.last
+    analysis, _ = check_attention(fn, args, "decode", guard=None)
     g = analysis.graph
     (c,) = [c for c in analysis.clusters if c.kind == "attention"]
     narrow = {int(np.dtype(a.dtype).itemsize) for a in args[1:3]}
     loaded = {g.tensors[t].dtype.itemsize for t in c.inputs if g.tensors[t].size >= B * T * HKV * D}
     assert min(narrow) in loaded, loaded   # the cache as stored (or its virtual repeat; the scales' broadcasts)
-    emitted = jax.make_jaxpr(opt)(*args)
+    emitted = jax.make_jaxpr(vtc_jax.optimize(fn, backend="interpret", guard=None))(*args)
     wide = [e for e in emitted.eqns if any(np.prod(getattr(v.aval, "shape", ())) >= B * T * HKV * D
                                            and v.aval.dtype.itemsize > min(narrow) for v in e.outvars)]
     assert not wide, wide
@@ -1297,18 +1293,13 @@ def test_rotary_query_recomputed_in_the_attention_kernel(fn, kernel, dtype):
     """The rotary embedding of the query (an island: halves or pairs swapped by slices and a
     concat, cos/sin of the positions) is recomputed by the attention kernel on the query blocks it
     loads (``cluster.query_prologue_islands``): the rotated query is never written, one launch fewer
-    than a pointwise kernel writing it (a Llama-3 decode layer: 14 -> 13 launches by XLA's compile).
+    than a pointwise kernel writing it (decode: with the step's tables read, not recomputed there).
     Equal to jit, cross-lowered for CUDA; the attention cluster holds the rotation, and no kernel
     but the attention's reads the query (prefill's K rotation stays a kernel of its own: K is read
     by every query block). Also where a concatenate joins the rotated part with parts read as
     they are (GPT-NeoX's partial rotary, DeepSeek's MLA)."""
     args = _rope_args(fn, dtype) if kernel == "decode" else prefill_args(dtype)
-    check_attention(fn, args, kernel, guard=None)
-    opt = vtc_jax.optimize(fn, backend="interpret", guard=None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-        opt(*args)
-    analysis, lowered = opt.last
+    analysis, lowered = check_attention(fn, args, kernel, guard=None)
     g = analysis.graph
     (c,) = [c for c in analysis.clusters if c.kind == "attention"]
     prims = {g.ops[o].primitive for o in c.ops}
@@ -1339,12 +1330,7 @@ def test_a_query_island_the_attention_declines_stays_its_own_kernel(fn):
     sin/cos in registers (Llama-3's example at batch 16 went from 64 to 198 registers in the split
     kernel and from 1.93x to 1.83x of jit, measured on an H200; ``_REGISTER_HEAVY``)."""
     args = decode_args() + (_tables(13) if fn is d_rope_q_shifted else ())
-    check_attention(fn, args, "decode", guard=None)
-    opt = vtc_jax.optimize(fn, backend="interpret", guard=None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-        opt(*args)
-    analysis, lowered = opt.last
+    analysis, lowered = check_attention(fn, args, "decode", guard=None)
     (c,) = [c for c in analysis.clusters if c.kind == "attention"]
     assert "neg" not in {analysis.graph.ops[o].primitive for o in c.ops}
     assert [k for k in lowered.kernels if k.startswith("pointwise")], lowered.kernels
