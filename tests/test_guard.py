@@ -200,12 +200,16 @@ def test_guard_prices_the_math_of_every_launched_kernel():
     assert any(f.engine == "attention" and f.flops for f in vtc.fusions), vtc.fusions
 
 
-def _falcon_prefill():
+def _corpus():
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import guard as corpus_bench
-    return corpus_bench.corpus()["corpus falcon_alibi_mqa_prefill"]
+    return corpus_bench.corpus()
+
+
+def _falcon_prefill():
+    return _corpus()["corpus falcon_alibi_mqa_prefill"]
 
 
 def _explain_guarded(step, args, donate):
@@ -256,6 +260,61 @@ def test_a_pruned_program_that_prices_slower_leaves_the_winning_one(monkeypatch)
     assert blamed, "the guard never asked which kernels lose"
     assert len(rep2.guard) == 1 and rep2.guard[0].startswith("kept"), rep2.guard
     assert _templates(rep2)[attention[0]] == ("attention", "kernel")
+
+
+def test_a_rejection_names_the_same_ops_after_the_plan_renumbers():
+    """``selection.select`` forces a rejected cluster by its ops: re-clustering renumbers (the RoPE
+    island fused out of its parts takes an id that names another op among the parts), so the
+    island rejected by its ops is rejected whole, and every other cluster keeps its verdict."""
+    from tests.test_island import _rope_args, rope_step
+    from vtc_jax.cluster import cluster
+    from vtc_jax.graph import trace
+    from vtc_jax.selection import select
+    from vtc_jax.templates import Match, Reject
+    g = trace(rope_step, *_rope_args())
+    sel = select(g)
+    island = next(c for c in sel.clusters if isinstance(sel.verdicts.get(c.id), Match)
+                  and any(g.ops[o].primitive == "concatenate" for o in c.ops))
+    ops = frozenset(island.ops)
+    assert {c.id: frozenset(c.ops) for c in cluster(g)}.get(island.id) != ops   # the id means other ops there
+    again = select(g, {ops: "undone by the test"})
+    before = {frozenset(c.ops): type(sel.verdicts.get(c.id)) for c in sel.clusters}
+    after = {frozenset(c.ops): sel2 for c in again.clusters for sel2 in [again.verdicts.get(c.id)]}
+    assert isinstance(after[ops], Reject) and after[ops].reason == "undone by the test"
+    assert {o: type(v) for o, v in after.items() if o != ops} == {o: v for o, v in before.items() if o != ops}
+
+
+def test_a_kernel_the_guard_undid_never_comes_back(monkeypatch):
+    """BERT's padding-mask encoder (the corpus, paper size, priced by the model and XLA's deviceless
+    compile): the guard undoes kernels over several re-plans. Every analysis after an undo leaves
+    each cluster undone so far to XLA (when the undo named clusters by id, a re-plan renumbered
+    them: it brought back three kernels undone two steps before and rejected one op of a pointwise
+    island, the rest of it a kernel again, and the guard ran plain jit where it had a faster
+    program; jax 0.10.2: 441.8 µs, against 416.7 µs kept now)."""
+    from vtc_jax import program
+    from vtc_jax.program import BuildOptions, build
+    from vtc_jax.templates import Match
+    step, make_args, donate = _corpus()["corpus bert_padding_mask_linen"]
+    args = make_args()
+    seen, rejected = [], {}
+    analyze = program.analyze
+
+    def recording(*a, **k):
+        out = analyze(*a, **k)
+        seen.append((dict(k["rejected"]), out))
+        return out
+
+    monkeypatch.setattr(program, "analyze", recording)
+    opts = BuildOptions("triton", False, {}, lambda m: None, RuntimeError, guard="model", function=step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, _, closed = build(step, tuple(args), {}, jax.tree.leaves(args), donate=donate, opts=opts,
+                             rejected=rejected)
+    undone = [ops for ops, why in rejected.items() if why.startswith("undone by the guard")]
+    assert len(seen) >= 3 and undone, a.guard   # (it re-planned at least twice)
+    for forced, analysis in seen:
+        kernels = {frozenset(c.ops) for c in analysis.clusters if isinstance(analysis.matches.get(c.id), Match)}
+        assert not kernels & set(forced), a.guard
 
 
 def test_every_kernel_undone_runs_jits_own_program():

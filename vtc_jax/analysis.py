@@ -20,7 +20,7 @@ from . import costmodel
 from .cluster import Cluster
 from .graph import Graph, trace_with
 from .primitives import Kind
-from .selection import Selection, select
+from .selection import Rejections, Selection, select
 from .strategy import Strategy, plan
 from .templates import Match, Reject
 from .vtog import VTOG, build_vtog
@@ -62,15 +62,16 @@ def cost_model_for(cost_model: Any, objective: str, gpu: str | None) -> Any:
 
 def analyze(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], *,
             cost_model: Any = None, objective: str = "latency", gpu: str | None = None,
-            donate_argnums: Sequence[int] = (), rejected: Mapping[int, str] | None = None,
+            donate_argnums: Sequence[int] = (), rejected: Rejections | None = None,
             graph: Graph | None = None, donate_argnames: Sequence[str] = ()) -> Analysis:
     """The analysis half of VTC for one input signature (no kernels are built here):
     trace → select (clusters with verdicts) → VTOG → strategy (``strategy.plan``).
 
     ``donate_argnums`` (positions in ``args``) and ``donate_argnames`` (keys of ``kwargs``) tell
     the cost model which inputs XLA may update in place (a donated KV cache costs only its
-    update). ``rejected`` forces clusters (by id) to XLA with the given reason: a kernel that
-    failed to build on an earlier attempt. ``graph`` re-uses an earlier trace of the same
+    update). ``rejected`` forces clusters (named by their ops, ``selection.Rejections``) to XLA
+    with the given reason: a kernel that failed to build on an earlier attempt, or that the guard
+    undid. ``graph`` re-uses an earlier trace of the same
     signature (and skips the channels-last re-trace).
     """
     t0 = time.perf_counter()
@@ -90,7 +91,7 @@ def analyze(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
 
 
 def _analyze_graph(graph: Graph, args: Sequence[Any], kwargs: dict[str, Any], model: Any,
-                   rejected: Mapping[int, str] | None, t0: float, *, donate_argnums: Sequence[int],
+                   rejected: Rejections | None, t0: float, *, donate_argnums: Sequence[int],
                    donate_argnames: Sequence[str]) -> Analysis:
     """One pass of :func:`analyze` over a traced graph."""
     sel: Selection = select(graph, rejected, xla_fusion=getattr(model, "xla_fusion", False))

@@ -206,7 +206,7 @@ class Optimized:
             if cost_model is None else None
         self._said: set[str] = set()
         self.last: Any = None   # (Analysis, Lowered) of the latest trace, for inspection
-        self._rejected: dict[int, str] = {}   # clusters whose kernel failed to build (latest trace)
+        self._rejected: dict[frozenset[int], str] = {}   # clusters (by ops) whose kernel failed to build (latest trace)
         if backend == "auto" and self.backend == "interpret":
             self._warn("no GPU: Pallas kernels run in interpret mode (correct, slow); "
                        "use backend='triton' to lower them for CUDA", VTCNotice)
@@ -270,13 +270,13 @@ class Optimized:
         emitted = (lambda *xs: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *xs))  # noqa: E731
         if analysis.guard and analysis.guard[-1].startswith(PLAIN):   # the guard's last word: jax.jit's own program
             # where nothing was ever a kernel, why is still worth a warning (as without the guard)
-            messages = fallback_messages(analysis, self._failed(), self._build.bodies) \
+            messages = fallback_messages(analysis, self._failed(analysis), self._build.bodies) \
                 if analysis.guard[-1].endswith(NO_KERNEL) else []
             for msg in messages:
                 self._fallback(msg)
             self._keep(key, None, flat, messages)
             return f(*a, **k)
-        messages = [*fallback_messages(analysis, self._failed(), self._build.bodies), *lowered.fallbacks]
+        messages = [*fallback_messages(analysis, self._failed(analysis), self._build.bodies), *lowered.fallbacks]
         for msg in messages:
             self._fallback(msg)
         self._keep(key, emitted, flat, messages)
@@ -306,9 +306,11 @@ class Optimized:
         weak = [bool(getattr(v.aval, "weak_type", False)) for v in closed.jaxpr.outvars]
         return key, lambda: jax.tree_util.tree_unflatten(out_tree, _weak_as(program(*flat), weak))
 
-    def _failed(self) -> frozenset[int]:
-        """The clusters whose kernels failed to build (not the ones the guard undid)."""
-        return frozenset(c for c, why in self._rejected.items() if not why.startswith(UNDONE))
+    def _failed(self, analysis: Any) -> frozenset[int]:
+        """The ids, in ``analysis``, of the clusters whose kernels failed to build (not the ones
+        the guard undid)."""
+        failed = {ops for ops, why in self._rejected.items() if not why.startswith(UNDONE)}
+        return frozenset(c.id for c in analysis.clusters if frozenset(c.ops) in failed)
 
     def _keep(self, key: str | None, emitted: Callable[..., Any] | None, flat: list, messages: Sequence[str]) -> None:
         """Write the plan just made to the plan cache under ``key`` (None: no cache)."""

@@ -57,11 +57,13 @@ class BuildOptions:
 
 
 def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequence[Any], *,
-          donate: Sequence[int], opts: BuildOptions, rejected: dict[int, str],
+          donate: Sequence[int], opts: BuildOptions, rejected: dict[frozenset[int], str],
           donate_names: Sequence[str] = ()) -> tuple[Analysis, Lowered, Any]:
     """``(analysis, lowered, closed_jaxpr)`` of ``f`` traced on ``flat`` (arrays, tracers or
-    ShapeDtypeStructs). ``rejected`` collects the clusters whose kernels failed to build; they go
-    back into the analysis (``selection.select``) as an input, which re-plans without them."""
+    ShapeDtypeStructs). ``rejected`` collects the clusters whose kernels failed to build or that
+    the guard undid, each named by its ops (``selection.Rejections``: ids change when a re-plan
+    clusters differently); they go back into the analysis (``selection.select``) as an input,
+    which re-plans without them."""
     if opts.backend == "interpret" and any(varying_axes(x) for x in flat):
         analysis = analyze(f, abstract_a, abstract_k, donate_argnums=donate, donate_argnames=donate_names,
                            rejected=rejected, **opts.analysis)
@@ -86,7 +88,7 @@ def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequ
         except KernelBuildError as e:
             if opts.strict:
                 raise opts.error(f"{e}") from e.cause
-            rejected[e.cluster] = f"its kernel failed to build ({type(e.cause).__name__}: " \
+            rejected[_ops(analysis, e.cluster)] = f"its kernel failed to build ({type(e.cause).__name__}: " \
                                   f"{str(e.cause).splitlines()[0] if str(e.cause) else ''})"
             continue
         if opts.backend == "triton":
@@ -94,7 +96,8 @@ def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequ
             if bad:
                 if opts.strict:
                     raise opts.error(f"kernels failed to lower for CUDA: {bad}")
-                rejected.update({c: f"its kernel failed to lower for CUDA ({why})" for c, why in bad.items()})
+                rejected.update({_ops(analysis, c): f"its kernel failed to lower for CUDA ({why})"
+                                 for c, why in bad.items()})
                 continue
         if best is not None and not has_kernels(closed.jaxpr):
             return best[1]   # pruning undid every kernel: the winning build stands
@@ -121,7 +124,7 @@ def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequ
                 return result
             best = (ratio, result)
             guard_steps += 1
-            _undo(picks, rejected, undone, f", in a program that won ({kept})",
+            _undo(analysis, picks, rejected, undone, f", in a program that won ({kept})",
                   f" costing more than XLA's fusions of their ops, in a program that won: {kept}")
             continue
         if best is not None:
@@ -129,7 +132,7 @@ def build(f: Callable[..., Any], abstract_a: tuple, abstract_k: dict, flat: Sequ
         picks = _worst(analysis, closed, emitted, verdict, opts) if guard_steps < MAX_GUARD_STEPS else []
         if picks:
             guard_steps += 1
-            _undo(picks, rejected, undone, f"; VTC's program lost ({verdict.loses})",
+            _undo(analysis, picks, rejected, undone, f"; VTC's program lost ({verdict.loses})",
                   f": VTC's program lost ({verdict.loses})")
             continue
         undone.append(f"{guard.PLAIN}: VTC's program still loses ({verdict.loses}), by the {verdict.by}")
@@ -239,12 +242,17 @@ def _worst(analysis: Analysis, closed: Any, emitted: Graph, verdict: guard.Verdi
     return picks
 
 
-def _undo(picks: Sequence[tuple[int, float, str]], rejected: dict[int, str], undone: list[str],
-          cluster_why: str, note_why: str) -> None:
+def _ops(analysis: Analysis, cluster_id: int) -> frozenset[int]:
+    """The ops of one of ``analysis``'s clusters: how a rejection names it (``selection.Rejections``)."""
+    return next(frozenset(c.ops) for c in analysis.clusters if c.id == cluster_id)
+
+
+def _undo(analysis: Analysis, picks: Sequence[tuple[int, float, str]], rejected: dict[frozenset[int], str],
+          undone: list[str], cluster_why: str, note_why: str) -> None:
     """Give the guard's picks back to XLA: each cluster rejected with its loss (reason starting
     ``guard.UNDONE``, then ``cluster_why``), one note for them all (then ``note_why``)."""
     for cid, loss, what in picks:
-        rejected[cid] = (f"{guard.UNDONE}: its kernel costs {loss * 1e6:,.2f} µs more than "
+        rejected[_ops(analysis, cid)] = (f"{guard.UNDONE}: its kernel costs {loss * 1e6:,.2f} µs more than "
                          f"XLA's fusions of the same ops ({what}){cluster_why}")
     undone.append(f"undid {len(picks)} kernel(s) ({', '.join(f'#{c}' for c, _, _ in picks)}){note_why}")
 

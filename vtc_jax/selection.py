@@ -6,7 +6,11 @@ compute cluster with its verdict (:class:`~vtc_jax.templates.Match`, or
 
 1. **cluster** (``cluster.cluster``): primitives grouped into kernel-shaped clusters;
 2. **match** (``templates.match_all``): one verdict per compute cluster; clusters the caller
-   ``rejected`` (a kernel that failed to build or to lower on an earlier attempt) get their reason;
+   ``rejected`` (a kernel that failed to build or to lower on an earlier attempt, or that the guard
+   undid) get their reason. A rejection names the cluster by its ops (:data:`Rejections`), at every
+   step below: re-clustering renumbers clusters, so an id from an earlier attempt may name another
+   cluster (BERT's guard undid a pointwise island by id and the re-plan rejected one of its ops
+   alone, leaving the rest a kernel, and brought back the kernels undone the step before);
 3. **declined attention re-clustered**: an attention region no template takes is clustered again
    as its parts (matmuls, softmax reduction, pointwise), which other templates may take;
 4. **islands**: pointwise clusters XLA would run as one loop fusion (``xla.pointwise_islands``) are
@@ -34,7 +38,10 @@ from .primitives import Kind, is_movement_op
 from .templates import Match, Reject, empty_problem, match_all
 from .xla import pointwise_islands, xla_fuses
 
-__all__ = ["Selection", "select"]
+__all__ = ["Rejections", "Selection", "select"]
+
+# Clusters forced to XLA, each named by its ops (the op ids of one traced graph), with the reason.
+Rejections = Mapping[frozenset[int], str]
 
 
 @dataclass(frozen=True)
@@ -51,20 +58,23 @@ class Selection:
     xla_fused: frozenset[int] = frozenset()
 
 
-def select(graph: Graph, rejected: Mapping[int, str] | None = None, *, xla_fusion: bool = True) -> Selection:
+def select(graph: Graph, rejected: Rejections | None = None, *, xla_fusion: bool = True) -> Selection:
     """Cluster ``graph`` and give each compute cluster its verdict (see the module docstring).
 
-    ``rejected``: clusters (by id) forced to XLA with the given reason — build or lowering failures
-    of an earlier attempt on the same graph, fed back by ``program.build``. ``xla_fusion=False``
+    ``rejected``: clusters (by their ops) forced to XLA with the given reason — build or lowering
+    failures of an earlier attempt on the same graph, and the guard's undone kernels, fed back by
+    ``program.build``. A cluster is forced where its ops are exactly a rejected set. ``xla_fusion=False``
     keeps every matched pointwise cluster a kernel (the cost model's switch, for ablations).
     """
+    rejected = rejected or {}
     clusters = cluster(graph)
-    verdicts = match_all(graph, clusters, rejected)
+    verdicts = match_all(graph, clusters, _forced(clusters, rejected))
     declined = tuple((c.ops[0], verdicts[c.id].reason) for c in clusters
-                     if c.kind == Kind.ATTENTION and isinstance(verdicts.get(c.id), Reject))
+                     if c.kind == Kind.ATTENTION and isinstance(verdicts.get(c.id), Reject)
+                     and frozenset(c.ops) not in rejected)   # (undone, not declined: kept whole)
     if declined:
         clusters = cluster(graph, not_attention=frozenset(o for o, _ in declined))
-        verdicts = match_all(graph, clusters, rejected)
+        verdicts = match_all(graph, clusters, _forced(clusters, rejected))
     fused: dict[int, str] = {}
     if xla_fusion:
         clusters, verdicts, not_fused = _fuse_islands(graph, clusters, verdicts, rejected)
@@ -77,8 +87,13 @@ def select(graph: Graph, rejected: Mapping[int, str] | None = None, *, xla_fusio
     return Selection(clusters, verdicts, declined, frozenset(fused))
 
 
+def _forced(clusters: tuple[Cluster, ...], rejected: Rejections) -> dict[int, str]:
+    """``match_all``'s ``forced``: the ids, in this clustering, of the clusters ``rejected`` names."""
+    return {c.id: why for c in clusters if (why := rejected.get(frozenset(c.ops))) is not None}
+
+
 def _fuse_query_prologues(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],
-                          rejected: Mapping[int, str] | None
+                          rejected: Rejections
                           ) -> tuple[tuple[Cluster, ...], dict[int, Match | Reject]]:
     """Each attention kernel takes the island making its query (``cluster.query_prologue_islands``:
     a rotary embedding), where both are kernels and the attention template takes the merged
@@ -93,8 +108,8 @@ def _fuse_query_prologues(graph: Graph, clusters: tuple[Cluster, ...], verdicts:
             break
         merged = _rematched(graph, clusters, verdicts, regrouped, rejected)
         ops_of = {c.id: set(c.ops) for c in clusters}
-        declined = {frozenset(c.ops) for c in regrouped
-                    if c.kind == Kind.ATTENTION and isinstance(merged.get(c.id), Reject)}
+        declined = {frozenset(c.ops) for c in regrouped if c.kind == Kind.ATTENTION
+                    and isinstance(merged.get(c.id), Reject) and frozenset(c.ops) not in rejected}
         keep = [p for p in pairs if not any(set().union(*(ops_of[k] for k in p)) <= d for d in declined)]
         if len(keep) == len(pairs):
             return regrouped, merged
@@ -103,14 +118,13 @@ def _fuse_query_prologues(graph: Graph, clusters: tuple[Cluster, ...], verdicts:
 
 
 def _rematched(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],
-               regrouped: tuple[Cluster, ...], rejected: Mapping[int, str] | None) -> dict[int, Match | Reject]:
+               regrouped: tuple[Cluster, ...], rejected: Rejections) -> dict[int, Match | Reject]:
     """``match_all`` of ``regrouped``, matching only the clusters regrouping changed: one whose
     ops are those of an earlier cluster keeps that cluster's verdict under its new id (matching
-    an attention cluster again means probing its masks again), unless ``rejected`` names either id."""
-    forced = rejected or {}
-    before = {frozenset(c.ops): verdicts[c.id] for c in clusters if c.id in verdicts and c.id not in forced}
-    fresh = [c for c in regrouped if frozenset(c.ops) not in before or c.id in forced]
-    out = match_all(graph, fresh, rejected)
+    an attention cluster again means probing its masks again); ``rejected`` ones get their reason."""
+    before = {frozenset(c.ops): verdicts[c.id] for c in clusters if c.id in verdicts}
+    fresh = [c for c in regrouped if frozenset(c.ops) not in before or frozenset(c.ops) in rejected]
+    out = match_all(graph, fresh, _forced(regrouped, rejected))
     for c in regrouped:
         if c.id not in out and (v := before.get(frozenset(c.ops))) is not None:
             out[c.id] = dataclasses.replace(v, cluster=c.id)
@@ -118,7 +132,7 @@ def _rematched(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, 
 
 
 def _fuse_islands(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],
-                  rejected: Mapping[int, str] | None
+                  rejected: Rejections
                   ) -> tuple[tuple[Cluster, ...], dict[int, Match | Reject], dict[int, str]]:
     """Each pointwise island (``xla.pointwise_islands``) re-clustered as one cluster, where its
     template can plan it: ``(clusters, verdicts, why not fused)``, the last keyed by the island's
@@ -129,11 +143,12 @@ def _fuse_islands(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[in
     regrouped, left = fuse_islands(graph, clusters, islands)
     if regrouped is clusters:
         return clusters, verdicts, left
-    regrouped_verdicts = match_all(graph, regrouped, rejected)
-    # an island its template cannot plan stays its parts, left to XLA's fusion
+    regrouped_verdicts = match_all(graph, regrouped, _forced(regrouped, rejected))
+    # an island its template cannot plan stays its parts, left to XLA's fusion (one the caller
+    # rejected stays whole: rejected as it was undone)
     bad = {frozenset(c.ops): regrouped_verdicts[c.id].reason for c in regrouped
            if isinstance(regrouped_verdicts.get(c.id), Reject) and c.kind == Kind.POINTWISE
-           and any(is_movement_op(graph.ops[o], graph) for o in c.ops)}
+           and frozenset(c.ops) not in rejected and any(is_movement_op(graph.ops[o], graph) for o in c.ops)}
     if not bad:
         return regrouped, regrouped_verdicts, left
     ops_of = {c.id: set(c.ops) for c in clusters}
@@ -150,4 +165,4 @@ def _fuse_islands(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[in
     regrouped, left = fuse_islands(graph, clusters, keep)
     if regrouped is clusters:
         return clusters, verdicts, {**left, **why}
-    return regrouped, match_all(graph, regrouped, rejected), {**left, **why}
+    return regrouped, match_all(graph, regrouped, _forced(regrouped, rejected)), {**left, **why}
