@@ -1463,6 +1463,15 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         return max((_xla_split_k(g, g.ops[o], merged_width.get(k, 0)) for o in cl[k].ops
                     if g.ops[o].primitive == "dot_general"), default=1)
 
+    def elementwise_sources(t: int) -> list[int]:
+        """The tensors element-wise work making ``t`` reads, through that work and the views
+        XLA fuses (a dequantised cache: the int8 cache and its broadcast scales), in op order."""
+        op = g.producer(t)
+        row = TABLE.get(op.primitive) if op is not None else None
+        if op is None or not (row is not None and row.role == Role.ELEMENTWISE or op.primitive in _FUSED_VIEWS):
+            return [t]
+        return list(dict.fromkeys(y for x in _data(op) for y in elementwise_sources(x)))
+
     def relayout(x: int) -> tuple[int, int]:
         """Launches and bytes of a GEMM operand's copy into GEMM layout (made once for all its
         readers: read the source, write the copy), plus what the GEMM reads beyond the source."""
@@ -1501,7 +1510,21 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                                   for p in made):
             return 0, full - src   # computed only for GEMMs (Swin's scaled q): the loop fusion
             # computing it writes it in the GEMM's layout (``loop_slice_fusion``)
-        return 1, whole + full + (full - src)
+        main = _made_elementwise_from(g, x)
+        updated = [t for t in elementwise_sources(x) if t in outs and (p := ctx.producer.get(t)) is not None
+                   and is_dus(p)] if main is not None else []
+        n = 1
+        nbytes = whole + full + (full - src)
+        for t in updated:
+            # a cache updated in place and returned, made into the GEMM's operand element-wise in
+            # another layout (MaxText's int8 cache dequantised for the attention's GEMMs): XLA fuses
+            # the update into the fusion writing the operand, which writes the whole cache beside
+            # it (its in-place update's launch folded in) and needs the cache copied once more
+            # (transposed in for it, or copied out into the output's buffer: ``wrapped_transpose``,
+            # ``kCopy``); a smaller buffer the work broadcasts (a per-token scale cache) keeps its
+            # in-place update and is transposed for the fusion (``input_transpose_fusion``)
+            n, nbytes = (n, nbytes + 3 * ctx.nbytes[t]) if t == main else (n + 1, nbytes + 2 * ctx.nbytes[t])
+        return n, nbytes
 
     def sort_price(op: Any) -> tuple[int, int]:
         """Launches and bytes of a ``sort`` / ``top_k`` (:func:`sort_launches`): every launch reads
@@ -3172,6 +3195,22 @@ def _fixed_layout(g: Graph, t: int) -> bool:
         or inplace_operand(op.primitive) is not None
 
 
+def _made_elementwise_from(g: Graph, t: int) -> int | None:
+    """The buffer element-wise work making ``t`` reads element for element, where ``t`` is such
+    work's result: through casts and element-wise ops, each one's operand of its result's shape
+    (not a broadcast scale or bias), to the first tensor no such op makes — a dequantised cache's
+    int8 buffer behind ``cache.astype(bf16) * scale``. None where ``t`` is no element-wise result
+    (a cast alone is :func:`_fixed_layout`'s)."""
+    op, computed = g.producer(t), False
+    while op is not None and (row := TABLE.get(op.primitive)) is not None and row.role == Role.ELEMENTWISE:
+        full = [x for x in data_inputs(op) if g.tensors[x].shape == g.tensors[t].shape]
+        if not full:
+            return None
+        computed = computed or op.primitive not in CAST_ONLY
+        t, op = full[0], g.producer(full[0])
+    return t if computed else None
+
+
 def _gemm_relayouts(g: Graph, op: Any, fixed: Any = None) -> list[int]:
     """The operands of a GEMM (a ``dot_general`` XLA runs as a GEMM, not a reduction) that XLA
     writes out in another layout first: its GEMMs want the batch axes major, in order, and any
@@ -3191,12 +3230,17 @@ def _gemm_relayouts(g: Graph, op: Any, fixed: Any = None) -> list[int]:
         if _repeated(g, x) or _gathered(g, x):
             out.append(x)
             continue
-        if not (_fixed_layout(g, x) or fixed is not None and fixed(x)):
+        # element-wise work on a buffer whose layout is fixed (an int8 cache dequantised by
+        # ``astype(bf16) * scale``, in the attention's cluster): the GEMM fusion computes it on
+        # its operand's loads where that buffer's layout suits the GEMM, else a loop fusion
+        # writes it in the GEMM's layout (read off the H100 compile of MaxText's int8 cache)
+        src = x if _fixed_layout(g, x) or fixed is not None and fixed(x) else _made_elementwise_from(g, x)
+        if src is None or src != x and not _fixed_layout(g, src):
             continue
         if XLA_COPIES_PART_OF_ROWS and _minor_slice(g, x) is not None:   # a part of a buffer's
             out.append(x)   # rows (Falcon's q, k and v cut out of the fused QKV GEMM's result)
             continue
-        order = _physical_order(g, x)
+        order = _physical_order(g, src)
         if order is None:
             out.append(x)
             continue
