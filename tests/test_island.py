@@ -101,6 +101,50 @@ def test_rope_island_lowers_for_cuda_with_no_movement_left():
     assert len(opt.triton_kernels) >= 1
 
 
+def qk_rope_step(w, x, k_cache, pos):
+    """A GQA decode step's q and k rotations (4 query heads, 2 KV heads), both cut out of one
+    projection; k's row goes into the cache."""
+    b = x.shape[0]
+    qk = x @ w
+    q, k = qk[:, :64].reshape(b, 1, 4, 16), qk[:, 64:].reshape(b, 1, 2, 16)
+    ang = pos.astype(jnp.float32) * (1.0 / 10000.0 ** (jnp.arange(8, dtype=jnp.float32) / 8))
+    cos, sin = jnp.concatenate([jnp.cos(ang)] * 2), jnp.concatenate([jnp.sin(ang)] * 2)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q, jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, pos, 0, 0))
+
+
+def _qk_rope_args(dtype=jnp.float32):
+    ks = jax.random.split(jax.random.PRNGKey(4), 3)
+    return (jax.random.normal(ks[0], (32, 96), dtype), jax.random.normal(ks[1], (3, 32), dtype),
+            jax.random.normal(ks[2], (3, 8, 2, 16), dtype), jnp.int32(6))
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, TOL), (jnp.bfloat16, 2e-2)])
+def test_sibling_rotations_are_one_kernel_over_the_union_of_their_shapes(dtype, tol):
+    """q's and k's rotations, islands cut out of one projection with no path between them
+    (``cluster.sibling_islands``), are one kernel over ``(B, 1, 4, 16)``, the union of their
+    shapes; k's lanes beyond its 2 heads read nothing and are never stored, and its row goes into
+    the cache from that kernel (XLA's one loop fusion for both; a launch each before)."""
+    args = _qk_rope_args(dtype)
+    ref = jax.jit(qk_rope_step)(*args)
+    rep = vtc_jax.explain(qk_rope_step, donate_argnums=(2,))(*args)
+    islands = _island_clusters(rep)
+    assert list(islands.values()) == ["kernel"], (islands, rep.templates)
+    (cid,) = islands
+    outs = next(c for c in rep.clusters if c.id == cid).outputs
+    assert sorted(rep.graph.tensors[t].shape for t in outs) == [(3, 1, 2, 16), (3, 1, 4, 16)]
+    dus = [op.id for op in rep.graph.ops if op.primitive == "dynamic_update_slice"]
+    assert dus and all(o in rep.strategy.resolution.eliminated for o in dus)
+    _close(_optimize(qk_rope_step)(*args), ref, tol)
+    _close(_optimize(qk_rope_step, donate_argnums=(2,))(*[jnp.array(a) for a in args]), ref, tol)
+    _close(jax.vmap(_optimize(qk_rope_step), in_axes=(None, 0, None, None))(
+        args[0], jnp.stack([args[1], -args[1]]), args[2], args[3])[1][0], ref[1], tol)
+    lowered = cross_lower(_optimize(qk_rope_step, backend="triton", donate_argnums=(2,)), *args)
+    assert lowered.count("stablehlo.dynamic_update_slice") == 0 and lowered.count("stablehlo.concatenate") == 0
+    assert sum("pointwise" in k for k in lowered.triton_kernels) == 1, lowered.triton_kernels
+
+
 def pad_transpose_step(x, y, buf, pos):
     """An island joined by a pad (with its own value), a slice, a transpose and a size-1 operand."""
     a = jnp.tanh(x)                                              # (3, 6, 8)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .graph import Graph, Op, is_extended
+from .indexmap import union_shape
 from .primitives import TABLE, Kind, cluster_kind, is_movement_op
 
 # Movement ops a reduction cluster may keep inside (the keepdims re-broadcast of a reduced value).
@@ -489,8 +490,8 @@ def _finalise(graph: Graph, groups: _Groups) -> tuple[Cluster, ...]:
     return tuple(out)
 
 
-def fuse_islands(graph: Graph, clusters: Sequence[Cluster],
-                 islands: Sequence[Sequence[int]]) -> tuple[tuple[Cluster, ...], dict[int, str]]:
+def fuse_islands(graph: Graph, clusters: Sequence[Cluster], islands: Sequence[Sequence[int]], *,
+                 union: bool = False) -> tuple[tuple[Cluster, ...], dict[int, str]]:
     """Re-cluster after elimination (the paper's kernels around *vanished* movement): each island
     of pointwise clusters joined only through movement clusters (``costmodel.pointwise_islands``:
     RoPE's convert/mul, neg and mul/add joined by slices and a concat) becomes ONE pointwise
@@ -506,7 +507,8 @@ def fuse_islands(graph: Graph, clusters: Sequence[Cluster],
     The island takes the movement clusters between its members and the concats/stacks that join
     them (a complex RoPE's real and imaginary parts meet in a stack); it is fused only when its
     escaping tensors — members' or movement results — share one shape (one kernel, one grid) and
-    contracting it keeps the cluster graph acyclic. Returns the new clusters (renumbered, in
+    contracting it keeps the cluster graph acyclic (``union``: shapes of one rank whose
+    ``indexmap.union_shape`` exists, one grid over it — :func:`sibling_islands`). Returns the new clusters (renumbered, in
     topological order) and, per island left alone, why (keyed by the smallest op id in it: cluster
     ids change when clusters are regrouped)."""
     made_by = {t: c for c in clusters for t in c.outputs}
@@ -527,7 +529,8 @@ def fuse_islands(graph: Graph, clusters: Sequence[Cluster],
         else:
             escaping = [t for o in sorted(ops) for t in graph.ops[o].outputs
                         if t in graph.outputs or any(u.id not in ops for u in graph.consumers(t))]
-            if len({tuple(graph.tensors[t].shape) for t in escaping}) > 1:
+            shapes = {tuple(graph.tensors[t].shape) for t in escaping}
+            if len(shapes) > 1 and not (union and union_shape(shapes) is not None):
                 why = "its results have different shapes (one kernel has one grid)"
         if why is not None:
             left[min(o for k in members for o in by_id[k].ops)] = why
@@ -600,6 +603,63 @@ def query_prologue_islands(graph: Graph, clusters: Sequence[Cluster], queries: d
         pointwise = {k for k in group if by_id[k].kind == Kind.POINTWISE}
         if pointwise and any(is_movement_op(graph.ops[o], graph) for k in group for o in by_id[k].ops):
             out.append({a.id} | pointwise)
+    return out
+
+
+def sibling_islands(graph: Graph, clusters: Sequence[Cluster], kernels: frozenset[int]) -> list[set[int]]:
+    """Groups of pointwise kernels with movement inside (islands, ``kernels``) that read one
+    computed tensor through movement and share no path — a decode step's q and k rotations, each
+    cut out of one QKV projection: XLA runs them as one loop fusion, and VTC as one kernel over
+    the union of their output shapes (``indexmap.union_shape``; each output's lanes beyond its own
+    extent masked) instead of a launch each. Greedy in cluster order; a group is kept only where
+    its outputs have a union shape. :func:`fuse_islands` (``union=True``) merges each group."""
+    by_id = {c.id: c for c in clusters}
+    made_by = {t: c for c in clusters for t in c.outputs}
+
+    def sources(t: int, seen: set[int]) -> set[int]:
+        """The computed tensors behind ``t`` through movement clusters (``t`` itself if computed)."""
+        c = made_by.get(t)
+        if c is None or c.id in seen or c.kind != Kind.MOVEMENT:
+            return {t} if c is not None else set()
+        seen.add(c.id)
+        return set().union(*[sources(x, seen) for x in c.inputs] or [set()])
+
+    islands = [c for c in clusters if c.id in kernels and c.kind == Kind.POINTWISE
+               and any(is_movement_op(graph.ops[o], graph) for o in c.ops)]
+    reach = _reachability(clusters, made_by)
+    groups: list[set[int]] = []
+    taken: set[int] = set()
+    for i, a in enumerate(islands):
+        if a.id in taken:
+            continue
+        src = set().union(*[sources(x, set()) for x in a.inputs] or [set()])
+        group, shapes = {a.id}, [tuple(graph.tensors[t].shape) for t in a.outputs]
+        for b in islands[i + 1:]:
+            if b.id in taken or any(b.id in reach[k] or k in reach[b.id] for k in group):
+                continue
+            if not src & set().union(*[sources(x, set()) for x in b.inputs] or [set()]):
+                continue
+            more = shapes + [tuple(graph.tensors[t].shape) for t in b.outputs]
+            if union_shape(more) is None:
+                continue
+            group.add(b.id)
+            shapes = more
+        if len(group) > 1:
+            groups.append(group)
+            taken |= group
+    return groups
+
+
+def _reachability(clusters: Sequence[Cluster], made_by: dict[int, Cluster]) -> dict[int, set[int]]:
+    """Per cluster id, the ids of the clusters it depends on, directly or not."""
+    out: dict[int, set[int]] = {}
+    for c in clusters:   # (clusters are in topological order)
+        deps: set[int] = set()
+        for t in c.inputs:
+            p = made_by.get(t)
+            if p is not None and p.id != c.id:
+                deps |= {p.id} | out.get(p.id, set())
+        out[c.id] = deps
     return out
 
 

@@ -35,7 +35,7 @@ import numpy as np
 __all__ = [
     "Expr", "Atom", "Dim", "Sym", "FloorDiv", "Mod", "Load", "Cond", "SymInfo", "IndexMap", "Piece",
     "Contiguity", "FillRegion", "Layout", "Movements", "box_conds", "NotComposable", "dim", "sym", "const",
-    "row_major_strides", "Point", "point", "all_of", "conds_mask", "finish_read",
+    "row_major_strides", "Point", "point", "all_of", "conds_mask", "finish_read", "union_shape",
 ]
 
 
@@ -876,6 +876,19 @@ def _refine_bounds(bounds: dict[Atom, tuple[int, int]], conds: Sequence[Cond]) -
             lo, hi = out.get(a, (-math.inf, math.inf))
             out[a] = (max(lo, c.lo - c.expr.const), min(hi, c.hi - 1 - c.expr.const))
     return out
+
+
+def union_shape(shapes: Iterable[Sequence[int]]) -> tuple[int, ...] | None:
+    """The smallest index space holding every one of ``shapes`` at its origin (one rank; each
+    extent the largest), where it has no more elements than the shapes together: one grid then
+    serves kernels of several output shapes, each output's lanes beyond its own extent masked (a
+    decode step's q and k rotations, ``(B, 1, H, D)`` and ``(B, 1, KV, D)``, in one launch). None
+    for shapes of different ranks, or a union larger than them together (``(1, N)`` and ``(N, 1)``)."""
+    shapes = [tuple(int(n) for n in s) for s in shapes]
+    if not shapes or len({len(s) for s in shapes}) != 1:
+        return None
+    union = tuple(max(ns) for ns in zip(*shapes)) if shapes[0] else ()
+    return union if math.prod(union) <= sum(math.prod(s) for s in set(shapes)) else None
 
 
 def box_conds(box: Sequence[tuple[int, int]], shape: Sequence[int]) -> tuple[Cond, ...]:

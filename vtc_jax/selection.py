@@ -18,6 +18,8 @@ compute cluster with its verdict (:class:`~vtc_jax.templates.Match`, or
    template cannot plan stays its parts; an island making an attention's query (its rotary
    embedding, ``cluster.query_prologue_islands``) joins the attention cluster, whose kernel
    recomputes it on the query blocks it loads, unless the attention template then declines;
+   island kernels cut out of one tensor with no path between them (a decode step's q and k
+   rotations, ``cluster.sibling_islands``) become one kernel over the union of their shapes;
 5. **XLA verdicts** (``xla.xla_fuses``): pointwise work XLA fuses better is rejected with the
    reason, recorded in ``xla_fused`` (XLA's by choice, not a fallback); so is a cluster touching a
    tensor with no elements (``templates.empty_problem``: nothing for a kernel to do).
@@ -32,7 +34,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .cluster import Cluster, cluster, fuse_islands, query_prologue_islands
+from .cluster import Cluster, cluster, fuse_islands, query_prologue_islands, sibling_islands
 from .graph import Graph
 from .primitives import Kind, is_movement_op
 from .templates import Match, Reject, empty_problem, match_all
@@ -79,6 +81,7 @@ def select(graph: Graph, rejected: Rejections | None = None, *, xla_fusion: bool
     if xla_fusion:
         clusters, verdicts, not_fused = _fuse_islands(graph, clusters, verdicts, rejected)
         clusters, verdicts = _fuse_query_prologues(graph, clusters, verdicts, rejected)
+        clusters, verdicts = _fuse_siblings(graph, clusters, verdicts, rejected)
         fused = xla_fuses(graph, clusters, verdicts, not_fused)
     fused.update({c.id: why for c in clusters if isinstance(verdicts.get(c.id), Match)
                   for why in [empty_problem(graph, c)] if why is not None})
@@ -114,6 +117,28 @@ def _fuse_query_prologues(graph: Graph, clusters: tuple[Cluster, ...], verdicts:
         if len(keep) == len(pairs):
             return regrouped, merged
         pairs = keep
+    return clusters, verdicts
+
+
+def _fuse_siblings(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],
+                   rejected: Rejections) -> tuple[tuple[Cluster, ...], dict[int, Match | Reject]]:
+    """Island kernels cut out of one tensor with no path between them (``cluster.sibling_islands``:
+    a decode step's q and k rotations) as one kernel over the union of their shapes, where the
+    pointwise template takes the merged cluster; a group it declines stays its kernels."""
+    kernels = frozenset(k for k, v in verdicts.items() if isinstance(v, Match))
+    groups = sibling_islands(graph, clusters, kernels)
+    while groups:
+        regrouped, _ = fuse_islands(graph, clusters, groups, union=True)
+        if regrouped is clusters:
+            break
+        merged = _rematched(graph, clusters, verdicts, regrouped, rejected)
+        ops_of = {c.id: set(c.ops) for c in clusters}
+        declined = {frozenset(c.ops) for c in regrouped if isinstance(merged.get(c.id), Reject)
+                    and frozenset(c.ops) not in rejected}
+        keep = [p for p in groups if frozenset(set().union(*(ops_of[k] for k in p))) not in declined]
+        if len(keep) == len(groups):
+            return regrouped, merged
+        groups = keep
     return clusters, verdicts
 
 

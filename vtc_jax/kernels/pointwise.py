@@ -73,7 +73,8 @@ def pointwise(fn: Callable[..., Any], inputs: Sequence[Any], *, out_shape: Seque
     out_shape   logical output shape; default: ``outs``' shape, else the broadcast input shape.
     out_dtypes  dtype or sequence (one per result of ``fn``); default: what ``fn`` returns.
     outs        VTensor or sequence (one per result of ``fn``) to write into — virtual outputs,
-                buffers written in place; default fresh physical arrays.
+                buffers written in place; default fresh physical arrays. An output smaller than
+                ``out_shape`` (same rank) is written within its own extent only.
     block       power-of-two block over the logical shape; default :func:`choose_block`.
     upcast_math run ``fn`` through :func:`f32_math` (needed on Triton for bf16/f16 division and
                 most transcendentals; same numerics as XLA's per-op normalisation).
@@ -87,7 +88,7 @@ def pointwise(fn: Callable[..., Any], inputs: Sequence[Any], *, out_shape: Seque
     vins, call_fn = _bind(fn, inputs, out_shape)
     tuple_result, results = _results(call_fn, vins, out_shape, len(out_shape) if index_args else 0)
     dtypes = out_dtypes_of(out_dtypes, [r.dtype for r in results])
-    vouts, lifted = outputs(outs, [out_shape] * len(results), dtypes)
+    vouts, lifted = outputs(outs, _out_shapes(outs, out_shape, len(results)), dtypes)
 
     shape = out_shape
     if shape == ():  # rank 0: a (1,) view of everything
@@ -109,6 +110,17 @@ def pointwise(fn: Callable[..., Any], inputs: Sequence[Any], *, out_shape: Seque
                      num_warps=num_warps, num_stages=num_stages, name=name)
     packed = pack_results(bufs, lifted)
     return tuple(packed) if tuple_result else packed[0]
+
+
+def _out_shapes(outs: Any, out_shape: tuple[int, ...], n: int) -> list[tuple[int, ...]]:
+    """Each output's shape: ``out_shape``, or a given output's own where it lies inside it (one
+    rank, no extent larger): one grid over a union of output shapes, each output's store dropping
+    the lanes beyond its extent (``VRef.store``) — sibling islands in one launch."""
+    given = [] if outs is None else [outs] if isinstance(outs, VTensor) else list(outs)
+    if len(given) == n and all(len(v.shape) == len(out_shape) and all(a <= b for a, b in zip(v.shape, out_shape))
+                               for v in given):
+        return [tuple(v.shape) for v in given]
+    return [out_shape] * n
 
 
 def _out_shape(inputs: Sequence[Any], outs: Any) -> tuple[int, ...]:

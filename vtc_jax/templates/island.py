@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..graph import Graph
-from ..indexmap import IndexMap, Layout, NotComposable, Piece, box_conds, const, dim, point
+from ..indexmap import IndexMap, Layout, NotComposable, Piece, box_conds, const, dim, point, union_shape
 from ..kernels.vio import VTensor
 from ..movement import rules
 from ..primitives import TABLE, Direction, block_safe, is_movement_op
@@ -96,7 +96,7 @@ class Fill:
 
 @dataclass(frozen=True)
 class IslandPlan:
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]        # the grid's: the outputs' union (indexmap.union_shape)
     steps: tuple[Load | Mask | Apply | Select | Fill, ...]
     outputs: tuple[int, ...]      # step holding each cluster output, in the cluster's order
 
@@ -203,10 +203,9 @@ def plan(graph: Graph, ops: Sequence[int], inputs: Sequence[int], outputs: Seque
         for k, t in enumerate(op.outputs):
             made[t] = (op, k)
     leaves = set(inputs)
-    shapes = {tuple(graph.tensors[t].shape) for t in outputs}
-    if len(shapes) != 1:
-        raise Decline("outputs of different shapes")
-    shape = shapes.pop()
+    shape = union_shape(graph.tensors[t].shape for t in outputs)
+    if shape is None:
+        raise Decline("outputs of different shapes with no common grid (indexmap.union_shape)")
     steps: list[Any] = []
     memo: dict[tuple[Any, ...], int] = {}
 
@@ -287,8 +286,16 @@ def plan(graph: Graph, ops: Sequence[int], inputs: Sequence[int], outputs: Seque
         except NotComposable as exc:
             raise Decline(f"{op.primitive} inside the cluster: {exc}") from exc
 
-    outs = tuple(value(o, IndexMap.identity(shape)) for o in outputs)
+    outs = tuple(value(o, _within(shape, tuple(graph.tensors[o].shape))) for o in outputs)
     return IslandPlan(shape, tuple(steps), outs)
+
+
+def _within(grid: tuple[int, ...], shape: tuple[int, ...]) -> IndexMap:
+    """An output of ``shape`` at the origin of the kernel's ``grid`` (their union): the identity,
+    reading nothing beyond the output's own extent (those lanes are never stored)."""
+    if shape == grid:
+        return IndexMap.identity(grid)
+    return _with_box(IndexMap(grid, tuple(dim(i) for i in range(len(grid))), shape), [(0, n) for n in shape])
 
 
 def program(graph: Graph, p: IslandPlan) -> Callable[..., Any]:

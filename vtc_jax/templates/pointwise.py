@@ -34,13 +34,15 @@ class PointwiseMatch:
 
 def _match(graph: Graph, c: Cluster) -> PointwiseMatch:
     shapes = {tuple(graph.tensors[o].shape) for o in c.outputs}
+    if any(is_movement_op(graph.ops[o], graph) for o in c.ops):   # an island: iotas in registers
+        # (outputs of several shapes: one grid over their union, each output read and written
+        # only within its own extent — sibling islands, ``cluster.sibling_islands``)
+        p = island_plan(graph, c.ops, kernel_inputs(graph, c), c.outputs)
+        loaded = tuple(dict.fromkeys(s.tensor for s in p.inputs if isinstance(s, Load)))
+        return PointwiseMatch(p.shape, loaded, (), p)
     if len(shapes) != 1:
         raise Decline("outputs of different shapes")
     shape = shapes.pop()
-    if any(is_movement_op(graph.ops[o], graph) for o in c.ops):   # an island: iotas in registers
-        p = island_plan(graph, c.ops, kernel_inputs(graph, c), c.outputs)
-        loaded = tuple(dict.fromkeys(s.tensor for s in p.inputs if isinstance(s, Load)))
-        return PointwiseMatch(shape, loaded, (), p)
     size = max(1, graph.tensors[c.outputs[0]].size)
     iotas = tuple(o for o in c.ops if graph.ops[o].primitive == "iota")
     if any(graph.tensors[graph.ops[o].outputs[0]].size * IOTA_SHARE > size for o in iotas):
