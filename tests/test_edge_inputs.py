@@ -135,3 +135,26 @@ def test_explain_checks_static_and_donated_arguments_as_jit(kw):
     with pytest.raises(ValueError) as got:
         vtc_jax.explain(f, **kw)(x, w)
     assert str(got.value).split(".")[0] == str(want.value).split(".")[0], (got.value, want.value)
+
+
+def test_a_callable_with_attributes_of_its_own_is_optimised_as_jit_runs_it():
+    """A callable object whose attributes share names with the optimised function's (equinox's
+    ``filter_jit`` keeps a string in ``.fn``): ``optimize`` copies its name and doc, not its
+    attributes (it called the string and failed)."""
+    eqx = pytest.importorskip("equinox")
+
+    class Wrapped:
+        def __init__(self, f):
+            self.fn, self.backend, self.last, self._f = "a name for a repr", "cuda", "x", f
+
+        def __call__(self, x, w):
+            return self._f(x, w)
+
+    def f(x, w):
+        return jnp.tanh(x @ w).T.reshape(-1) * 2.0
+
+    x, w = jnp.arange(12.0).reshape(3, 4) / 10, jnp.ones((4, 5)) / 4
+    ref = jax.jit(f)(x, w)
+    for g in (Wrapped(f), eqx.filter_jit(f)):
+        out = vtc_jax.optimize(g, backend="interpret", guard=None)(x, w)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)

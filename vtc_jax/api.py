@@ -213,7 +213,9 @@ class Optimized:
         if guard == "measure" and jax.default_backend() != "gpu":
             self._warn("guard='measure' needs a GPU to time on; the guard compiles both programs for the "
                        "target with XLA instead (guard='compile')", VTCNotice)
-        functools.update_wrapper(self, fn)
+        # name, doc and ``__wrapped__`` as jax.jit gives them; not ``fn.__dict__``, which would
+        # overwrite this object's own attributes (equinox's ``filter_jit`` keeps its name in ``.fn``)
+        functools.update_wrapper(self, fn, updated=())
 
         def impl(*args: Any, **kwargs: Any) -> Any:
             return self._impl(*args, **kwargs)
