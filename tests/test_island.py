@@ -145,6 +145,38 @@ def test_sibling_rotations_are_one_kernel_over_the_union_of_their_shapes(dtype, 
     assert sum("pointwise" in k for k in lowered.triton_kernels) == 1, lowered.triton_kernels
 
 
+def hf_rope_step(w, x, k_cache, pos):
+    """Hugging Face's rotary embedding: ``emb = cat(freqs, freqs)``, ``cos = emb.cos()`` computed in
+    the step and applied to q and k cut out of one projection; k's row goes into the cache."""
+    b = x.shape[0]
+    qk = x @ w
+    q, k = qk[:, :64].reshape(b, 1, 4, 16), qk[:, 64:].reshape(b, 1, 2, 16)
+    freqs = pos.astype(jnp.float32) * (1.0 / 10000.0 ** (jnp.arange(0, 16, 2, dtype=jnp.float32) / 16))
+    emb = jnp.concatenate([freqs, freqs])
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q, jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, pos, 0, 0))
+
+
+def test_one_island_with_results_of_two_shapes_is_one_kernel():
+    """Hugging Face's rotation computes cos and sin of ``cat(freqs, freqs)`` once for q and k: q's
+    and k's rotations and the tables are one island (``xla.pointwise_islands``) whose results have
+    two shapes. It is one kernel over their union (``fuse_islands(..., union=True)``); it was left
+    to XLA ("its results have different shapes")."""
+    args = _qk_rope_args()
+    ref = jax.jit(hf_rope_step)(*args)
+    rep = vtc_jax.explain(hf_rope_step, donate_argnums=(2,))(*args)
+    islands = _island_clusters(rep)
+    assert list(islands.values()) == ["kernel"], (islands, rep.templates)
+    (cid,) = islands
+    outs = next(c for c in rep.clusters if c.id == cid).outputs
+    assert sorted(rep.graph.tensors[t].shape for t in outs) == [(3, 1, 2, 16), (3, 1, 4, 16)]
+    _close(_optimize(hf_rope_step, donate_argnums=(2,))(*[jnp.array(a) for a in args]), ref)
+    lowered = cross_lower(_optimize(hf_rope_step, backend="triton", donate_argnums=(2,)), *args)
+    assert lowered.count("stablehlo.dynamic_update_slice") == 0 and lowered.count("stablehlo.concatenate") == 0
+
+
 def pad_transpose_step(x, y, buf, pos):
     """An island joined by a pad (with its own value), a slice, a transpose and a size-1 operand."""
     a = jnp.tanh(x)                                              # (3, 6, 8)

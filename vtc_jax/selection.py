@@ -161,11 +161,13 @@ def _fuse_islands(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[in
                   ) -> tuple[tuple[Cluster, ...], dict[int, Match | Reject], dict[int, str]]:
     """Each pointwise island (``xla.pointwise_islands``) re-clustered as one cluster, where its
     template can plan it: ``(clusters, verdicts, why not fused)``, the last keyed by the island's
-    smallest op id (``xla.xla_fuses`` then leaves the island's parts to XLA with that reason)."""
+    smallest op id (``xla.xla_fuses`` then leaves the island's parts to XLA with that reason).
+    Results of several shapes take one grid over their union (``union=True``: Hugging Face's
+    rotation, cos and sin of ``cat(freqs, freqs)`` computed once for q and k)."""
     islands = pointwise_islands(graph, clusters, verdicts)
     if not islands:
         return clusters, verdicts, {}
-    regrouped, left = fuse_islands(graph, clusters, islands)
+    regrouped, left = fuse_islands(graph, clusters, islands, union=True)
     if regrouped is clusters:
         return clusters, verdicts, left
     regrouped_verdicts = match_all(graph, regrouped, _forced(regrouped, rejected))
@@ -187,7 +189,7 @@ def _fuse_islands(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[in
             why[min(ops)] = f"its kernel cannot be planned ({reason})"
     if not keep:
         return clusters, verdicts, why
-    regrouped, left = fuse_islands(graph, clusters, keep)
+    regrouped, left = fuse_islands(graph, clusters, keep, union=True)
     if regrouped is clusters:
         return clusters, verdicts, {**left, **why}
     return regrouped, match_all(graph, regrouped, _forced(regrouped, rejected)), {**left, **why}
