@@ -227,18 +227,36 @@ def test_shuffle_island_equals_jit_under_vmap_and_nested_jit():
 
 
 def escaping_step(x, buf, pos):
-    """The slice between the two clusters is also returned: the island stays XLA's, still right."""
+    """The slice between the two clusters is also returned: results of two shapes."""
     a = jnp.exp(x)
     half = a[:, :4]
     b = jnp.concatenate([half, half], axis=1) * 2.0
     return jax.lax.dynamic_update_slice(buf, b[None], (pos, 0, 0)), half
 
 
-def test_island_that_cannot_be_one_kernel_stays_xla_and_right():
+def escaping_rank_step(x, buf, pos):
+    """As :func:`escaping_step`, the island's other result flattened: results of two ranks."""
+    a = jnp.exp(x)
+    half = a[:, :4]
+    b = jnp.concatenate([half, half], axis=1).reshape(-1) * 2.0
+    return jax.lax.dynamic_update_slice(buf, b[None], (pos, 0)), half
+
+
+def test_island_with_a_returned_part_is_one_kernel_over_both_shapes():
+    """The returned slice ``(2, 4)`` and the concatenation ``(2, 8)`` written into ``buf``: one
+    kernel over their union, the slice stored within its own extent."""
     args = (jax.random.normal(jax.random.PRNGKey(3), (2, 8)), jnp.zeros((3, 2, 8)), jnp.int32(1))
     rep = vtc_jax.explain(escaping_step)(*args)
-    assert not _island_clusters(rep)
+    assert list(_island_clusters(rep).values()) == ["kernel"], rep.templates
     _close(_optimize(escaping_step)(*args), jax.jit(escaping_step)(*args))
+
+
+def test_island_that_cannot_be_one_kernel_stays_xla_and_right():
+    """Results of two ranks have no one grid (``indexmap.union_shape``): the island stays XLA's."""
+    args = (jax.random.normal(jax.random.PRNGKey(3), (2, 8)), jnp.zeros((3, 16)), jnp.int32(1))
+    rep = vtc_jax.explain(escaping_rank_step)(*args)
+    assert not _island_clusters(rep)
+    _close(_optimize(escaping_rank_step)(*args), jax.jit(escaping_rank_step)(*args))
 
 
 def test_fuse_islands_explains_what_it_leaves():
