@@ -531,7 +531,8 @@ def fuse_islands(graph: Graph, clusters: Sequence[Cluster], islands: Sequence[Se
                         if t in graph.outputs or any(u.id not in ops for u in graph.consumers(t))]
             shapes = {tuple(graph.tensors[t].shape) for t in escaping}
             if len(shapes) > 1 and not (union and union_shape(shapes) is not None):
-                why = "its results have different shapes (one kernel has one grid)"
+                why = ("its results have different shapes with no common grid (one kernel has one grid; "
+                       "indexmap.union_shape: one rank, a union no larger than they are together)")
         if why is not None:
             left[min(o for k in members for o in by_id[k].ops)] = why
             continue
