@@ -158,3 +158,36 @@ def test_a_callable_with_attributes_of_its_own_is_optimised_as_jit_runs_it():
     for g in (Wrapped(f), eqx.filter_jit(f)):
         out = vtc_jax.optimize(g, backend="interpret", guard=None)(x, w)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
+
+
+def test_jit_conventions_a_wrapper_relies_on():
+    """What code written for ``jax.jit`` passes or calls: ``None`` for the argnums and argnames
+    (jax.jit's defaults, forwarded by wrappers; optimize iterated None), ``clear_cache()``, a
+    deep copy of an object holding the function after its first call (it could not pickle its
+    analysis), and jax.jit's error for a staticmethod (optimize took it and then failed on the
+    instance)."""
+    import copy
+
+    def f(x, w):
+        return jnp.tanh(x @ w).T.reshape(-1) * 2.0
+
+    x, w = jnp.arange(12.0).reshape(3, 4) / 10, jnp.ones((4, 5)) / 4
+    ref = jax.jit(f, static_argnums=None, donate_argnums=None)(x, w)
+    g = vtc_jax.optimize(f, static_argnums=None, static_argnames=None, donate_argnums=None,
+                         donate_argnames=None, backend="interpret", guard=None)
+    np.testing.assert_allclose(np.asarray(g(x, w)), np.asarray(ref), rtol=1e-6, atol=1e-6)
+
+    class Trainer:
+        def __init__(self):
+            self.step = g
+
+    t = copy.deepcopy(Trainer())
+    np.testing.assert_allclose(np.asarray(t.step(x, w)), np.asarray(ref), rtol=1e-6, atol=1e-6)
+    g.clear_cache()
+    assert g.last is None
+    np.testing.assert_allclose(np.asarray(g(x, w)), np.asarray(ref), rtol=1e-6, atol=1e-6)
+    assert g.last is not None   # traced and planned again
+    with pytest.raises(TypeError, match="staticmethod arguments are not supported"):
+        jax.jit(staticmethod(f))
+    with pytest.raises(TypeError, match="staticmethod arguments are not supported"):
+        vtc_jax.optimize(staticmethod(f))

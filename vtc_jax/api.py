@@ -419,6 +419,20 @@ class Optimized:
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         return self._jitted.eval_shape(*args, **kwargs)
 
+    def clear_cache(self) -> None:
+        """Forget every traced signature, as ``jax.jit``'s ``clear_cache`` does: the next call
+        traces ``fn`` and plans again (the persistent ``plan_cache`` directory is kept)."""
+        self._jitted.clear_cache()
+        if self._plain_jit is not None:
+            self._plain_jit.clear_cache()
+        self._routes.clear()
+        self.last = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Optimized":
+        """The function itself, as for ``jax.jit``'s: what it holds (plans, the latest analysis)
+        describes ``fn`` and is not copied (an object holding ``optimize(step)`` deep-copies)."""
+        return self
+
     def explain(self, *args: Any, **kwargs: Any) -> Report:
         return explain(self.fn, static_argnums=self._static[0], static_argnames=self._static[1],
                        donate_argnums=self._donate[0], donate_argnames=self._donate[1], guard=self.guard,
@@ -568,9 +582,12 @@ def optimize(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequ
                 gpu=gpu, donate_argnames=donate_argnames, guard=guard, plan_cache=plan_cache)
     if fn is None:
         return functools.partial(optimize, **opts)
+    if isinstance(fn, staticmethod):   # (callable since Python 3.10; jax.jit's own error)
+        raise TypeError("staticmethod arguments are not supported")
     if not callable(fn):
         raise TypeError(f"optimize requires a callable, got {fn!r} of type {type(fn).__name__}")
-    as_tuple = lambda x, t: (x,) if isinstance(x, t) else tuple(x)
+    # (None: jax.jit's default for each of the four, as wrappers forward it)
+    as_tuple = lambda x, t: () if x is None else (x,) if isinstance(x, t) else tuple(x)
     _resolve_backend(backend)
     _check_guard(guard)
     cost_model_for(cost_model, objective, gpu)
