@@ -1616,7 +1616,7 @@ def test_xla_gqa_decode_value_copy_where_xla_makes_it(name):
     bf16 behind ``repeat_kv``), a copy holding the cache's heads in the dot's type, also where the
     scores come out keys-minor (the model was -65%). The model of plain jit is within one launch
     of the compile and within 10% of its bytes, on the running jax."""
-    _plain_model_matches_the_compile(name)
+    _check_plain_model_against_the_compile(name)
 
 
 @pytest.mark.offline
@@ -1628,10 +1628,10 @@ def test_xla_writes_a_dequantised_cache_in_the_gemms_layout(name):
     cache's in-place update in as a second output (the whole cache written) and needs one more
     copy of it; the scale caches are transposed apart. The model had 16 launches and 228 MiB
     against the compile's 20 and 1,142; now within one launch and 10% of the bytes."""
-    _plain_model_matches_the_compile(name)
+    _check_plain_model_against_the_compile(name)
 
 
-def _plain_model_matches_the_compile(name):
+def _check_plain_model_against_the_compile(name):
     """The model of plain jit of a corpus program is within one launch of XLA's deviceless H100
     compile and within 10% of its bytes, on the running jax."""
     import sys
