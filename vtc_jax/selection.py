@@ -104,20 +104,7 @@ def _fuse_query_prologues(graph: Graph, clusters: tuple[Cluster, ...], verdicts:
     queries = {c.id: m.detail.q for c in clusters if c.kind == Kind.ATTENTION
                and isinstance(m := verdicts.get(c.id), Match)}
     kernels = frozenset(k for k, v in verdicts.items() if isinstance(v, Match))
-    pairs = query_prologue_islands(graph, clusters, queries, kernels)
-    while pairs:
-        regrouped, _ = fuse_islands(graph, clusters, pairs)
-        if regrouped is clusters:
-            break
-        merged = _rematched(graph, clusters, verdicts, regrouped, rejected)
-        ops_of = {c.id: set(c.ops) for c in clusters}
-        declined = {frozenset(c.ops) for c in regrouped if c.kind == Kind.ATTENTION
-                    and isinstance(merged.get(c.id), Reject) and frozenset(c.ops) not in rejected}
-        keep = [p for p in pairs if not any(set().union(*(ops_of[k] for k in p)) <= d for d in declined)]
-        if len(keep) == len(pairs):
-            return regrouped, merged
-        pairs = keep
-    return clusters, verdicts
+    return _fuse_groups(graph, clusters, verdicts, rejected, query_prologue_islands(graph, clusters, queries, kernels))
 
 
 def _fuse_siblings(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],
@@ -126,16 +113,24 @@ def _fuse_siblings(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[i
     a decode step's q and k rotations) as one kernel over the union of their shapes, where the
     pointwise template takes the merged cluster; a group it declines stays its kernels."""
     kernels = frozenset(k for k, v in verdicts.items() if isinstance(v, Match))
-    groups = sibling_islands(graph, clusters, kernels)
+    return _fuse_groups(graph, clusters, verdicts, rejected, sibling_islands(graph, clusters, kernels), union=True)
+
+
+def _fuse_groups(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],
+                 rejected: Rejections, groups: list[set[int]], *, union: bool = False
+                 ) -> tuple[tuple[Cluster, ...], dict[int, Match | Reject]]:
+    """Each group of kernels merged into one cluster (``cluster.fuse_islands``) and matched again
+    (:func:`_rematched`); a group whose merged cluster its template declines is put back as it was
+    (one the caller rejected stays merged, rejected)."""
     while groups:
-        regrouped, _ = fuse_islands(graph, clusters, groups, union=True)
+        regrouped, _ = fuse_islands(graph, clusters, groups, union=union)
         if regrouped is clusters:
             break
         merged = _rematched(graph, clusters, verdicts, regrouped, rejected)
         ops_of = {c.id: set(c.ops) for c in clusters}
-        declined = {frozenset(c.ops) for c in regrouped if isinstance(merged.get(c.id), Reject)
-                    and frozenset(c.ops) not in rejected}
-        keep = [p for p in groups if frozenset(set().union(*(ops_of[k] for k in p))) not in declined]
+        declined = [set(c.ops) for c in regrouped
+                    if isinstance(merged.get(c.id), Reject) and frozenset(c.ops) not in rejected]
+        keep = [p for p in groups if not any(set().union(*(ops_of[k] for k in p)) <= d for d in declined)]
         if len(keep) == len(groups):
             return regrouped, merged
         groups = keep
