@@ -128,17 +128,17 @@ def test_sibling_rotations_are_one_kernel_over_the_union_of_their_shapes(dtype, 
     the cache from that kernel (XLA's one loop fusion for both; a launch each before)."""
     args = _qk_rope_args(dtype)
     ref = jax.jit(qk_rope_step)(*args)
-    rep = _one_kernel_for_q_and_k(qk_rope_step, args)
+    rep = _check_one_kernel_for_q_and_k(qk_rope_step, args)
     dus = [op.id for op in rep.graph.ops if op.primitive == "dynamic_update_slice"]
     assert dus and all(o in rep.strategy.resolution.eliminated for o in dus)
     _close(_optimize(qk_rope_step)(*args), ref, tol)
     _close(_optimize(qk_rope_step, donate_argnums=(2,))(*[jnp.array(a) for a in args]), ref, tol)
     _close(jax.vmap(_optimize(qk_rope_step), in_axes=(None, 0, None, None))(
         args[0], jnp.stack([args[1], -args[1]]), args[2], args[3])[1][0], ref[1], tol)
-    _lowers_with_one_rotation_kernel(qk_rope_step, args)
+    _check_lowers_with_one_rotation_kernel(qk_rope_step, args)
 
 
-def _one_kernel_for_q_and_k(step, args):
+def _check_one_kernel_for_q_and_k(step, args):
     """``explain(step)``: one island kernel, writing q's ``(3, 1, 4, 16)`` and k's ``(3, 1, 2, 16)``."""
     rep = vtc_jax.explain(step, donate_argnums=(2,))(*args)
     islands = _island_clusters(rep)
@@ -149,7 +149,7 @@ def _one_kernel_for_q_and_k(step, args):
     return rep
 
 
-def _lowers_with_one_rotation_kernel(step, args):
+def _check_lowers_with_one_rotation_kernel(step, args):
     """Lowered for CUDA: no concatenation or cache update left to XLA, one pointwise kernel."""
     lowered = cross_lower(_optimize(step, backend="triton", donate_argnums=(2,)), *args)
     assert lowered.count("stablehlo.dynamic_update_slice") == 0 and lowered.count("stablehlo.concatenate") == 0
@@ -177,9 +177,9 @@ def test_one_island_with_results_of_two_shapes_is_one_kernel():
     to XLA ("its results have different shapes")."""
     args = _qk_rope_args()
     ref = jax.jit(hf_rope_step)(*args)
-    _one_kernel_for_q_and_k(hf_rope_step, args)
+    _check_one_kernel_for_q_and_k(hf_rope_step, args)
     _close(_optimize(hf_rope_step, donate_argnums=(2,))(*[jnp.array(a) for a in args]), ref)
-    _lowers_with_one_rotation_kernel(hf_rope_step, args)
+    _check_lowers_with_one_rotation_kernel(hf_rope_step, args)
 
 
 def pad_transpose_step(x, y, buf, pos):
