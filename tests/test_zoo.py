@@ -389,10 +389,10 @@ def test_paged_layer_at_paper_size_writes_its_rows_into_their_pages():
 def test_continuous_batching_at_paper_size_reads_its_cache_in_the_attention_kernel():
     """Continuous batching at paper size (batch 16, 4,096-token bf16 caches, GQA 32/8, D 128, each
     sequence at its own position), lowered for CUDA: the attention runs in the decode kernels, no
-    gather, transpose or concatenation of cache size is left — the per-sequence row writes stay
-    XLA's in-place scatters, their rows being program inputs no kernel makes (as in
-    ``paged_kv_decode``) —, and compiled deviceless for an H100 the program's buffers are below
-    jit's (388 → 257 MiB: no repeated K/V, no scores)."""
+    gather, scatter, transpose or concatenation of cache size is left — the per-sequence rows,
+    program inputs no kernel makes, are written by the attention kernel itself
+    (``lower.deferred_updates``) —, and compiled deviceless for an H100 the program's buffers are
+    below jit's (388 → 257 MiB: no repeated K/V, no scores)."""
     from tests.zoo.styles import continuous_batching_step
     from vtc_jax.offline import compile_program
     from vtc_jax.testing import cross_lower
@@ -408,13 +408,13 @@ def test_continuous_batching_at_paper_size_reads_its_cache_in_the_attention_kern
         vtc, jit = (compile_program(f, *args, kernels=False) for f in (opt, jax.jit(step, donate_argnums=(3, 4))))
     assert any(k.name.startswith("vtc_decode_attention") for k in mod.triton_kernels), mod.triton_kernels
     big = {m[0] for m in mod.movement_into_consumers() if _elements(m[2]) >= 1 << 20}
-    assert big == {"stablehlo.scatter"}, big
+    assert not big, big
+    assert mod.count("stablehlo.scatter") == 0
     assert vtc.memory["total"] < jit.memory["total"], (vtc.memory, jit.memory)
 
 
 # issue #24's corpus programs at paper size: the in-place updates of cache size still left, with why
 CACHE_UPDATES_LEFT = {
-    "paged_kv_decode": "stablehlo.scatter",   # its rows are program inputs: XLA's in-place scatter is the copy
     # not a cache: T5's relative bias, (query, key, head) from its embedding lookup. Read in place
     # as (head, query, key), each attention block would gather 4-byte elements 64 bytes apart (8x
     # the sectors: costmodel.block_dims); XLA writes it transposed once, in the lookup's fusion

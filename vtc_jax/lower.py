@@ -38,8 +38,8 @@ from jax.extend.core import Literal
 from .cluster import Cluster
 from .graph import Graph, Op
 from .indexmap import Layout, Piece, point
-from .kernels.vio import VTensor
-from .movement import TABLE_LIMIT
+from .kernels.vio import Update, VTensor
+from .movement import TABLE_LIMIT, rules
 from .primitives import CALL_LIKE, KERNEL_CALLS, Direction, Kind, Role, inplace_operand, role_of
 from .strategy import Resolution, Strategy
 from .templates import TEMPLATES, KernelBuildError, Match, Reject, Step
@@ -73,6 +73,9 @@ class _Run:
     env: dict[int, Any] = field(default_factory=dict)     # physical tensor -> current buffer
     vals: dict[int, Any] = field(default_factory=dict)    # XLA-computed values of virtual tensors
     fresh: dict[int, Any] = field(default_factory=dict)   # unallocated buffers handed to kernels
+    # in-place row updates left to the kernel that reads their buffer next (:func:`deferred_updates`):
+    # the buffer's tensor -> (the update op, the cluster that performs it)
+    pending: dict[int, tuple[Op, int]] = field(default_factory=dict)
 
     @property
     def res(self) -> Resolution:
@@ -205,6 +208,38 @@ class _Run:
         value = op.bind(*(self.value(x) for x in op.inputs))
         self.scatter(out, lay, value)
 
+    def defer(self, op: Op, cluster: int) -> None:
+        """Leave an update to ``cluster``'s kernel (which reads its buffer next). Its buffer is the
+        operand's, updated in place (a physical output holds the operand's buffer until then)."""
+        home = _update_home(op, self.res)
+        if home == op.outputs[0]:
+            self.env[home] = self.value(op.inputs[0])
+        self.pending[home] = (op, cluster)
+
+    def pending_for(self, cluster: int) -> tuple[int, ...]:
+        """The buffers whose pending updates ``cluster``'s kernel is to perform."""
+        return tuple(h for h, (_, c) in self.pending.items() if c == cluster)
+
+    def flush(self, home: int) -> None:
+        """Perform a pending update here, in XLA, as it would have run (its kernel does not)."""
+        op, _ = self.pending.pop(home)
+        if op.id in self.res.inplace:
+            self.update_in_place(op)
+        else:
+            self.env[home] = op.bind(*(self.value(x) for x in op.inputs))
+
+    def take_update(self, home: int) -> Update:
+        """A pending update as its kernel performs it: the rows and their write map onto the
+        buffer (the scatter's write edge; the update's output is the buffer itself)."""
+        op, _ = self.pending.pop(home)
+        upd = op.inputs[2]
+        e = _row_write(op, self.graph)
+        assert e is not None, "deferred_updates takes only updates with a row write map"
+        info = self.graph.tensors[upd]
+        # the output is the buffer itself (identity layout): the write map lands on it directly
+        lay = Layout(info.shape, (Piece(home, e.map, ()),), ())
+        return Update(jnp.asarray(self.value(upd)), self._as_vtensor(lay, info.dtype, fresh_ok=False))
+
     def scatter(self, t: int, lay: Layout, value: Any) -> None:
         self.gathers.append(f"t{t} {tuple(value.shape)} (scattered)")
         syms = dict(self.symbols(lay))
@@ -330,12 +365,17 @@ def _scatter(p: Piece, value: Any, buf: Any, syms: Mapping[str, Any]) -> Any:
 # Emission
 # --------------------------------------------------------------------------------------------
 
-def _xla_step(graph: Graph, op_ids: Sequence[int], rewrite: Callable[[Op], Any] | None = None) -> Step:
+def _xla_step(graph: Graph, op_ids: Sequence[int], rewrite: Callable[[Op], Any] | None = None,
+              deferred: Mapping[int, int] | None = None) -> Step:
     ops = [graph.ops[i] for i in op_ids]
     impls: dict[int, Any] = {}
+    deferred = deferred or {}
 
     def step(run: _Run) -> None:
         for op in ops:
+            if op.id in deferred:
+                run.defer(op, deferred[op.id])
+                continue
             if op.id in run.res.inplace:
                 run.update_in_place(op)
                 continue
@@ -361,12 +401,80 @@ def _kernel_step(graph: Graph, c: Cluster, m: Match, backend: str) -> Step:
         try:
             with jax.named_scope(f"vtc_cluster_{c.id}"):
                 inner(run)
+            if run.pending_for(c.id):   # read without the update: never a wrong number
+                raise RuntimeError(f"the kernel left pending updates of t{list(run.pending_for(c.id))}")
         except KernelBuildError:
             raise
         except Exception as exc:  # noqa: BLE001
             raise KernelBuildError(c.id, c.kind, prims, exc) from exc
 
     return step
+
+
+def _update_home(op: Op, res: Resolution) -> int | None:
+    """The buffer a scatter XLA would run updates: its operand's, when its output is that buffer
+    (the in-place edge chosen: an identity layout onto it), or its own physical output (XLA's
+    buffer assignment updates a donated operand in place, else copies it first); None when its
+    output or operand is virtual in another way."""
+    y = op.outputs[0]
+    lay = res.layouts.get(y)
+    if op.id in res.inplace:
+        ok = lay is not None and len(lay.pieces) == 1 and not lay.fills and not lay.pieces[0].where \
+            and lay.pieces[0].map.is_identity
+        return lay.pieces[0].target if ok else None
+    return y if lay is None and op.inputs[0] not in res.layouts else None
+
+
+def _row_write(op: Op, graph: Graph) -> Any:
+    """The scatter's write edge (its rows ⇢ its output through the index table), whether or not
+    the VTOG offers it (it does not where the rows are a graph input); None where the rule
+    offers none."""
+    try:
+        edges = rules(op, graph)
+    except Exception:  # noqa: BLE001 - no edge: the update stays XLA's
+        return None
+    found = [e for e in edges if e.direction == Direction.WRITE and not e.inplace and e.src == op.inputs[2]]
+    return found[0] if len(found) == 1 else None
+
+
+def deferred_updates(graph: Graph, clusters: Sequence[Cluster], matches: Mapping[int, Match | Reject],
+                     strategy: Strategy) -> dict[int, int]:
+    """In-place row updates left to the kernel that reads their buffer next: update op -> cluster.
+
+    Why: where the new rows of a cache are program inputs (a serving step handed the new K/V
+    rows of a paged or per-sequence cache), no kernel produces them to write them home, and XLA
+    runs the scatter in place as one more launch before the attention. The attention kernel can
+    perform it instead (:class:`.kernels.vio.Update`: its loads see the rows, its programs write
+    them). Taken where: the update is a scatter of whole windows run in place by XLA (its rows
+    written by no producer, its output the buffer itself), the next cluster touching the buffer is
+    a kernel whose template performs updates (``Template.updates``), and nothing in between —
+    no later op of the update's own cluster either — reads the updated tensor (a skipped movement
+    op reads it through that kernel's maps only)."""
+    res = strategy.resolution
+    assert res is not None
+    out: dict[int, int] = {}
+    for ci, c in enumerate(clusters):
+        for k, oid in enumerate(c.ops):
+            op = graph.ops[oid]
+            if op.primitive != "scatter" or oid in res.eliminated:
+                continue
+            home, y = _update_home(op, res), op.outputs[0]
+            if home is None or _row_write(op, graph) is None:
+                continue
+
+            def touches(d: Cluster, after: int = 0) -> bool:
+                ts = {t for o in d.ops[after:] for t in (*graph.ops[o].inputs, *graph.ops[o].outputs)}
+                return any(t in (home, y) or (t in res.layouts and home in res.layouts[t].targets) for t in ts)
+
+            if touches(c, k + 1):
+                continue
+            nxt = next((d for d in clusters[ci + 1:] if touches(d) and not (
+                d.kind == Kind.MOVEMENT and all(o in res.eliminated for o in d.ops))), None)
+            verdict = None if nxt is None else matches.get(nxt.id)
+            if isinstance(verdict, Match) and TEMPLATES[verdict.kind].updates(verdict.detail) \
+                    and any(t in res.layouts for t in (*nxt.inputs, *nxt.outputs)):   # lowered as a kernel
+                out[oid] = nxt.id
+    return out
 
 
 def lower(graph: Graph, clusters: Sequence[Cluster], matches: Mapping[int, Match | Reject], strategy: Strategy,
@@ -380,6 +488,7 @@ def lower(graph: Graph, clusters: Sequence[Cluster], matches: Mapping[int, Match
     steps: list[Step] = []
     kernels: list[str] = []
     fallbacks: list[str] = []
+    deferred = deferred_updates(graph, clusters, matches, strategy)
     for c in clusters:
         if c.kind == Kind.MOVEMENT and all(o in res.eliminated for o in c.ops):
             continue
@@ -392,7 +501,7 @@ def lower(graph: Graph, clusters: Sequence[Cluster], matches: Mapping[int, Match
             continue
         if touches and c.kind not in (Kind.MOVEMENT, Kind.GLUE):   # the VTOG pins these: a planning bug
             fallbacks.append(f"{c.kind} cluster #{c.id} reads or writes a virtual tensor but runs in XLA")
-        steps.append(_xla_step(graph, c.ops, rewrite))
+        steps.append(_xla_step(graph, c.ops, rewrite, deferred))
     gathers: list[str] = []
 
     def fn(*flat: Any) -> tuple[Any, ...]:
@@ -400,6 +509,8 @@ def lower(graph: Graph, clusters: Sequence[Cluster], matches: Mapping[int, Match
         run.env.update(zip(graph.inputs, flat))
         for step in steps:
             step(run)
+        for h in list(run.pending):   # (none: each deferred update's kernel performs it)
+            run.flush(h)
         return tuple(run.value(t) for t in graph.outputs)
 
     return Lowered(fn, tuple(kernels), tuple(sorted(res.eliminated)), tuple(fallbacks), gathers)

@@ -80,7 +80,7 @@ from .flash import (AttentionConfig, Flash, KeyEnd, NEG, SMEM_BUDGET, Planned, P
                     empty_rows_mode, logical_dtypes, int32_where,
                     keep_lanes, key_end, masked_scores, normalise, read_end, softmax_block, close_end, with_sink)
 from .tiling import MIN_DOT_BLOCK, NUM_SMS, check_pow2, next_pow2, program_id
-from .vio import Plan, VTensor, output, pack_results
+from .vio import Overlaid, Plan, Update, UpdateSpec, VTensor, land, output, pack_results
 
 __all__ = ["decode_attention", "default_num_splits", "normalise", "softmax_block", "empty_rows_mode",
            "masked_scores", "NUM_SMS", "SMEM_BUDGET"]
@@ -134,6 +134,11 @@ class _Cfg(Planned):
     keep: str | None = None   # a (B, Hkv, G, T) runtime mask operand next: which values keep a key
     sink: bool = False        # a (B, Hkv, G) sink-logit operand next (:func:`.flash.with_sink`)
     pro: ProloguePlan = ProloguePlan()   # q's, K's, V's prologues: their operands are the last inputs
+    # pending row updates the split kernel performs (their rows after every other input, their
+    # destinations after the outputs): per update its spec, and (operand 1 = K / 2 = V, update,
+    # piece) for each piece of K or V that reads an updated buffer
+    updates: tuple[UpdateSpec, ...] = ()
+    over: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def Gp(self) -> int:
@@ -149,7 +154,8 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
                      bias: Any = None, bias_scale: float = 1.0, keep: Any = None,
                      keep_when: str = "nonzero", score_keep: Any = None, inclusive: bool = False,
                      sink: Any = None, score_dtype: Any = None, q_prologue: Prologue | None = None,
-                     k_prologue: Prologue | None = None, v_prologue: Prologue | None = None) -> Any:
+                     k_prologue: Prologue | None = None, v_prologue: Prologue | None = None,
+                     updates: tuple[Update, ...] = ()) -> Any:
     """Single-token (decode) attention ``softmax(mask(cap(q·kᵀ·scale) + slope·t))·v`` per query head.
 
     q: logical (B, Hkv, G, D); k: (B, Hkv, T, D); v: (B, Hkv, T, Dv) — :class:`vio.VTensor` or
@@ -203,9 +209,13 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
     q_prologue, k_prologue, v_prologue: a :class:`.flash.Prologue` applied to every block loaded of
         q, K or V (an int8 or fp8 cache dequantised, a bf16 cache widened to f32): the kernel
         computes in the dtypes they return. None: the blocks as loaded.
+    updates: :class:`vio.Update` s of buffers K or V read (new cache rows handed to the step): the
+        kernel reads K and V as updated and its split programs write the rows into those buffers,
+        in place. Every update's buffer must be read by K or V only (not by q, a prologue's
+        operand, a bias or mask).
 
     Returns like :func:`vtc_jax.kernels.matmul.matmul`: the array for a fresh/one-buffer output,
-    else the tuple of ``out``'s physical buffers.
+    else the tuple of ``out``'s physical buffers; with ``updates``, ``(that, updated buffers)``.
     """
     q, k, v = VTensor.of(q), VTensor.of(k), VTensor.of(v)
     pro = (q_prologue, k_prologue, v_prologue)
@@ -242,11 +252,19 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         sink = VTensor.of(sink)
         if tuple(sink.shape) != (B, H, G) or not jnp.issubdtype(sink.dtype, jnp.floating):
             raise ValueError(f"sink must be floating of shape {(B, H, G)}, got {sink.dtype} {sink.shape}")
+    extra = [VTensor.of(o) for o in ProloguePlan.operands(*pro)]
+    over = tuple((i, n, piece) for n, u in enumerate(updates) for i, x in ((1, k), (2, v))
+                 for piece in u.pieces_reading(x))
+    for n, u in enumerate(updates):
+        others = [x for x in (q, slopes, bias, keep, sink, out, *extra) if x is not None]
+        if any(b is u.buffer for x in others for b in x.buffers):
+            raise ValueError(f"update {n}'s buffer is read by an operand other than K and V")
     cfg = dataclasses.replace(cfg, alibi=slopes is not None, bias=bias is not None, bias_scale=float(bias_scale),
                               keep=None if keep is None else keep_when, sink=sink is not None,
-                              pro=ProloguePlan.of(*pro))
-    return _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes, bias=bias, keep=keep,
-                   sink=sink, extra=[VTensor.of(o) for o in ProloguePlan.operands(*pro)])
+                              pro=ProloguePlan.of(*pro), updates=tuple(u.spec for u in updates), over=over)
+    res = _launch(cfg, q, k, v, out, end_operand, backend=backend, slopes=slopes, bias=bias, keep=keep,
+                  sink=sink, extra=extra, updates=tuple(updates))
+    return res
 
 
 def _check(q: VTensor, k: VTensor, v: VTensor, *, block_k: int, pos: Any, kv_len: Any,
@@ -294,29 +312,37 @@ def _config(q: VTensor, k: VTensor, v: VTensor, end: KeyEnd, *, dtypes: tuple[np
 
 def _launch(c: _Cfg, q: VTensor, k: VTensor, v: VTensor, out: VTensor, end: Any, *,
             backend: str, slopes: Any = None, bias: Any = None, keep: Any = None, sink: Any = None,
-            extra: list[VTensor] | None = None) -> Any:
+            extra: list[VTensor] | None = None, updates: tuple[Update, ...] = ()) -> Any:
     """Grid and launch: one kernel when S == 1; else the split kernel into f32 partials, then the
     combine kernel. ``end``: the runtime end operand, or None (a static end); ``extra``: the
-    prologues' operands."""
+    prologues' operands; ``updates``: performed by the (split) kernel, its last inputs and outputs."""
     ins = [q, k, v] + ([slopes] if c.alibi else []) + ([bias] if c.bias else []) + ([keep] if c.keep else []) \
-        + ([sink] if c.sink else []) + ([end] if end is not None else []) + (extra or [])
+        + ([sink] if c.sink else []) + ([end] if end is not None else []) + (extra or []) \
+        + [u.flat_rows() for u in updates]
+    dests = [u.dest for u in updates]
+    over = frozenset(id(u.buffer) for u in updates)
     warps, stages = c.launch.num_warps, c.launch.num_stages
+
+    def packed(res: Any, bufs: list[tuple[Any, ...]]) -> Any:
+        return res if not updates else (res, tuple(b[0] for b in bufs[len(bufs) - len(updates):]))
+
     if c.S == 1:
-        plan = Plan.build(ins, [out])
+        plan = Plan.build(ins, [out] + dests, over=over)
         bufs = plan.call(functools.partial(_split_body, c), grid=(c.B, c.H, 1), backend=backend,
                          num_warps=warps, num_stages=stages, name="vtc_decode_attention")
-        return pack_results(bufs)[0]
+        return packed(pack_results(bufs[:1])[0], bufs)
     parts = [VTensor.fresh((c.B, c.H, c.S, c.G), jnp.float32),
              VTensor.fresh((c.B, c.H, c.S, c.G), jnp.float32),
              VTensor.fresh((c.B, c.H, c.S, c.G, c.Dv), jnp.float32)]
-    plan = Plan.build(ins, parts)
-    (m,), (l,), (acc,) = plan.call(functools.partial(_split_body, c), grid=(c.B, c.H, c.S),
-                                   backend=backend, num_warps=warps, num_stages=stages,
-                                   name="vtc_decode_attention_split")
+    plan = Plan.build(ins, parts + dests, over=over)
+    split = plan.call(functools.partial(_split_body, c), grid=(c.B, c.H, c.S),
+                      backend=backend, num_warps=warps, num_stages=stages,
+                      name="vtc_decode_attention_split")
+    (m,), (l,), (acc,) = split[:3]
     plan2 = Plan.build([m, l, acc], [out])
     bufs = plan2.call(functools.partial(_combine_body, c), grid=(c.B, c.H), backend=backend,
                       num_warps=4, num_stages=1, name="vtc_decode_attention_combine")
-    return pack_results(bufs)[0]
+    return packed(pack_results(bufs)[0], split)
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,7 +356,15 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     # unclamped end (jax's ``t > pos - window`` for any pos).
     n_fixed = 3 + c.alibi + c.bias + bool(c.keep) + c.sink
     end = close_end(c.end, read_end(c.end, ins[n_fixed] if c.end.static is None else None, b))
-    load_q, load_k, load_v = c.pro.loaders(ins[:3], ins[n_fixed + (c.end.static is None):])
+    n_up = len(c.updates)
+    rows, dests = ins[len(ins) - n_up:], outs[len(outs) - n_up:]
+    ins, outs = ins[:len(ins) - n_up], outs[:len(outs) - n_up]
+    qkv = list(ins[:3])
+    for i in (1, 2):   # K and V see the pending updates of the buffers they read
+        over = tuple((piece, rows[n], dests[n], c.updates[n]) for j, n, piece in c.over if j == i)
+        if over:
+            qkv[i] = Overlaid(qkv[i], over)
+    load_q, load_k, load_v = c.pro.loaders(qkv, ins[n_fixed + (c.end.static is None):])
     if c.end.static is None:
         hi: Any = jnp.minimum(end, c.T)
         lo: Any = jnp.maximum(end - c.window, 0) if c.window is not None else 0
@@ -392,6 +426,10 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
         if c.S > 1:
             sk = jnp.where(s == 0, sk, -jnp.inf)
         m, l, acc = with_sink((m, l, acc), sk)
+
+    # The updates' rows, written home by every program's share (the loads above saw them already).
+    for n, spec in enumerate(c.updates):
+        land(rows[n], dests[n], spec, (b * c.H + h) * c.S + s, c.B * c.H * c.S)
 
     # Stage 3.
     if c.S == 1:

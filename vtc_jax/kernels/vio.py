@@ -80,8 +80,8 @@ from ..indexmap import (Atom, Dim, Expr, FloorDiv, IndexMap, Layout, Load, Mod, 
                         finish_read, normalise_start, point, row_major_strides)
 from .tiling import InBounds, next_pow2
 
-__all__ = ["VTensor", "VRef", "Plan", "compiler_params", "next_pow2", "broadcast_input",
-           "epilogue_input", "out_dtypes", "output", "outputs", "pack_results"]
+__all__ = ["VTensor", "VRef", "Plan", "Update", "Overlaid", "compiler_params", "next_pow2", "broadcast_input",
+           "epilogue_input", "out_dtypes", "output", "outputs", "pack_results", "land"]
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 2) -> Any:
@@ -347,7 +347,8 @@ class Plan:
     tables: tuple[tuple[str, tuple[int, ...]], ...] = ()   # symbols that are index tables: shapes
 
     @staticmethod
-    def build(inputs: Sequence[Any], outputs: Sequence[VTensor], *, same_place: bool = False) -> "Plan":
+    def build(inputs: Sequence[Any], outputs: Sequence[VTensor], *, same_place: bool = False,
+              over: frozenset[int] = frozenset()) -> "Plan":
         """``same_place``: the kernel computes each output element from the input elements at the
         same logical index, in the same program (an element-wise kernel over one logical shape).
         An input that reads a buffer an output updates in place, through the same map, then
@@ -355,7 +356,12 @@ class Plan:
         written, by the program that writes it. Passed twice (read, and aliased), XLA must copy
         the whole buffer first (it cannot see inside the kernel), and again for the program's
         output: a guarded cache write (``canonical``'s scatter form reads the window it writes)
-        cost two cache copies."""
+        cost two cache copies.
+
+        ``over``: ids of buffers an input reads and an :class:`Update` output writes in place (the
+        kernel performs a pending row update of a buffer it reads: :class:`Overlaid`). Such a
+        buffer is passed once, as the aliased operand, in the input's shape: the kernel's loads
+        take every updated element from the update's rows, whatever order the programs run in."""
         args: list[Any] = []
         out_shape: list[jax.ShapeDtypeStruct] = []
         aliases: dict[int, int] = {}
@@ -382,6 +388,7 @@ class Plan:
         written = {id(b): (pieces_on(w, k), f) for w in outputs for k, (b, f) in enumerate(zip(w.buffers, flat_flags(w)))
                    if not _is_fresh(b)} if same_place else {}
         in_place_arg: dict[int, int] = {}   # id(buffer) -> its (aliased) argument index
+        in_flat: dict[int, bool] = {}       # id(buffer) -> how the aliased operand is passed
         in_b = []
         outs_b = frozenset(id(b) for w in outputs for b in w.buffers)
         for x in inputs:
@@ -395,8 +402,10 @@ class Plan:
                 if id(b) in in_place_arg:
                     slots.append(in_place_arg[id(b)])
                     continue
-                if id(b) in written and written[id(b)] == (pieces_on(v, k), f) and v.shape == outputs[0].shape:
+                if id(b) in over or (id(b) in written and written[id(b)] == (pieces_on(v, k), f)
+                                     and v.shape == outputs[0].shape):
                     in_place_arg[id(b)] = len(args)
+                    in_flat[id(b)] = f
                 slots.append(len(args))
                 args.append(b.reshape(-1) if f else b)
             in_b.append(_Binding(v.layout, v.dtype, tuple(tuple(b.shape) for b in v.buffers),
@@ -412,7 +421,7 @@ class Plan:
         out_b = []
         for v in outputs:
             collect_syms(v)
-            flat = tuple(shared_flat[id(b)] for b in v.buffers)
+            flat = tuple(in_flat.get(id(b), shared_flat[id(b)]) for b in v.buffers)
             slots = []
             for b, f in zip(v.buffers, flat):
                 if id(b) in slot_of:
@@ -533,15 +542,24 @@ class VRef:
         inb = all_of([None if ok else
                       (i < n) if n < b or not isinstance(o, int) or o + b > n else None
                       for i, n, b, o, ok in zip(idx, self.shape, block, origin, proven)])
+        lanes = None
+        if any(isinstance(v, _TableRef) for v in self.syms.values()):
+            lanes = [jnp.asarray(o, jnp.int32) + _iota(tuple(b if j == k else 1 for j, b in enumerate(block)), k)
+                     for k, o in enumerate(origin)]
+        return self._env_at(idx, lanes), inb
+
+    def _env_at(self, idx: Sequence[Any], lanes: Sequence[Any] | None = None) -> dict[Atom, Any]:
+        """The point of logical indices ``idx`` (int32 arrays that broadcast together). Index
+        tables are read at ``lanes`` (each dim's indices, 1 along every other dim: a table entry
+        indexed by a block's row is loaded once per row), by default at ``idx`` itself."""
         scalars = {k: v.astype(jnp.int32) for k, v in self.syms.items() if not isinstance(v, _TableRef)}
         at = point(idx, scalars)
-        if len(scalars) < len(self.syms):   # index tables: read at the lanes' own dims only
-            lanes = point([jnp.asarray(o, jnp.int32) + _iota(tuple(b if j == k else 1 for j, b in enumerate(block)), k)
-                           for k, o in enumerate(origin)], scalars)
+        if len(scalars) < len(self.syms):
+            tl = point(idx if lanes is None else lanes, scalars)
             for k, v in self.syms.items():
                 if isinstance(v, _TableRef):
-                    at[Sym(k)] = lanes[Sym(k)] = _KernelTable(v.ref, v.shape, lanes)
-        return at, inb
+                    at[Sym(k)] = tl[Sym(k)] = _KernelTable(v.ref, v.shape, tl)
+        return at
 
     def _piece_mask(self, p: Piece, env: dict[Atom, Any], inb: Any, block: Sequence[int]) -> Any:
         """The piece's lanes in this block (None: all). Conditions on runtime symbols alone (a
@@ -718,6 +736,204 @@ class _KernelTable:
         flat = jnp.asarray(flat, jnp.int32)
         v = self.ref[flat] if flat.ndim == 0 else plgpu.load(self.ref.at[flat])
         return finish_read(a, v.astype(jnp.int32), jnp)
+
+
+# --------------------------------------------------------------------------------------------
+# A pending row update, performed by a kernel that reads the buffer it updates
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """The static shape of ``buffer.at[index].set(rows)`` (whole windows at runtime indices), read
+    off its write map: which buffer dims an index picks, which the window covers whole (and the
+    rows' dim covering each), and the table of rows a kernel enumerates (a power-of-two block of
+    the rows' index dims, 1 along the window)."""
+    shape: tuple[int, ...]
+    scattered: tuple[int, ...]
+    kept: tuple[tuple[int, int], ...]
+    row_dims: tuple[int, ...]
+    row_block: tuple[int, ...]
+
+    @property
+    def n_rows(self) -> int:
+        return math.prod(self.row_block)
+
+    @staticmethod
+    def of(dest: VTensor) -> "UpdateSpec":
+        lay = dest.layout
+        if len(lay.pieces) != 1 or lay.fills or lay.pieces[0].where:
+            raise ValueError("an update's destination must be one piece onto its buffer")
+        m = lay.pieces[0].map
+        # the window: rows' dims landing whole on a buffer dim that no index depends on
+        indexed = frozenset().union(*(e.dims() for e in m.exprs if _only_dim(e) is None))
+        kept, scattered = [], []
+        for j, e in enumerate(m.exprs):
+            d = _only_dim(e)
+            if d is not None and d not in indexed and m.domain[d] == m.target[j]:
+                kept.append((j, d))
+            else:
+                scattered.append(j)
+        window = {d for _, d in kept}
+        if not scattered or len(window) != len(kept) or any(m.exprs[j].dims() & window for j in scattered) \
+                or any(c.expr.dims() & window for c in m.conds):
+            raise ValueError(f"not an update of whole windows at indices read per row: {m}")
+        rows = tuple(j for j in range(len(m.domain)) if j not in window)
+        block = tuple(1 if j in window else next_pow2(n) for j, n in enumerate(m.domain))
+        return UpdateSpec(tuple(m.domain), tuple(scattered), tuple(kept), rows, block)
+
+
+@dataclass(frozen=True, eq=False)
+class Update:
+    """``buffer.at[index].set(rows)`` still to be performed, by a kernel that reads ``buffer``.
+
+    Why: where the new rows are program inputs (a serving step handed the new K/V rows of a paged
+    or per-sequence cache), no kernel produces them to write them home, and XLA's in-place
+    scatter is one more launch before the attention. The kernel reading the cache instead
+    performs it: its loads see the rows (:class:`Overlaid`, whatever order its programs run in)
+    and its programs write them (:func:`land`) into the buffer, passed once and aliased
+    (``Plan.build(over=...)``). ``rows``: the update, a physical array; ``dest``: a VTensor of the
+    rows' shape whose one piece maps them onto the buffer (the scatter's write map, its index
+    table a runtime symbol, its in-bounds condition the map's own)."""
+    rows: Any
+    dest: VTensor
+
+    def __post_init__(self) -> None:
+        if tuple(self.rows.shape) != tuple(self.dest.shape) or np.dtype(self.rows.dtype) != self.dest.dtype:
+            raise ValueError(f"update rows {self.rows.dtype}{tuple(self.rows.shape)} do not match their "
+                             f"destination {self.dest.dtype}{tuple(self.dest.shape)}")
+        if np.dtype(self.dest.buffers[0].dtype) != self.dest.dtype or _is_fresh(self.dest.buffers[0]):
+            raise ValueError("an update writes an existing buffer of its own dtype")
+        object.__setattr__(self, "spec", UpdateSpec.of(self.dest))
+
+    @property
+    def buffer(self) -> Any:
+        return self.dest.buffers[0]
+
+    def flat_rows(self) -> VTensor:
+        """The rows as the kernel reads them: flattened (a bitcast), gathered element-wise."""
+        return VTensor.physical(jnp.reshape(self.rows, (-1,)))
+
+    def pieces_reading(self, x: VTensor) -> tuple[int, ...]:
+        """The pieces of ``x`` that read this update's buffer."""
+        return tuple(k for k, p in enumerate(x.layout.pieces) if x.buffers[p.target] is self.buffer)
+
+
+def _row_table(dest: VRef, spec: UpdateSpec) -> tuple[list[jax.Array], jax.Array, jax.Array]:
+    """Per row of the update (``spec.n_rows``, padded): its index along each scattered buffer dim,
+    whether it lands (inside the rows' shape, and its index in bounds: XLA drops the others), and
+    its first element's flat offset in the rows."""
+    p = dest.binding.layout.pieces[0]
+    block = spec.row_block
+    env, inb = dest._env((0,) * len(block), block)
+    coords = [jnp.broadcast_to(jnp.asarray(p.map.exprs[j].evaluate(env, jnp, p.map.bounds), jnp.int32),
+                               block).reshape(-1) for j in spec.scattered]
+    valid = all_of([inb, p.holds(env, jnp)])
+    valid = jnp.ones((spec.n_rows,), jnp.bool_) if valid is None else jnp.broadcast_to(valid, block).reshape(-1)
+    strides = row_major_strides(spec.shape)
+    base = sum((_iota(block, j) * strides[j] for j in spec.row_dims), jnp.zeros(block, jnp.int32))
+    return coords, valid, base.reshape(-1)
+
+
+def _overlay(x: VRef, p: Piece, origin: Sequence[Any], block: tuple[int, ...], val: jax.Array,
+             rows: VRef, dest: VRef, spec: UpdateSpec) -> jax.Array:
+    """``val`` (a block of ``x`` loaded from the buffer) with the lanes of piece ``p`` that a row
+    of the update lands on replaced by that row's element; of two rows landing on one place, the
+    later. Rows are matched per lane along the dims the indices depend on (a K block's keys: one
+    compare per key and row), and the rows are gathered only when one lands in the block."""
+    used = frozenset().union(*(p.map.exprs[j].dims() for j in spec.scattered))
+    red = tuple(b if k in used else 1 for k, b in enumerate(block))
+    n = math.prod(red)
+    env_r, _ = x._env(origin, red)
+    coords, valid, base = _row_table(dest, spec)
+    R = spec.n_rows
+    match = valid.reshape(1, R)
+    for j, c in zip(spec.scattered, coords):
+        kc = jnp.broadcast_to(jnp.asarray(p.map.exprs[j].evaluate(env_r, jnp, p.map.bounds), jnp.int32), red)
+        match = match & (kc.reshape(n, 1) == c.reshape(1, R))
+    rid = jax.lax.broadcasted_iota(jnp.int32, (n, R), 1)
+    best = jnp.max(jnp.where(match, rid, -1), axis=1)                       # (n,)
+    strides = row_major_strides(spec.shape)
+
+    def patch(v: jax.Array) -> jax.Array:
+        env, inb = x._env(origin, block)
+        off = jnp.sum(jnp.where(best.reshape(n, 1) == rid, base.reshape(1, R), 0), axis=1)
+        off = jnp.broadcast_to(off.reshape(red), block)
+        for j, d in spec.kept:
+            off = off + jnp.asarray(p.map.exprs[j].evaluate(env, jnp, p.map.bounds), jnp.int32) * strides[d]
+        hit = all_of([jnp.broadcast_to((best >= 0).reshape(red), block), inb, p.holds(env, jnp)])
+        hit = jnp.broadcast_to(hit, block)
+        u = _masked_load(rows.refs[0].at[jnp.where(hit, off, 0)], hit)
+        return jnp.where(hit, u.astype(v.dtype), v)
+
+    return jax.lax.cond(jnp.max(best) >= 0, patch, lambda v: v, val)
+
+
+@dataclass(frozen=True, eq=False)
+class Overlaid:
+    """A VRef whose loads see pending :class:`Update` s of the buffers it reads: ``over`` holds,
+    per update, the piece reading its buffer, the rows' ref (:meth:`Update.flat_rows`), the
+    destination's ref and its spec."""
+    ref: VRef
+    over: tuple[tuple[int, VRef, VRef, UpdateSpec], ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.ref.shape
+
+    @property
+    def binding(self) -> _Binding:
+        return self.ref.binding
+
+    def load(self, origin: Sequence[Any], block: Sequence[int], fill: float = 0.0) -> jax.Array:
+        val = self.ref.load(origin, block, fill)
+        block = tuple(int(b) for b in block)
+        origin, _ = _unwrap(origin)
+        for k, rows, dest, spec in self.over:
+            val = _overlay(self.ref, self.ref.binding.layout.pieces[k], origin, block, val, rows, dest, spec)
+        return val
+
+
+def land(rows: VRef, dest: VRef, spec: UpdateSpec, pid: Any, nprog: int) -> None:
+    """Write an update's rows home: program ``pid`` of ``nprog`` writes its share of the rows'
+    elements (up to 1024 lanes a step). A row that a later row overwrites is not written: jax
+    leaves which of two updates of one place lands unspecified, and the loads (:class:`Overlaid`)
+    take the later, so the buffer written and the values read agree."""
+    E = math.prod(spec.shape)
+    C = min(next_pow2(-(-E // nprog)), 1024)
+    n_iter = -(-E // (nprog * C))
+    coords, valid, _ = _row_table(dest, spec)
+    p = dest.binding.layout.pieces[0]
+    strides = row_major_strides(spec.shape)
+    rstr = row_major_strides(spec.row_block)
+    R = spec.n_rows
+    shape = dest.binding.shapes[0]
+
+    def step(i: Any, carry: Any) -> Any:
+        e = (i * nprog + pid) * C + jax.lax.broadcasted_iota(jnp.int32, (C,), 0)
+        inb = e < E
+        idx = [(e // st) % n for st, n in zip(strides, spec.shape)]
+        env = dest._env_at(idx)
+        r = sum((idx[j] * rstr[j] for j in spec.row_dims), jnp.zeros((C,), jnp.int32))
+        later = (jax.lax.broadcasted_iota(jnp.int32, (C, R), 1) > r.reshape(C, 1)) & valid.reshape(1, R)
+        for j, c in zip(spec.scattered, coords):
+            lc = jnp.broadcast_to(jnp.asarray(p.map.exprs[j].evaluate(env, jnp, p.map.bounds), jnp.int32), (C,))
+            later = later & (lc.reshape(C, 1) == c.reshape(1, R))
+        shadowed = jnp.max(later.astype(jnp.int32), axis=1) > 0
+        keep = jnp.broadcast_to(all_of([inb, p.holds(env, jnp), ~shadowed]), (C,))
+        val = _masked_load(rows.refs[0].at[jnp.where(inb, e, 0)], inb)
+        ref = dest.refs[0]
+        if dest.binding.flat[0]:
+            offs = _flat_offsets(p, env, shape, (C,))
+            plgpu.store(ref.at[jnp.where(keep, offs, math.prod(shape))], val, mask=keep)
+        else:   # masked lanes point past the end along dim 0
+            di = _dim_indices(p, env, shape, (C,))
+            plgpu.store(ref.at[(jnp.where(keep, di[0], shape[0]),) + di[1:]], val, mask=keep)
+        return carry
+
+    if n_iter == 1:
+        step(0, 0)
+    else:
+        jax.lax.fori_loop(0, n_iter, step, 0)
 
 
 def _has_loads(p: Piece) -> bool:

@@ -1695,9 +1695,29 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
                 kw["score_keep"] = m.score_keep
             if m.sink is not None:
                 kw["sink"] = re(sink_of(run), (B, hk, g * R))
+            # The cache updates lowering left to this kernel (new rows handed to the step): it
+            # performs those whose buffer only K or V reads; any other runs first, in XLA.
+            homes = run.pending_for(c.id)
+            if homes:
+                others = [q, out, *(o for p in (qp, kp, vp) if p is not None for o in p.operands),
+                          *(x for x in (kw.get("bias"), kw.get("keep"), kw.get("sink")) if x is not None)]
+
+                def reads(x: VTensor, h: int) -> bool:
+                    return any(b is run.env[h] for b in x.buffers)
+
+                stale = [h for h in homes if any(reads(x, h) for x in others) or not (reads(k, h) or reads(v, h))]
+                if stale:
+                    for h in stale:
+                        run.flush(h)
+                    return step(run)   # the operands again, over the updated buffers
+                kw["updates"] = tuple(run.take_update(h) for h in homes)
             res = decode_attention(q, k, v,
                                    sm_scale=m.scale, soft_cap=m.soft_cap, out=re(out, (B, hk, g * R, Dv)),
                                    backend=backend, empty_rows=m.empty_rows, precision=m.precision, **kw)
+            if homes:
+                res, landed = res
+                for h, b in zip(homes, landed):
+                    run.env[h] = b
         else:
             q, qp = each(q, qp, lambda x: re(x, (B * hk, g * R, D)))
             k, kp = each(k, kp, lambda x: re(per_group(x), (B * hk, T, D)))
@@ -1728,4 +1748,5 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
     return step
 
 
-TEMPLATE = Template(Kind.ATTENTION, library=False, match=_match, build=_build)
+TEMPLATE = Template(Kind.ATTENTION, library=False, match=_match, build=_build,
+                    updates=lambda m: bool(m.decode))
