@@ -192,3 +192,61 @@ def test_paged_decode_at_paper_size_lowers_for_cuda_with_no_scatter():
     gathers = [l for l in opt.text.splitlines() if "stablehlo.gather" in l]
     assert len(gathers) == 1 and "-> tensor<16xi32>" in gathers[0], gathers
     assert any("decode_attention" in k.name for k in opt.triton_kernels), opt.triton_kernels
+
+
+def test_a_stale_nan_in_the_slot_a_row_replaces_reaches_nothing():
+    """The old contents of the slots the new rows go to never reach the result: a NaN there (a
+    cache filled with NaN to catch reads of unwritten slots) is replaced, as jit's scatter does."""
+    args = list(_batching_args([0, 100, 255]))
+    for i in (3, 4):
+        args[i] = args[i].at[jnp.arange(3), args[5]].set(jnp.nan)
+    ref = jax.jit(batching_step)(*args)
+    assert np.isfinite(np.asarray(ref[0])).all()
+    _check_equal(_optimize(batching_step)(*args), ref, F32_TOL)
+
+
+def int8_batching_step(q, kn, vn, ck, cv, k_scale, v_scale, pos):
+    """An int8 cache with per-row scales, its new int8 rows handed to the step: K and V are read
+    through a dequantising prologue whose scales the kernel also reads."""
+    B, T, KV, D = ck.shape
+    H = q.shape[2]
+    b = jnp.arange(B)
+    ck, cv = ck.at[b, pos].set(kn), cv.at[b, pos].set(vn)
+    k = jnp.repeat(ck.astype(jnp.float32) * k_scale, H // KV, axis=2)
+    v = jnp.repeat(cv.astype(jnp.float32) * v_scale, H // KV, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+    s = jnp.where(jnp.arange(T)[None, None, None, :] <= pos[:, None, None, None], s, -jnp.inf)
+    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+    return o.reshape(B, 1, H * D), ck, cv
+
+
+def test_rows_of_a_cache_read_through_scales_are_written_before_the_kernel():
+    """Where the kernel reads the updated cache through a prologue with operands (an int8
+    cache's scales), it does not take the update: XLA's scatter runs first, and the attention
+    kernel still serves the step — equal to jit either way."""
+    q, kn, vn, ck, cv, pos = _batching_args([3, 64, 200])
+    i8 = lambda x: jnp.clip(jnp.round(x * 40), -127, 127).astype(jnp.int8)
+    ks = jax.random.uniform(jax.random.PRNGKey(1), ck.shape[:3] + (1,), minval=0.01, maxval=0.03)
+    vs = jax.random.uniform(jax.random.PRNGKey(2), cv.shape[:3] + (1,), minval=0.01, maxval=0.03)
+    args = (q, i8(kn), i8(vn), i8(ck), i8(cv), ks, vs, pos)
+    ref = jax.jit(int8_batching_step)(*args)
+    _check_equal(_optimize(int8_batching_step)(*args), ref, F32_TOL)
+    text = str(jax.make_jaxpr(_optimize(int8_batching_step))(*args))
+    assert "vtc_decode_attention" in text, text
+
+
+def test_the_split_kernel_keeps_its_pipelined_loads_with_rows_to_write():
+    """Compiled deviceless for an H100 (sm_90 PTX, ``ptxas -v``): the paged decode's split kernel
+    still streams K and V with ``cp.async`` (the rows are folded into the scores and P·V, not
+    patched into the loaded blocks, which left one tile in flight), without spills, and the
+    program is three launches where jit's is eight."""
+    from vtc_jax.offline import compile_program
+    e = CORPUS["paged_kv_decode"]("paper")
+    prog = compile_program(_optimize(e.step, backend="triton", donate_argnums=e.donate_argnums), *e.args,
+                           donate_argnums=e.donate_argnums)
+    if not prog.kernels:
+        pytest.skip(f"no PTX to inspect: {prog.kernel_error}")
+    split = prog.kernel("vtc_decode_attention_split")
+    assert split is not None and split.spill_store_bytes == 0, split
+    assert "cp.async" in split.ptx
+    assert len(prog.launches) == 3, [x.name for x in prog.launches]

@@ -220,6 +220,11 @@ class _Run:
         """The buffers whose pending updates ``cluster``'s kernel is to perform."""
         return tuple(h for h, (_, c) in self.pending.items() if c == cluster)
 
+    def landed(self, home: int, buffer: Any) -> None:
+        """The kernel performed the pending update: ``buffer`` is the updated one."""
+        del self.pending[home]
+        self.env[home] = buffer
+
     def flush(self, home: int) -> None:
         """Perform a pending update here, in XLA, as it would have run (its kernel does not)."""
         op, _ = self.pending.pop(home)
@@ -230,8 +235,9 @@ class _Run:
 
     def take_update(self, home: int) -> Update:
         """A pending update as its kernel performs it: the rows and their write map onto the
-        buffer (the scatter's write edge; the update's output is the buffer itself)."""
-        op, _ = self.pending.pop(home)
+        buffer (the scatter's write edge; the update's output is the buffer itself). It stays
+        pending until the kernel hands the buffer back (:meth:`landed`) or it is flushed."""
+        op, _ = self.pending[home]
         upd = op.inputs[2]
         e = _row_write(op, self.graph)
         assert e is not None, "deferred_updates takes only updates with a row write map"

@@ -76,11 +76,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .flash import (AttentionConfig, Flash, KeyEnd, NEG, SMEM_BUDGET, Planned, Prologue, ProloguePlan,
+from .flash import (AttentionConfig, Flash, KeyEnd, NEG, SMEM_BUDGET, Planned, Prologue, ProloguePlan, Rows,
                     empty_rows_mode, logical_dtypes, int32_where,
                     keep_lanes, key_end, masked_scores, normalise, read_end, softmax_block, close_end, with_sink)
 from .tiling import MIN_DOT_BLOCK, NUM_SMS, check_pow2, next_pow2, program_id
-from .vio import Overlaid, Plan, Update, UpdateSpec, VTensor, land, output, pack_results
+from .vio import Overlay, OverlayError, Plan, Update, UpdateSpec, VTensor, land, output, pack_results
 
 __all__ = ["decode_attention", "default_num_splits", "normalise", "softmax_block", "empty_rows_mode",
            "masked_scores", "NUM_SMS", "SMEM_BUDGET"]
@@ -210,9 +210,11 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
         q, K or V (an int8 or fp8 cache dequantised, a bf16 cache widened to f32): the kernel
         computes in the dtypes they return. None: the blocks as loaded.
     updates: :class:`vio.Update` s of buffers K or V read (new cache rows handed to the step): the
-        kernel reads K and V as updated and its split programs write the rows into those buffers,
-        in place. Every update's buffer must be read by K or V only (not by q, a prologue's
-        operand, a bias or mask).
+        kernel attends to K and V as updated — the rows' scores and their share of P·V computed
+        from the rows, the loaded blocks left as loaded (:class:`.flash.Rows`) — and its split
+        programs write the rows into those buffers, in place. Each update's buffer is read by K
+        and/or V alone (not by q, a bias, a mask or a prologue's operand; K or V with a prologue
+        that reads operands reads none), through a map whose row depends on the key alone.
 
     Returns like :func:`vtc_jax.kernels.matmul.matmul`: the array for a fresh/one-buffer output,
     else the tuple of ``out``'s physical buffers; with ``updates``, ``(that, updated buffers)``.
@@ -258,7 +260,13 @@ def decode_attention(q: Any, k: Any, v: Any, *, kv_len: Any = None, pos: Any = N
     for n, u in enumerate(updates):
         others = [x for x in (q, slopes, bias, keep, sink, out, *extra) if x is not None]
         if any(b is u.buffer for x in others for b in x.buffers):
-            raise ValueError(f"update {n}'s buffer is read by an operand other than K and V")
+            raise OverlayError(f"update {n}'s buffer is read by an operand other than K and V")
+    for i, n, piece in over:
+        updates[n].check_overlay((k, v)[i - 1], piece, (2,), (3,))
+        if pro[i] is not None and pro[i].operands:
+            raise OverlayError("an update of a cache read through a prologue with operands")
+    if len({i for i, _, _ in over}) < len(over) or len({n for _, n, _ in over}) < len(updates):
+        raise OverlayError("K or V reads more than one updated buffer, or an update is read by neither")
     cfg = dataclasses.replace(cfg, alibi=slopes is not None, bias=bias is not None, bias_scale=float(bias_scale),
                               keep=None if keep is None else keep_when, sink=sink is not None,
                               pro=ProloguePlan.of(*pro), updates=tuple(u.spec for u in updates), over=over)
@@ -359,12 +367,26 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     n_up = len(c.updates)
     rows, dests = ins[len(ins) - n_up:], outs[len(outs) - n_up:]
     ins, outs = ins[:len(ins) - n_up], outs[:len(outs) - n_up]
-    qkv = list(ins[:3])
-    for i in (1, 2):   # K and V see the pending updates of the buffers they read
-        over = tuple((piece, rows[n], dests[n], c.updates[n]) for j, n, piece in c.over if j == i)
-        if over:
-            qkv[i] = Overlaid(qkv[i], over)
-    load_q, load_k, load_v = c.pro.loaders(qkv, ins[n_fixed + (c.end.static is None):])
+    load_q, load_k, load_v = c.pro.loaders(ins[:3], ins[n_fixed + (c.end.static is None):])
+    seen = {i: Overlay(ins[i], piece, rows[n], dests[n], c.updates[n]) for i, n, piece in c.over}
+
+    def new_rows(t0: Any) -> tuple[Rows | None, Rows | None]:
+        # which new row lands on each key of this block, for K and for V
+        out = []
+        for i in (1, 2):
+            if i not in seen:
+                out.append(None)
+                continue
+            blk = (1, 1, c.bk, (c.Dp, c.Dvp)[i - 1])
+            hits = seen[i].hits((b, h, t0, 0), blk, (2,), tables[i])
+
+            def at_lanes(i: int = i, blk: tuple = blk, hits: Any = hits) -> jax.Array:
+                x = seen[i].at_lanes(hits, (b, h, t0, 0), blk, (2,))
+                fn = c.pro.fns[i]
+                return (x if fn is None else fn(x)).reshape(c.bk, blk[3]).astype(c.flash.compute)
+            out.append(Rows(hits.reshape(1, c.bk), at_lanes))
+        return out[0], out[1]
+
     if c.end.static is None:
         hi: Any = jnp.minimum(end, c.T)
         lo: Any = jnp.maximum(end - c.window, 0) if c.window is not None else 0
@@ -382,14 +404,23 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
         j0 = first + s * per
         j1 = jnp.minimum(j0 + per, last)
 
+    # The updates' rows, written home first, each program its share (nothing is live yet; the
+    # reads below see the rows whether or not another program has written them).
+    for n, spec in enumerate(c.updates):
+        land(rows[n], dests[n], spec, (b * c.H + h) * c.S + s, c.B * c.H * c.S)
+
     # Stage 1 (once): the q tile of this KV head's G query heads, padded to Gp rows.
     qt = load_q((b, h, 0, 0), (1, 1, c.Gp, c.Dp)).reshape(c.Gp, c.Dp).astype(c.flash.compute)
 
-    def load_kv(t0: Any) -> tuple[jax.Array, jax.Array]:
-        # one K and one V block, shared by all G query heads of the group
+    def load_kv(t0: Any) -> tuple[Any, ...]:
+        # one K and one V block, shared by all G query heads of the group; with pending updates,
+        # also the rows landing in them (V's stale lanes not loaded)
+        rk, rv = new_rows(t0) if seen else (None, None)
         kb = load_k((b, h, t0, 0), (1, 1, c.bk, c.Dp)).reshape(c.bk, c.Dp).astype(c.flash.compute)
-        vb = load_v((b, h, t0, 0), (1, 1, c.bk, c.Dvp)).reshape(c.bk, c.Dvp).astype(c.flash.compute)
-        return kb, vb
+        vb = load_v((b, h, t0, 0), (1, 1, c.bk, c.Dvp),
+                    lanes=None if rv is None else (rv.hits < 0).reshape(1, 1, c.bk, 1))
+        vb = vb.reshape(c.bk, c.Dvp).astype(c.flash.compute)
+        return (kb, vb) if not seen else (kb, vb, rk, rv)
 
     # The rows' ALiBi slopes and bias blocks (padded rows and keys past T read 0).
     slope = ins[3].load((b, h, 0), (1, 1, c.Gp)).reshape(c.Gp) if c.alibi else None
@@ -404,7 +435,8 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
     def load_keep(t0: Any) -> jax.Array:
         return keep_lanes(keep_ref.load((b, h, 0, t0), (1, 1, c.Gp, c.bk)).reshape(c.Gp, c.bk), c.keep)
 
-    # Stage 2: scores and the online softmax, in f32.
+    # Stage 2: scores and the online softmax, in f32 (where the new rows land: read once).
+    tables = {i: ov.table() for i, ov in seen.items()}
     m, l, acc = c.flash.loop(qt, load_kv, j0, j1, c.flash.init(c.Gp, c.Dvp), hi=hi,
                              lo=lo if c.window is not None else None, slope=slope,
                              load_bias=load_bias if c.bias else None, load_keep=load_keep if c.keep else None)
@@ -426,10 +458,6 @@ def _split_body(c: _Cfg, ins: list[Any], outs: list[Any]) -> None:
         if c.S > 1:
             sk = jnp.where(s == 0, sk, -jnp.inf)
         m, l, acc = with_sink((m, l, acc), sk)
-
-    # The updates' rows, written home by every program's share (the loads above saw them already).
-    for n, spec in enumerate(c.updates):
-        land(rows[n], dests[n], spec, (b * c.H + h) * c.S + s, c.B * c.H * c.S)
 
     # Stage 3.
     if c.S == 1:

@@ -33,12 +33,13 @@ from .vio import VRef
 
 __all__ = ["AttentionConfig", "Flash", "KeyEnd", "Planned", "Prologue", "ProloguePlan", "logical_dtypes", "SMEM_BUDGET", "NEG", "key_end", "read_end", "keep_lanes",
            "score_lanes", "narrow_range", "softmax_block", "empty_rows_mode", "close_end", "masked_scores", "normalise", "int32_where",
-           "with_sink"]
+           "with_sink", "Rows"]
 
 SMEM_BUDGET = 128 * 1024  # bytes of staged K/V blocks; sm_90 allows 227 KiB, sm_80 163 KiB per block
 NEG = -1e30               # initial running max: finite, so exp(m_prev - m_next) is never inf - inf
 
-LoadKV = Callable[[Any], tuple[jax.Array, jax.Array]]   # key origin t0 -> (K block, V block)
+# key origin t0 -> (K block, V block), or (K block, V block, K's Rows, V's Rows) (either None)
+LoadKV = Callable[[Any], tuple[Any, ...]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,7 +213,8 @@ def score_lanes(sc: jax.Array, keep: tuple[str, bool]) -> jax.Array:
 def softmax_block(qt: jax.Array, kb: jax.Array, vb: jax.Array, valid: jax.Array, carry: tuple, *,
                   scale: float, soft_cap: float | None, compute: Any, precision: Any,
                   transform: Any = None, slope: Any = None, keys: Any = None, bias: Any = None,
-                  score_keep: tuple[str, bool] | None = None, rounded: Any = None) -> tuple:
+                  score_keep: tuple[str, bool] | None = None, rounded: Any = None,
+                  rows_k: "Rows | None" = None, rows_v: "Rows | None" = None) -> tuple:
     """Stage 2 of both attention kernels: fold one K/V block into the running (max, sum, acc)
     of the online softmax, in f32; lanes not ``valid`` score ``-inf``; ``transform`` (the
     empty-row pass, :func:`masked_scores`) rewrites the scores of the valid lanes first.
@@ -221,9 +223,15 @@ def softmax_block(qt: jax.Array, kb: jax.Array, vb: jax.Array, valid: jax.Array,
     (rows, block): any other additive bias's block, added the same way. ``score_keep``: a mask
     computed from the scaled, capped scores themselves (:func:`score_lanes`). ``rounded``: the
     program's scores are of this narrower-ranged type (f16): the dot and the scaling are rounded to
-    it, so a score past its range is ``inf`` as in the program (:attr:`Flash.rounded`)."""
+    it, so a score past its range is ``inf`` as in the program (:attr:`Flash.rounded`).
+    ``rows_k`` / ``rows_v``: new rows that replace some keys of ``kb`` / values of ``vb`` (a
+    cache update the kernel performs, :class:`Rows`; ``vb``'s stale lanes loaded as 0): the
+    lanes they land on score the rows, and P·V adds the rows' share."""
     m_prev, l_prev, acc_prev = carry
     sc = jnp.dot(qt, kb.T, preferred_element_type=jnp.float32, precision=precision)
+    if rows_k is not None:
+        sc = rows_k.when(lambda s: jnp.where(rows_k.hits >= 0, jnp.dot(
+            qt, rows_k.at_lanes().T, preferred_element_type=jnp.float32, precision=precision), s), sc)
     if rounded is not None:
         sc = sc.astype(rounded).astype(jnp.float32)
     sc = sc * scale
@@ -244,8 +252,37 @@ def softmax_block(qt: jax.Array, kb: jax.Array, vb: jax.Array, valid: jax.Array,
     corr = jnp.exp(m_prev - m_next)
     p = jnp.exp(sc - m_next[:, None])
     l_next = l_prev * corr + p.sum(axis=1)
-    pv = jnp.dot(p.astype(compute), vb, preferred_element_type=jnp.float32, precision=precision)
+    pc = p.astype(compute)
+    pv = jnp.dot(pc, vb, preferred_element_type=jnp.float32, precision=precision)
+    if rows_v is not None:
+        pv = rows_v.when(lambda a: a + jnp.dot(pc, rows_v.at_lanes(), preferred_element_type=jnp.float32,
+                                               precision=precision), pv)
     return m_next, l_next, acc_prev * corr[:, None] + pv
+
+
+@dataclass(frozen=True, eq=False)
+class Rows:
+    """New rows that replace some lanes of a K or V block (a cache update the kernel performs,
+    :class:`.vio.Overlay`): ``hits`` ``(1, block)`` int32, the row landing on each key lane or -1;
+    ``at_lanes()`` a block of the rows' elements at the lanes they land on (0 elsewhere), in the
+    kernel's compute dtype, read only in a block some row lands in.
+
+    Why this shape (deviceless sm_90 PTX of the paged decode's split kernel): a K/V load that
+    flows straight into its dot is an asynchronous copy Triton's pipeliner keeps in flight; a
+    block rewritten in registers, or a loop nested in the main loop, left one tile in flight (no
+    ``cp.async``). So the blocks stay as loaded (V's stale lanes left out of its load: 0, whatever
+    the old row held), the lanes rows land on take the rows' scores (one more dot of q, in that
+    block only), and P·V adds the rows' share (one more dot), both exact as the block's own (an inf
+    in a row reaches its lane alone). The split kernel holds 154 registers where it held 80 (no
+    spills; one CTA of 8 warps per SM where three fitted: its 256 programs then run in two rounds,
+    each streaming half the keys, with the three cp.async stages in flight — not yet timed on a
+    GPU); moving per-row values to lanes by one-hot dots or selects held 201 to 255."""
+    hits: jax.Array
+    at_lanes: Callable[[], jax.Array]
+
+    def when(self, f: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+        """``f(x)`` in a block some row lands in, else ``x``."""
+        return lax.cond(jnp.max(self.hits) >= 0, f, lambda y: y, x)
 
 
 def empty_rows_mode(empty_rows: Any) -> tuple[bool, tuple | None]:
@@ -372,7 +409,8 @@ class Flash:
         scalars or per-row ``(rows, 1)`` columns; ``lo`` None: no lower bound); ``slope``: the
         rows' ALiBi slopes (:func:`softmax_block`), or None; ``load_bias``: key origin ->
         the rows' bias block, or None; ``load_keep``: key origin -> the rows' ``(rows, block)``
-        boolean block of keys a runtime mask keeps (a padding mask), or None."""
+        boolean block of keys a runtime mask keeps (a padding mask), or None. ``load_kv`` may also
+        return the :class:`Rows` replacing keys and values of its blocks."""
         def valid(t: jax.Array) -> jax.Array:
             v = t < hi
             return v if lo is None else v & (t >= lo)
@@ -392,16 +430,17 @@ class Flash:
 
         def step(j: Any, carry: tuple) -> tuple:
             t0 = j * self.block_k
-            kb, vb = load_kv(t0)        # stage 1: one K and one V block (and the bias/keep blocks)
+            kb, vb, *rows = load_kv(t0)   # stage 1: one K and one V block (and the bias/keep blocks)
             ok = valid(lanes + t0)
             if load_keep is not None:
                 ok = ok & load_keep(t0)
+            rk, rv = rows or (None, None)
             return softmax_block(qt, kb, vb, ok, carry, scale=self.scale,
                                  soft_cap=self.soft_cap, compute=self.compute,
                                  precision=self.precision, transform=transform, slope=slope,
                                  keys=lanes + t0, bias=None if load_bias is None else load_bias(t0),
                                  score_keep=self.score_keep if transform is None else None,
-                                 rounded=self.rounded)
+                                 rounded=self.rounded, rows_k=rk, rows_v=rv)
         return step
 
     def normalise(self, acc: jax.Array, l: jax.Array) -> jax.Array:
@@ -478,8 +517,8 @@ def logical_dtypes(xs: tuple[Any, ...], pro: tuple[Prologue | None, ...]) -> tup
 
 
 def _loader(ref: Any, fn: Callable[..., Any] | None, ops: Sequence[Any]) -> Callable[..., jax.Array]:
-    def load(origin: Sequence[Any], block: Sequence[int]) -> jax.Array:
-        x = ref.load(origin, block)
+    def load(origin: Sequence[Any], block: Sequence[int], lanes: Any = None) -> jax.Array:
+        x = ref.load(origin, block) if lanes is None else ref.load(origin, block, lanes=lanes)
         return x if fn is None else fn(x, *(o.load(origin, block) for o in ops))
     return load
 

@@ -77,10 +77,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from ..compat import manual_axis_type, triton_compiler_params, vary, varying_axes
 from ..indexmap import (Atom, Dim, Expr, FloorDiv, IndexMap, Layout, Load, Mod, Piece, Sym, all_of,
-                        finish_read, normalise_start, point, row_major_strides)
+                        conds_mask, finish_read, normalise_start, point, row_major_strides)
 from .tiling import InBounds, next_pow2
 
-__all__ = ["VTensor", "VRef", "Plan", "Update", "Overlaid", "compiler_params", "next_pow2", "broadcast_input",
+__all__ = ["VTensor", "VRef", "Plan", "Update", "Overlay", "OverlayError", "compiler_params", "next_pow2", "broadcast_input",
            "epilogue_input", "out_dtypes", "output", "outputs", "pack_results", "land"]
 
 
@@ -359,7 +359,7 @@ class Plan:
         cost two cache copies.
 
         ``over``: ids of buffers an input reads and an :class:`Update` output writes in place (the
-        kernel performs a pending row update of a buffer it reads: :class:`Overlaid`). Such a
+        kernel performs a pending row update of a buffer it reads: :class:`Overlay`). Such a
         buffer is passed once, as the aliased operand, in the input's shape: the kernel's loads
         take every updated element from the update's rows, whatever order the programs run in."""
         args: list[Any] = []
@@ -582,12 +582,16 @@ class VRef:
                 out.append(pl.ds(jnp.asarray(start, jnp.int32), 1))
         return tuple(out)
 
-    def load(self, origin: Sequence[Any], block: Sequence[int], fill: float = 0.0) -> jax.Array:
-        """Stage 1: a ``block`` of the logical tensor at ``origin``; ``fill`` outside its shape."""
+    def load(self, origin: Sequence[Any], block: Sequence[int], fill: float = 0.0, lanes: Any = None) -> jax.Array:
+        """Stage 1: a ``block`` of the logical tensor at ``origin``; ``fill`` outside its shape,
+        and outside ``lanes`` (a mask that broadcasts to the block; None: every lane) — lanes
+        left out of the load itself, not selected after it (a load feeding a dot stays one)."""
         block = tuple(int(b) for b in block)
         origin, proven = _unwrap(origin)
         aligned = _aligned(origin, block, proven)
         env, inb = self._env(origin, block, proven)
+        if lanes is not None:
+            inb = all_of([inb, jnp.broadcast_to(lanes, block)])
         dtype = self.binding.dtype
         layout = self.binding.layout
         access = [self._access(p, origin, block, aligned) for p in layout.pieces]
@@ -782,6 +786,10 @@ class UpdateSpec:
         return UpdateSpec(tuple(m.domain), tuple(scattered), tuple(kept), rows, block)
 
 
+class OverlayError(ValueError):
+    """A kernel cannot perform this :class:`Update` (its caller runs it before the kernel)."""
+
+
 @dataclass(frozen=True, eq=False)
 class Update:
     """``buffer.at[index].set(rows)`` still to be performed, by a kernel that reads ``buffer``.
@@ -789,7 +797,8 @@ class Update:
     Why: where the new rows are program inputs (a serving step handed the new K/V rows of a paged
     or per-sequence cache), no kernel produces them to write them home, and XLA's in-place
     scatter is one more launch before the attention. The kernel reading the cache instead
-    performs it: its loads see the rows (:class:`Overlaid`, whatever order its programs run in)
+    performs it: what it computes from its loads sees the rows (:class:`Overlay`, whatever order
+    its programs run in)
     and its programs write them (:func:`land`) into the buffer, passed once and aliased
     (``Plan.build(over=...)``). ``rows``: the update, a physical array; ``dest``: a VTensor of the
     rows' shape whose one piece maps them onto the buffer (the scatter's write map, its index
@@ -817,11 +826,24 @@ class Update:
         """The pieces of ``x`` that read this update's buffer."""
         return tuple(k for k, p in enumerate(x.layout.pieces) if x.buffers[p.target] is self.buffer)
 
+    def check_overlay(self, x: VTensor, piece: int, index_dims: Sequence[int], elem_dims: Sequence[int]) -> None:
+        """Raise ValueError unless a kernel reading ``x`` in blocks that are 1 along every dim but
+        ``index_dims`` and ``elem_dims`` can see this update through an :class:`Overlay`: which
+        row lands on a lane does not depend on ``elem_dims``, which element of it not on
+        ``index_dims``, and no condition of the piece on both."""
+        p = x.layout.pieces[piece]
+        ix, el = frozenset(index_dims), frozenset(elem_dims)
+        on_rows = frozenset().union(*(p.map.exprs[j].dims() for j in self.spec.scattered))
+        on_window = frozenset().union(*(p.map.exprs[j].dims() for j, _ in self.spec.kept))
+        if on_rows & el or on_window & ix or any(c.expr.dims() & ix and c.expr.dims() & el
+                                                 for c in p.where + p.map.conds):
+            raise OverlayError(f"the update of this buffer cannot be seen per row of dims {sorted(ix)}: {p.map}")
 
-def _row_table(dest: VRef, spec: UpdateSpec) -> tuple[list[jax.Array], jax.Array, jax.Array]:
-    """Per row of the update (``spec.n_rows``, padded): its index along each scattered buffer dim,
-    whether it lands (inside the rows' shape, and its index in bounds: XLA drops the others), and
-    its first element's flat offset in the rows."""
+
+def _row_table(dest: VRef, spec: UpdateSpec) -> tuple[list[jax.Array], jax.Array]:
+    """Per row of the update (``spec.n_rows``, padded; row ``r`` is the rows' element at
+    ``r``'s row-major index in ``spec.row_block``): its index along each scattered buffer dim, and
+    whether it lands (inside the rows' shape, and its index in bounds: XLA drops the others)."""
     p = dest.binding.layout.pieces[0]
     block = spec.row_block
     env, inb = dest._env((0,) * len(block), block)
@@ -829,79 +851,84 @@ def _row_table(dest: VRef, spec: UpdateSpec) -> tuple[list[jax.Array], jax.Array
                                block).reshape(-1) for j in spec.scattered]
     valid = all_of([inb, p.holds(env, jnp)])
     valid = jnp.ones((spec.n_rows,), jnp.bool_) if valid is None else jnp.broadcast_to(valid, block).reshape(-1)
-    strides = row_major_strides(spec.shape)
-    base = sum((_iota(block, j) * strides[j] for j in spec.row_dims), jnp.zeros(block, jnp.int32))
-    return coords, valid, base.reshape(-1)
-
-
-def _overlay(x: VRef, p: Piece, origin: Sequence[Any], block: tuple[int, ...], val: jax.Array,
-             rows: VRef, dest: VRef, spec: UpdateSpec) -> jax.Array:
-    """``val`` (a block of ``x`` loaded from the buffer) with the lanes of piece ``p`` that a row
-    of the update lands on replaced by that row's element; of two rows landing on one place, the
-    later. Rows are matched per lane along the dims the indices depend on (a K block's keys: one
-    compare per key and row), and the rows are gathered only when one lands in the block."""
-    used = frozenset().union(*(p.map.exprs[j].dims() for j in spec.scattered))
-    red = tuple(b if k in used else 1 for k, b in enumerate(block))
-    n = math.prod(red)
-    env_r, _ = x._env(origin, red)
-    coords, valid, base = _row_table(dest, spec)
-    R = spec.n_rows
-    match = valid.reshape(1, R)
-    for j, c in zip(spec.scattered, coords):
-        kc = jnp.broadcast_to(jnp.asarray(p.map.exprs[j].evaluate(env_r, jnp, p.map.bounds), jnp.int32), red)
-        match = match & (kc.reshape(n, 1) == c.reshape(1, R))
-    rid = jax.lax.broadcasted_iota(jnp.int32, (n, R), 1)
-    best = jnp.max(jnp.where(match, rid, -1), axis=1)                       # (n,)
-    strides = row_major_strides(spec.shape)
-
-    def patch(v: jax.Array) -> jax.Array:
-        env, inb = x._env(origin, block)
-        off = jnp.sum(jnp.where(best.reshape(n, 1) == rid, base.reshape(1, R), 0), axis=1)
-        off = jnp.broadcast_to(off.reshape(red), block)
-        for j, d in spec.kept:
-            off = off + jnp.asarray(p.map.exprs[j].evaluate(env, jnp, p.map.bounds), jnp.int32) * strides[d]
-        hit = all_of([jnp.broadcast_to((best >= 0).reshape(red), block), inb, p.holds(env, jnp)])
-        hit = jnp.broadcast_to(hit, block)
-        u = _masked_load(rows.refs[0].at[jnp.where(hit, off, 0)], hit)
-        return jnp.where(hit, u.astype(v.dtype), v)
-
-    return jax.lax.cond(jnp.max(best) >= 0, patch, lambda v: v, val)
+    return coords, valid
 
 
 @dataclass(frozen=True, eq=False)
-class Overlaid:
-    """A VRef whose loads see pending :class:`Update` s of the buffers it reads: ``over`` holds,
-    per update, the piece reading its buffer, the rows' ref (:meth:`Update.flat_rows`), the
-    destination's ref and its spec."""
-    ref: VRef
-    over: tuple[tuple[int, VRef, VRef, UpdateSpec], ...]
+class Overlay:
+    """A pending :class:`Update` as a kernel reading the buffer sees it, block by block: which
+    row lands on each lane (:meth:`hits`) and the rows' elements there (:meth:`at_lanes`), for
+    piece ``piece`` of ``x``, which reads the buffer. The kernel folds the rows into what it computes from the block it
+    loaded (the attention's scores and P·V, :func:`.flash.softmax_block`) rather than patching the
+    block: a load that flows straight into a dot stays an asynchronous copy the loop pipelines
+    (patched in registers, the decode kernel's K/V lost their ``cp.async`` stages).
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.ref.shape
+    Legal where each lane's row depends on other dims than the window's elements do
+    (:meth:`Update.check_overlay`): a K block's keys pick the row, its head dim the element."""
+    x: "VRef"
+    piece: int
+    source: "VRef"   # the rows (flattened)
+    dest: "VRef"
+    spec: UpdateSpec
 
-    @property
-    def binding(self) -> _Binding:
-        return self.ref.binding
+    def table(self) -> tuple[list[jax.Array], jax.Array]:
+        """Where the rows land (:func:`_row_table`): read once per program, before its loop."""
+        return _row_table(self.dest, self.spec)
 
-    def load(self, origin: Sequence[Any], block: Sequence[int], fill: float = 0.0) -> jax.Array:
-        val = self.ref.load(origin, block, fill)
+    def hits(self, origin: Sequence[Any], block: Sequence[int], index_dims: Sequence[int],
+             table: tuple[list[jax.Array], jax.Array] | None = None) -> jax.Array:
+        """Per lane of ``block`` along ``index_dims`` (1 along the others): the row that lands
+        there (the later of two), or -1 — none, or a lane outside the piece or the shape.
+        ``table``: :meth:`table`, read once (else here)."""
+        p = self.x.binding.layout.pieces[self.piece]
         block = tuple(int(b) for b in block)
         origin, _ = _unwrap(origin)
-        for k, rows, dest, spec in self.over:
-            val = _overlay(self.ref, self.ref.binding.layout.pieces[k], origin, block, val, rows, dest, spec)
-        return val
+        red = tuple(b if k in index_dims else 1 for k, b in enumerate(block))
+        n = math.prod(red)
+        env, inb = self.x._env(origin, red)
+        coords, valid = table if table is not None else self.table()
+        R = self.spec.n_rows
+        match = valid.reshape(1, R)
+        for j, c in zip(self.spec.scattered, coords):
+            kc = jnp.broadcast_to(jnp.asarray(p.map.exprs[j].evaluate(env, jnp, p.map.bounds), jnp.int32), red)
+            match = match & (kc.reshape(n, 1) == c.reshape(1, R))
+        best = jnp.max(jnp.where(match, jax.lax.broadcasted_iota(jnp.int32, (n, R), 1), -1), axis=1).reshape(red)
+        el = frozenset(k for k, b in enumerate(block) if b > 1 and k not in index_dims)
+        ours = [c for c in p.where + p.map.conds if not c.expr.dims() & el]
+        lanes = all_of([inb, conds_mask(tuple(ours), env, jnp, p.map.bounds)])
+        return best if lanes is None else jnp.where(jnp.broadcast_to(lanes, red), best, -1)
+
+    def at_lanes(self, hits: jax.Array, origin: Sequence[Any], block: Sequence[int],
+                 index_dims: Sequence[int]) -> jax.Array:
+        """A ``block`` whose lanes hold the element of the row that lands there (``hits``, as
+        :meth:`hits` returns it), 0 elsewhere: one gather from the rows, nothing from the buffer."""
+        p = self.x.binding.layout.pieces[self.piece]
+        block = tuple(int(b) for b in block)
+        origin, _ = _unwrap(origin)
+        wblock = tuple(1 if k in index_dims else b for k, b in enumerate(block))
+        env, inb = self.x._env(origin, wblock)
+        strides = row_major_strides(self.spec.shape)
+        rstr = row_major_strides(self.spec.row_block)
+        base = sum((((hits // rstr[j]) % self.spec.row_block[j]) * strides[j] for j in self.spec.row_dims),
+                   jnp.zeros(hits.shape, jnp.int32))
+        woff = sum((jnp.asarray(p.map.exprs[j].evaluate(env, jnp, p.map.bounds), jnp.int32) * strides[d]
+                    for j, d in self.spec.kept), jnp.zeros(wblock, jnp.int32))
+        el = frozenset(k for k, b in enumerate(block) if b > 1 and k not in index_dims)
+        theirs = [c for c in p.where + p.map.conds if c.expr.dims() & el]
+        mask = all_of([jnp.broadcast_to(hits >= 0, block), inb, conds_mask(tuple(theirs), env, jnp, p.map.bounds)])
+        mask = jnp.broadcast_to(mask, block)
+        return _masked_load(self.source.refs[0].at[jnp.where(mask, base + woff, 0)], mask)
 
 
 def land(rows: VRef, dest: VRef, spec: UpdateSpec, pid: Any, nprog: int) -> None:
     """Write an update's rows home: program ``pid`` of ``nprog`` writes its share of the rows'
     elements (up to 1024 lanes a step). A row that a later row overwrites is not written: jax
-    leaves which of two updates of one place lands unspecified, and the loads (:class:`Overlaid`)
+    leaves which of two updates of one place lands unspecified, and the readers (:class:`Overlay`)
     take the later, so the buffer written and the values read agree."""
     E = math.prod(spec.shape)
     C = min(next_pow2(-(-E // nprog)), 1024)
     n_iter = -(-E // (nprog * C))
-    coords, valid, _ = _row_table(dest, spec)
+    coords, valid = _row_table(dest, spec)
     p = dest.binding.layout.pieces[0]
     strides = row_major_strides(spec.shape)
     rstr = row_major_strides(spec.row_block)

@@ -104,7 +104,7 @@ from ..kernels.flash import Prologue, narrow_range
 from ..kernels.attention import decode_attention
 from ..kernels.prefill_attention import prefill_attention
 from ..kernels.tiling import dtype_unsupported, f32_math, more_precise, native_precision, precision_unsupported
-from ..kernels.vio import VTensor
+from ..kernels.vio import OverlayError, VTensor
 from ..primitives import TABLE, Kind, is_movement_op
 from .base import Decline, Run, Step, Template
 from .island import Apply, IslandPlan, Load, leaf_vtensor
@@ -1696,28 +1696,25 @@ def _build(graph: Graph, c: Cluster, m: _AttnMatch, backend: str) -> Step:
             if m.sink is not None:
                 kw["sink"] = re(sink_of(run), (B, hk, g * R))
             # The cache updates lowering left to this kernel (new rows handed to the step): it
-            # performs those whose buffer only K or V reads; any other runs first, in XLA.
+            # performs them where it can (vio.OverlayError otherwise: they run first, in XLA, and
+            # the operands are read again over the updated buffers).
             homes = run.pending_for(c.id)
             if homes:
-                others = [q, out, *(o for p in (qp, kp, vp) if p is not None for o in p.operands),
-                          *(x for x in (kw.get("bias"), kw.get("keep"), kw.get("sink")) if x is not None)]
-
-                def reads(x: VTensor, h: int) -> bool:
-                    return any(b is run.env[h] for b in x.buffers)
-
-                stale = [h for h in homes if any(reads(x, h) for x in others) or not (reads(k, h) or reads(v, h))]
-                if stale:
-                    for h in stale:
-                        run.flush(h)
-                    return step(run)   # the operands again, over the updated buffers
                 kw["updates"] = tuple(run.take_update(h) for h in homes)
-            res = decode_attention(q, k, v,
-                                   sm_scale=m.scale, soft_cap=m.soft_cap, out=re(out, (B, hk, g * R, Dv)),
-                                   backend=backend, empty_rows=m.empty_rows, precision=m.precision, **kw)
+            try:
+                res = decode_attention(q, k, v,
+                                       sm_scale=m.scale, soft_cap=m.soft_cap, out=re(out, (B, hk, g * R, Dv)),
+                                       backend=backend, empty_rows=m.empty_rows, precision=m.precision, **kw)
+            except OverlayError:
+                if not homes:
+                    raise
+                for h in homes:
+                    run.flush(h)
+                return step(run)
             if homes:
                 res, landed = res
-                for h, b in zip(homes, landed):
-                    run.env[h] = b
+                for h, buf in zip(homes, landed):
+                    run.landed(h, buf)
         else:
             q, qp = each(q, qp, lambda x: re(x, (B * hk, g * R, D)))
             k, kp = each(k, kp, lambda x: re(per_group(x), (B * hk, T, D)))
