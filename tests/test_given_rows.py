@@ -250,3 +250,42 @@ def test_the_split_kernel_keeps_its_pipelined_loads_with_rows_to_write():
     assert split is not None and split.spill_store_bytes == 0, split
     assert "cp.async" in split.ptx
     assert len(prog.launches) == 3, [x.name for x in prog.launches]
+
+
+def _pallas_calls(jaxpr):
+    for e in jaxpr.eqns:
+        if e.primitive.name == "pallas_call":
+            yield e
+        for p in e.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and e.primitive.name != "pallas_call":
+                    yield from _pallas_calls(inner)
+
+
+def test_the_kernel_that_performs_the_update_reads_its_cache_and_a_row_writer_does_not():
+    """``primitives.kernel_reads_in_place``, what the model of XLA and the compile's count charge
+    a kernel for a buffer it updates in place: the attention kernel that performs the page writes
+    loads from both pages it updates (charged whole); the projection's reduce that writes its rows
+    into a cache (the corpus's paged decode layer, rows made in the step) only stores into it."""
+    from types import SimpleNamespace
+    from vtc_jax.primitives import kernel_reads_in_place
+
+    def reads(fn, args):
+        """{kernel name: the sizes of the in-place operands it reads}, for kernels with any."""
+        out = {}
+        for e in _pallas_calls(jax.make_jaxpr(_optimize(fn))(*args).jaxpr):
+            if e.params["input_output_aliases"]:
+                name = e.params["name"] if "name" in e.params else e.params["name_and_src_info"].name
+                got = kernel_reads_in_place(SimpleNamespace(primitive="pallas_call", params=e.params))
+                out[name] = sorted(e.invars[i].aval.size for i in got)
+        return out
+
+    table = np.random.RandomState(0).permutation(40)[:32].reshape(2, 16)
+    args = _paged_args(table, [5, 128])
+    got = reads(paged_step, args)
+    (name,) = got
+    assert "decode_attention" in name and got[name] == [args[3].size, args[4].size], got
+    e = CORPUS["paged_kv_decode_layer"]("small")
+    got = reads(e.step, e.args)
+    assert got and all(v == [] for v in got.values()), got

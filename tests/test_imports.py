@@ -17,9 +17,10 @@ PKG = Path(__file__).resolve().parent.parent / "vtc_jax"
 # Earlier stages first. A module may import only modules listed before it.
 STAGES: tuple[str, ...] = (
     # leaves: version shims and test/inspection utilities that know nothing of the pipeline
-    "compat", "interpret", "autodiff", "testing", "offline",
-    # the vocabulary, the index-map algebra, the trace (and, before it, a sharded program made per shard)
-    "primitives", "indexmap", "canonical", "graph", "spmd",
+    "compat", "interpret", "autodiff", "testing",
+    # the vocabulary; the deviceless compile (which reads what a kernel call does in it), the
+    # index-map algebra, the trace (and, before it, a sharded program made per shard)
+    "primitives", "offline", "indexmap", "canonical", "graph", "spmd",
     # movement rules and clustering
     "movement", "cluster",
     # the kernels library (Pallas code generation; imports only the algebra)

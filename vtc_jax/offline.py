@@ -34,9 +34,11 @@ import tempfile
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from types import SimpleNamespace
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .compat import CPU_LOWERING_CORES, cuda_lowering
+from .primitives import kernel_reads_in_place
 from .testing import LoweredModule, exported_for_ir
 
 # Shared memory per block (opt-in maximum), bytes. Only checked by the driver at load time.
@@ -436,7 +438,8 @@ def _dedup(ins: _Instr) -> str:
     return m.group(1) if m else ins.name
 
 
-def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
+def _launches(hlo: str, thunks: str, reads_in_place: Mapping[str, frozenset[int]] | None = None
+              ) -> tuple[Launch, ...]:
     comps = _computations(hlo)
     entry = comps.get("ENTRY", [])
     by_name = {i.name: i for i in entry}
@@ -512,9 +515,9 @@ def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
                 out[int(p.args)] = rows
         return out
 
-    def stats(ins: _Instr) -> tuple[int, int, int]:
+    def stats(ins: _Instr, reads: frozenset[int] = frozenset()) -> tuple[int, int, int]:
         alias = in_place(ins)
-        aliased_operands = {opnd for opnd, _ in alias.values()}
+        aliased_operands = {opnd for opnd, _ in alias.values()} - reads
         sparse = gathered(ins)
         seen, read = set(), 0
         for j, o in enumerate(ins.operands):
@@ -628,7 +631,8 @@ def _launches(hlo: str, thunks: str) -> tuple[Launch, ...]:
                           shared_memory=int(km.group(4)))
         if ins is not None:
             used.add(ins.name)
-            r, w, ip = stats(ins)
+            r, w, ip = stats(ins, (reads_in_place or {}).get(name.split("__")[0], frozenset()) if triton
+                             else frozenset())
             fields.update(hlo=ins.name, read_bytes=r, write_bytes=w, in_place_bytes=ip)
             for key in ("num_warps", "num_stages"):
                 mm = re.search(key + r" = (\d+)", ins.attrs)
@@ -743,13 +747,43 @@ def compile_program(fn: Callable, *args: Any, kernels: bool = True, donate_argnu
                        or sorted(dump.glob(prefix + "*thunk_sequence.txt")))
         hlo = hlo_file.read_text()
         thunks = thunk_files[-1].read_text() if thunk_files else ""
-        launches = _launches(hlo, thunks)
+        launches = _launches(hlo, thunks, _pallas_reads_in_place(target, args, kwargs))
         res: list[KernelResources] = []
         if kernels:
             res, kernel_error = _kernel_resources(
                 sorted(capture.iterdir(), key=lambda f: f.stat().st_mtime_ns), launches)
         return CompiledProgram(hlo, thunks, launches, _memory(compiled), tuple(res), kernel_error,
                                jax.__version__)
+
+
+def _pallas_reads_in_place(target: Any, args: Any, kwargs: Any) -> dict[str, frozenset[int]]:
+    """Per Pallas kernel name, the operands it updates in place and also reads
+    (:func:`primitives.kernel_reads_in_place`, from the traced program: the optimised HLO shows
+    only the aliasing, not what the kernel loads). Empty where the program cannot be traced here."""
+    import jax
+    try:
+        closed = jax.make_jaxpr(target)(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the launches then count aliased operands as untouched
+        return {}
+    out: dict[str, frozenset[int]] = {}
+
+    def walk(jaxpr: Any) -> None:
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                info = e.params.get("name_and_src_info")
+                name = getattr(info, "name", None) or e.params.get("name")
+                reads = kernel_reads_in_place(SimpleNamespace(primitive="pallas_call", params=e.params))
+                if name and reads:
+                    out[str(name)] = out.get(str(name), frozenset()) | reads
+                continue
+            for p in e.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed.jaxpr)
+    return out
 
 
 def _kernel_resources(ptx_files: Sequence[Path], launches: Sequence[Launch]

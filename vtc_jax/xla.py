@@ -35,7 +35,7 @@ from .compat import (XLA_BROADCASTS_BIAS_OF_MERGED_GEMMS, XLA_COPIES_PART_OF_ROW
 from .graph import Graph, Speculated
 from .kernels.tiling import resolve_precision
 from .primitives import (KERNEL_CALLS, TABLE, Kind, Role, data_inputs, inplace_operand, is_expensive, is_fill,
-                         is_view, kernel_aliases)
+                         is_view, kernel_aliases, kernel_reads_in_place)
 from .templates import TEMPLATES, Match
 
 __all__ = ["xla_clusters", "Facts", "LIBRARY_KINDS", "CAST_ONLY", "MATH_CLASSES", "Fusion", "Price", "op_flops", "math_class",
@@ -517,8 +517,10 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
       copied concatenation reads computed inside it; a copy that reads a kernel's result after
       it); scalar index arithmetic feeding kernels is one
       small loop fusion; a cast or prologue never folds into it. The kernel reads every buffer
-      it is given, whole, and writes every output, except those aliased to an operand
-      (``input_output_aliases``: in place).
+      it is given, whole — an operand it updates in place only where it also loads from it
+      (``primitives.kernel_reads_in_place``: the decode attention performing its cache's update)
+      — and writes every output, except those aliased to an operand (``input_output_aliases``:
+      in place).
     * **dynamic_update_slice is in place**: one launch writing the update (plus a copy of the
       operand where XLA must keep it: not donated, or read later).
     * **element-wise work fuses**: pointwise clusters joined directly or through movement are one
@@ -1803,7 +1805,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             for o in cl[head].ops:
                 op = g.ops[o]
                 alias = kernel_aliases(op)
-                aliased = set(alias.values())
+                aliased = set(alias.values()) - kernel_reads_in_place(op)   # (one it reads, it reads whole)
                 seen: set[int] = set()
                 for j, x in enumerate(op.inputs):
                     b = buffer_of(x)
