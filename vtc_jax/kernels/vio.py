@@ -19,6 +19,10 @@ Contract for someone adding a template
   loaded under its own mask and merged. A store only touches the pieces whose static box meets
   the block (``pl.when``), each under its own mask.
 * Never accumulate into one output block from several grid programs (they race on a GPU).
+* A kernel may perform a pending row update of a buffer it reads (:class:`Update`: new cache rows
+  handed to the step): its programs write the rows (:func:`land`), the buffer is passed once and
+  aliased (``Plan.build(over=...)``), and what it computes from its loads takes the rows where
+  they land (:class:`Overlay`), whatever order its programs run in.
 * Re-view operands with the :class:`VTensor` methods, never by copying: ``with_layout``,
   ``transpose``, ``reshape``, ``expand_dims``, ``broadcast_to`` (numpy rules) only change the
   layout; ``with_symbol`` adds a runtime scalar the body reads as ``VRef.syms[name]``.
