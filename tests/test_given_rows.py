@@ -45,10 +45,14 @@ def _check_no_scatter(fn, args, **kw):
 
 def batching_step(q, kn, vn, ck, cv, pos):
     """Continuous batching: each sequence's new row at its own position, GQA by ``jnp.repeat``."""
+    b = jnp.arange(ck.shape[0])
+    return _batched_attention(q, ck.at[b, pos].set(kn), cv.at[b, pos].set(vn), pos)
+
+
+def _batched_attention(q, ck, cv, pos):
+    """The attention of :func:`batching_step` over caches already written, and the caches."""
     B, T, KV, D = ck.shape
     H = q.shape[2]
-    b = jnp.arange(B)
-    ck, cv = ck.at[b, pos].set(kn), cv.at[b, pos].set(vn)
     k, v = jnp.repeat(ck, H // KV, axis=2), jnp.repeat(cv, H // KV, axis=2)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(D).astype(q.dtype)
     s = jnp.where(jnp.arange(T)[None, None, None, :] <= pos[:, None, None, None], s, -jnp.inf)
@@ -289,3 +293,41 @@ def test_the_kernel_that_performs_the_update_reads_its_cache_and_a_row_writer_do
     e = CORPUS["paged_kv_decode_layer"]("small")
     got = reads(e.step, e.args)
     assert got and all(v == [] for v in got.values()), got
+
+
+def clip_batching_step(q, kn, vn, ck, cv, pos):
+    """Continuous batching written with ``mode="clip"``: XLA clamps an out-of-bounds position into
+    the cache (a decode loop run past its end writes its last row) instead of dropping the row."""
+    b = jnp.arange(ck.shape[0])
+    return _batched_attention(q, ck.at[b, pos].set(kn, mode="clip"), cv.at[b, pos].set(vn, mode="clip"), pos)
+
+
+def clip_raw_step(q, kn, vn, ck, cv, pos):
+    """``lax.scatter`` at ``mode=CLIP`` with raw indices (a negative one clamps to 0, unwrapped)."""
+    idx = jnp.stack([jnp.arange(ck.shape[0]), pos], -1)
+    dn = jax.lax.ScatterDimensionNumbers((1, 2), (0, 1), (0, 1))
+    ck = jax.lax.scatter(ck, idx, kn, dn, mode=jax.lax.GatherScatterMode.CLIP)
+    cv = jax.lax.scatter(cv, idx, vn, dn, mode=jax.lax.GatherScatterMode.CLIP)
+    return _batched_attention(q, ck, cv, pos)
+
+
+def clip_computed_step(q, x, w, ck, cv, pos):
+    """The rows made in the step (a projection) and written with ``mode="clip"``: the producer's
+    write map clamps too."""
+    B, _, KV, D = ck.shape
+    kn, vn = jnp.split((x @ w).reshape(B, 2 * KV, D), 2, axis=1)
+    return clip_batching_step(q, kn, vn, ck, cv, pos)
+
+
+@pytest.mark.parametrize("step,pos", [(clip_batching_step, [300, -5, 10]), (clip_raw_step, [700, -3, 64]),
+                                      (clip_computed_step, [300, 3, 255])])
+def test_rows_written_with_mode_clip_are_clamped_into_the_cache(step, pos):
+    """``scatter(mode="clip")`` clamps each index into bounds (XLA's semantics), where the default
+    mode drops the row: the kernel writes and reads the clamped rows (found by a helper's probes:
+    they were dropped, by the row writes of both the attention and the projection's kernel)."""
+    args = _batching_args(pos)
+    if step is clip_computed_step:
+        ks = jax.random.split(jax.random.PRNGKey(9), 2)
+        args = (args[0], jax.random.normal(ks[0], (3, 8)), jax.random.normal(ks[1], (8, 64))) + args[3:]
+    ref = jax.jit(step)(*args)
+    _check_equal(_optimize(step)(*args), ref, F32_TOL)

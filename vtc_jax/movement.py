@@ -477,8 +477,11 @@ def _scatter(c: _Ctx) -> tuple[Edge, ...]:
     negative index is wrapped first, as jnp does). Where the table sends two updates to one row
     (two sequences given one page), jax leaves which update lands unspecified (``.at[].set`` is a
     scatter with ``unique_indices=False``: XLA writes the rows in no defined order, element by
-    element), and so does a kernel writing the rows from several programs."""
+    element), and so does a kernel writing the rows from several programs. With
+    ``mode="clip"`` XLA clamps an index into bounds instead of dropping its row: the map then
+    clamps (its :class:`Load` atoms' own range) and has no condition."""
     dn, xs = c.p["dimension_numbers"], c.shape(c.x)
+    clip = "CLIP" in str(c.p.get("mode"))
     t_idx, upd = c.op.inputs[1], c.op.inputs[2]
     a_dims = tuple(dn.scatter_dims_to_operand_dims)
     window = tuple(dn.update_window_dims)
@@ -504,6 +507,7 @@ def _scatter(c: _Ctx) -> tuple[Edge, ...]:
             continue
         kind, val = coords[a_dims.index(j)]
         if kind == "static":
+            val = np.clip(val, 0, n - 1) if clip else val
             if np.asarray(val).min() < 0 or np.asarray(val).max() >= n:
                 raise NoEdges("scatter rows out of bounds at constant indices")
             e = _fit(val)
@@ -513,13 +517,15 @@ def _scatter(c: _Ctx) -> tuple[Edge, ...]:
             continue
         index = _table_index(val, tinfo.shape, to_u, b, "scatter")
         exprs.append(Expr.of(Load(name, index, 0, n - 1, kind)))
-        conds.append(Cond(Expr.of(Load(name, index, *UNCLAMPED, kind)), 0, n))
+        if not clip:
+            conds.append(Cond(Expr.of(Load(name, index, *UNCLAMPED, kind)), 0, n))
     info = SymInfo(name, 0, 0, source=table, shape=tuple(tinfo.shape))
     m = IndexMap(tuple(us), tuple(exprs), tuple(xs), tuple(conds), None, (info,))
     return (c.edge(c.y, c.x, c.ident(c.x), klass=EdgeClass.I, inplace=True,
                    note="in place: out is operand's buffer after the update (legality check)"),
             c.edge(upd, c.y, m, klass=EdgeClass.II,
-                   note=f"indirect scatter through table t{table}, rows in bounds only: {m}"))
+                   note=f"indirect scatter through table t{table}, "
+                        f"{'indices clamped' if clip else 'rows in bounds only'}: {m}"))
 
 
 def _table_index(positions: np.ndarray, shape: tuple[int, ...], to: dict, bounds: dict, what: str
