@@ -84,19 +84,23 @@ def test_guard_option_is_checked():
 
 def test_model_prices_a_kernel_call_as_a_barrier_with_in_place_outputs():
     """xla_program on a program with a Pallas call: the transpose feeding it is materialised (one
-    copy launch), the kernel reads its operand whole and writes nothing for an aliased output."""
+    copy launch), the kernel reads its operands whole and writes nothing for an aliased output —
+    which it touches where it stores, and reads where it loads it at those places; unless it
+    declares reading it whole (``primitives.READS_IN_PLACE``: a decode attention performing the
+    cache update it reads), when it is charged the read."""
     from jax.experimental import pallas as pl
 
     from vtc_jax.cluster import cluster
     from vtc_jax.graph import trace
+    from vtc_jax.primitives import READS_IN_PLACE
     from vtc_jax.xla import xla_program
 
     def kernel2(x_ref, b_ref, o_ref):
         o_ref[...] = x_ref[...] + b_ref[...]
 
-    def fn2(x, buf):
+    def fn2(x, buf, metadata=None):
         return pl.pallas_call(kernel2, out_shape=jax.ShapeDtypeStruct(buf.shape, buf.dtype),
-                              input_output_aliases={1: 0}, interpret=True)(x.T, buf)
+                              input_output_aliases={1: 0}, interpret=True, metadata=metadata)(x.T, buf)
 
     x, buf = jnp.ones((64, 32)), jnp.zeros((32, 64))
     g = trace(fn2, x, buf)
@@ -109,6 +113,9 @@ def test_model_prices_a_kernel_call_as_a_barrier_with_in_place_outputs():
     assert copy.bytes == 2 * nbytes and kern.bytes == nbytes, p.fusions   # the buffer is in place
     assert p.buffers == 2 * nbytes + nbytes   # x and buf, plus the transposed copy; the output is buf
     np.testing.assert_allclose(jax.jit(fn2)(x, buf), x.T + buf)
+    g = trace(lambda x, buf: fn2(x, buf, {READS_IN_PLACE: "1"}), x, buf)
+    kern = next(f for f in xla_program(g, cluster(g), donated=[g.inputs[1]]).fusions if f.what == "kernel")
+    assert kern.bytes == 2 * nbytes, kern   # x.T, and buf read whole
 
 
 def test_math_on_a_slower_engine_loses_even_with_fewer_bytes():

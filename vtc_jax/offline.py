@@ -757,7 +757,7 @@ def compile_program(fn: Callable, *args: Any, kernels: bool = True, donate_argnu
 
 
 def _pallas_reads_in_place(target: Any, args: Any, kwargs: Any) -> dict[str, frozenset[int]]:
-    """Per Pallas kernel name, the operands it updates in place and also reads
+    """Per Pallas kernel name, the operands it updates in place and reads whole
     (:func:`primitives.kernel_reads_in_place`, from the traced program: the optimised HLO shows
     only the aliasing, not what the kernel loads). Empty where the program cannot be traced here."""
     import jax

@@ -306,55 +306,19 @@ def kernel_aliases(op: Op) -> dict[int, int]:
     return {int(o): int(i) for i, o in op.params.get("input_output_aliases", ())}
 
 
-REF_READS = frozenset({"get", "load", "masked_load"})     # Pallas/state reads of a ref
-REF_WRITES = frozenset({"swap", "masked_swap", "store"})  # ... and writes
+READS_IN_PLACE = "vtc_reads_in_place"   # pallas_call metadata: aliased operands the kernel reads whole
 
 
 def kernel_reads_in_place(op: Op) -> frozenset[int]:
-    """The operand positions of a Pallas kernel call that it updates in place *and* reads (its
-    kernel body loads from the operand's ref): a decode attention performing the cache update it
-    reads (``kernels.vio.Update``) reads the whole cache, where a kernel writing rows only
-    touches what it stores."""
+    """The operand positions of a Pallas kernel call that it updates in place *and* reads whole,
+    as the kernel declares them (its ``metadata[READS_IN_PLACE]``, comma-separated positions, set
+    by ``kernels.vio.Plan`` for a buffer passed ``over``: a decode attention performing the cache
+    update it reads). A kernel that reads an aliased operand only where it writes it (an
+    element-wise in-place update) declares nothing: it touches what it stores."""
+    meta = dict(op.params.get("metadata") or {})   # (a jax FrozenDict: .get takes no default)
+    found = meta.get(READS_IN_PLACE) or ""
     aliased = set(kernel_aliases(op).values())
-    body = op.params.get("jaxpr") if aliased else None
-    if body is None:
-        return frozenset()
-    return frozenset(i for i in aliased if i < len(body.invars) and _reads(body, body.invars[i]))
-
-
-def _reads(jaxpr: Any, var: Any) -> bool:
-    """Whether ``jaxpr`` reads the ref ``var`` (through nested jaxprs, matched by position: a
-    cond's branches and a loop's body take the trailing operands; a while's cond its consts and
-    carry). Any other use of the ref counts as a read."""
-    for e in jaxpr.eqns:
-        hits = [k for k, x in enumerate(e.invars) if x is var]
-        if not hits:
-            continue
-        name = e.primitive.name
-        if name in REF_WRITES and hits == [0]:
-            continue
-        if name in REF_READS:
-            return True
-        subs = [(getattr(p, "jaxpr", p), None) for key, p in e.params.items()
-                if key not in ("cond_jaxpr",) and hasattr(getattr(p, "jaxpr", p), "eqns")]
-        subs += [(getattr(b, "jaxpr", b), None) for b in e.params.get("branches", ())]
-        if "cond_jaxpr" in e.params:
-            subs.append((e.params["cond_jaxpr"].jaxpr, e.params.get("cond_nconsts", 0)))
-        if not subs:
-            return True
-        for inner, cond_consts in subs:
-            n_out, n_in = len(e.invars), len(inner.invars)
-            for k in hits:
-                if cond_consts is not None:   # a while's cond: its consts, then the carry
-                    nb = e.params.get("body_nconsts", 0)
-                    j = k if k < cond_consts else (k - nb if k >= cond_consts + nb else None)
-                else:
-                    j = k - (n_out - n_in)
-                if j is None:
-                    continue
-                if not 0 <= j < n_in or _reads(inner, inner.invars[j]):
-                    return True
-    return False
+    return frozenset(int(i) for i in str(found).split(",") if i.strip() and int(i) in aliased)
 
 
 def block_safe(primitive: str) -> bool:

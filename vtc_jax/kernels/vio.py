@@ -82,6 +82,7 @@ from jax.experimental.pallas import triton as plgpu
 from ..compat import manual_axis_type, triton_compiler_params, vary, varying_axes
 from ..indexmap import (Atom, Dim, Expr, FloorDiv, IndexMap, Layout, Load, Mod, Piece, Sym, all_of,
                         conds_mask, finish_read, normalise_start, point, row_major_strides)
+from ..primitives import READS_IN_PLACE
 from .tiling import InBounds, next_pow2
 
 __all__ = ["VTensor", "VRef", "Plan", "Update", "Overlay", "OverlayError", "compiler_params", "next_pow2", "broadcast_input",
@@ -349,6 +350,7 @@ class Plan:
     out_shape: tuple[jax.ShapeDtypeStruct, ...]
     input_output_aliases: dict[int, int]
     tables: tuple[tuple[str, tuple[int, ...]], ...] = ()   # symbols that are index tables: shapes
+    reads_in_place: tuple[int, ...] = ()   # aliased args the kernel reads whole (``over``)
 
     @staticmethod
     def build(inputs: Sequence[Any], outputs: Sequence[VTensor], *, same_place: bool = False,
@@ -459,8 +461,10 @@ class Plan:
         varying = frozenset().union(*(varying_axes(a) for a in (*args, *sym_args)))
         args = [vary(a, varying) if i in aliases else a for i, a in enumerate(args)]
         out_shape = [jax.ShapeDtypeStruct(s.shape, s.dtype, **manual_axis_type(varying)) for s in out_shape]
+        read_whole = tuple(sorted(i for b, i in in_place_arg.items() if b in over))
         return Plan(tuple(in_b), tuple(out_b), names, tuple(ranges.get(k) for k in names),
-                    tuple(args) + tuple(sym_args), tuple(out_shape), aliases, tuple(sorted(tables.items())))
+                    tuple(args) + tuple(sym_args), tuple(out_shape), aliases, tuple(sorted(tables.items())),
+                    read_whole)
 
     @property
     def n_args(self) -> int:
@@ -507,6 +511,8 @@ class Plan:
             input_output_aliases=self.input_output_aliases,
             compiler_params=compiler_params(num_warps, num_stages),
             interpret=backend == "interpret", name=name,
+            # what the model of XLA and the compile's count charge it (primitives.kernel_reads_in_place)
+            metadata={READS_IN_PLACE: ",".join(map(str, self.reads_in_place))} if self.reads_in_place else None,
         )(*self.args)
         return self.unflatten(res)
 
