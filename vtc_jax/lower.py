@@ -450,9 +450,10 @@ def deferred_updates(graph: Graph, clusters: Sequence[Cluster], matches: Mapping
     Why: where the new rows of a cache are program inputs (a serving step handed the new K/V
     rows of a paged or per-sequence cache), no kernel produces them to write them home, and XLA
     runs the scatter in place as one more launch before the attention. The attention kernel can
-    perform it instead (:class:`.kernels.vio.Update`: its loads see the rows, its programs write
-    them). Taken where: the update is a scatter of whole windows run in place by XLA (its rows
-    written by no producer, its output the buffer itself), the next cluster touching the buffer is
+    perform it instead (:class:`.kernels.vio.Update`: what it computes from its loads takes the
+    rows, its programs write them). Taken where: the update is a scatter of whole windows XLA
+    would run (its rows written by no producer; its output the operand's buffer, or a physical
+    buffer of its own: :func:`_update_home`), the next cluster touching the buffer is
     a kernel whose template performs updates (``Template.updates``), and nothing in between —
     no later op of the update's own cluster either — reads the updated tensor (a skipped movement
     op reads it through that kernel's maps only)."""
