@@ -651,6 +651,40 @@ def sibling_islands(graph: Graph, clusters: Sequence[Cluster], kernels: frozense
     return groups
 
 
+# the movement ops that cut a GEMM's result into the parts a gated epilogue reads
+_PART_CUTS = frozenset({"split", "slice"})
+
+
+def gated_epilogues(graph: Graph, clusters: Sequence[Cluster], kernels: frozenset[int]) -> list[set[int]]:
+    """``{matmul cluster, pointwise cluster}`` pairs where the pointwise kernel reads the matmul's
+    result only through the parts a split or slices cut out of it, and nothing else reads that
+    result: a gated MLP's ``gate, up = split(x @ W_gate_up)``, ``silu(gate) * up``. XLA runs such
+    a step as a GEMM writing both halves and a loop fusion reading them back (an epilogue reading
+    two parts of one GEMM result is no GEMM epilogue); merged (:func:`fuse_islands`), the matmul
+    template dots each A tile with both halves of the weight and applies the product as its
+    epilogue (``templates.contraction``: ``ContractionMatch.parts``): one launch, and the f32
+    product is never written. ``kernels``: the clusters with a kernel verdict."""
+    by_id = {c.id: c for c in clusters}
+    of_op = {o: c.id for c in clusters for o in c.ops}
+    out: list[set[int]] = []
+    for m in clusters:
+        if m.kind != Kind.MATMUL or m.id not in kernels or len(m.outputs) != 1 or m.outputs[0] in graph.outputs:
+            continue
+        t = m.outputs[0]
+        cuts = {of_op[op.id] for op in graph.consumers(t)}
+        if any(by_id[k].kind != Kind.MOVEMENT or any(graph.ops[o].primitive not in _PART_CUTS or graph.ops[o].inputs[0] != t
+                                                     for o in by_id[k].ops) for k in cuts):
+            continue
+        pieces = [x for k in cuts for x in by_id[k].outputs]
+        readers = {of_op[op.id] for x in pieces for op in graph.consumers(x)}
+        if not cuts or any(x in graph.outputs for x in pieces) or len(readers) != 1:
+            continue
+        (p,) = readers
+        if p in kernels and by_id[p].kind == Kind.POINTWISE and t not in by_id[p].inputs:
+            out.append({m.id, p})
+    return out
+
+
 def _reachability(clusters: Sequence[Cluster], made_by: dict[int, Cluster]) -> dict[int, set[int]]:
     """Per cluster id, the ids of the clusters it depends on, directly or not."""
     out: dict[int, set[int]] = {}

@@ -501,7 +501,7 @@ def lower(graph: Graph, clusters: Sequence[Cluster], matches: Mapping[int, Match
             continue
         touches = any(t in res.layouts for t in (*c.inputs, *c.outputs))
         verdict = matches.get(c.id)
-        if touches and isinstance(verdict, Match):
+        if isinstance(verdict, Match) and (touches or TEMPLATES[verdict.kind].fuses_beyond_xla(verdict.detail)):
             steps.append(_kernel_step(graph, c, verdict, backend))
             kernels.append(f"{c.kind} cluster #{c.id} ({', '.join(graph.ops[o].primitive for o in c.ops[:4])}"
                            f"{', ...' if len(c.ops) > 4 else ''})")

@@ -20,6 +20,9 @@ compute cluster with its verdict (:class:`~vtc_jax.templates.Match`, or
    recomputes it on the query blocks it loads, unless the attention template then declines;
    island kernels cut out of one tensor with no path between them (a decode step's q and k
    rotations, ``cluster.sibling_islands``) become one kernel over the union of their shapes;
+   a matmul kernel whose result a pointwise kernel reads only through the parts a split cuts out
+   of it (a gated MLP's ``silu(gate) * up``, ``cluster.gated_epilogues``) takes it as its epilogue,
+   the weight's halves dotted side by side;
 5. **XLA verdicts** (``xla.xla_fuses``): pointwise work XLA fuses better is rejected with the
    reason, recorded in ``xla_fused`` (XLA's by choice, not a fallback); so is a cluster touching a
    tensor with no elements (``templates.empty_problem``: nothing for a kernel to do).
@@ -34,7 +37,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .cluster import Cluster, cluster, fuse_islands, query_prologue_islands, sibling_islands
+from .cluster import Cluster, cluster, fuse_islands, gated_epilogues, query_prologue_islands, sibling_islands
 from .graph import Graph
 from .primitives import Kind, is_movement_op
 from .templates import Match, Reject, empty_problem, match_all
@@ -82,6 +85,7 @@ def select(graph: Graph, rejected: Rejections | None = None, *, xla_fusion: bool
         clusters, verdicts, not_fused = _fuse_islands(graph, clusters, verdicts, rejected)
         clusters, verdicts = _fuse_query_prologues(graph, clusters, verdicts, rejected)
         clusters, verdicts = _fuse_siblings(graph, clusters, verdicts, rejected)
+        clusters, verdicts = _fuse_gated(graph, clusters, verdicts, rejected)
         fused = xla_fuses(graph, clusters, verdicts, not_fused)
     fused.update({c.id: why for c in clusters if isinstance(verdicts.get(c.id), Match)
                   for why in [empty_problem(graph, c)] if why is not None})
@@ -114,6 +118,15 @@ def _fuse_siblings(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[i
     pointwise template takes the merged cluster; a group it declines stays its kernels."""
     kernels = frozenset(k for k, v in verdicts.items() if isinstance(v, Match))
     return _fuse_groups(graph, clusters, verdicts, rejected, sibling_islands(graph, clusters, kernels), union=True)
+
+
+def _fuse_gated(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],
+                rejected: Rejections) -> tuple[tuple[Cluster, ...], dict[int, Match | Reject]]:
+    """Each matmul kernel whose result one pointwise kernel reads only through its parts
+    (``cluster.gated_epilogues``: ``silu(gate) * up`` of a merged gate/up projection) as one
+    matmul cluster, where the matmul template takes it; a pair it declines stays two kernels."""
+    kernels = frozenset(k for k, v in verdicts.items() if isinstance(v, Match))
+    return _fuse_groups(graph, clusters, verdicts, rejected, gated_epilogues(graph, clusters, kernels))
 
 
 def _fuse_groups(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],

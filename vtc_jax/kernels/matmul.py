@@ -41,6 +41,13 @@ takes ~16 KB weight tiles (``bk = 128`` for bf16), 4 pipeline stages and split-K
 The workspace ``ws`` has the output's logical shape with a leading split dim (only valid lanes
 are written or read), so an output that lands in Q and the K/V caches at ``pos`` is written by
 the reduce kernel only, after the whole sum.
+
+Gated GEMM (``rhs_parts``): a program may dot its A tile with several B operands of one shape —
+``x @ W[:, :F]`` and ``x @ W[:, F:]``, the gate and up halves of a merged projection, read through
+slices of ``W`` — and hand all the accumulators to the epilogue (``silu(g) * u``). XLA runs such
+a step as its GEMM writing ``g`` and ``u`` plus a loop fusion reading them back (the epilogue reads
+two parts of one GEMM result); here it is one launch and the product is never written. With
+split-K the workspace holds each part's partial sums (``ws[s * parts + p]``).
 """
 from __future__ import annotations
 
@@ -112,6 +119,7 @@ class _Config:
     epilogue: Callable[..., jax.Array] | None
     launch: GemmConfig                # blocks, stages, split_k (what the cost model reads too)
     prologue: tuple[Callable[[jax.Array], jax.Array] | None, ...] = (None, None)   # per operand
+    parts: int = 1                    # B operands dotted with each A tile (gated GEMM: gate, up)
 
     @property
     def split(self) -> int:
@@ -133,16 +141,21 @@ class _Config:
         return nb * self.split, nm, nn
 
 
-def _plan(a: VTensor, b: VTensor, dimension_numbers: Any, out: VTensor | None,
+def _plan(a: VTensor, bs: Sequence[VTensor], dimension_numbers: Any, out: VTensor | None,
           epilogue: Callable[..., jax.Array] | None, epilogue_args: Sequence[Any],
           preferred_element_type: Any, precision: Any, block_m: int | None, block_n: int | None,
           block_k: int | None, num_warps: int | None, num_stages: int | None, split_k: int | None,
           prologue_dtypes: tuple[Any, Any] = (None, None)
-          ) -> tuple[VTensor, VTensor, list[VTensor], VTensor, _Config]:
+          ) -> tuple[VTensor, list[VTensor], list[VTensor], VTensor, _Config]:
     """Check the operands, normalise the dimension numbers into groups and view every operand so
     that each group has at least one dim (size-1 dims through the layout, no data movement).
+    ``bs``: the B operand and the other parts of a gated GEMM (one shape and dtype).
 
-    Returns the viewed ``(a, b, epilogue args, out)`` and the kernel's configuration."""
+    Returns the viewed ``(a, bs, epilogue args, out)`` and the kernel's configuration."""
+    b = bs[0]
+    for x in bs[1:]:
+        if x.shape != b.shape or x.dtype != b.dtype:
+            raise ValueError(f"the parts of a gated GEMM differ: {x.shape} {x.dtype} against {b.shape} {b.dtype}")
     (lc, rc), (lb, rb) = dimension_numbers
     lc, rc, lb, rb = (tuple(int(d) for d in x) for x in (lc, rc, lb, rb))
     if len(lc) != len(rc) or len(lb) != len(rb):
@@ -174,14 +187,17 @@ def _plan(a: VTensor, b: VTensor, dimension_numbers: Any, out: VTensor | None,
         lf = (len(a.shape) - 1,)
         out = out.expand_dims((nb,))
         extras = [e.expand_dims((nb,)) for e in extras]
+    bs = list(bs)
     if not rf:
-        b = b.expand_dims((len(b.shape),))
+        bs = [x.expand_dims((len(x.shape),)) for x in bs]
+        b = bs[0]
         rf = (len(b.shape) - 1,)
         out = out.expand_dims((len(out.shape),))
         extras = [e.expand_dims((len(e.shape),)) for e in extras]
     if not lc:
         a = a.expand_dims((len(a.shape),))
-        b = b.expand_dims((len(b.shape),))
+        bs = [x.expand_dims((len(x.shape),)) for x in bs]
+        b = bs[0]
         lc, rc = (len(a.shape) - 1,), (len(b.shape) - 1,)
 
     # Contracting pairs in lhs dim order: the innermost lhs contracting dim gets the K block.
@@ -194,7 +210,7 @@ def _plan(a: VTensor, b: VTensor, dimension_numbers: Any, out: VTensor | None,
                          batch=math.prod(a.shape[d] for d in lb), a_itemsize=a.dtype.itemsize,
                          b_itemsize=b.dtype.itemsize, block_m=block_m, block_n=block_n,
                          block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                         split_k=split_k)
+                         split_k=split_k, b_parts=len(bs))
     bm, bn, bk = launch.block_m, launch.block_n, launch.block_k
     groups = {
         "B": Group(tuple(a.shape[d] for d in lb), (1,) * nb),
@@ -210,8 +226,8 @@ def _plan(a: VTensor, b: VTensor, dimension_numbers: Any, out: VTensor | None,
         _Operand.of(len(b.shape), {"B": rb, "N": rf, "K": rc}),
         _Operand.of(len(out.shape), {"B": range(nb), "M": range(nb, nb + nm),
                                      "N": range(nb + nm, len(out.shape))}),
-        np.dtype(compute_dtype), acc_dtype, precision, out.dtype, epilogue, launch)
-    return a, b, extras, out, cfg
+        np.dtype(compute_dtype), acc_dtype, precision, out.dtype, epilogue, launch, parts=len(bs))
+    return a, bs, extras, out, cfg
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,9 +242,10 @@ def _tile_origins(c: _Config, pb: Any, pm: Any, pn: Any) -> dict[str, tuple[Any,
             "N": g["N"].origins(pn, mark=True)}
 
 
-def _accumulate(c: _Config, a_ref: Any, b_ref: Any, origins: dict[str, tuple[Any, ...]],
-                k_first: Any, k_steps: int) -> jax.Array:
-    """Stages 1-2: the (bm, bn) f32 sum over K tiles ``k_first .. k_first + k_steps - 1``.
+def _accumulate(c: _Config, a_ref: Any, b_refs: Sequence[Any], origins: dict[str, tuple[Any, ...]],
+                k_first: Any, k_steps: int) -> tuple[jax.Array, ...]:
+    """Stages 1-2: the (bm, bn) f32 sums over K tiles ``k_first .. k_first + k_steps - 1``, one
+    per B part (the A tile loaded once for all of them).
 
     K tiles past the end (the last split of an uneven split-K) read zeros through vio's masks;
     when every tile index is below ``ntiles`` the K origins are marked in bounds (no K mask)."""
@@ -236,53 +253,61 @@ def _accumulate(c: _Config, a_ref: Any, b_ref: Any, origins: dict[str, tuple[Any
     exact = not isinstance(k_first, int) and c.split * c.k_per_split == g["K"].ntiles or \
         isinstance(k_first, int) and k_first + k_steps <= g["K"].ntiles
 
-    def step(i: Any, acc: jax.Array) -> jax.Array:
+    def step(i: Any, accs: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         kk = i if isinstance(k_first, int) and k_first == 0 else k_first + i
         org = dict(origins, K=g["K"].origins(kk, mark=exact))
         a_org, a_blk = c.op_a.origin_block(g, org)
         b_org, b_blk = c.op_b.origin_block(g, org)
-        xa, yb = a_ref.load(a_org, a_blk, fill=0.0), b_ref.load(b_org, b_blk, fill=0.0)
+        xa = a_ref.load(a_org, a_blk, fill=0.0)
         fa, fb = c.prologue
-        x = c.op_a.to_2d(xa if fa is None else fa(xa), "M", "K", g)
-        y = c.op_b.to_2d(yb if fb is None else fb(yb), "K", "N", g)
-        x, y = x.astype(c.compute_dtype), y.astype(c.compute_dtype)
-        return acc + jnp.dot(x, y, preferred_element_type=c.acc_dtype, precision=c.precision)
+        x = c.op_a.to_2d(xa if fa is None else fa(xa), "M", "K", g).astype(c.compute_dtype)
+        out = []
+        for b_ref, acc in zip(b_refs, accs):
+            yb = b_ref.load(b_org, b_blk, fill=0.0)
+            y = c.op_b.to_2d(yb if fb is None else fb(yb), "K", "N", g).astype(c.compute_dtype)
+            out.append(acc + jnp.dot(x, y, preferred_element_type=c.acc_dtype, precision=c.precision))
+        return tuple(out)
 
-    return fori(k_steps, step, jnp.zeros((g["M"].block, g["N"].block), c.acc_dtype))
+    zero = jnp.zeros((g["M"].block, g["N"].block), c.acc_dtype)
+    return fori(k_steps, step, (zero,) * len(b_refs))
 
 
-def _finish(c: _Config, acc: jax.Array, e_refs: Sequence[Any], o_ref: Any,
+def _finish(c: _Config, accs: Sequence[jax.Array], e_refs: Sequence[Any], o_ref: Any,
             origins: dict[str, tuple[Any, ...]]) -> None:
-    """Stage 3: epilogue in registers, then the store through the output's layout."""
+    """Stage 3: epilogue in registers (given every part's accumulator), then the store through
+    the output's layout."""
     g = c.groups
     bm, bn = g["M"].block, g["N"].block
     o_org, o_blk = c.op_o.origin_block(g, origins)
+    acc = accs[0]
     if c.epilogue is not None:
         extra = [e.load(o_org, o_blk, fill=0.0).reshape(bm, bn) for e in e_refs]
-        acc = c.epilogue(acc, *extra)
+        acc = c.epilogue(*accs, *extra)
     o_ref.store(o_org, o_blk, acc.astype(c.store_dtype).reshape(o_blk))
 
 
 def _matmul_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
     """Program (b, m, n): the (bm, bn) output tile, K looped inside (Listing 1's three stages)."""
-    a_ref, b_ref, e_refs = ins[0], ins[1], ins[2:]
+    a_ref, b_refs, e_refs = ins[0], ins[1:1 + c.parts], ins[1 + c.parts:]
     (o_ref,) = outs
     nb, nm, nn = c.out_grid
     origins = _tile_origins(c, *(program_id(i, n) for i, n in enumerate((nb, nm, nn))))
-    _finish(c, _accumulate(c, a_ref, b_ref, origins, 0, c.groups["K"].ntiles), e_refs, o_ref, origins)
+    _finish(c, _accumulate(c, a_ref, b_refs, origins, 0, c.groups["K"].ntiles), e_refs, o_ref, origins)
 
 
 def _splitk_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
-    """Program (b * S + s, m, n): split ``s``'s partial sum of the tile, to the f32 workspace."""
-    a_ref, b_ref = ins
+    """Program (b * S + s, m, n): split ``s``'s partial sums of the tile (one per part, at
+    ``s * parts + p``), to the f32 workspace."""
+    a_ref, b_refs = ins[0], ins[1:]
     (ws_ref,) = outs
     nb, nm, nn = c.out_grid
     p0 = pl.program_id(0)
     pb, s = (0, p0) if nb == 1 else (jax.lax.div(p0, jnp.int32(c.split)), jax.lax.rem(p0, jnp.int32(c.split)))
     origins = _tile_origins(c, pb, program_id(1, nm), program_id(2, nn))
-    acc = _accumulate(c, a_ref, b_ref, origins, s * c.k_per_split, c.k_per_split)
+    accs = _accumulate(c, a_ref, b_refs, origins, s * c.k_per_split, c.k_per_split)
     o_org, o_blk = c.op_o.origin_block(c.groups, origins)
-    ws_ref.store((InBounds(s), *o_org), (1, *o_blk), acc.reshape((1, *o_blk)))
+    for p, acc in enumerate(accs):
+        ws_ref.store((InBounds(s * c.parts + p), *o_org), (1, *o_blk), acc.reshape((1, *o_blk)))
 
 
 def _reduce_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
@@ -293,11 +318,14 @@ def _reduce_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
     nb, nm, nn = c.out_grid
     origins = _tile_origins(c, *(program_id(i, n) for i, n in enumerate((nb, nm, nn))))
     o_org, o_blk = c.op_o.origin_block(g, origins)
-    acc = None
-    for s in range(c.split):
-        part = ws_ref.load((s, *o_org), (1, *o_blk), fill=0.0).reshape(g["M"].block, g["N"].block)
-        acc = part if acc is None else acc + part
-    _finish(c, acc, e_refs, o_ref, origins)
+    accs = []
+    for p in range(c.parts):
+        acc = None
+        for s in range(c.split):
+            part = ws_ref.load((s * c.parts + p, *o_org), (1, *o_blk), fill=0.0).reshape(g["M"].block, g["N"].block)
+            acc = part if acc is None else acc + part
+        accs.append(acc)
+    _finish(c, accs, e_refs, o_ref, origins)
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,7 +338,7 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
            block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
            num_warps: int | None = None, num_stages: int | None = None, split_k: int | None = None,
            prologue: tuple[Any, Any] = (None, None), prologue_dtypes: tuple[Any, Any] = (None, None),
-           backend: str = "interpret") -> Any:
+           rhs_parts: Sequence[Any] = (), backend: str = "interpret") -> Any:
     """``lax.dot_general(a, b, dimension_numbers)`` (+ ``epilogue``) as Pallas Triton kernels:
     one kernel, or a split-K kernel plus a reduce kernel (decode shapes, see the module docstring).
 
@@ -346,6 +374,10 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
     prologue_dtypes: per operand, the dtype its ``prologue`` returns when it casts (a bf16 operand
         cast to f32 before the dot): the dot computes in the promoted type of these, as
         ``lax.dot_general`` on the cast operands does. None: the operand's own dtype.
+    rhs_parts: more B operands of ``b``'s shape and dtype (a gated GEMM: ``b`` and these are views
+        of one weight's gate and up halves). The kernel computes ``a · b`` and ``a · part`` for
+        each, and the epilogue, required then, takes all the accumulators before the extras:
+        ``epilogue(acc_b, *acc_parts, *extra)``; only its result is stored.
     backend: "interpret" (CPU) or "triton".
 
     Returns what ``Plan.unflatten`` gives for ``out``: the array for a fresh physical output,
@@ -354,21 +386,23 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if v is not None:
             check_pow2(name, v)
-    a, b, extras, out, cfg = _plan(VTensor.of(a), VTensor.of(b), dimension_numbers, out, epilogue,
-                                   epilogue_args, preferred_element_type, precision,
-                                   block_m, block_n, block_k, num_warps, num_stages, split_k,
-                                   prologue_dtypes)
+    if rhs_parts and epilogue is None:
+        raise ValueError("rhs_parts needs an epilogue combining the parts' products")
+    a, bs, extras, out, cfg = _plan(VTensor.of(a), [VTensor.of(x) for x in (b, *rhs_parts)], dimension_numbers,
+                                    out, epilogue, epilogue_args, preferred_element_type, precision,
+                                    block_m, block_n, block_k, num_warps, num_stages, split_k,
+                                    prologue_dtypes)
     if any(f is not None for f in prologue):
         cfg = dataclasses.replace(cfg, prologue=tuple(prologue))
     cfg = dataclasses.replace(cfg, compute_dtype=interpreter_dtype(cfg.compute_dtype, backend))
     stages, num_warps = cfg.launch.num_stages, cfg.launch.num_warps
     if cfg.split == 1:
-        plan = Plan.build([a, b, *extras], [out])
+        plan = Plan.build([a, *bs, *extras], [out])
         bufs = plan.call(functools.partial(_matmul_kernel, cfg), grid=cfg.grid, backend=backend,
                          num_warps=num_warps, num_stages=stages, name="vtc_matmul")
         return pack_results(bufs)[0]
-    ws = VTensor.fresh((cfg.split, *out.shape), cfg.acc_dtype)
-    ((partials,),) = Plan.build([a, b], [ws]).call(
+    ws = VTensor.fresh((cfg.split * cfg.parts, *out.shape), cfg.acc_dtype)
+    ((partials,),) = Plan.build([a, *bs], [ws]).call(
         functools.partial(_splitk_kernel, cfg), grid=cfg.grid, backend=backend,
         num_warps=num_warps, num_stages=stages, name="vtc_matmul_splitk")
     plan = Plan.build([VTensor.physical(partials), *extras], [out])

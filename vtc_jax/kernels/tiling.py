@@ -459,6 +459,7 @@ class GemmConfig:
     a_itemsize: int = 2
     b_itemsize: int = 2
     sms: int = NUM_SMS
+    b_parts: int = 1          # B tiles per K step (a gated GEMM's gate and up parts)
 
     @property
     def m_tiles(self) -> int:
@@ -499,7 +500,7 @@ class GemmConfig:
     @property
     def tile_bytes(self) -> int:
         """Bytes of one K step's A and B tiles."""
-        return self.block_k * (self.block_m * self.a_itemsize + self.block_n * self.b_itemsize)
+        return self.block_k * (self.block_m * self.a_itemsize + self.block_n * self.b_itemsize * self.b_parts)
 
     @property
     def bytes_per_cta(self) -> int:
@@ -511,7 +512,7 @@ class GemmConfig:
 
     @property
     def workspace_bytes(self) -> int:
-        return 0 if self.split_k == 1 else 2 * self.split_k * self.batch * self.m * self.n * 4
+        return 0 if self.split_k == 1 else 2 * self.split_k * self.batch * self.m * self.n * 4 * self.b_parts
 
 
 def prefill_tiles(m: int, n: int, *, batch: int = 1, itemsize: int = 2,
@@ -530,7 +531,7 @@ def prefill_tiles(m: int, n: int, *, batch: int = 1, itemsize: int = 2,
 def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, b_itemsize: int = 2,
                 block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None, split_k: int | None = None,
-                sms: int = NUM_SMS) -> GemmConfig:
+                sms: int = NUM_SMS, b_parts: int = 1) -> GemmConfig:
     """The launch the matmul template uses for these sizes (``None`` = the template's choice).
 
     Why three regimes: a 16-bit prefill GEMM with enough big tiles takes :func:`prefill_tiles`
@@ -546,10 +547,16 @@ def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, 
     ``2 * sms`` programs, as long as each split keeps at least ``num_stages`` K tiles (a shorter
     loop cannot fill the pipeline). Gate/up (N = 28672: 448 programs) needs no split. Batched
     GEMMs (``batch > 1``) never split.
+
+    ``b_parts``: the B tiles each program loads per K step (a gated GEMM computes ``x @ W_gate``
+    and ``x @ W_up`` side by side for its epilogue, ``silu(g) * u``): the staged weight bytes are
+    budgeted over all of them — a decode tile of ~16 KB across the parts, the shared-memory cap on
+    their sum — and the prefill tiles, sized for one B tile, are not taken. ``n`` is one part's.
     """
     decode = m <= DECODE_MAX_M
     big = (prefill_tiles(m, n, batch=batch, itemsize=max(a_itemsize, b_itemsize), sms=sms)
-           if block_m is None and block_n is None and block_k is None and num_warps is None else None)
+           if block_m is None and block_n is None and block_k is None and num_warps is None
+           and b_parts == 1 else None)
     if big is not None:
         block_m, block_n, block_k, num_warps = big
     block_m = _SMALL_TILES[0] if block_m is None else block_m
@@ -560,7 +567,7 @@ def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, 
     if auto_k:
         block_k = 32
         if decode:
-            block_k = min(256, max(32, _DECODE_B_TILE // (bn * b_itemsize)))
+            block_k = min(256, max(32, _DECODE_B_TILE // (bn * b_itemsize * b_parts)))
     check_pow2("block_k", block_k)
     bk = min(block_k, max(MIN_DOT_BLOCK, next_pow2(k)))
     if num_stages is None:
@@ -568,10 +575,11 @@ def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, 
     # A wide K tile is for a narrow N: with M up to 64 rows and f32 the staged A tiles dominate;
     # halve the automatic bk until the pipeline fits the budget (EfficientViT's f32 attention
     # matmuls asked for 288 KB at bk 256).
-    while auto_k and bk > 32 and max(1, num_stages - 1) * bk * (bm * a_itemsize + bn * b_itemsize) > _DECODE_SMEM:
+    while auto_k and bk > 32 and \
+            max(1, num_stages - 1) * bk * (bm * a_itemsize + bn * b_itemsize * b_parts) > _DECODE_SMEM:
         bk //= 2
     k_tiles = cdiv(k, bk)
-    base = batch * cdiv(m, bm) * cdiv(n, bn)
+    base = batch * cdiv(m, bm) * cdiv(n, bn) * b_parts   # (a program streaming two parts counts twice)
     if split_k is None:
         split_k = 1
         # only unbatched (weight-streaming) projections split: a batched product (per-head
@@ -582,7 +590,7 @@ def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, 
                 split_k *= 2
     split_k = normalize_split(k_tiles, split_k)
     return GemmConfig(batch, m, n, k, bm, bn, bk, split_k, num_warps, num_stages, a_itemsize,
-                      b_itemsize, sms)
+                      b_itemsize, sms, b_parts)
 
 
 def normalize_split(k_tiles: int, split_k: int) -> int:

@@ -395,6 +395,7 @@ class Plan:
                    if not _is_fresh(b)} if same_place else {}
         in_place_arg: dict[int, int] = {}   # id(buffer) -> its (aliased) argument index
         in_flat: dict[int, bool] = {}       # id(buffer) -> how the aliased operand is passed
+        read_arg: dict[tuple[int, bool], int] = {}   # (id(buffer), flat) -> its argument index
         in_b = []
         outs_b = frozenset(id(b) for w in outputs for b in w.buffers)
         for x in inputs:
@@ -408,10 +409,14 @@ class Plan:
                 if id(b) in in_place_arg:
                     slots.append(in_place_arg[id(b)])
                     continue
+                if (id(b), f) in read_arg and id(b) not in outs_b:   # one buffer read through two
+                    slots.append(read_arg[(id(b), f)])               # views (a gated GEMM's halves
+                    continue                                         # of one weight) is passed once
                 if id(b) in over or (id(b) in written and written[id(b)] == (pieces_on(v, k), f)
                                      and v.shape == outputs[0].shape):
                     in_place_arg[id(b)] = len(args)
                     in_flat[id(b)] = f
+                read_arg[(id(b), f)] = len(args)
                 slots.append(len(args))
                 args.append(b.reshape(-1) if f else b)
             in_b.append(_Binding(v.layout, v.dtype, tuple(tuple(b.shape) for b in v.buffers),

@@ -11,6 +11,12 @@ The kernel's dot computes at the op's own ``precision`` param (resolved against
 ``jax_default_matmul_precision`` when the kernel is built, :func:`kernels.tiling.dot_precision`):
 an f32 dot at jax's default runs on TF32 tensor cores as ``jax.jit``'s does, one at ``HIGHEST`` is
 IEEE f32. An op asking for an algorithm Pallas' Triton dot lacks (FP8, F64) stays in XLA.
+
+A matmul cluster may also hold a split (or slices) of the dot's result along a weight column dim
+with an epilogue reading the parts (``selection`` merges a gated MLP's GEMM and its
+``silu(gate) * up``): the kernel dots each A tile with each part's columns of the weight, read
+through slices of it, and the epilogue takes every part's tile (``kernels.matmul``'s
+``rhs_parts``). The dot's result is never formed.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from ..graph import Graph
 from ..kernels.conv import conv
 from ..kernels.matmul import matmul
 from ..kernels.pointwise import f32_math
+from ..kernels.vio import VTensor
 from ..kernels.tiling import dtype_unsupported, precision_unsupported
 from ..primitives import Kind
 from .base import Decline, Run, Step, Template
@@ -41,6 +48,8 @@ class ContractionMatch:
     extras: tuple[int, ...]       # epilogue operands read from outside (bias, residual rows)
     operands: tuple[int, ...] = ()                  # what the kernel loads for lhs, rhs
     prologue: tuple[tuple[int, ...], ...] = ((), ())   # per operand: its unary chain's ops
+    # a gated epilogue's parts of the dot result: (part tensor, rhs dim, start, stop) each
+    parts: tuple[tuple[int, int, int, int], ...] = ()
 
 
 def _prologue(graph: Graph, c: Cluster, x: int) -> tuple[int, tuple[int, ...]]:
@@ -72,6 +81,8 @@ def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
             if primitive == "conv_general_dilated" and (why := dtype_unsupported(dt)):
                 raise Decline(why)
         rest = tuple(o for o in c.ops if o != op.id and o not in pa and o not in pb)
+        parts, cuts = _parts(graph, c, op) if primitive == "dot_general" else ((), ())
+        rest = tuple(o for o in rest if o not in cuts)
         why = block_supported(graph, rest + pa + pb)
         if why:
             raise Decline(why)
@@ -79,8 +90,51 @@ def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
                                  ((pa, lhs, op.inputs[0]), (pb, rhs, op.inputs[1]))):
             raise Decline("both operands' prologues map 0 elsewhere (masked lanes would count)")
         extras = kernel_inputs(graph, c, exclude=(lhs, rhs))
-        return ContractionMatch(op.id, rest, extras, (lhs, rhs), (pa, pb))
+        return ContractionMatch(op.id, rest, extras, (lhs, rhs), (pa, pb), parts)
     return match
+
+
+def _parts(graph: Graph, c: Cluster, op: Any) -> tuple[tuple[tuple[int, int, int, int], ...], tuple[int, ...]]:
+    """``(parts, the cutting ops)`` when the cluster reads the dot's result only through a split or
+    unit-stride slices along one rhs free dim, all parts of one shape, the cluster's result of that
+    shape (its epilogue is element-wise over a part); ``((), ())`` when it reads no part."""
+    own, d = set(c.ops), op.outputs[0]
+    readers = [u for u in graph.consumers(d) if u.id in own]
+    if not any(u.primitive in ("split", "slice") for u in readers):
+        return (), ()
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    lhs, rhs = (graph.tensors[x] for x in op.inputs[:2])
+    n_lf = len(lhs.shape) - len(lc) - len(lb)
+    rf = [k for k in range(len(rhs.shape)) if k not in rc and k not in rb]
+    shape = tuple(graph.tensors[d].shape)
+    parts, cuts, dims = [], [], set()
+    for u in readers:
+        if u.primitive == "split":
+            axis = u.params["axis"]
+            starts = np.cumsum((0, *u.params["sizes"][:-1]))
+            spans = [(x, axis, int(a), int(a) + int(n)) for x, a, n in zip(u.outputs, starts, u.params["sizes"])]
+        elif u.primitive == "slice" and not any(st not in (None, 1) for st in (u.params.get("strides") or ())):
+            lo, hi = u.params["start_indices"], u.params["limit_indices"]
+            cut = [k for k in range(len(shape)) if (lo[k], hi[k]) != (0, shape[k])]
+            if len(cut) > 1:
+                raise Decline("the dot's result is sliced along more than one dim")
+            axis = cut[0] if cut else len(shape) - 1
+            spans = [(u.outputs[0], axis, int(lo[axis]), int(hi[axis]))]
+        else:
+            raise Decline(f"the dot's result is read by {u.primitive} beside the parts an epilogue reads")
+        cuts.append(u.id)
+        for x, axis, a, b in spans:
+            dims.add(axis)
+            if graph.consumers(x):   # (a split's part nobody reads is not computed)
+                parts.append((x, axis, a, b))
+    j = next(iter(dims)) - len(lb) - n_lf
+    if len(dims) != 1 or not 0 <= j < len(rf):
+        raise Decline("the dot's result is cut along a dim that is not one of the weight's columns")
+    if not parts or len({tuple(graph.tensors[x].shape) for x, *_ in parts}) != 1:
+        raise Decline("the parts of the dot's result differ in shape")
+    if tuple(graph.tensors[c.outputs[0]].shape) != tuple(graph.tensors[parts[0][0]].shape):
+        raise Decline("the epilogue's result is not of the parts' shape")
+    return tuple((x, rf[j], a, b) for x, _, a, b in parts), tuple(cuts)
 
 
 def _keeps_zero(graph: Graph, chain: tuple[int, ...], base: int, x: int) -> bool:
@@ -100,14 +154,29 @@ def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, Contrac
         if any(f is not None for f in pro) and after != tuple(graph.tensors[t].dtype for t in (lhs, rhs)):
             kw_pro["prologue_dtypes"] = after
         o = c.outputs[0]
-        epi = f32_math(block_fn(graph, m.rest, [op.outputs[0], *m.extras], [o])) if m.rest else None
+        results = [x for x, *_ in m.parts] or [op.outputs[0]]
+        epi = f32_math(block_fn(graph, m.rest, [*results, *m.extras], [o])) if m.rest else None
         shape = tuple(graph.tensors[o].shape)
+
+        def rhs_views(run: Run) -> tuple[Any, list[Any]]:
+            """The weight, or each part's columns of it (slices: views, nothing copied)."""
+            w = run.vtensor(rhs)
+            if not m.parts:
+                return w, []
+            w = VTensor.of(w)
+            full = tuple(w.shape)
+            views = [w.with_layout(w.layout.slice(tuple(a if k == d else 0 for k in range(len(full))),
+                                                   tuple(b if k == d else n for k, n in enumerate(full))))
+                     for _, d, a, b in m.parts]
+            return views[0], views[1:]
 
         def step(run: Run) -> None:
             out = run.out_vtensor(o)
-            res = call_kernel(run.vtensor(lhs), run.vtensor(rhs), op.params, backend, out=out, epilogue=epi,
+            w, more = rhs_views(run)
+            kw_parts = {"rhs_parts": more} if more else {}
+            res = call_kernel(run.vtensor(lhs), w, op.params, backend, out=out, epilogue=epi,
                               epilogue_args=[broadcast_input(run.vtensor(t), shape) for t in m.extras],
-                              **kw_pro)
+                              **kw_pro, **kw_parts)
             run.written(o, out, buffers_of(res))
 
         return step
@@ -128,5 +197,6 @@ def _conv(x: Any, w: Any, p: Mapping[str, Any], backend: str, **kw: Any) -> Any:
                 backend=backend, **kw)
 
 
-MATMUL = Template(Kind.MATMUL, library=True, match=_match("dot_general"), build=_build(_matmul))
+MATMUL = Template(Kind.MATMUL, library=True, match=_match("dot_general"), build=_build(_matmul),
+                  fuses_beyond_xla=lambda m: len(m.parts) > 1)
 CONV = Template(Kind.CONV, library=True, match=_match("conv_general_dilated"), build=_build(_conv))

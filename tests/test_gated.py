@@ -1,0 +1,158 @@
+"""A gated MLP's GEMM with its ``act(gate) * up`` as the epilogue: one kernel dotting each A tile
+with both halves of the weight (``cluster.gated_epilogues``, ``ContractionMatch.parts``,
+``kernels.matmul``'s ``rhs_parts``), where XLA runs a GEMM writing both halves and a loop fusion
+reading them back. Every result is compared with ``jax.jit`` (f32 at 1e-5 of the largest value,
+bf16 at 2e-2) or with numpy."""
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vtc_jax
+from vtc_jax.kernels.matmul import matmul
+from vtc_jax.kernels.vio import VTensor
+from vtc_jax.testing import cross_lower
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def _optimize(fn, **kw):
+    """The kernels themselves (the guard off: at these sizes XLA may price lower)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
+        return vtc_jax.optimize(fn, **{"guard": None, **kw})
+
+
+def _close(out, ref, tol):
+    o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    np.testing.assert_allclose(o, r, rtol=0, atol=tol * max(1.0, float(np.max(np.abs(r)))))
+
+
+def _eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and e.primitive.name != "pallas_call":
+                    yield from _eqns(inner)
+
+
+def _shapes_made(fn, args):
+    """(primitive, output shape) of every equation of the emitted program."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return [(e.primitive.name, tuple(v.aval.shape)) for e in _eqns(jaxpr) for v in e.outvars]
+
+
+# --- the styles --------------------------------------------------------------------------------
+
+def llama_mlp(x, w_gate_up, w_down):
+    """Llama / the example: one merged projection, ``jnp.split``, SiLU, f32 accumulation."""
+    gu = jnp.dot(x, w_gate_up, preferred_element_type=jnp.float32)
+    gate, up = jnp.split(gu, 2, axis=-1)
+    return jnp.dot((jax.nn.silu(gate) * up).astype(x.dtype), w_down, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def gemma_mlp(x, w_gate_up, w_down):
+    """Gemma / Phi-3 style: (B, T, D) activations by einsum, halves cut by slicing, tanh GELU."""
+    f = w_gate_up.shape[-1] // 2
+    gu = jnp.einsum("btd,df->btf", x, w_gate_up)
+    return jnp.einsum("btf,fd->btd", jax.nn.gelu(gu[..., :f], approximate=True) * gu[..., f:], w_down)
+
+
+def _args(style, dtype, d=64, f=128):
+    ks = jax.random.split(jax.random.PRNGKey(3), 3)
+    lead = (4,) if style is llama_mlp else (2, 3)
+    return (jax.random.normal(ks[0], (*lead, d), dtype), (0.2 * jax.random.normal(ks[1], (d, 2 * f))).astype(dtype),
+            (0.2 * jax.random.normal(ks[2], (f, d))).astype(dtype))
+
+
+@pytest.mark.parametrize("style", [llama_mlp, gemma_mlp])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_gate_and_up_product_is_never_written(style, dtype):
+    """The GEMM and ``act(gate) * up`` are one kernel writing (…, F): no equation makes the
+    (…, 2F) product, and the result equals jit's."""
+    args = _args(style, dtype)
+    fn = _optimize(style)
+    _close(fn(*args), jax.jit(style)(*args), TOL[dtype])
+    made = _shapes_made(fn, args)
+    assert not [m for m in made if m[1][-1:] == (256,)], made
+    assert ("pallas_call", (*args[0].shape[:-1], 128)) in made, made
+
+
+def test_the_gated_kernel_under_vmap_and_grad():
+    args = _args(llama_mlp, jnp.float32)
+    fn = _optimize(llama_mlp)
+    batched = tuple(jnp.stack([a, 0.5 * a]) for a in args)
+    _close(jax.vmap(fn)(*batched), jax.vmap(jax.jit(llama_mlp))(*batched), TOL[jnp.float32])
+
+    def loss(f):
+        return lambda x, w, wd: jnp.sum(f(x, w, wd) ** 2)
+    for g, r in zip(jax.grad(loss(fn), argnums=(0, 1))(*args), jax.grad(loss(jax.jit(llama_mlp)), argnums=(0, 1))(*args)):
+        _close(g, r, 1e-4)
+
+
+def test_a_product_read_whole_as_well_is_left_as_it_was():
+    """The merged product is also returned: no gated kernel (its halves would be computed twice),
+    the results equal jit's."""
+    def mlp_and_product(x, w, wd):
+        gu = x @ w
+        g, u = jnp.split(gu, 2, axis=-1)
+        return (jax.nn.silu(g) * u) @ wd, gu
+    args = _args(llama_mlp, jnp.float32)
+    fn = _optimize(mlp_and_product)
+    for o, r in zip(fn(*args), jax.jit(mlp_and_product)(*args)):
+        _close(o, r, TOL[jnp.float32])
+    rep = vtc_jax.explain(mlp_and_product, guard=None)(*args)
+    assert "fused into matmul cluster" not in str(rep), str(rep)
+
+
+def test_halves_cut_along_rows_are_no_gated_epilogue():
+    """A split of the product's rows is not a part of the weight: left as it was, equal to jit."""
+    def rows(x, w):
+        a, b = jnp.split(x @ w, 2, axis=0)
+        return jax.nn.silu(a) * b
+    args = _args(llama_mlp, jnp.float32)[:2]
+    fn = _optimize(rows)
+    _close(fn(*args), jax.jit(rows)(*args), TOL[jnp.float32])
+    assert "fused into matmul cluster" not in str(vtc_jax.explain(rows, guard=None)(*args))
+
+
+@pytest.mark.parametrize("split_k", [None, 2, 4])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_kernel_dots_each_part_and_hands_all_to_the_epilogue(split_k, dtype):
+    """``kernels.matmul`` with ``rhs_parts``, with and without split-K (each part's partial sums
+    in the workspace), three parts of a weight read through slices: equals numpy."""
+    ks = jax.random.split(jax.random.PRNGKey(5), 2)
+    a = jax.random.normal(ks[0], (8, 256), dtype)
+    w = (0.1 * jax.random.normal(ks[1], (256, 96))).astype(dtype)
+    wv = VTensor.physical(w)
+    parts = [wv.with_layout(wv.layout.slice((0, 32 * i), (256, 32 * i + 32))) for i in range(3)]
+    out = matmul(a, parts[0], rhs_parts=parts[1:], dimension_numbers=(((1,), (0,)), ((), ())),
+                 epilogue=lambda g, u, v: jax.nn.silu(g) * u + v, split_k=split_k, block_k=32,
+                 preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+    p = np.asarray(a, np.float64) @ np.asarray(w, np.float64)
+    g, u, v = p[:, :32], p[:, 32:64], p[:, 64:]
+    _close(out, g / (1 + np.exp(-g)) * u + v, 1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+def test_parts_without_an_epilogue_are_refused():
+    w = VTensor.physical(jnp.ones((16, 32)))
+    with pytest.raises(ValueError, match="needs an epilogue"):
+        matmul(jnp.ones((16, 16)), w, rhs_parts=[w], dimension_numbers=(((1,), (0,)), ((), ())))
+
+
+def test_the_gated_kernel_lowers_for_cuda_reading_its_weight_once():
+    """Cross-lowered for CUDA: one Triton matmul kernel for the gated GEMM, verified IR, the
+    merged weight passed once (both halves are views of it)."""
+    args = _args(llama_mlp, jnp.bfloat16)
+    mod = cross_lower(_optimize(llama_mlp, backend="triton"), *args)
+    names = [k.name for k in mod.triton_kernels]
+    assert names.count("vtc_matmul") == 1, names
+    jaxpr = jax.make_jaxpr(_optimize(llama_mlp, backend="triton"))(*args).jaxpr
+    (call,) = [e for e in _eqns(jaxpr) if e.primitive.name == "pallas_call"]
+    assert [tuple(v.aval.shape) for v in call.invars].count((64, 256)) == 1, call.invars
