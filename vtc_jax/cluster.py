@@ -536,7 +536,7 @@ def fuse_islands(graph: Graph, clusters: Sequence[Cluster], islands: Sequence[Se
         if why is not None:
             left[min(o for k in members for o in by_id[k].ops)] = why
             continue
-        keep = gid_of[next((k for k in sorted(members) if by_id[k].kind != Kind.POINTWISE), min(members))]
+        keep = gid_of[min(members, key=lambda k: (_KEEPS_KIND.get(by_id[k].kind, 0), k))]
         for k in island:
             g = gid_of[k]
             if g == keep:
@@ -649,6 +649,86 @@ def sibling_islands(graph: Graph, clusters: Sequence[Cluster], kernels: frozense
             groups.append(group)
             taken |= group
     return groups
+
+
+def residual_epilogues(graph: Graph, clusters: Sequence[Cluster], kernels: frozenset[int]) -> list[set[int]]:
+    """``{matmul cluster, pointwise cluster}`` pairs where the pointwise kernel is element-wise over
+    the matmul's result, which nothing else reads, and reads other tensors of that size (a residual
+    stream: ``x + (attn @ W_o).astype(x.dtype)``). Clustering keeps such operands out of a matmul's
+    epilogue (:func:`_grow_epilogue` takes bias-like ones), so the sum is a launch of its own —
+    XLA's, beside a Pallas kernel; merged (:func:`fuse_islands`), the matmul template reads the
+    residual in its epilogue (its split-K reduce's, for a decode projection). ``kernels``: the
+    clusters with a kernel verdict."""
+    of_op = {o: c.id for c in clusters for o in c.ops}
+    by_id = {c.id: c for c in clusters}
+    out: list[set[int]] = []
+    for m in clusters:
+        if m.kind != Kind.MATMUL or m.id not in kernels or len(m.outputs) != 1 or m.outputs[0] in graph.outputs:
+            continue
+        t = m.outputs[0]
+        users = {of_op[u.id] for u in graph.consumers(t)}
+        if len(users) != 1:
+            continue
+        (p,) = users
+        c = by_id[p]
+        shape = tuple(graph.tensors[t].shape)
+        if p in kernels and c.kind == Kind.POINTWISE and not any(is_movement_op(graph.ops[o], graph) for o in c.ops) \
+                and all(tuple(graph.tensors[x].shape) == shape for x in c.outputs):
+            out.append({m.id, p})
+    return out
+
+
+# which member's kind a fused group takes: the contraction's (or attention's), then a reduction's
+_KEEPS_KIND = {Kind.REDUCTION: 1, Kind.POINTWISE: 2}
+
+
+def norm_prologues(graph: Graph, clusters: Sequence[Cluster], kernels: frozenset[int]) -> list[set[int]]:
+    """``{matmul cluster, reduction cluster, pointwise clusters...}`` groups where the reduction
+    kernel computes the matmul's A operand and nothing else (a pre-norm's ``rms_norm(x) @ W``),
+    with the pointwise kernels that make only its rows (the norm weight's cast, read through a
+    broadcast). XLA runs the norm as one or two fusions before its GEMM (it fuses no reduction into
+    a GEMM); merged (:func:`fuse_islands`), the matmul template folds the norm into its K loop
+    (``templates.contraction``: ``ContractionMatch.fold``), or declines and the group stays apart.
+    ``kernels``: the clusters with a kernel verdict."""
+    made_by = {t: c for c in clusters for t in c.outputs}
+    of_op = {o: c.id for c in clusters for o in c.ops}
+    out: list[set[int]] = []
+    for m in clusters:
+        if m.kind != Kind.MATMUL or m.id not in kernels:
+            continue
+        dots = [graph.ops[o] for o in m.ops if graph.ops[o].primitive == "dot_general"]
+        if len(dots) != 1 or (r := made_by.get(dots[0].inputs[0])) is None:
+            continue
+        h = dots[0].inputs[0]
+        if r.kind != Kind.REDUCTION or r.id not in kernels or tuple(r.outputs) != (h,) or h in graph.outputs \
+                or any(of_op[u.id] != m.id for u in graph.consumers(h)):
+            continue
+        group = {m.id, r.id}
+        for t in r.inputs:   # a weight cast feeding only the norm (through a broadcast, say)
+            c = made_by.get(t)
+            while c is not None and c.kind == Kind.MOVEMENT and len(c.inputs) == 1:
+                c = made_by.get(c.inputs[0])
+            if c is not None and c.kind == Kind.POINTWISE and c.id in kernels and _only_into(graph, c, r, made_by, of_op):
+                group.add(c.id)
+        out.append(group)
+    return out
+
+
+def _only_into(graph: Graph, c: Cluster, r: Cluster, made_by: dict[int, Cluster], of_op: dict[int, int]) -> bool:
+    """Whether everything ``c`` makes reaches nothing but ``r``, directly or through movement alone."""
+    stack = list(c.outputs)
+    while stack:
+        t = stack.pop()
+        if t in graph.outputs:
+            return False
+        for u in graph.consumers(t):
+            k = made_by.get(u.outputs[0]) if u.outputs else None
+            if of_op[u.id] == r.id:
+                continue
+            if k is None or k.kind != Kind.MOVEMENT:
+                return False
+            stack.extend(k.outputs)
+    return True
 
 
 # the movement ops that cut a GEMM's result into the parts a gated epilogue reads

@@ -22,7 +22,10 @@ compute cluster with its verdict (:class:`~vtc_jax.templates.Match`, or
    rotations, ``cluster.sibling_islands``) become one kernel over the union of their shapes;
    a matmul kernel whose result a pointwise kernel reads only through the parts a split cuts out
    of it (a gated MLP's ``silu(gate) * up``, ``cluster.gated_epilogues``) takes it as its epilogue,
-   the weight's halves dotted side by side;
+   the weight's halves dotted side by side; and one whose A operand a row-norm kernel computes
+   (a pre-norm's ``rms_norm(x) @ W``, ``cluster.norm_prologues``) folds the norm into its K loop,
+   after each matmul kernel has taken the element-wise kernel reading only its result and rows of
+   its size (a residual sum, ``cluster.residual_epilogues``) as its epilogue;
 5. **XLA verdicts** (``xla.xla_fuses``): pointwise work XLA fuses better is rejected with the
    reason, recorded in ``xla_fused`` (XLA's by choice, not a fallback); so is a cluster touching a
    tensor with no elements (``templates.empty_problem``: nothing for a kernel to do).
@@ -37,7 +40,8 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .cluster import Cluster, cluster, fuse_islands, gated_epilogues, query_prologue_islands, sibling_islands
+from .cluster import (Cluster, cluster, fuse_islands, gated_epilogues, norm_prologues, query_prologue_islands,
+                      residual_epilogues, sibling_islands)
 from .graph import Graph
 from .primitives import Kind, is_movement_op
 from .templates import Match, Reject, empty_problem, match_all
@@ -86,6 +90,8 @@ def select(graph: Graph, rejected: Rejections | None = None, *, xla_fusion: bool
         clusters, verdicts = _fuse_query_prologues(graph, clusters, verdicts, rejected)
         clusters, verdicts = _fuse_siblings(graph, clusters, verdicts, rejected)
         clusters, verdicts = _fuse_gated(graph, clusters, verdicts, rejected)
+        clusters, verdicts = _fuse_residuals(graph, clusters, verdicts, rejected)
+        clusters, verdicts = _fuse_norms(graph, clusters, verdicts, rejected)
         fused = xla_fuses(graph, clusters, verdicts, not_fused)
     fused.update({c.id: why for c in clusters if isinstance(verdicts.get(c.id), Match)
                   for why in [empty_problem(graph, c)] if why is not None})
@@ -127,6 +133,23 @@ def _fuse_gated(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int,
     matmul cluster, where the matmul template takes it; a pair it declines stays two kernels."""
     kernels = frozenset(k for k, v in verdicts.items() if isinstance(v, Match))
     return _fuse_groups(graph, clusters, verdicts, rejected, gated_epilogues(graph, clusters, kernels))
+
+
+def _fuse_residuals(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],
+                    rejected: Rejections) -> tuple[tuple[Cluster, ...], dict[int, Match | Reject]]:
+    """Each matmul kernel with the element-wise kernel reading only its result (and residual rows,
+    ``cluster.residual_epilogues``) as one matmul cluster, where the matmul template takes it."""
+    kernels = frozenset(k for k, v in verdicts.items() if isinstance(v, Match))
+    return _fuse_groups(graph, clusters, verdicts, rejected, residual_epilogues(graph, clusters, kernels))
+
+
+def _fuse_norms(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],
+                rejected: Rejections) -> tuple[tuple[Cluster, ...], dict[int, Match | Reject]]:
+    """Each matmul kernel whose A operand one row-norm kernel computes (``cluster.norm_prologues``,
+    with the norm weight's cast) as one matmul cluster folding the norm, where the matmul template
+    takes it; a group it declines stays its kernels."""
+    kernels = frozenset(k for k, v in verdicts.items() if isinstance(v, Match))
+    return _fuse_groups(graph, clusters, verdicts, rejected, norm_prologues(graph, clusters, kernels))
 
 
 def _fuse_groups(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],

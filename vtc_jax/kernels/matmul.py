@@ -48,6 +48,16 @@ slices of ``W`` — and hand all the accumulators to the epilogue (``silu(g) * u
 a step as its GEMM writing ``g`` and ``u`` plus a loop fusion reading them back (the epilogue reads
 two parts of one GEMM result); here it is one launch and the product is never written. With
 split-K the workspace holds each part's partial sums (``ws[s * parts + p]``).
+
+Folded row norm (``fold``): the A operand is a row norm of what the kernel loads — RMSNorm's
+``(x * rsqrt(mean(x²) + eps) * w).astype(bf16)`` — whose row statistic spans all of K, the
+contraction. The statistic's row factor commutes with the dot (``(r ⊙ y) · B = r ⊙ (y · B)``), so
+the kernel loads ``x`` (and the norm's other rows, ``w``) tile by tile, dots ``y = f(x, w)`` (the
+norm with the factor taken as 1), sums the statistic's summand (``x²``) over the same tiles, and
+scales the accumulator rows by the factor in the epilogue: the norm is never written, and the
+statistic costs no extra read. With split-K each split's partial statistic goes to a second
+workspace (written by the programs of the first N tile) and the reduce sums them. The rounding
+of the dot's operand moves (``y`` rounded, not ``r ⊙ y``): within the operand dtype's precision.
 """
 from __future__ import annotations
 
@@ -106,6 +116,19 @@ class _Operand:
 
 
 @dataclass(frozen=True, eq=False)
+class Fold:
+    """A row norm folded into the A operand (module docstring): ``prologue(*tiles)`` is the A tile
+    with the statistic's factor taken as 1, ``statistic(*tiles)`` the summand of the row statistic
+    (summed over K), ``scale(stat)`` the factor from the whole row's sum, a ``(bm, 1)`` block.
+    ``inputs``: the norm's rows besides A itself, each of A's shape (broadcast views); the tiles are
+    A's and theirs, in that order, in A's dim order."""
+    prologue: Callable[..., jax.Array]
+    statistic: Callable[..., jax.Array]
+    scale: Callable[[jax.Array], jax.Array]
+    inputs: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
 class _Config:
     """Everything static about one matmul kernel."""
     groups: dict[str, Group]          # "B", "M", "N", "K"
@@ -120,6 +143,7 @@ class _Config:
     launch: GemmConfig                # blocks, stages, split_k (what the cost model reads too)
     prologue: tuple[Callable[[jax.Array], jax.Array] | None, ...] = (None, None)   # per operand
     parts: int = 1                    # B operands dotted with each A tile (gated GEMM: gate, up)
+    fold: Fold | None = None          # a row norm folded into A (its statistic summed in the K loop)
 
     @property
     def split(self) -> int:
@@ -243,9 +267,10 @@ def _tile_origins(c: _Config, pb: Any, pm: Any, pn: Any) -> dict[str, tuple[Any,
 
 
 def _accumulate(c: _Config, a_ref: Any, b_refs: Sequence[Any], origins: dict[str, tuple[Any, ...]],
-                k_first: Any, k_steps: int) -> tuple[jax.Array, ...]:
+                k_first: Any, k_steps: int, f_refs: Sequence[Any] = ()) -> tuple[jax.Array, ...]:
     """Stages 1-2: the (bm, bn) f32 sums over K tiles ``k_first .. k_first + k_steps - 1``, one
-    per B part (the A tile loaded once for all of them).
+    per B part (the A tile loaded once for all of them), then — with a folded norm — the (bm, 1)
+    sum of its statistic over the same tiles (``f_refs``: the norm's other rows).
 
     K tiles past the end (the last split of an uneven split-K) read zeros through vio's masks;
     when every tile index is below ``ntiles`` the K origins are marked in bounds (no K mask)."""
@@ -260,16 +285,24 @@ def _accumulate(c: _Config, a_ref: Any, b_refs: Sequence[Any], origins: dict[str
         b_org, b_blk = c.op_b.origin_block(g, org)
         xa = a_ref.load(a_org, a_blk, fill=0.0)
         fa, fb = c.prologue
-        x = c.op_a.to_2d(xa if fa is None else fa(xa), "M", "K", g).astype(c.compute_dtype)
         out = []
+        if c.fold is not None:
+            tiles = [xa, *(f.load(a_org, a_blk, fill=0.0) for f in f_refs)]
+            xa = c.fold.prologue(*tiles)
+            summand = c.fold.statistic(*tiles)
+            stat = jnp.sum(summand, axis=-1, keepdims=True).reshape(g["M"].block, 1)
+        x = c.op_a.to_2d(xa if fa is None else fa(xa), "M", "K", g).astype(c.compute_dtype)
         for b_ref, acc in zip(b_refs, accs):
             yb = b_ref.load(b_org, b_blk, fill=0.0)
             y = c.op_b.to_2d(yb if fb is None else fb(yb), "K", "N", g).astype(c.compute_dtype)
             out.append(acc + jnp.dot(x, y, preferred_element_type=c.acc_dtype, precision=c.precision))
+        if c.fold is not None:
+            out.append(accs[-1] + stat.astype(accs[-1].dtype))
         return tuple(out)
 
     zero = jnp.zeros((g["M"].block, g["N"].block), c.acc_dtype)
-    return fori(k_steps, step, (zero,) * len(b_refs))
+    init = (zero,) * len(b_refs) + ((jnp.zeros((g["M"].block, 1), jnp.float32),) if c.fold is not None else ())
+    return fori(k_steps, step, init)
 
 
 def _finish(c: _Config, accs: Sequence[jax.Array], e_refs: Sequence[Any], o_ref: Any,
@@ -279,6 +312,10 @@ def _finish(c: _Config, accs: Sequence[jax.Array], e_refs: Sequence[Any], o_ref:
     g = c.groups
     bm, bn = g["M"].block, g["N"].block
     o_org, o_blk = c.op_o.origin_block(g, origins)
+    if c.fold is not None:   # the norm's row factor, from the whole row's statistic
+        *accs, stat = accs
+        r = c.fold.scale(stat).astype(jnp.float32)
+        accs = [a * r for a in accs]
     acc = accs[0]
     if c.epilogue is not None:
         extra = [e.load(o_org, o_blk, fill=0.0).reshape(bm, bn) for e in e_refs]
@@ -288,35 +325,49 @@ def _finish(c: _Config, accs: Sequence[jax.Array], e_refs: Sequence[Any], o_ref:
 
 def _matmul_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
     """Program (b, m, n): the (bm, bn) output tile, K looped inside (Listing 1's three stages)."""
-    a_ref, b_refs, e_refs = ins[0], ins[1:1 + c.parts], ins[1 + c.parts:]
+    nf = len(c.fold.inputs) if c.fold is not None else 0
+    a_ref, b_refs = ins[0], ins[1:1 + c.parts]
+    f_refs, e_refs = ins[1 + c.parts:1 + c.parts + nf], ins[1 + c.parts + nf:]
     (o_ref,) = outs
     nb, nm, nn = c.out_grid
     origins = _tile_origins(c, *(program_id(i, n) for i, n in enumerate((nb, nm, nn))))
-    _finish(c, _accumulate(c, a_ref, b_refs, origins, 0, c.groups["K"].ntiles), e_refs, o_ref, origins)
+    _finish(c, _accumulate(c, a_ref, b_refs, origins, 0, c.groups["K"].ntiles, f_refs), e_refs, o_ref, origins)
 
 
 def _splitk_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
     """Program (b * S + s, m, n): split ``s``'s partial sums of the tile (one per part, at
     ``s * parts + p``), to the f32 workspace."""
-    a_ref, b_refs = ins[0], ins[1:]
-    (ws_ref,) = outs
+    a_ref, b_refs, f_refs = ins[0], ins[1:1 + c.parts], ins[1 + c.parts:]
+    ws_ref = outs[0]
     nb, nm, nn = c.out_grid
     p0 = pl.program_id(0)
     pb, s = (0, p0) if nb == 1 else (jax.lax.div(p0, jnp.int32(c.split)), jax.lax.rem(p0, jnp.int32(c.split)))
-    origins = _tile_origins(c, pb, program_id(1, nm), program_id(2, nn))
-    accs = _accumulate(c, a_ref, b_refs, origins, s * c.k_per_split, c.k_per_split)
+    pn = program_id(2, nn)
+    origins = _tile_origins(c, pb, program_id(1, nm), pn)
+    accs = _accumulate(c, a_ref, b_refs, origins, s * c.k_per_split, c.k_per_split, f_refs)
     o_org, o_blk = c.op_o.origin_block(c.groups, origins)
-    for p, acc in enumerate(accs):
+    for p, acc in enumerate(accs[:c.parts]):
         ws_ref.store((InBounds(s * c.parts + p), *o_org), (1, *o_blk), acc.reshape((1, *o_blk)))
+    if c.fold is not None:   # the split's partial statistic, once per row tile
+        g = c.groups
+        def put() -> None:
+            outs[1].store((InBounds(s), InBounds(pb), *origins["M"]), (1, 1, *g["M"].blocks),
+                          accs[-1].reshape((1, 1, *g["M"].blocks)))
+        if nn == 1:
+            put()
+        else:
+            pl.when(pn == 0)(put)
 
 
 def _reduce_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
     """Program (b, m, n): the split partials summed in split order (deterministic), then stage 3."""
-    ws_ref, e_refs = ins[0], ins[1:]
+    nf = 1 if c.fold is not None else 0
+    ws_ref, e_refs = ins[0], ins[1 + nf:]
     (o_ref,) = outs
     g = c.groups
     nb, nm, nn = c.out_grid
-    origins = _tile_origins(c, *(program_id(i, n) for i, n in enumerate((nb, nm, nn))))
+    pb = program_id(0, nb)
+    origins = _tile_origins(c, pb, program_id(1, nm), program_id(2, nn))
     o_org, o_blk = c.op_o.origin_block(g, origins)
     accs = []
     for p in range(c.parts):
@@ -325,6 +376,13 @@ def _reduce_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
             part = ws_ref.load((s * c.parts + p, *o_org), (1, *o_blk), fill=0.0).reshape(g["M"].block, g["N"].block)
             acc = part if acc is None else acc + part
         accs.append(acc)
+    if c.fold is not None:
+        stat = None
+        for s in range(c.split):
+            part = ins[1].load((s, InBounds(pb), *origins["M"]), (1, 1, *g["M"].blocks), fill=0.0)
+            part = part.reshape(g["M"].block, 1)
+            stat = part if stat is None else stat + part
+        accs.append(stat)
     _finish(c, accs, e_refs, o_ref, origins)
 
 
@@ -338,7 +396,7 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
            block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
            num_warps: int | None = None, num_stages: int | None = None, split_k: int | None = None,
            prologue: tuple[Any, Any] = (None, None), prologue_dtypes: tuple[Any, Any] = (None, None),
-           rhs_parts: Sequence[Any] = (), backend: str = "interpret") -> Any:
+           rhs_parts: Sequence[Any] = (), fold: Fold | None = None, backend: str = "interpret") -> Any:
     """``lax.dot_general(a, b, dimension_numbers)`` (+ ``epilogue``) as Pallas Triton kernels:
     one kernel, or a split-K kernel plus a reduce kernel (decode shapes, see the module docstring).
 
@@ -378,6 +436,9 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
         of one weight's gate and up halves). The kernel computes ``a · b`` and ``a · part`` for
         each, and the epilogue, required then, takes all the accumulators before the extras:
         ``epilogue(acc_b, *acc_parts, *extra)``; only its result is stored.
+    fold: a row norm folded into ``a`` (:class:`Fold`; ``a`` is then the norm's input, and
+        ``prologue_dtypes[0]`` the dtype of the norm's result the dot reads): ``a``'s only
+        contracting dim is its last, and it has no batch dims.
     backend: "interpret" (CPU) or "triton".
 
     Returns what ``Plan.unflatten`` gives for ``out``: the array for a fresh physical output,
@@ -394,18 +455,31 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
                                     prologue_dtypes)
     if any(f is not None for f in prologue):
         cfg = dataclasses.replace(cfg, prologue=tuple(prologue))
+    folded: list[VTensor] = []
+    if fold is not None:
+        (lc, _), (lb, _) = dimension_numbers
+        if tuple(lb) or tuple(lc) != (len(a.shape) - 1,) or len(a.shape) != len(VTensor.of(a).shape):
+            raise ValueError("a folded norm needs an operand contracted along its last dim only, no batch dims")
+        folded = [VTensor.of(x) for x in fold.inputs]
+        if any(x.shape != a.shape for x in folded):
+            raise ValueError(f"a folded norm's rows must have the operand's shape {a.shape}")
+        cfg = dataclasses.replace(cfg, fold=fold)
     cfg = dataclasses.replace(cfg, compute_dtype=interpreter_dtype(cfg.compute_dtype, backend))
     stages, num_warps = cfg.launch.num_stages, cfg.launch.num_warps
     if cfg.split == 1:
-        plan = Plan.build([a, *bs, *extras], [out])
+        plan = Plan.build([a, *bs, *folded, *extras], [out])
         bufs = plan.call(functools.partial(_matmul_kernel, cfg), grid=cfg.grid, backend=backend,
                          num_warps=num_warps, num_stages=stages, name="vtc_matmul")
         return pack_results(bufs)[0]
     ws = VTensor.fresh((cfg.split * cfg.parts, *out.shape), cfg.acc_dtype)
-    ((partials,),) = Plan.build([a, *bs], [ws]).call(
+    wss = [ws]
+    if fold is not None:   # each split's partial statistic per row: (split, batch tiles, *M dims)
+        wss.append(VTensor.fresh((cfg.split, cfg.groups["B"].ntiles, *cfg.groups["M"].sizes), jnp.float32))
+    got = Plan.build([a, *bs, *folded], wss).call(
         functools.partial(_splitk_kernel, cfg), grid=cfg.grid, backend=backend,
         num_warps=num_warps, num_stages=stages, name="vtc_matmul_splitk")
-    plan = Plan.build([VTensor.physical(partials), *extras], [out])
+    sums = [VTensor.physical(x[0]) for x in got]
+    plan = Plan.build([*sums, *extras], [out])
     bufs = plan.call(functools.partial(_reduce_kernel, cfg), grid=cfg.out_grid, backend=backend,
                      num_warps=4, num_stages=1, name="vtc_matmul_reduce")
     return pack_results(bufs)[0]

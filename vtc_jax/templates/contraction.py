@@ -17,6 +17,12 @@ with an epilogue reading the parts (``selection`` merges a gated MLP's GEMM and 
 ``silu(gate) * up``): the kernel dots each A tile with each part's columns of the weight, read
 through slices of it, and the epilogue takes every part's tile (``kernels.matmul``'s
 ``rhs_parts``). The dot's result is never formed.
+
+And it may hold the row norm its A operand is (``selection`` merges an RMSNorm into the
+projection reading it): one sum over the contraction dim whose statistic enters the norm as one
+row factor ``r`` multiplied in, then only casts and products with rows (``(x * r * w).astype``).
+The kernel folds it (``kernels.matmul.Fold``): it dots the norm with ``r`` taken as 1, sums the
+statistic's summand over the K tiles it loads anyway, and scales the accumulator rows by ``r``.
 """
 from __future__ import annotations
 
@@ -30,15 +36,28 @@ import numpy as np
 from ..cluster import Cluster
 from ..graph import Graph
 from ..kernels.conv import conv
-from ..kernels.matmul import matmul
+from ..kernels.matmul import Fold, matmul
 from ..kernels.pointwise import f32_math
 from ..kernels.vio import VTensor
+from ..kernels.vio import broadcast_input as rows_of
 from ..kernels.tiling import dtype_unsupported, precision_unsupported
-from ..primitives import Kind
+from ..primitives import Kind, Role, block_safe, role_of
 from .base import Decline, Run, Step, Template
 from .stage2 import block_fn, block_supported, broadcast_input, buffers_of, kernel_inputs
 
 __all__ = ["MATMUL", "CONV"]
+
+
+@dataclass(frozen=True)
+class FoldMatch:
+    """A row norm the dot's A operand is, folded into the kernel (module docstring)."""
+    inputs: tuple[int, ...]       # what the kernel loads: A's tensor (the dot's row shape) first, then rows
+    ops: tuple[int, ...]          # the norm's ops (all of them, the sum included)
+    summand: tuple[int, tuple[int, ...]]     # (the summed tensor, the ops computing it from the inputs)
+    factor: tuple[int, int, tuple[int, ...]]  # (the sum, the row factor r, the ops computing r from it)
+    rows: tuple[int, ...]         # the ops computing the A operand from the inputs and r
+    operand: int                  # the dot's A operand (the norm's result)
+    divides: bool = False         # the rows are divided by r (``x / sqrt(ms + eps)``), not multiplied
 
 
 @dataclass(frozen=True)
@@ -50,6 +69,7 @@ class ContractionMatch:
     prologue: tuple[tuple[int, ...], ...] = ((), ())   # per operand: its unary chain's ops
     # a gated epilogue's parts of the dot result: (part tensor, rhs dim, start, stop) each
     parts: tuple[tuple[int, int, int, int], ...] = ()
+    fold: FoldMatch | None = None   # the row norm A is, folded in
 
 
 def _prologue(graph: Graph, c: Cluster, x: int) -> tuple[int, tuple[int, ...]]:
@@ -72,7 +92,10 @@ def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
         why = precision_unsupported(op.params.get("precision"))
         if why:
             raise Decline(why)
+        fold = _fold(graph, c, op) if primitive == "dot_general" else None
         (lhs, pa), (rhs, pb) = (_prologue(graph, c, x) for x in op.inputs[:2])
+        if fold is not None:
+            lhs, pa = fold.inputs[0], ()
         for t in dict.fromkeys((lhs, rhs, *op.inputs[:2])):   # what the kernel loads and what it dots
             dt = np.dtype(graph.tensors[t].dtype)
             if not jnp.issubdtype(dt, jnp.floating):
@@ -82,16 +105,110 @@ def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
                 raise Decline(why)
         rest = tuple(o for o in c.ops if o != op.id and o not in pa and o not in pb)
         parts, cuts = _parts(graph, c, op) if primitive == "dot_general" else ((), ())
-        rest = tuple(o for o in rest if o not in cuts)
+        rest = tuple(o for o in rest if o not in cuts and (fold is None or o not in fold.ops))
         why = block_supported(graph, rest + pa + pb)
         if why:
             raise Decline(why)
         if pa and pb and not all(_keeps_zero(graph, ch, base, x) for ch, base, x in
                                  ((pa, lhs, op.inputs[0]), (pb, rhs, op.inputs[1]))):
             raise Decline("both operands' prologues map 0 elsewhere (masked lanes would count)")
-        extras = kernel_inputs(graph, c, exclude=(lhs, rhs))
-        return ContractionMatch(op.id, rest, extras, (lhs, rhs), (pa, pb), parts)
+        extras = kernel_inputs(graph, c, exclude=(lhs, rhs, *(fold.inputs if fold else ())))
+        return ContractionMatch(op.id, rest, extras, (lhs, rhs), (pa, pb), parts, fold)
     return match
+
+
+def _fold(graph: Graph, c: Cluster, op: Any) -> FoldMatch | None:
+    """The row norm the dot's A operand is, when the cluster holds one (None: it holds no
+    reduction); :class:`Decline` when it holds one the kernel cannot fold."""
+    ops = [graph.ops[o] for o in c.ops]
+    reds = [o for o in ops if role_of(o, graph) is Role.REDUCTION]
+    if not reds:
+        return None
+    (lc, _), (lb, _) = op.params["dimension_numbers"]
+    h = op.inputs[0]
+    shape = tuple(graph.tensors[h].shape)
+    nd = len(shape)
+    if len(reds) != 1 or reds[0].primitive != "reduce_sum":
+        raise Decline("a reduction beside the dot other than one sum (a norm's statistic)")
+    red = reds[0]
+    u, stat = red.inputs[0], red.outputs[0]
+    if tuple(lb) or tuple(lc) != (nd - 1,) or tuple(graph.tensors[u].shape) != shape \
+            or tuple(red.params["axes"]) != (nd - 1,):
+        raise Decline("the norm's sum is not over the dot's one contracting dim, its operand's last")
+    made = {t: o for o in ops for t in o.outputs}
+
+    def up(t: int, seen: set[int]) -> set[int]:
+        o = made.get(t)
+        if o is None or o.id in seen or o.id == op.id:
+            return seen
+        seen.add(o.id)
+        for x in o.inputs:
+            up(x, seen)
+        return seen
+
+    norm = up(h, set()) | up(u, set())
+    scalar = {t for o in ops for t in o.inputs if graph.tensors[t].size == 1 and graph.tensors[t].const is not None}
+    statistic: set[int] = {stat}
+    for o in ops:   # (program order) the tensors computed from the statistic alone
+        if o.id in norm and o.id != red.id and all(x in statistic or x in scalar for x in o.inputs):
+            statistic.update(o.outputs)
+    factor_ops = tuple(o.id for o in ops if o.id in norm and o.id != red.id and set(o.outputs) <= statistic)
+    mixing = [o for o in ops if o.id in norm and o.id not in factor_ops and o.id != red.id
+              and any(x in statistic for x in o.inputs)]
+    if len(mixing) != 1 or len(mixing[0].inputs) != 2 or not (
+            mixing[0].primitive == "mul" or mixing[0].primitive == "div" and mixing[0].inputs[1] in statistic):
+        raise Decline("the norm's statistic is not one row factor the rows are multiplied or divided by")
+    r = next(x for x in mixing[0].inputs if x in statistic)
+    t = mixing[0].outputs[0]
+    while t != h:   # the factor reaches the operand through casts and products with rows only
+        users = [o for o in ops if t in o.inputs]
+        if len(users) != 1 or users[0].id not in norm or users[0].primitive not in ("mul", "convert_element_type"):
+            raise Decline("the norm's row factor meets more than casts and products before the dot")
+        t = users[0].outputs[0]
+    rows = tuple(o.id for o in ops if o.id in norm and o.id not in factor_ops and o.id != red.id)
+    for o in ops:
+        if o.id in factor_ops and not (block_safe(o.primitive) or o.primitive in ("broadcast_in_dim", "reshape")):
+            raise Decline(f"{o.primitive} in the norm's row factor")
+        if o.id in rows and not block_safe(o.primitive) and not _trailing_broadcast(graph, o):
+            raise Decline(f"{o.primitive} in the norm's rows cannot be computed on tiles")
+    inputs = [x for x in dict.fromkeys(x for o in ops if o.id in rows for x in o.inputs)
+              if x not in made and x not in scalar and x != r]
+    if not inputs or any(not _broadcasts_to(graph.tensors[x].shape, shape) for x in inputs):
+        raise Decline("the norm reads a tensor that is not one of its rows")
+    first = next((x for x in inputs if tuple(graph.tensors[x].shape) == shape), None)
+    if first is None:
+        raise Decline("no input of the norm spans its rows")
+    inputs = [first, *(x for x in inputs if x != first)]
+    summand = tuple(o for o in rows if o in up(u, set()))
+    fm = FoldMatch(tuple(inputs), tuple(sorted(norm)), (u, summand), (stat, r, factor_ops), rows, h,
+                   mixing[0].primitive == "div")
+    with jax.ensure_compile_time_eval():   # masked lanes (K past its end) must add nothing
+        zeros = [jnp.zeros((), graph.tensors[x].dtype) for x in inputs]
+        ok = [float(np.asarray(f(*zeros))) == 0.0 for f in (block_fn(graph, summand, inputs, [u]),
+                                                            _unit_factor(graph, fm))]
+    if not all(ok):
+        raise Decline("the norm maps a masked (zero) lane to a nonzero value")
+    return fm
+
+
+def _trailing_broadcast(graph: Graph, o: Any) -> bool:
+    """A numpy-style broadcast (new dims leading): an identity on tiles loaded broadcast already."""
+    if o.primitive != "broadcast_in_dim":
+        return False
+    n_in, n_out = len(graph.tensors[o.inputs[0]].shape), len(o.params["shape"])
+    return tuple(o.params["broadcast_dimensions"]) == tuple(range(n_out - n_in, n_out))
+
+
+def _broadcasts_to(src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
+    return len(src) <= len(dst) and all(a in (1, b) for a, b in zip(src[::-1], dst[::-1]))
+
+
+def _unit_factor(graph: Graph, f: FoldMatch) -> Callable[..., Any]:
+    """The A operand from the norm's tiles with the row factor taken as 1."""
+    _, r, _ = f.factor
+    g = block_fn(graph, f.rows, [*f.inputs, r], [f.operand])
+    dt = graph.tensors[r].dtype
+    return lambda *tiles: g(*tiles, jnp.ones((), dt))   # (made in the kernel: no captured constant)
 
 
 def _parts(graph: Graph, c: Cluster, op: Any) -> tuple[tuple[tuple[int, int, int, int], ...], tuple[int, ...]]:
@@ -170,10 +287,22 @@ def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, Contrac
                      for _, d, a, b in m.parts]
             return views[0], views[1:]
 
+        fm = m.fold
+        if fm is not None:
+            (u, summand), (stat, r, factor_ops) = fm.summand, fm.factor
+            a_shape = tuple(graph.tensors[fm.inputs[0]].shape)
+            factor = f32_math(block_fn(graph, factor_ops, [stat], [r]))
+            fns = (f32_math(_unit_factor(graph, fm)), f32_math(block_fn(graph, summand, list(fm.inputs), [u])),
+                   (lambda s: 1.0 / factor(s).astype(jnp.float32)) if fm.divides else factor)
+            kw_pro["prologue_dtypes"] = (graph.tensors[op.inputs[0]].dtype, None)
+
         def step(run: Run) -> None:
             out = run.out_vtensor(o)
             w, more = rhs_views(run)
             kw_parts = {"rhs_parts": more} if more else {}
+            if fm is not None:
+                kw_parts["fold"] = Fold(*fns, inputs=tuple(rows_of(run.vtensor(t), a_shape)
+                                                          for t in fm.inputs[1:]))
             res = call_kernel(run.vtensor(lhs), w, op.params, backend, out=out, epilogue=epi,
                               epilogue_args=[broadcast_input(run.vtensor(t), shape) for t in m.extras],
                               **kw_pro, **kw_parts)
@@ -198,5 +327,5 @@ def _conv(x: Any, w: Any, p: Mapping[str, Any], backend: str, **kw: Any) -> Any:
 
 
 MATMUL = Template(Kind.MATMUL, library=True, match=_match("dot_general"), build=_build(_matmul),
-                  fuses_beyond_xla=lambda m: len(m.parts) > 1)
+                  fuses_beyond_xla=lambda m: len(m.parts) > 1 or m.fold is not None)
 CONV = Template(Kind.CONV, library=True, match=_match("conv_general_dilated"), build=_build(_conv))
