@@ -121,6 +121,14 @@ def test_scanned_llama_with_donated_stacked_caches_equals_jit(fn_name):
     assert opt._build.bodies
 
 
+def _only_norm_weights(moved):
+    """Movement reaching a consumer is at most a layer's (1, 4096) norm weight sliced out of the
+    stacked weights: the MLP's pre-norm is folded into the gate/up kernel, which the default cost
+    model gives the slice XLA makes (an 8 KiB dynamic_slice, where XLA's norm fusion took it in
+    before; the launch count is unchanged, the norm's launch is gone)."""
+    return all(op == "stablehlo.dynamic_slice" and t == "tensor<1x4096xbf16>" for op, _, t in moved)
+
+
 @pytest.mark.parametrize("batch", [1, 16])
 def test_scanned_llama_paper_size_leaves_no_movement_and_no_cache_copy(batch):
     """32-layer-style scan at Llama-3-8B size (2 layers stacked): inside the loop no transpose,
@@ -151,7 +159,7 @@ def test_scanned_llama_paper_size_leaves_no_movement_and_no_cache_copy(batch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
         dflt = cross_lower(vtc_jax.optimize(LS.step, backend="triton", guard=None, donate_argnums=(2, 3)), *args)
-    assert dflt.movement_into_consumers() == []
+    assert _only_norm_weights(dflt.movement_into_consumers())
     for op in ("stablehlo.transpose", "stablehlo.concatenate", "stablehlo.dynamic_update_slice",
                "stablehlo.gather", "stablehlo.scatter"):
         assert dflt.text.count(op) == 0, op
@@ -174,7 +182,7 @@ def test_generation_loop_around_the_layer_scan_paper_size():
     for op in ("transpose", "concatenate", "slice", "dynamic_update_slice", "gather", "scatter"):
         assert opt.text.count(f"stablehlo.{op} ") == 0, op
     assert base.text.count("stablehlo.transpose ") > 0 and base.text.count("stablehlo.dynamic_update_slice ") > 0
-    assert opt.movement_into_consumers() == [] != base.movement_into_consumers()
+    assert _only_norm_weights(opt.movement_into_consumers()) and base.movement_into_consumers()
     sliced = re.findall(r"stablehlo.dynamic_slice.*?-> (tensor<[^>]*>)", opt.text)
     assert len(sliced) < base.text.count("stablehlo.dynamic_slice ")
     assert all(t == "tensor<1x4096xbf16>" for t in sliced), sliced

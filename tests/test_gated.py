@@ -156,3 +156,26 @@ def test_the_gated_kernel_lowers_for_cuda_reading_its_weight_once():
     jaxpr = jax.make_jaxpr(_optimize(llama_mlp, backend="triton"))(*args).jaxpr
     (call,) = [e for e in _eqns(jaxpr) if e.primitive.name == "pallas_call"]
     assert [tuple(v.aval.shape) for v in call.invars].count((64, 256)) == 1, call.invars
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_three_parts_and_an_epilogue_reading_the_a_operand_build(dtype):
+    """Found by probing: a three-way split (its staged weight tile of 16 KB over three parts was no
+    power of two) and ``x + silu(g) * u`` (the epilogue reads the A operand): the kernels build
+    (fallbacks as errors) and equal jit's."""
+    ks = jax.random.split(jax.random.PRNGKey(6), 2)
+    x = jax.random.normal(ks[0], (16, 64), dtype)
+
+    def three(x, W):
+        a, b, c = jnp.split(x @ W, 3, -1)
+        return jax.nn.silu(a) * b + c
+
+    def reads_x(x, W):
+        g, u = jnp.split(x @ W, 2, -1)
+        return x + jax.nn.silu(g) * u
+    for f, n in ((three, 144), (reads_x, 128)):
+        W = (0.1 * jax.random.normal(ks[1], (64, n))).astype(dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", vtc_jax.VTCFallbackWarning)
+            out = vtc_jax.optimize(f, guard=None)(x, W)
+        _close(out, jax.jit(f)(x, W), TOL[dtype])

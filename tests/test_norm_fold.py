@@ -226,3 +226,65 @@ def test_llama3_decode_layer_compiles_to_ten_launches():
     for name in ("vtc_matmul", "vtc_matmul_splitk"):
         k = prog.kernel(name)
         assert k is not None and k.spill_store_bytes == 0 and "cp.async" in k.ptx, k
+
+
+# --- found by probing as users write models (each failed before its fix) -----------------------
+
+def _no_fallback(fn, args):
+    """Run with fallbacks as errors: the kernel builds."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", vtc_jax.VTCFallbackWarning)
+        return vtc_jax.optimize(fn, guard=None)(*args)
+
+
+def _rms(x, w=1.0, eps=1e-6):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * w
+
+
+@pytest.mark.parametrize("case", ["square", "int8", "f16", "f16_after_f32"])
+def test_what_the_factor_cannot_pass_is_not_folded(case):
+    """The factor must reach the dot once and unrounded in range: ``h * h`` carries it twice, a cast
+    to int8 truncates before it, f16 overflows on rows the factor would have normalised (jit's row
+    finite, the fold's inf). Each equals jit's."""
+    ks = jax.random.split(jax.random.PRNGKey(4), 2)
+    x, W = 3 * jax.random.normal(ks[0], (8, 64)), 0.1 * jax.random.normal(ks[1], (64, 32))
+    if case == "square":
+        def f(x, W):
+            h = _rms(x)
+            return (h * h) @ W
+    elif case == "int8":
+        def f(x, W):
+            return (_rms(x) * 20).astype(jnp.int8).astype(jnp.float32) @ W
+    elif case == "f16":
+        x, W = x.astype(jnp.float16).at[:, 0].set(20000.0), W.astype(jnp.float16)
+
+        def f(x, W):
+            xf = x.astype(jnp.float32)
+            return (_rms(xf) * 4.0).astype(x.dtype) @ W
+    else:
+        x = x.at[:, 0].set(1e5)
+
+        def f(x, W):
+            return _rms(x).astype(jnp.float16) @ W.astype(jnp.float16)
+    out, ref = _optimize(f)(x, W), jax.jit(f)(x, W)
+    assert np.isfinite(np.asarray(out, np.float32)).all() == np.isfinite(np.asarray(ref, np.float32)).all()
+    _close(out, ref, TOL[jnp.bfloat16] if case.startswith("f16") else TOL[jnp.float32])
+
+
+def test_an_epilogue_reading_the_norms_input_and_a_nnx_style_statistic():
+    """``x + rms(x) @ W`` (the residual is the norm's input, read by the epilogue), and flax nnx's
+    statistic reshaped to ``(..., 1)`` instead of keepdims, on (B, T, D) rows: folded, built,
+    equal to jit's."""
+    ks = jax.random.split(jax.random.PRNGKey(5), 3)
+    x, w, W = jax.random.normal(ks[0], (2, 8, 64)), 1 + 0.1 * jax.random.normal(ks[1], (64,)), \
+        0.1 * jax.random.normal(ks[2], (64, 64))
+
+    def residual(x, w, W):
+        return x + _rms(x, w) @ W
+
+    def nnx_style(x, w, W):
+        ms = jnp.mean(jnp.square(x), -1)
+        return (x * jax.lax.rsqrt(ms.reshape(ms.shape + (1,)) + 1e-6) * w) @ W
+    for f in (residual, nnx_style):
+        _close(_no_fallback(f, (x, w, W)), jax.jit(f)(x, w, W), TOL[jnp.float32])
+        assert _folded(_outside_kernels(_optimize(f), (x, w, W))), f.__name__

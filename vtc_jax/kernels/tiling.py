@@ -567,7 +567,8 @@ def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, 
     if auto_k:
         block_k = 32
         if decode:
-            block_k = min(256, max(32, _DECODE_B_TILE // (bn * b_itemsize * b_parts)))
+            per = _DECODE_B_TILE // (bn * b_itemsize * b_parts)   # (a power of two: three parts give 42)
+            block_k = min(256, max(32, 1 << max(0, per.bit_length() - 1)))
     check_pow2("block_k", block_k)
     bk = min(block_k, max(MIN_DOT_BLOCK, next_pow2(k)))
     if num_stages is None:

@@ -71,6 +71,6 @@ class Template:
     # reads that lowering leaves to it (``lower.deferred_updates``; the step takes them from the run)
     updates: Callable[[Any], bool] = lambda detail: False
     # whether the kernel of a match does work XLA cannot fuse into one launch even where it touches
-    # no virtual tensor (a gated GEMM's epilogue over two parts of its result: lowered as a kernel
-    # whatever the strategy makes virtual; the guard still prices it against jit)
+    # no virtual tensor (a gated GEMM's epilogue over two parts of its result, a norm folded into a
+    # GEMM: lowered as a kernel whatever the strategy makes virtual; the guard still prices it)
     fuses_beyond_xla: Callable[[Any], bool] = lambda detail: False

@@ -41,7 +41,7 @@ from ..kernels.pointwise import f32_math
 from ..kernels.vio import VTensor
 from ..kernels.vio import broadcast_input as rows_of
 from ..kernels.tiling import dtype_unsupported, precision_unsupported
-from ..primitives import Kind, Role, block_safe, role_of
+from ..primitives import TABLE, Kind, Role, block_safe, role_of
 from .base import Decline, Run, Step, Template
 from .stage2 import block_fn, block_supported, broadcast_input, buffers_of, kernel_inputs
 
@@ -112,7 +112,11 @@ def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
         if pa and pb and not all(_keeps_zero(graph, ch, base, x) for ch, base, x in
                                  ((pa, lhs, op.inputs[0]), (pb, rhs, op.inputs[1]))):
             raise Decline("both operands' prologues map 0 elsewhere (masked lanes would count)")
-        extras = kernel_inputs(graph, c, exclude=(lhs, rhs, *(fold.inputs if fold else ())))
+        read = {t for o in rest for t in graph.ops[o].inputs}   # (the A operand too: x + rms(x) @ W)
+        extras = tuple(t for t in kernel_inputs(graph, c) if t in read)
+        out_shape = tuple(graph.tensors[c.outputs[0]].shape)
+        if any(not _broadcasts_to(tuple(graph.tensors[t].shape), out_shape) for t in extras):
+            raise Decline("the epilogue reads a tensor that does not broadcast to its result")
         return ContractionMatch(op.id, rest, extras, (lhs, rhs), (pa, pb), parts, fold)
     return match
 
@@ -160,14 +164,20 @@ def _fold(graph: Graph, c: Cluster, op: Any) -> FoldMatch | None:
         raise Decline("the norm's statistic is not one row factor the rows are multiplied or divided by")
     r = next(x for x in mixing[0].inputs if x in statistic)
     t = mixing[0].outputs[0]
+    path = [t]
     while t != h:   # the factor reaches the operand through casts and products with rows only
         users = [o for o in ops if t in o.inputs]
-        if len(users) != 1 or users[0].id not in norm or users[0].primitive not in ("mul", "convert_element_type"):
-            raise Decline("the norm's row factor meets more than casts and products before the dot")
+        if len(users) != 1 or users[0].id not in norm or users[0].primitive not in ("mul", "convert_element_type") \
+                or users[0].inputs.count(t) != 1:   # (h * h would carry r twice)
+            raise Decline("the norm's row factor meets more than casts and products by rows before the dot")
         t = users[0].outputs[0]
+        path.append(t)
+    if any(np.dtype(graph.tensors[x].dtype) not in _FOLD_DTYPES for x in path):
+        raise Decline("the norm's rows before the factor would be rounded to a type narrower in range than f32 "
+                      "(f16 overflows where the normalised rows do not) or to an integer")
     rows = tuple(o.id for o in ops if o.id in norm and o.id not in factor_ops and o.id != red.id)
     for o in ops:
-        if o.id in factor_ops and not (block_safe(o.primitive) or o.primitive in ("broadcast_in_dim", "reshape")):
+        if o.id in factor_ops and not (block_safe(o.primitive) or o.primitive in _STAT_VIEWS and _keeps_rows(graph, o)):
             raise Decline(f"{o.primitive} in the norm's row factor")
         if o.id in rows and not block_safe(o.primitive) and not _trailing_broadcast(graph, o):
             raise Decline(f"{o.primitive} in the norm's rows cannot be computed on tiles")
@@ -189,6 +199,19 @@ def _fold(graph: Graph, c: Cluster, op: Any) -> FoldMatch | None:
     if not all(ok):
         raise Decline("the norm maps a masked (zero) lane to a nonzero value")
     return fm
+
+
+# dtypes the rows may hold before the factor scales them (f32's exponent range: unnormalised rows
+# that f16 would overflow stay finite), and the views that only move a statistic's size-1 axis
+_FOLD_DTYPES = frozenset({np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float64)})
+_STAT_VIEWS = frozenset(n for n, row in TABLE.items() if row.stat_view)
+
+
+def _keeps_rows(graph: Graph, o: Any) -> bool:
+    """A view of a row statistic that only adds or drops size-1 axes (its rows in their order)."""
+    src, dst = (tuple(n for n in graph.tensors[t].shape if n != 1) for t in (o.inputs[0], o.outputs[0]))
+    return src == dst and (o.primitive != "broadcast_in_dim" or graph.tensors[o.inputs[0]].size
+                           == graph.tensors[o.outputs[0]].size)
 
 
 def _trailing_broadcast(graph: Graph, o: Any) -> bool:
@@ -291,7 +314,7 @@ def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, Contrac
         if fm is not None:
             (u, summand), (stat, r, factor_ops) = fm.summand, fm.factor
             a_shape = tuple(graph.tensors[fm.inputs[0]].shape)
-            factor = f32_math(block_fn(graph, factor_ops, [stat], [r]))
+            factor = f32_math(block_fn(graph, factor_ops, [stat], [r], views=_STAT_VIEWS))
             fns = (f32_math(_unit_factor(graph, fm)), f32_math(block_fn(graph, summand, list(fm.inputs), [u])),
                    (lambda s: 1.0 / factor(s).astype(jnp.float32)) if fm.divides else factor)
             kw_pro["prologue_dtypes"] = (graph.tensors[op.inputs[0]].dtype, None)

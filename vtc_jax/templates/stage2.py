@@ -32,8 +32,10 @@ def block_supported(graph: Graph, op_ids: Sequence[int]) -> str | None:
 
 
 def block_fn(graph: Graph, op_ids: Sequence[int], inputs: Sequence[int],
-             outputs: Sequence[int]) -> Callable[..., Any]:
-    """``f(*input_blocks) -> output block(s)``: the ops re-bound on blocks, in the program's dtypes."""
+             outputs: Sequence[int], views: frozenset[str] = frozenset({"broadcast_in_dim"})) -> Callable[..., Any]:
+    """``f(*input_blocks) -> output block(s)``: the ops re-bound on blocks, in the program's dtypes.
+    The primitives named in ``views`` are identities on blocks (a broadcast of a block loaded
+    broadcast already; a row statistic's size-1 axis moved by a reshape)."""
     ops = [graph.ops[i] for i in op_ids]
     dtypes = [graph.tensors[t].dtype for t in inputs]
 
@@ -42,7 +44,7 @@ def block_fn(graph: Graph, op_ids: Sequence[int], inputs: Sequence[int],
                                for t, b, d in zip(inputs, blocks, dtypes)}
         for op in ops:
             vals = [env[t] if t in env else const_value(graph, t).reshape(()) for t in op.inputs]
-            if op.primitive == "broadcast_in_dim":
+            if op.primitive in views:
                 out = vals[0]
             else:
                 out = op.prim.bind(*vals, **op.params)
