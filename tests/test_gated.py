@@ -16,36 +16,13 @@ import vtc_jax
 from vtc_jax.kernels.matmul import matmul
 from vtc_jax.kernels.vio import VTensor
 from vtc_jax.testing import cross_lower
-
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
-
-def _optimize(fn, **kw):
-    """The kernels themselves (the guard off: at these sizes XLA may price lower)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-        return vtc_jax.optimize(fn, **{"guard": None, **kw})
-
-
-def _close(out, ref, tol):
-    o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    np.testing.assert_allclose(o, r, rtol=0, atol=tol * max(1.0, float(np.max(np.abs(r)))))
-
-
-def _eqns(jaxpr):
-    for e in jaxpr.eqns:
-        yield e
-        for p in e.params.values():
-            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns") and e.primitive.name != "pallas_call":
-                    yield from _eqns(inner)
+from tests.optimized import TOL, assert_close, eqns, optimize_kernels
 
 
 def _shapes_made(fn, args):
     """(primitive, output shape) of every equation of the emitted program."""
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    return [(e.primitive.name, tuple(v.aval.shape)) for e in _eqns(jaxpr) for v in e.outvars]
+    return [(e.primitive.name, tuple(v.aval.shape)) for e in eqns(jaxpr) for v in e.outvars]
 
 
 # --- the styles --------------------------------------------------------------------------------
@@ -77,8 +54,8 @@ def test_the_gate_and_up_product_is_never_written(style, dtype):
     """The GEMM and ``act(gate) * up`` are one kernel writing (…, F): no equation makes the
     (…, 2F) product, and the result equals jit's."""
     args = _args(style, dtype)
-    fn = _optimize(style)
-    _close(fn(*args), jax.jit(style)(*args), TOL[dtype])
+    fn = optimize_kernels(style)
+    assert_close(fn(*args), jax.jit(style)(*args), TOL[dtype])
     made = _shapes_made(fn, args)
     assert not [m for m in made if m[1][-1:] == (256,)], made
     assert ("pallas_call", (*args[0].shape[:-1], 128)) in made, made
@@ -86,14 +63,14 @@ def test_the_gate_and_up_product_is_never_written(style, dtype):
 
 def test_the_gated_kernel_under_vmap_and_grad():
     args = _args(llama_mlp, jnp.float32)
-    fn = _optimize(llama_mlp)
+    fn = optimize_kernels(llama_mlp)
     batched = tuple(jnp.stack([a, 0.5 * a]) for a in args)
-    _close(jax.vmap(fn)(*batched), jax.vmap(jax.jit(llama_mlp))(*batched), TOL[jnp.float32])
+    assert_close(jax.vmap(fn)(*batched), jax.vmap(jax.jit(llama_mlp))(*batched), TOL[jnp.float32])
 
     def loss(f):
         return lambda x, w, wd: jnp.sum(f(x, w, wd) ** 2)
     for g, r in zip(jax.grad(loss(fn), argnums=(0, 1))(*args), jax.grad(loss(jax.jit(llama_mlp)), argnums=(0, 1))(*args)):
-        _close(g, r, 1e-4)
+        assert_close(g, r, 1e-4)
 
 
 def test_a_product_read_whole_as_well_is_left_as_it_was():
@@ -104,9 +81,9 @@ def test_a_product_read_whole_as_well_is_left_as_it_was():
         g, u = jnp.split(gu, 2, axis=-1)
         return (jax.nn.silu(g) * u) @ wd, gu
     args = _args(llama_mlp, jnp.float32)
-    fn = _optimize(mlp_and_product)
+    fn = optimize_kernels(mlp_and_product)
     for o, r in zip(fn(*args), jax.jit(mlp_and_product)(*args)):
-        _close(o, r, TOL[jnp.float32])
+        assert_close(o, r, TOL[jnp.float32])
     rep = vtc_jax.explain(mlp_and_product, guard=None)(*args)
     assert "fused into matmul cluster" not in str(rep), str(rep)
 
@@ -117,8 +94,8 @@ def test_halves_cut_along_rows_are_no_gated_epilogue():
         a, b = jnp.split(x @ w, 2, axis=0)
         return jax.nn.silu(a) * b
     args = _args(llama_mlp, jnp.float32)[:2]
-    fn = _optimize(rows)
-    _close(fn(*args), jax.jit(rows)(*args), TOL[jnp.float32])
+    fn = optimize_kernels(rows)
+    assert_close(fn(*args), jax.jit(rows)(*args), TOL[jnp.float32])
     assert "fused into matmul cluster" not in str(vtc_jax.explain(rows, guard=None)(*args))
 
 
@@ -137,7 +114,7 @@ def test_the_kernel_dots_each_part_and_hands_all_to_the_epilogue(split_k, dtype)
                  preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     p = np.asarray(a, np.float64) @ np.asarray(w, np.float64)
     g, u, v = p[:, :32], p[:, 32:64], p[:, 64:]
-    _close(out, g / (1 + np.exp(-g)) * u + v, 1e-5 if dtype == jnp.float32 else 2e-2)
+    assert_close(out, g / (1 + np.exp(-g)) * u + v, 1e-5 if dtype == jnp.float32 else 2e-2)
 
 
 def test_parts_without_an_epilogue_are_refused():
@@ -150,11 +127,11 @@ def test_the_gated_kernel_lowers_for_cuda_reading_its_weight_once():
     """Cross-lowered for CUDA: one Triton matmul kernel for the gated GEMM, verified IR, the
     merged weight passed once (both halves are views of it)."""
     args = _args(llama_mlp, jnp.bfloat16)
-    mod = cross_lower(_optimize(llama_mlp, backend="triton"), *args)
+    mod = cross_lower(optimize_kernels(llama_mlp, backend="triton"), *args)
     names = [k.name for k in mod.triton_kernels]
     assert names.count("vtc_matmul") == 1, names
-    jaxpr = jax.make_jaxpr(_optimize(llama_mlp, backend="triton"))(*args).jaxpr
-    (call,) = [e for e in _eqns(jaxpr) if e.primitive.name == "pallas_call"]
+    jaxpr = jax.make_jaxpr(optimize_kernels(llama_mlp, backend="triton"))(*args).jaxpr
+    (call,) = [e for e in eqns(jaxpr) if e.primitive.name == "pallas_call"]
     assert [tuple(v.aval.shape) for v in call.invars].count((64, 256)) == 1, call.invars
 
 
@@ -178,4 +155,4 @@ def test_three_parts_and_an_epilogue_reading_the_a_operand_build(dtype):
         with warnings.catch_warnings():
             warnings.simplefilter("error", vtc_jax.VTCFallbackWarning)
             out = vtc_jax.optimize(f, guard=None)(x, W)
-        _close(out, jax.jit(f)(x, W), TOL[dtype])
+        assert_close(out, jax.jit(f)(x, W), TOL[dtype])

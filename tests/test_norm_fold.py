@@ -16,35 +16,12 @@ import pytest
 import vtc_jax
 from vtc_jax.kernels.matmul import Fold, matmul
 from vtc_jax.kernels.vio import VTensor
-
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
-
-def _optimize(fn, **kw):
-    """The kernels themselves (the guard off: at these sizes XLA may price lower)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", vtc_jax.VTCFallbackWarning)
-        return vtc_jax.optimize(fn, **{"guard": None, **kw})
-
-
-def _close(out, ref, tol):
-    o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    np.testing.assert_allclose(o, r, rtol=0, atol=tol * max(1.0, float(np.max(np.abs(r)))))
+from tests.optimized import TOL, assert_close, eqns, optimize_kernels
 
 
 def _outside_kernels(fn, args):
     """Primitive names of the emitted program's equations outside Pallas kernels."""
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            yield e.primitive.name
-            if e.primitive.name == "pallas_call":
-                continue
-            for p in e.params.values():
-                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        yield from walk(inner)
-    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+    return [e.primitive.name for e in eqns(jax.make_jaxpr(fn)(*args).jaxpr)]
 
 
 def _folded(outside):
@@ -94,8 +71,8 @@ def test_a_pre_norm_is_folded_into_its_projection(norm, lead, dtype):
     outside it; the result equals jit's."""
     f = _proj(norm)
     args = _args(dtype, lead)
-    fn = _optimize(f)
-    _close(fn(*args), jax.jit(f)(*args), TOL[dtype])
+    fn = optimize_kernels(f)
+    assert_close(fn(*args), jax.jit(f)(*args), TOL[dtype])
     outside = _outside_kernels(fn, args)
     assert _folded(outside), outside
 
@@ -106,8 +83,8 @@ def test_a_norm_dividing_by_its_statistic_is_folded(dtype):
     back): the kernel scales by the factor's reciprocal; equal to jit's."""
     f = _proj(t5_norm)
     args = _args(dtype)
-    _close(_optimize(f)(*args), jax.jit(f)(*args), TOL[dtype])
-    assert _folded(_outside_kernels(_optimize(f), args))
+    assert_close(optimize_kernels(f)(*args), jax.jit(f)(*args), TOL[dtype])
+    assert _folded(_outside_kernels(optimize_kernels(f), args))
 
 
 def test_a_statistic_that_is_not_a_row_factor_stays_apart_and_right():
@@ -117,8 +94,8 @@ def test_a_statistic_that_is_not_a_row_factor_stays_apart_and_right():
         xf = x.astype(jnp.float32)
         return ((xf - jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6)) * w) @ W
     args = _args(jnp.float32)
-    _close(_optimize(shifted)(*args), jax.jit(shifted)(*args), TOL[jnp.float32])
-    assert not _folded(_outside_kernels(_optimize(shifted), args))
+    assert_close(optimize_kernels(shifted)(*args), jax.jit(shifted)(*args), TOL[jnp.float32])
+    assert not _folded(_outside_kernels(optimize_kernels(shifted), args))
 
 
 def test_layer_norm_and_a_norm_read_twice_are_not_folded():
@@ -135,10 +112,10 @@ def test_layer_norm_and_a_norm_read_twice_are_not_folded():
         return h @ W, h
     args = _args(jnp.float32)
     for f in (layer_norm_proj, norm_returned):
-        out, ref = _optimize(f)(*args), jax.jit(f)(*args)
+        out, ref = optimize_kernels(f)(*args), jax.jit(f)(*args)
         for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
-            _close(o, r, TOL[jnp.float32])
-        assert not _folded(_outside_kernels(_optimize(f), args)), f.__name__
+            assert_close(o, r, TOL[jnp.float32])
+        assert not _folded(_outside_kernels(optimize_kernels(f), args)), f.__name__
 
 
 def test_flax_rmsnorm_into_a_dense_layer():
@@ -152,20 +129,20 @@ def test_flax_rmsnorm_into_a_dense_layer():
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 64))
     params = Block().init(jax.random.PRNGKey(1), x)
     f = Block().apply
-    _close(_optimize(f)(params, x), jax.jit(f)(params, x), TOL[jnp.float32])
-    assert _folded(_outside_kernels(_optimize(f), (params, x)))
+    assert_close(optimize_kernels(f)(params, x), jax.jit(f)(params, x), TOL[jnp.float32])
+    assert _folded(_outside_kernels(optimize_kernels(f), (params, x)))
 
 
 def test_a_folded_norm_under_vmap_and_grad():
     f = _proj(llama_norm)
     args = _args(jnp.float32)
-    fn = _optimize(f)
+    fn = optimize_kernels(f)
     batched = tuple(jnp.stack([a, 0.5 * a]) for a in args)
-    _close(jax.vmap(fn)(*batched), jax.vmap(jax.jit(f))(*batched), TOL[jnp.float32])
+    assert_close(jax.vmap(fn)(*batched), jax.vmap(jax.jit(f))(*batched), TOL[jnp.float32])
     g = jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2))(*args)
     r = jax.grad(lambda *a: jnp.sum(jax.jit(f)(*a) ** 2), argnums=(0, 1, 2))(*args)
     for a, b in zip(g, r):
-        _close(a, b, 1e-4)
+        assert_close(a, b, 1e-4)
 
 
 @pytest.mark.parametrize("split_k", [None, 2, 4])
@@ -189,7 +166,7 @@ def test_the_kernel_sums_the_statistic_over_its_k_tiles(split_k, dtype):
     xf = np.asarray(x, np.float64)
     h = (xf / np.sqrt(np.mean(xf ** 2, -1, keepdims=True) + 1e-6) * np.asarray(w, np.float64))
     p = h @ np.asarray(W, np.float64)
-    _close(out, p[:, :N] * p[:, N:], TOL[dtype])
+    assert_close(out, p[:, :N] * p[:, N:], TOL[dtype])
 
 
 def test_a_fold_needs_rows_of_the_operand_shape():
@@ -204,11 +181,11 @@ def test_a_residual_sum_is_read_in_the_projections_epilogue():
     decode shape), no add outside a kernel; equal to jit."""
     from examples import llama3_decode as L
     args = L.example_args("small", batch=2)
-    fn = _optimize(L.step, donate_argnums=(2, 3))
+    fn = optimize_kernels(L.step, donate_argnums=(2, 3))
     ref = jax.jit(L.step)(*args)
     for o, r in zip(fn(*args), ref):
-        _close(o, r, TOL[jnp.float32])
-    outside = _outside_kernels(_optimize(L.step), args)
+        assert_close(o, r, TOL[jnp.float32])
+    outside = _outside_kernels(optimize_kernels(L.step), args)
     assert "reduce_sum" not in outside and "logistic" not in outside, outside
 
 
@@ -219,7 +196,7 @@ def test_llama3_decode_layer_compiles_to_ten_launches():
     from examples import llama3_decode as L
     from vtc_jax.offline import compile_program
     args = L.example_args("paper", batch=16)
-    prog = compile_program(_optimize(L.step, backend="triton", donate_argnums=(2, 3)), *args, donate_argnums=(2, 3))
+    prog = compile_program(optimize_kernels(L.step, backend="triton", donate_argnums=(2, 3)), *args, donate_argnums=(2, 3))
     assert len(prog.launches) == 10, [x.name for x in prog.launches]
     if not prog.kernels:
         pytest.skip(f"no PTX to inspect: {prog.kernel_error}")
@@ -266,9 +243,9 @@ def test_what_the_factor_cannot_pass_is_not_folded(case):
 
         def f(x, W):
             return _rms(x).astype(jnp.float16) @ W.astype(jnp.float16)
-    out, ref = _optimize(f)(x, W), jax.jit(f)(x, W)
+    out, ref = optimize_kernels(f)(x, W), jax.jit(f)(x, W)
     assert np.isfinite(np.asarray(out, np.float32)).all() == np.isfinite(np.asarray(ref, np.float32)).all()
-    _close(out, ref, TOL[jnp.bfloat16] if case.startswith("f16") else TOL[jnp.float32])
+    assert_close(out, ref, TOL[jnp.bfloat16] if case.startswith("f16") else TOL[jnp.float32])
 
 
 def test_an_epilogue_reading_the_norms_input_and_a_nnx_style_statistic():
@@ -286,5 +263,5 @@ def test_an_epilogue_reading_the_norms_input_and_a_nnx_style_statistic():
         ms = jnp.mean(jnp.square(x), -1)
         return (x * jax.lax.rsqrt(ms.reshape(ms.shape + (1,)) + 1e-6) * w) @ W
     for f in (residual, nnx_style):
-        _close(_no_fallback(f, (x, w, W)), jax.jit(f)(x, w, W), TOL[jnp.float32])
-        assert _folded(_outside_kernels(_optimize(f), (x, w, W))), f.__name__
+        assert_close(_no_fallback(f, (x, w, W)), jax.jit(f)(x, w, W), TOL[jnp.float32])
+        assert _folded(_outside_kernels(optimize_kernels(f), (x, w, W))), f.__name__
