@@ -156,3 +156,102 @@ def test_three_parts_and_an_epilogue_reading_the_a_operand_build(dtype):
             warnings.simplefilter("error", vtc_jax.VTCFallbackWarning)
             out = vtc_jax.optimize(f, guard=None)(x, W)
         assert_close(out, jax.jit(f)(x, W), TOL[dtype])
+
+
+# --- two weights: silu(h @ w1) * (h @ w3) --------------------------------------------------------
+
+def meta_mlp(x, w1, w3, w2):
+    """Meta's reference Llama / Hugging Face's ``gate_proj``/``up_proj``: two weights, one A operand."""
+    return (jax.nn.silu(x @ w1) * (x @ w3)) @ w2
+
+
+def hf_prenorm_mlp(x, nw, w1, w3, w2):
+    """A pre-norm block as Hugging Face writes it: RMSNorm in f32, (B, T, D) einsums, a residual."""
+    h = x.astype(jnp.float32)
+    h = (h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6)).astype(x.dtype) * nw
+    g = jnp.einsum("btd,df->btf", h, w1)
+    u = jnp.einsum("btd,df->btf", h, w3)
+    return x + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, w2)
+
+
+def _two_weight_args(dtype, lead=(4,), d=64, f=128, norm=False):
+    ks = jax.random.split(jax.random.PRNGKey(8), 5)
+    ws = [(0.2 * jax.random.normal(k, s)).astype(dtype) for k, s in zip(ks[1:], ((d, f), (d, f), (f, d)))]
+    x = jax.random.normal(ks[0], (*lead, d), dtype)
+    return (x, (1 + 0.1 * jax.random.normal(ks[4], (d,))).astype(dtype), *ws) if norm else (x, *ws)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("style", [meta_mlp, hf_prenorm_mlp])
+def test_two_projections_of_one_operand_are_one_gated_kernel(style, dtype):
+    """``silu(h @ w1) * (h @ w3)``: one kernel dots each A tile with both weights and applies the
+    product (the pre-norm folded in as well): one kernel writes the (…, F) product, nothing else
+    makes an (…, F) tensor or a row sum; equal to jit's."""
+    norm = style is hf_prenorm_mlp
+    args = _two_weight_args(dtype, lead=(2, 3) if norm else (4,), norm=norm)
+    fn = optimize_kernels(style)
+    assert_close(fn(*args), jax.jit(style)(*args), TOL[dtype])
+    made = _shapes_made(fn, args)
+    f_shape = (*args[0].shape[:-1], 128)
+    assert [m for m in made if m[1] == f_shape] == [("pallas_call", f_shape)], made
+    assert not [m for m in made if m[0] == "reduce_sum"], made
+
+
+def test_flax_dense_gate_and_up_layers_are_one_kernel():
+    """flax linen's ``nn.Dense`` gate and up layers (no bias), as a model writes them."""
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            g = nn.Dense(128, use_bias=False, name="gate_proj")(x)
+            u = nn.Dense(128, use_bias=False, name="up_proj")(x)
+            return nn.Dense(64, use_bias=False, name="down_proj")(nn.silu(g) * u)
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 64))
+    params = MLP().init(jax.random.PRNGKey(2), x)
+    fn = optimize_kernels(MLP().apply)
+    assert_close(fn(params, x), jax.jit(MLP().apply)(params, x), TOL[jnp.float32])
+    made = _shapes_made(fn, (params, x))
+    assert [m for m in made if m[1] == (4, 128)] == [("pallas_call", (4, 128))], made
+
+
+def test_two_weight_kernel_under_vmap_and_grad():
+    args = _two_weight_args(jnp.float32)
+    fn = optimize_kernels(meta_mlp)
+    batched = tuple(jnp.stack([a, 0.5 * a]) for a in args)
+    assert_close(jax.vmap(fn)(*batched), jax.vmap(jax.jit(meta_mlp))(*batched), TOL[jnp.float32])
+
+    def loss(f):
+        return lambda *a: jnp.sum(f(*a) ** 2)
+    for g, r in zip(jax.grad(loss(fn), argnums=(0, 1, 2))(*args),
+                    jax.grad(loss(jax.jit(meta_mlp)), argnums=(0, 1, 2))(*args)):
+        assert_close(g, r, 1e-4)
+
+
+def test_a_projection_read_elsewhere_too_stays_its_own_kernel():
+    """``h @ w3`` is also returned: no gated kernel (its product is needed whole); equal to jit."""
+    def both(x, w1, w3, w2):
+        u = x @ w3
+        return (jax.nn.silu(x @ w1) * u) @ w2, u
+    args = _two_weight_args(jnp.float32)
+    fn = optimize_kernels(both)
+    for o, r in zip(fn(*args), jax.jit(both)(*args)):
+        assert_close(o, r, TOL[jnp.float32])
+    made = _shapes_made(fn, args)
+    assert len([m for m in made if m[1] == (4, 128)]) >= 3, made   # both products and the gated one
+
+
+def test_different_operands_or_weight_casts_are_not_merged():
+    """Two dots of different A operands, and a weight cast inside the kernel: left as separate
+    kernels, equal to jit's."""
+    def two_inputs(x, y, w1, w3):
+        return jax.nn.silu(x @ w1) * (y @ w3)
+
+    def cast_weight(x, w1, w3):
+        return jax.nn.silu(x @ w1.astype(jnp.bfloat16)) * (x @ w3.astype(jnp.bfloat16))
+    x, w1, w3, _ = _two_weight_args(jnp.float32)
+    for f, args in ((two_inputs, (x, 0.5 * x, w1, w3)), (cast_weight, (x.astype(jnp.bfloat16), w1, w3))):
+        fn = optimize_kernels(f)
+        assert_close(fn(*args), jax.jit(f)(*args), TOL[jnp.bfloat16 if f is cast_weight else jnp.float32])
+        made = _shapes_made(fn, args)
+        assert len([m for m in made if m[1] == (4, 128)]) >= 2, made   # the products apart

@@ -684,7 +684,8 @@ _KEEPS_KIND = {Kind.REDUCTION: 1, Kind.POINTWISE: 2}
 
 def norm_prologues(graph: Graph, clusters: Sequence[Cluster], kernels: frozenset[int]) -> list[set[int]]:
     """``{matmul cluster, reduction cluster, pointwise clusters...}`` groups where the reduction
-    kernel computes the matmul's A operand and nothing else (a pre-norm's ``rms_norm(x) @ W``),
+    kernel computes the matmul's A operand (that of each of its dots: a gated MLP's two
+    projections) and nothing else (a pre-norm's ``rms_norm(x) @ W``),
     with the pointwise kernels that make only its rows (the norm weight's cast, read through a
     broadcast). XLA runs the norm as one or two fusions before its GEMM (it fuses no reduction into
     a GEMM); merged (:func:`fuse_islands`), the matmul template folds the norm into its K loop
@@ -696,10 +697,9 @@ def norm_prologues(graph: Graph, clusters: Sequence[Cluster], kernels: frozenset
     for m in clusters:
         if m.kind != Kind.MATMUL or m.id not in kernels:
             continue
-        dots = [graph.ops[o] for o in m.ops if graph.ops[o].primitive == "dot_general"]
-        if len(dots) != 1 or (r := made_by.get(dots[0].inputs[0])) is None:
+        h = _dot_lhs(graph, m)
+        if h is None or (r := made_by.get(h)) is None:
             continue
-        h = dots[0].inputs[0]
         if r.kind != Kind.REDUCTION or r.id not in kernels or tuple(r.outputs) != (h,) or h in graph.outputs \
                 or any(of_op[u.id] != m.id for u in graph.consumers(h)):
             continue
@@ -738,7 +738,10 @@ _PART_CUTS = frozenset({"split", "slice"})
 def gated_epilogues(graph: Graph, clusters: Sequence[Cluster], kernels: frozenset[int]) -> list[set[int]]:
     """``{matmul cluster, pointwise cluster}`` pairs where the pointwise kernel reads the matmul's
     result only through the parts a split or slices cut out of it, and nothing else reads that
-    result: a gated MLP's ``gate, up = split(x @ W_gate_up)``, ``silu(gate) * up``. XLA runs such
+    result: a gated MLP's ``gate, up = split(x @ W_gate_up)``, ``silu(gate) * up``; and
+    ``{matmul clusters..., pointwise cluster}`` groups where the pointwise kernel reads the results
+    of several matmul kernels dotting one A operand, which nothing else reads (Meta's and Hugging
+    Face's ``silu(h @ w1) * (h @ w3)``, two weights). XLA runs such
     a step as a GEMM writing both halves and a loop fusion reading them back (an epilogue reading
     two parts of one GEMM result is no GEMM epilogue); merged (:func:`fuse_islands`), the matmul
     template dots each A tile with both halves of the weight and applies the product as its
@@ -762,7 +765,25 @@ def gated_epilogues(graph: Graph, clusters: Sequence[Cluster], kernels: frozense
         (p,) = readers
         if p in kernels and by_id[p].kind == Kind.POINTWISE and t not in by_id[p].inputs:
             out.append({m.id, p})
+    made_by = {t: c for c in clusters for t in c.outputs}
+    for p in clusters:   # two projections of one A operand: silu(h @ w1) * (h @ w3)
+        if p.kind != Kind.POINTWISE or p.id not in kernels or any(is_movement_op(graph.ops[o], graph) for o in p.ops):
+            continue
+        ms = {made_by[t].id: made_by[t] for t in p.inputs
+              if t in made_by and made_by[t].kind == Kind.MATMUL and made_by[t].id in kernels}
+        if len(ms) < 2 or len({_dot_lhs(graph, m) for m in ms.values()} - {None}) != 1 \
+                or any(_dot_lhs(graph, m) is None for m in ms.values()):
+            continue
+        if all(len(m.outputs) == 1 and m.outputs[0] not in graph.outputs
+               and {of_op[u.id] for u in graph.consumers(m.outputs[0])} == {p.id} for m in ms.values()):
+            out.append({*ms, p.id})
     return out
+
+
+def _dot_lhs(graph: Graph, m: Cluster) -> int | None:
+    """The A operand of every dot of matmul cluster ``m``, when they share one (None otherwise)."""
+    lhs = {graph.ops[o].inputs[0] for o in m.ops if graph.ops[o].primitive == "dot_general"}
+    return next(iter(lhs)) if len(lhs) == 1 else None
 
 
 def _reachability(clusters: Sequence[Cluster], made_by: dict[int, Cluster]) -> dict[int, set[int]]:

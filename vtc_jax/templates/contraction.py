@@ -16,7 +16,9 @@ A matmul cluster may also hold a split (or slices) of the dot's result along a w
 with an epilogue reading the parts (``selection`` merges a gated MLP's GEMM and its
 ``silu(gate) * up``): the kernel dots each A tile with each part's columns of the weight, read
 through slices of it, and the epilogue takes every part's tile (``kernels.matmul``'s
-``rhs_parts``). The dot's result is never formed.
+``rhs_parts``). The dot's result is never formed. The parts may also be the results of sibling
+dots of one A operand with weights of one shape (``silu(h @ w1) * (h @ w3)``): each part is a
+whole weight.
 
 And it may hold the row norm its A operand is (``selection`` merges an RMSNorm into the
 projection reading it): one sum over the contraction dim whose statistic enters the norm as one
@@ -67,8 +69,9 @@ class ContractionMatch:
     extras: tuple[int, ...]       # epilogue operands read from outside (bias, residual rows)
     operands: tuple[int, ...] = ()                  # what the kernel loads for lhs, rhs
     prologue: tuple[tuple[int, ...], ...] = ((), ())   # per operand: its unary chain's ops
-    # a gated epilogue's parts of the dot result: (part tensor, rhs dim, start, stop) each
-    parts: tuple[tuple[int, int, int, int], ...] = ()
+    # a gated epilogue's parts of the dot result: (part tensor, its weight, weight dim, start, stop)
+    # each — slices of one weight, or whole weights of sibling dots sharing the A operand
+    parts: tuple[tuple[int, int, int, int, int], ...] = ()
     fold: FoldMatch | None = None   # the row norm A is, folded in
 
 
@@ -84,9 +87,10 @@ def _prologue(graph: Graph, c: Cluster, x: int) -> tuple[int, tuple[int, ...]]:
 def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
     def match(graph: Graph, c: Cluster) -> ContractionMatch:
         found = [o for o in c.ops if graph.ops[o].primitive == primitive]
-        if len(found) != 1 or len(c.outputs) != 1:
+        if len(c.outputs) != 1 or not found or len(found) > 1 and primitive != "dot_general":
             raise Decline(f"needs exactly one {primitive} and one output")
         op = graph.ops[found[0]]
+        siblings = _siblings(graph, c, [graph.ops[o] for o in found])
         if primitive == "conv_general_dilated" and op.params.get("batch_group_count", 1) != 1:
             raise Decline("batch_group_count != 1")
         why = precision_unsupported(op.params.get("precision"))
@@ -96,15 +100,19 @@ def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
         (lhs, pa), (rhs, pb) = (_prologue(graph, c, x) for x in op.inputs[:2])
         if fold is not None:
             lhs, pa = fold.inputs[0], ()
-        for t in dict.fromkeys((lhs, rhs, *op.inputs[:2])):   # what the kernel loads and what it dots
+        for t in dict.fromkeys((lhs, rhs, *op.inputs[:2], *(d.inputs[1] for d in siblings))):   # loaded, dotted
             dt = np.dtype(graph.tensors[t].dtype)
             if not jnp.issubdtype(dt, jnp.floating):
                 raise Decline(f"{primitive} of {dt.name} operands: the kernel's dot takes floating "
                               "operands only (integer and boolean dots run in XLA)")
             if primitive == "conv_general_dilated" and (why := dtype_unsupported(dt)):
                 raise Decline(why)
-        rest = tuple(o for o in c.ops if o != op.id and o not in pa and o not in pb)
-        parts, cuts = _parts(graph, c, op) if primitive == "dot_general" else ((), ())
+        rest = tuple(o for o in c.ops if o != op.id and o not in pa and o not in pb
+                     and all(o != d.id for d in siblings))
+        if siblings:
+            parts, cuts = _sibling_parts(graph, c, op, siblings, pb), ()
+        else:
+            parts, cuts = _parts(graph, c, op) if primitive == "dot_general" else ((), ())
         rest = tuple(o for o in rest if o not in cuts and (fold is None or o not in fold.ops))
         why = block_supported(graph, rest + pa + pb)
         if why:
@@ -234,7 +242,41 @@ def _unit_factor(graph: Graph, f: FoldMatch) -> Callable[..., Any]:
     return lambda *tiles: g(*tiles, jnp.ones((), dt))   # (made in the kernel: no captured constant)
 
 
-def _parts(graph: Graph, c: Cluster, op: Any) -> tuple[tuple[tuple[int, int, int, int], ...], tuple[int, ...]]:
+def _siblings(graph: Graph, c: Cluster, dots: list[Any]) -> list[Any]:
+    """The dots beside the first (``[]`` for one), when every dot of the cluster dots the same A
+    operand with a weight of one shape at one precision; :class:`Decline` otherwise."""
+    op, rest = dots[0], dots[1:]
+    key = ("dimension_numbers", "precision", "preferred_element_type")
+    for d in rest:
+        if d.inputs[0] != op.inputs[0] or any(d.params.get(k) != op.params.get(k) for k in key) \
+                or tuple(graph.tensors[d.inputs[1]].shape) != tuple(graph.tensors[op.inputs[1]].shape) \
+                or graph.tensors[d.inputs[1]].dtype != graph.tensors[op.inputs[1]].dtype:
+            raise Decline("several dots that are not one A operand's products with weights of one shape")
+    return rest
+
+
+def _sibling_parts(graph: Graph, c: Cluster, op: Any, siblings: list[Any], pb: tuple[int, ...]
+                   ) -> tuple[tuple[int, int, int, int, int], ...]:
+    """Each dot's result as a part (its whole weight): a gated MLP written with two weights,
+    ``silu(h @ w1) * (h @ w3)``. The parts are read only by the epilogue, which is element-wise
+    over them."""
+    dots = [op, *siblings]
+    own = set(c.ops)
+    if pb or any(_prologue(graph, c, d.inputs[1])[1] for d in siblings):
+        raise Decline("a weight of several dots is computed in the kernel (a cast, say)")
+    if any(u.id not in own for d in dots for u in graph.consumers(d.outputs[0])) \
+            or any(d.outputs[0] in graph.outputs for d in dots):
+        raise Decline("a dot's result is read outside the kernel")
+    shape = tuple(graph.tensors[op.outputs[0]].shape)
+    if tuple(graph.tensors[c.outputs[0]].shape) != shape:
+        raise Decline("the epilogue's result is not of the dots' shape")
+    (_, rc), (_, rb) = op.params["dimension_numbers"]
+    w = graph.tensors[op.inputs[1]].shape
+    d = max(k for k in range(len(w)) if k not in rc and k not in rb)
+    return tuple((x.outputs[0], x.inputs[1], d, 0, int(w[d])) for x in dots)
+
+
+def _parts(graph: Graph, c: Cluster, op: Any) -> tuple[tuple[tuple[int, int, int, int, int], ...], tuple[int, ...]]:
     """``(parts, the cutting ops)`` when the cluster reads the dot's result only through a split or
     unit-stride slices along one rhs free dim, all parts of one shape, the cluster's result of that
     shape (its epilogue is element-wise over a part); ``((), ())`` when it reads no part."""
@@ -274,7 +316,7 @@ def _parts(graph: Graph, c: Cluster, op: Any) -> tuple[tuple[tuple[int, int, int
         raise Decline("the parts of the dot's result differ in shape")
     if tuple(graph.tensors[c.outputs[0]].shape) != tuple(graph.tensors[parts[0][0]].shape):
         raise Decline("the epilogue's result is not of the parts' shape")
-    return tuple((x, rf[j], a, b) for x, _, a, b in parts), tuple(cuts)
+    return tuple((x, op.inputs[1], rf[j], a, b) for x, _, a, b in parts), tuple(cuts)
 
 
 def _keeps_zero(graph: Graph, chain: tuple[int, ...], base: int, x: int) -> bool:
@@ -299,15 +341,16 @@ def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, Contrac
         shape = tuple(graph.tensors[o].shape)
 
         def rhs_views(run: Run) -> tuple[Any, list[Any]]:
-            """The weight, or each part's columns of it (slices: views, nothing copied)."""
-            w = run.vtensor(rhs)
+            """The weight, or each part's columns of its weight (slices: views, nothing copied)."""
             if not m.parts:
-                return w, []
-            w = VTensor.of(w)
-            full = tuple(w.shape)
-            views = [w.with_layout(w.layout.slice(tuple(a if k == d else 0 for k in range(len(full))),
-                                                   tuple(b if k == d else n for k, n in enumerate(full))))
-                     for _, d, a, b in m.parts]
+                return run.vtensor(rhs), []
+            views = []
+            for _, t, d, a, b in m.parts:
+                w = VTensor.of(run.vtensor(t))
+                full = tuple(w.shape)
+                views.append(w if (a, b) == (0, full[d]) else
+                             w.with_layout(w.layout.slice(tuple(a if k == d else 0 for k in range(len(full))),
+                                                          tuple(b if k == d else n for k, n in enumerate(full)))))
             return views[0], views[1:]
 
         fm = m.fold
