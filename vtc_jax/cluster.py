@@ -780,6 +780,38 @@ def gated_epilogues(graph: Graph, clusters: Sequence[Cluster], kernels: frozense
     return out
 
 
+def sibling_projections(graph: Graph, clusters: Sequence[Cluster], kernels: frozenset[int]) -> list[set[int]]:
+    """Groups of matmul kernels that are one dot each of one A operand, with weights of one shape
+    but along one dim, and nothing after the dot: a layer's ``h @ wq``, ``h @ wk``, ``h @ wv``
+    written with three weights. XLA merges such dots into one GEMM over the weights side by side
+    and then copies each result out of it for a kernel that reads one (a slice fusion each);
+    merged (:func:`fuse_islands`, ``union=True``), the matmul template dots ``h`` with the weights
+    read side by side and writes each result where it goes — Q, the K and V cache rows
+    (``templates.contraction``: ``ContractionMatch.side``). ``kernels``: the clusters with a kernel
+    verdict."""
+    by_lhs: dict[tuple, list[Cluster]] = {}
+    for m in clusters:
+        dots = [graph.ops[o] for o in m.ops if graph.ops[o].primitive == "dot_general"]
+        if m.kind != Kind.MATMUL or m.id not in kernels or len(dots) != 1 or tuple(m.outputs) != tuple(dots[0].outputs) \
+                or any(dots[0].outputs[0] in graph.ops[o].inputs for o in m.ops):
+            continue
+        d = dots[0]
+        w = graph.tensors[d.inputs[1]]
+        key = (d.inputs[0], repr(d.params["dimension_numbers"]), repr(d.params.get("precision")),
+               repr(d.params.get("preferred_element_type")), str(w.dtype), len(w.shape))
+        by_lhs.setdefault(key, []).append(m)
+    out = []
+    for ms in by_lhs.values():
+        if len(ms) < 2:
+            continue
+        shapes = [tuple(graph.tensors[graph.ops[next(o for o in m.ops if graph.ops[o].primitive == "dot_general")]
+                                      .inputs[1]].shape) for m in ms]
+        differ = {k for sh in shapes for k in range(len(sh)) if sh[k] != shapes[0][k]}
+        if len(differ) <= 1:
+            out.append({m.id for m in ms})
+    return out
+
+
 def _dot_lhs(graph: Graph, m: Cluster) -> int | None:
     """The A operand of every dot of matmul cluster ``m``, when they share one (None otherwise)."""
     lhs = {graph.ops[o].inputs[0] for o in m.ops if graph.ops[o].primitive == "dot_general"}

@@ -185,6 +185,21 @@ class _Run:
         return VTensor(dataclasses.replace(layout, pieces=pieces), dtype, tuple(bufs),
                        self.symbols(layout, in_kernel=True))
 
+    def _layout_of(self, t: int) -> Layout:
+        info = self.graph.tensors[t]
+        return self.layout(t) if self.is_virtual(t) else Layout.physical(t, info.shape)
+
+    def concat(self, ts: Sequence[int], axis: int, *, out: bool = False) -> VTensor:
+        """The tensors ``ts`` side by side along ``axis`` as one kernel operand (``out``: one
+        output, each part written where its tensor goes): their layouts concatenated, a view."""
+        lay = Layout.concatenate([self._layout_of(t) for t in ts], axis)
+        return self._as_vtensor(lay, self.graph.tensors[ts[0]].dtype, fresh_ok=out)
+
+    def written_concat(self, ts: Sequence[int], axis: int, buffers: Sequence[Any]) -> None:
+        """Record the buffers a kernel wrote through :meth:`concat` ``(ts, axis, out=True)``."""
+        for tid, b in zip(Layout.concatenate([self._layout_of(t) for t in ts], axis).targets, buffers):
+            self.env[tid] = b
+
     def written(self, t: int, out: VTensor, buffers: Sequence[Any]) -> None:
         """Record a kernel's result buffers as the current versions of their tensors."""
         if not self.is_virtual(t):

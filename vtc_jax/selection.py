@@ -22,7 +22,10 @@ compute cluster with its verdict (:class:`~vtc_jax.templates.Match`, or
    rotations, ``cluster.sibling_islands``) become one kernel over the union of their shapes;
    a matmul kernel whose result a pointwise kernel reads only through the parts a split cuts out
    of it (a gated MLP's ``silu(gate) * up``, ``cluster.gated_epilogues``) takes it as its epilogue,
-   the weight's halves dotted side by side; and one whose A operand a row-norm kernel computes
+   the weight's halves dotted side by side (or two weights: ``silu(h @ w1) * (h @ w3)``); matmul
+   kernels that are bare dots of one A operand (``h @ wq``, ``h @ wk``, ``h @ wv``,
+   ``cluster.sibling_projections``) become one kernel reading the weights side by side and writing
+   each result where it goes; and one whose A operand a row-norm kernel computes
    (a pre-norm's ``rms_norm(x) @ W``, ``cluster.norm_prologues``) folds the norm into its K loop,
    after each matmul kernel has taken the element-wise kernel reading only its result and rows of
    its size (a residual sum, ``cluster.residual_epilogues``) as its epilogue;
@@ -41,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .cluster import (Cluster, cluster, fuse_islands, gated_epilogues, norm_prologues, query_prologue_islands,
-                      residual_epilogues, sibling_islands)
+                      residual_epilogues, sibling_islands, sibling_projections)
 from .graph import Graph
 from .primitives import Kind, is_movement_op
 from .templates import Match, Reject, empty_problem, match_all
@@ -91,6 +94,7 @@ def select(graph: Graph, rejected: Rejections | None = None, *, xla_fusion: bool
         clusters, verdicts = _fuse_siblings(graph, clusters, verdicts, rejected)
         clusters, verdicts = _fuse_gated(graph, clusters, verdicts, rejected)
         clusters, verdicts = _fuse_residuals(graph, clusters, verdicts, rejected)
+        clusters, verdicts = _fuse_projections(graph, clusters, verdicts, rejected)
         clusters, verdicts = _fuse_norms(graph, clusters, verdicts, rejected)
         fused = xla_fuses(graph, clusters, verdicts, not_fused)
     fused.update({c.id: why for c in clusters if isinstance(verdicts.get(c.id), Match)
@@ -143,13 +147,25 @@ def _fuse_residuals(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[
     return _fuse_groups(graph, clusters, verdicts, rejected, residual_epilogues(graph, clusters, kernels))
 
 
+def _fuse_projections(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],
+                      rejected: Rejections) -> tuple[tuple[Cluster, ...], dict[int, Match | Reject]]:
+    """Matmul kernels that are bare dots of one A operand (``cluster.sibling_projections``: a
+    layer's q, k and v projections with three weights) as one matmul cluster with a result each,
+    where the matmul template takes it (the weights read side by side); a group it declines
+    stays its kernels."""
+    kernels = frozenset(k for k, v in verdicts.items() if isinstance(v, Match))
+    return _fuse_groups(graph, clusters, verdicts, rejected, sibling_projections(graph, clusters, kernels),
+                        union=True)
+
+
 def _fuse_norms(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],
                 rejected: Rejections) -> tuple[tuple[Cluster, ...], dict[int, Match | Reject]]:
     """Each matmul kernel whose A operand one row-norm kernel computes (``cluster.norm_prologues``,
     with the norm weight's cast) as one matmul cluster folding the norm, where the matmul template
     takes it; a group it declines stays its kernels."""
     kernels = frozenset(k for k, v in verdicts.items() if isinstance(v, Match))
-    return _fuse_groups(graph, clusters, verdicts, rejected, norm_prologues(graph, clusters, kernels))
+    return _fuse_groups(graph, clusters, verdicts, rejected, norm_prologues(graph, clusters, kernels),
+                        union=True)   # (sibling projections side by side write results of several shapes)
 
 
 def _fuse_groups(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],

@@ -18,7 +18,10 @@ with an epilogue reading the parts (``selection`` merges a gated MLP's GEMM and 
 through slices of it, and the epilogue takes every part's tile (``kernels.matmul``'s
 ``rhs_parts``). The dot's result is never formed. The parts may also be the results of sibling
 dots of one A operand with weights of one shape (``silu(h @ w1) * (h @ w3)``): each part is a
-whole weight.
+whole weight. Or sibling dots of one A operand each with its own result (a layer's ``h @ wq``,
+``h @ wk``, ``h @ wv``), their weights of one shape but along one free dim: one GEMM reads the
+weights side by side (``indexmap.Layout.concatenate`` of their layouts, a view) and writes its
+result side by side into the dots' results, each where the strategy put it (Q, a cache row).
 
 And it may hold the row norm its A operand is (``selection`` merges an RMSNorm into the
 projection reading it): one sum over the contraction dim whose statistic enters the norm as one
@@ -63,6 +66,16 @@ class FoldMatch:
 
 
 @dataclass(frozen=True)
+class SideBySide:
+    """Sibling dots of one A operand written as one GEMM over their weights side by side along
+    ``rhs_dim`` (results side by side along ``out_dim``): each result lands in its own tensor."""
+    outputs: tuple[int, ...]      # each dot's result, in the order the weights are read
+    weights: tuple[int, ...]
+    rhs_dim: int
+    out_dim: int
+
+
+@dataclass(frozen=True)
 class ContractionMatch:
     op: int                       # the dot_general / conv op
     rest: tuple[int, ...]         # epilogue ops
@@ -73,6 +86,7 @@ class ContractionMatch:
     # each — slices of one weight, or whole weights of sibling dots sharing the A operand
     parts: tuple[tuple[int, int, int, int, int], ...] = ()
     fold: FoldMatch | None = None   # the row norm A is, folded in
+    side: SideBySide | None = None  # sibling dots with a result each (q, k, v of three weights)
 
 
 def _prologue(graph: Graph, c: Cluster, x: int) -> tuple[int, tuple[int, ...]]:
@@ -87,9 +101,12 @@ def _prologue(graph: Graph, c: Cluster, x: int) -> tuple[int, tuple[int, ...]]:
 def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
     def match(graph: Graph, c: Cluster) -> ContractionMatch:
         found = [o for o in c.ops if graph.ops[o].primitive == primitive]
-        if len(c.outputs) != 1 or not found or len(found) > 1 and primitive != "dot_general":
+        if not found or len(found) > 1 and primitive != "dot_general" \
+                or len(c.outputs) != 1 and len(c.outputs) != len(found):
             raise Decline(f"needs exactly one {primitive} and one output")
         op = graph.ops[found[0]]
+        if len(c.outputs) > 1:
+            return _side_by_side(graph, c, [graph.ops[o] for o in found])
         siblings = _siblings(graph, c, [graph.ops[o] for o in found])
         if primitive == "conv_general_dilated" and op.params.get("batch_group_count", 1) != 1:
             raise Decline("batch_group_count != 1")
@@ -242,6 +259,44 @@ def _unit_factor(graph: Graph, f: FoldMatch) -> Callable[..., Any]:
     return lambda *tiles: g(*tiles, jnp.ones((), dt))   # (made in the kernel: no captured constant)
 
 
+def _side_by_side(graph: Graph, c: Cluster, dots: list[Any]) -> ContractionMatch:
+    """The match of sibling dots of one A operand each writing a result of the cluster (module
+    docstring): their weights agree but along one free dim, nothing follows a dot but what reads
+    it outside, and only the A operand's prologue or a folded norm precede them."""
+    op = dots[0]
+    key = ("dimension_numbers", "precision", "preferred_element_type")
+    w0 = graph.tensors[op.inputs[1]]
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    rf = [k for k in range(len(w0.shape)) if k not in rc and k not in rb]
+    differ = {k for d in dots for k, (a, b) in enumerate(zip(graph.tensors[d.inputs[1]].shape, w0.shape)) if a != b}
+    if any(d.inputs[0] != op.inputs[0] or any(d.params.get(k) != op.params.get(k) for k in key)
+           or graph.tensors[d.inputs[1]].dtype != w0.dtype or len(graph.tensors[d.inputs[1]].shape) != len(w0.shape)
+           for d in dots) or len(differ) > 1 or not set(differ) <= set(rf):
+        raise Decline("several results that are not one A operand's products with weights side by side")
+    if sorted(c.outputs) != sorted(d.outputs[0] for d in dots):
+        raise Decline("a kernel of sibling dots writes something besides their results")
+    fold = _fold(graph, c, op)
+    lhs, pa = _prologue(graph, c, op.inputs[0])
+    if fold is not None:
+        lhs, pa = fold.inputs[0], ()
+    if any(_prologue(graph, c, d.inputs[1])[1] for d in dots):
+        raise Decline("a weight of several dots is computed in the kernel (a cast, say)")
+    rest = set(c.ops) - {d.id for d in dots} - set(pa) - set(fold.ops if fold else ())
+    if rest:
+        raise Decline("sibling dots with their own epilogues")
+    for t in dict.fromkeys((lhs, op.inputs[0], *(d.inputs[1] for d in dots))):
+        if not jnp.issubdtype(np.dtype(graph.tensors[t].dtype), jnp.floating):
+            raise Decline("dot_general of non-floating operands: the kernel's dot takes floating operands only")
+    why = block_supported(graph, tuple(pa))
+    if why:
+        raise Decline(why)
+    d = next(iter(differ)) if differ else rf[-1]
+    n_lf = len(graph.tensors[op.inputs[0]].shape) - len(lc) - len(lb)
+    side = SideBySide(tuple(x.outputs[0] for x in dots), tuple(x.inputs[1] for x in dots), d,
+                      len(lb) + n_lf + rf.index(d))
+    return ContractionMatch(op.id, (), (), (lhs, op.inputs[1]), (pa, ()), (), fold, side)
+
+
 def _siblings(graph: Graph, c: Cluster, dots: list[Any]) -> list[Any]:
     """The dots beside the first (``[]`` for one), when every dot of the cluster dots the same A
     operand with a weight of one shape at one precision; :class:`Decline` otherwise."""
@@ -338,7 +393,7 @@ def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, Contrac
         o = c.outputs[0]
         results = [x for x, *_ in m.parts] or [op.outputs[0]]
         epi = f32_math(block_fn(graph, m.rest, [*results, *m.extras], [o])) if m.rest else None
-        shape = tuple(graph.tensors[o].shape)
+        shape = tuple(graph.tensors[o].shape)   # (with results side by side: no epilogue reads it)
 
         def rhs_views(run: Run) -> tuple[Any, list[Any]]:
             """The weight, or each part's columns of its weight (slices: views, nothing copied)."""
@@ -362,9 +417,15 @@ def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, Contrac
                    (lambda s: 1.0 / factor(s).astype(jnp.float32)) if fm.divides else factor)
             kw_pro["prologue_dtypes"] = (graph.tensors[op.inputs[0]].dtype, None)
 
+        side = m.side
+
         def step(run: Run) -> None:
-            out = run.out_vtensor(o)
-            w, more = rhs_views(run)
+            if side is not None:   # the weights and the results side by side: views, nothing copied
+                out = run.concat(side.outputs, side.out_dim, out=True)
+                w, more = run.concat(side.weights, side.rhs_dim), []
+            else:
+                out = run.out_vtensor(o)
+                w, more = rhs_views(run)
             kw_parts = {"rhs_parts": more} if more else {}
             if fm is not None:
                 kw_parts["fold"] = Fold(*fns, inputs=tuple(rows_of(run.vtensor(t), a_shape)
@@ -372,7 +433,10 @@ def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, Contrac
             res = call_kernel(run.vtensor(lhs), w, op.params, backend, out=out, epilogue=epi,
                               epilogue_args=[broadcast_input(run.vtensor(t), shape) for t in m.extras],
                               **kw_pro, **kw_parts)
-            run.written(o, out, buffers_of(res))
+            if side is not None:
+                run.written_concat(side.outputs, side.out_dim, buffers_of(res))
+            else:
+                run.written(o, out, buffers_of(res))
 
         return step
     return build
@@ -393,5 +457,5 @@ def _conv(x: Any, w: Any, p: Mapping[str, Any], backend: str, **kw: Any) -> Any:
 
 
 MATMUL = Template(Kind.MATMUL, library=True, match=_match("dot_general"), build=_build(_matmul),
-                  fuses_beyond_xla=lambda m: len(m.parts) > 1 or m.fold is not None)
+                  fuses_beyond_xla=lambda m: len(m.parts) > 1 or m.fold is not None or m.side is not None)
 CONV = Template(Kind.CONV, library=True, match=_match("conv_general_dilated"), build=_build(_conv))
