@@ -117,3 +117,38 @@ def test_side_by_side_kernel_lowers_for_cuda():
     mod = cross_lower(optimize_kernels(pure_jax, backend="triton"), *args)
     names = [k.name for k in mod.triton_kernels]
     assert names and all(n.startswith("vtc_matmul") for n in names), names
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_biases_and_casts_ride_side_by_side(dtype):
+    """Qwen's q/k/v with a bias each, accumulated in f32 and cast back: one kernel, the biases read
+    side by side in its epilogue; equal to jit's."""
+    def qwen(x, wq, bq, wk, bk, wv, bv):
+        f = lambda w, b: (jnp.dot(x, w, preferred_element_type=jnp.float32) + b).astype(x.dtype)  # noqa: E731
+        return f(wq, bq), f(wk, bk), f(wv, bv)
+    ks = jax.random.split(jax.random.PRNGKey(7), 7)
+    args = [jax.random.normal(ks[0], (B, D), dtype)]
+    for i, n in enumerate((64, 32, 32)):
+        args += [(0.1 * jax.random.normal(ks[1 + 2 * i], (D, n))).astype(dtype), jax.random.normal(ks[2 + 2 * i], (n,))]
+    fn = optimize_kernels(qwen)
+    for o, r in zip(fn(*args), jax.jit(qwen)(*args)):
+        assert_close(o, r, TOL[dtype])
+    made = [e.primitive.name for e in eqns(jax.make_jaxpr(fn)(*args).jaxpr)]
+    assert made.count("pallas_call") == 1 and not {"dot_general", "add"} & set(made), made
+
+
+def test_flax_dense_projections_with_biases():
+    """flax linen's ``nn.Dense`` q, k, v layers (a bias each, the default), as a model writes them."""
+    import flax.linen as nn
+
+    class QKV(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(64, name="q")(x), nn.Dense(32, name="k")(x), nn.Dense(32, name="v")(x)
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 3, D))
+    params = QKV().init(jax.random.PRNGKey(2), x)
+    fn = optimize_kernels(QKV().apply)
+    for o, r in zip(fn(params, x), jax.jit(QKV().apply)(params, x)):
+        assert_close(o, r, TOL[jnp.float32])
+    made = [e.primitive.name for e in eqns(jax.make_jaxpr(fn)(params, x).jaxpr)]
+    assert made.count("pallas_call") == 1 and "dot_general" not in made, made

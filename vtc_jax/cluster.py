@@ -782,26 +782,30 @@ def gated_epilogues(graph: Graph, clusters: Sequence[Cluster], kernels: frozense
 
 def sibling_projections(graph: Graph, clusters: Sequence[Cluster], kernels: frozenset[int]) -> list[set[int]]:
     """Groups of matmul kernels that are one dot each of one A operand, with weights of one shape
-    but along one dim, and nothing after the dot: a layer's ``h @ wq``, ``h @ wk``, ``h @ wv``
-    written with three weights. XLA merges such dots into one GEMM over the weights side by side
-    and then copies each result out of it for a kernel that reads one (a slice fusion each);
-    merged (:func:`fuse_islands`, ``union=True``), the matmul template dots ``h`` with the weights
-    read side by side and writes each result where it goes — Q, the K and V cache rows
+    but along one dim, each followed by the same epilogue (:func:`epilogue_chain`: none, a bias,
+    a cast): a layer's ``h @ wq``, ``h @ wk``, ``h @ wv`` written with three weights (Qwen's and
+    flax ``nn.Dense``'s with a bias each). XLA merges such dots into one GEMM over the weights side
+    by side and then copies each result out of it for a kernel that reads one (a slice fusion
+    each); merged (:func:`fuse_islands`, ``union=True``), the matmul template dots ``h`` with the
+    weights read side by side and writes each result where it goes — Q, the K and V cache rows
     (``templates.contraction``: ``ContractionMatch.side``). ``kernels``: the clusters with a kernel
     verdict."""
-    by_lhs: dict[tuple, list[Cluster]] = {}
+    groups: dict[tuple, list[Cluster]] = {}
     for m in clusters:
         dots = [graph.ops[o] for o in m.ops if graph.ops[o].primitive == "dot_general"]
-        if m.kind != Kind.MATMUL or m.id not in kernels or len(dots) != 1 or tuple(m.outputs) != tuple(dots[0].outputs) \
-                or any(dots[0].outputs[0] in graph.ops[o].inputs for o in m.ops):
+        if m.kind != Kind.MATMUL or m.id not in kernels or len(dots) != 1 or len(m.outputs) != 1:
             continue
         d = dots[0]
+        chain = epilogue_chain(graph, m.ops, d)
+        if chain is None or len(chain[0]) + 1 != len(m.ops) or m.outputs[0] != (graph.ops[chain[0][-1]].outputs[0]
+                                                                               if chain[0] else d.outputs[0]):
+            continue
         w = graph.tensors[d.inputs[1]]
         key = (d.inputs[0], repr(d.params["dimension_numbers"]), repr(d.params.get("precision")),
-               repr(d.params.get("preferred_element_type")), str(w.dtype), len(w.shape))
-        by_lhs.setdefault(key, []).append(m)
+               repr(d.params.get("preferred_element_type")), str(w.dtype), len(w.shape), chain[1])
+        groups.setdefault(key, []).append(m)
     out = []
-    for ms in by_lhs.values():
+    for ms in groups.values():
         if len(ms) < 2:
             continue
         shapes = [tuple(graph.tensors[graph.ops[next(o for o in m.ops if graph.ops[o].primitive == "dot_general")]
@@ -810,6 +814,37 @@ def sibling_projections(graph: Graph, clusters: Sequence[Cluster], kernels: froz
         if len(differ) <= 1:
             out.append({m.id for m in ms})
     return out
+
+
+def epilogue_chain(graph: Graph, ops: Sequence[int], dot: Op) -> tuple[tuple[int, ...], tuple, tuple[int, ...]] | None:
+    """``(the ops of ops computed from the dot's result, in program order; their signature; the
+    tensors they read from elsewhere, in order)``: two dots' epilogues with one signature compute
+    the same function of their results and of their other operands taken in that order (the
+    constants equal). None when an op of the chain reads a non-scalar constant."""
+    inside: dict[int, tuple] = {dot.outputs[0]: ("dot",)}
+    chain, sig, extras = [], [], []
+    for o in sorted(ops):
+        op = graph.ops[o]
+        if op.id == dot.id or not any(t in inside for t in op.inputs):
+            continue
+        roles = []
+        for t in op.inputs:
+            info = graph.tensors[t]
+            if t in inside:
+                roles.append(inside[t])
+            elif info.const is not None:
+                if info.size != 1:
+                    return None
+                roles.append(("const", str(info.dtype), repr(np.asarray(info.const).tolist())))
+            else:
+                if t not in extras:
+                    extras.append(t)
+                roles.append(("extra", extras.index(t)))
+        for k, t in enumerate(op.outputs):
+            inside[t] = ("op", len(chain), k)
+        chain.append(o)
+        sig.append((op.primitive, repr(sorted((k, repr(v)) for k, v in op.params.items())), tuple(roles)))
+    return tuple(chain), tuple(sig), tuple(extras)
 
 
 def _dot_lhs(graph: Graph, m: Cluster) -> int | None:

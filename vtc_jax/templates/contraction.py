@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..cluster import Cluster
+from ..cluster import Cluster, epilogue_chain
 from ..graph import Graph
 from ..kernels.conv import conv
 from ..kernels.matmul import Fold, matmul
@@ -69,10 +69,14 @@ class FoldMatch:
 class SideBySide:
     """Sibling dots of one A operand written as one GEMM over their weights side by side along
     ``rhs_dim`` (results side by side along ``out_dim``): each result lands in its own tensor."""
-    outputs: tuple[int, ...]      # each dot's result, in the order the weights are read
+    outputs: tuple[int, ...]      # each dot's result (after its epilogue), in the order the weights are read
     weights: tuple[int, ...]
     rhs_dim: int
     out_dim: int
+    # each epilogue operand: (its tensor per dot, the axis they are read side by side along) or
+    # ((the one tensor all read,), -1); and the shape of the results side by side
+    extras: tuple[tuple[tuple[int, ...], int], ...] = ()
+    shape: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -261,8 +265,10 @@ def _unit_factor(graph: Graph, f: FoldMatch) -> Callable[..., Any]:
 
 def _side_by_side(graph: Graph, c: Cluster, dots: list[Any]) -> ContractionMatch:
     """The match of sibling dots of one A operand each writing a result of the cluster (module
-    docstring): their weights agree but along one free dim, nothing follows a dot but what reads
-    it outside, and only the A operand's prologue or a folded norm precede them."""
+    docstring): their weights agree but along one free dim, each is followed by the same epilogue
+    (``cluster.epilogue_chain``: none, a bias, a cast) whose other operands are one tensor for
+    all or each its dot's columns of a tensor read side by side, and only the A operand's prologue
+    or a folded norm precede them."""
     op = dots[0]
     key = ("dimension_numbers", "precision", "preferred_element_type")
     w0 = graph.tensors[op.inputs[1]]
@@ -273,28 +279,51 @@ def _side_by_side(graph: Graph, c: Cluster, dots: list[Any]) -> ContractionMatch
            or graph.tensors[d.inputs[1]].dtype != w0.dtype or len(graph.tensors[d.inputs[1]].shape) != len(w0.shape)
            for d in dots) or len(differ) > 1 or not set(differ) <= set(rf):
         raise Decline("several results that are not one A operand's products with weights side by side")
-    if sorted(c.outputs) != sorted(d.outputs[0] for d in dots):
+    d = next(iter(differ)) if differ else rf[-1]
+    n_lf = len(graph.tensors[op.inputs[0]].shape) - len(lc) - len(lb)
+    out_dim = len(lb) + n_lf + rf.index(d)
+    chains = [epilogue_chain(graph, c.ops, x) for x in dots]
+    if any(ch is None or ch[1] != chains[0][1] for ch in chains):
+        raise Decline("sibling dots with different epilogues")
+    ends = [graph.ops[ch[0][-1]].outputs[0] if ch[0] else x.outputs[0] for ch, x in zip(chains, dots)]
+    if sorted(c.outputs) != sorted(ends):
         raise Decline("a kernel of sibling dots writes something besides their results")
     fold = _fold(graph, c, op)
     lhs, pa = _prologue(graph, c, op.inputs[0])
     if fold is not None:
         lhs, pa = fold.inputs[0], ()
-    if any(_prologue(graph, c, d.inputs[1])[1] for d in dots):
+    if any(_prologue(graph, c, x.inputs[1])[1] for x in dots):
         raise Decline("a weight of several dots is computed in the kernel (a cast, say)")
-    rest = set(c.ops) - {d.id for d in dots} - set(pa) - set(fold.ops if fold else ())
-    if rest:
-        raise Decline("sibling dots with their own epilogues")
-    for t in dict.fromkeys((lhs, op.inputs[0], *(d.inputs[1] for d in dots))):
+    if set(c.ops) - {x.id for x in dots} - set(pa) - set(fold.ops if fold else ()) - {o for ch in chains for o in ch[0]}:
+        raise Decline("ops beside the sibling dots, their epilogues and the A operand's prologue")
+    for t in dict.fromkeys((lhs, op.inputs[0], *(x.inputs[1] for x in dots))):
         if not jnp.issubdtype(np.dtype(graph.tensors[t].dtype), jnp.floating):
             raise Decline("dot_general of non-floating operands: the kernel's dot takes floating operands only")
-    why = block_supported(graph, tuple(pa))
+    why = block_supported(graph, tuple(pa) + chains[0][0])
     if why:
         raise Decline(why)
-    d = next(iter(differ)) if differ else rf[-1]
-    n_lf = len(graph.tensors[op.inputs[0]].shape) - len(lc) - len(lb)
-    side = SideBySide(tuple(x.outputs[0] for x in dots), tuple(x.inputs[1] for x in dots), d,
-                      len(lb) + n_lf + rf.index(d))
-    return ContractionMatch(op.id, (), (), (lhs, op.inputs[1]), (pa, ()), (), fold, side)
+    rank = len(graph.tensors[op.outputs[0]].shape)
+    extras = []
+    for j, x0 in enumerate(chains[0][2]):   # each operand: one for all, or side by side
+        xs = tuple(ch[2][j] for ch in chains)
+        shapes = [tuple(graph.tensors[x].shape) for x in xs]
+        axis = out_dim - (rank - len(shapes[0]))
+        widths = [graph.tensors[x.outputs[0]].shape[out_dim] for x in dots]
+        if len(set(xs)) == 1 and (axis < 0 or shapes[0][axis] == 1):
+            extras.append((xs[:1], -1))
+        elif axis >= 0 and all(len(sh) == len(shapes[0]) and sh[axis] == n and
+                               all(a == b for k, (a, b) in enumerate(zip(sh, shapes[0])) if k != axis)
+                               for sh, n in zip(shapes, widths)):
+            extras.append((xs, axis))
+        else:
+            raise Decline("an epilogue operand of sibling dots is neither shared nor their columns side by side")
+    out_shape = list(graph.tensors[ends[0]].shape)
+    out_shape[out_dim] = sum(graph.tensors[e].shape[out_dim] for e in ends)
+    if any(not _broadcasts_to(tuple(graph.tensors[x].shape), tuple(graph.tensors[ends[0]].shape))
+           for x in chains[0][2]):
+        raise Decline("the epilogue reads a tensor that does not broadcast to its result")
+    side = SideBySide(tuple(ends), tuple(x.inputs[1] for x in dots), d, out_dim, tuple(extras), tuple(out_shape))
+    return ContractionMatch(op.id, chains[0][0], chains[0][2], (lhs, op.inputs[1]), (pa, ()), (), fold, side)
 
 
 def _siblings(graph: Graph, c: Cluster, dots: list[Any]) -> list[Any]:
@@ -390,10 +419,11 @@ def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, Contrac
         after = tuple(graph.tensors[x].dtype for x in op.inputs[:2])   # a prologue may cast
         if any(f is not None for f in pro) and after != tuple(graph.tensors[t].dtype for t in (lhs, rhs)):
             kw_pro["prologue_dtypes"] = after
-        o = c.outputs[0]
+        side = m.side
+        o = side.outputs[0] if side is not None else c.outputs[0]   # (side by side: the first dot's)
         results = [x for x, *_ in m.parts] or [op.outputs[0]]
         epi = f32_math(block_fn(graph, m.rest, [*results, *m.extras], [o])) if m.rest else None
-        shape = tuple(graph.tensors[o].shape)   # (with results side by side: no epilogue reads it)
+        shape = side.shape if side is not None else tuple(graph.tensors[o].shape)
 
         def rhs_views(run: Run) -> tuple[Any, list[Any]]:
             """The weight, or each part's columns of its weight (slices: views, nothing copied)."""
@@ -417,21 +447,21 @@ def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, Contrac
                    (lambda s: 1.0 / factor(s).astype(jnp.float32)) if fm.divides else factor)
             kw_pro["prologue_dtypes"] = (graph.tensors[op.inputs[0]].dtype, None)
 
-        side = m.side
-
         def step(run: Run) -> None:
-            if side is not None:   # the weights and the results side by side: views, nothing copied
+            if side is not None:   # the weights, results and epilogue operands side by side: views
                 out = run.concat(side.outputs, side.out_dim, out=True)
                 w, more = run.concat(side.weights, side.rhs_dim), []
+                extra = [run.concat(xs, axis) if axis >= 0 else run.vtensor(xs[0]) for xs, axis in side.extras]
             else:
                 out = run.out_vtensor(o)
                 w, more = rhs_views(run)
+                extra = [run.vtensor(t) for t in m.extras]
             kw_parts = {"rhs_parts": more} if more else {}
             if fm is not None:
                 kw_parts["fold"] = Fold(*fns, inputs=tuple(rows_of(run.vtensor(t), a_shape)
                                                           for t in fm.inputs[1:]))
             res = call_kernel(run.vtensor(lhs), w, op.params, backend, out=out, epilogue=epi,
-                              epilogue_args=[broadcast_input(run.vtensor(t), shape) for t in m.extras],
+                              epilogue_args=[broadcast_input(x, shape) for x in extra],
                               **kw_pro, **kw_parts)
             if side is not None:
                 run.written_concat(side.outputs, side.out_dim, buffers_of(res))
