@@ -2307,17 +2307,23 @@ def test_xla_a_returned_scalar_division_is_a_launch_of_its_own():
 
 @pytest.mark.offline
 def test_xla_a_split_k_sum_a_kernel_reads_is_reduced_by_a_fusion_of_its_own():
-    """In VTC's program of the paged decode layer (corpus, paper size, batch 16) both XLA GEMMs
-    (the q and the output projection, 16 rows by 4,096) are split along K; the attention kernel
-    reads q's sum through a reshape, which no fusion XLA makes for the call can take in: a reduce
-    fusion of its own (``loop_reduce_fusion_1``), as for the output projection's. The model's
-    GEMM launch groups count both reduces (before: the q projection's was one launch)."""
+    """In VTC's program of the paged decode layer (corpus, paper size, batch 16) with q projected
+    at another precision (``HIGHEST``: not a sibling of k and v, which one kernel projects side by
+    side), both XLA GEMMs (the q and the output projection, 16 rows by 4,096) are split along K;
+    the attention kernel reads q's sum through a reshape, which no fusion XLA makes for the call
+    can take in: a reduce fusion of its own (``loop_reduce_fusion_1``), as for the output
+    projection's. The model's GEMM launch groups count both reduces (before: the q projection's
+    was one launch). Unchanged, the layer leaves XLA the output projection alone."""
     from tests.zoo.corpus import CORPUS
     e = CORPUS["paged_kv_decode_layer"]("paper")
-    _, vtc, _, pv = model_and_compile_of_both(e.step, e.args, e.donate_argnums, jit=False)
-    xla_gemms = [l.name for l in pv.launches if l.name.startswith(("gemm_fusion", "loop_reduce_fusion"))]
-    assert len(xla_gemms) == 4, xla_gemms
-    assert sum(f.launches for f in vtc.fusions if f.what == "matmul") == len(xla_gemms), vtc.fusions
+
+    def own_q(x, wq, *rest):   # the same layer, q's projection apart
+        return e.step(x, wq, *rest, q_precision=jax.lax.Precision.HIGHEST)
+    for step, gemms in ((own_q, 4), (e.step, 2)):
+        _, vtc, _, pv = model_and_compile_of_both(step, e.args, e.donate_argnums, jit=False)
+        xla_gemms = [l.name for l in pv.launches if l.name.startswith(("gemm_fusion", "loop_reduce_fusion"))]
+        assert len(xla_gemms) == gemms, xla_gemms
+        assert sum(f.launches for f in vtc.fusions if f.what == "matmul") == len(xla_gemms), vtc.fusions
 
 
 @pytest.mark.offline

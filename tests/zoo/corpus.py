@@ -917,8 +917,8 @@ def paged_kv_decode_layer(size):
         table = jax.random.permutation(jax.random.PRNGKey(17), P)[: B * M].reshape(B, M).astype(jnp.int32)
         lens = jnp.array([5, 16, 11], jnp.int32)
 
-    def step(x, wq, wk, wv, wo, k_pages, v_pages, block_table, seq_lens):
-        q = (x @ wq).reshape(B, KV, G, D)
+    def step(x, wq, wk, wv, wo, k_pages, v_pages, block_table, seq_lens, q_precision=None):
+        q = jnp.matmul(x, wq, precision=q_precision).reshape(B, KV, G, D)
         k_new, v_new = (x @ wk).reshape(B, KV, D), (x @ wv).reshape(B, KV, D)
         pos = seq_lens - 1
         blk = block_table[jnp.arange(B), pos // page]

@@ -234,7 +234,8 @@ def _plan(a: VTensor, bs: Sequence[VTensor], dimension_numbers: Any, out: VTenso
                          batch=math.prod(a.shape[d] for d in lb), a_itemsize=a.dtype.itemsize,
                          b_itemsize=b.dtype.itemsize, block_m=block_m, block_n=block_n,
                          block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                         split_k=split_k, b_parts=len(bs))
+                         split_k=split_k, b_parts=len(bs),
+                         pieces=(len(a.layout.pieces), max(len(x.layout.pieces) for x in bs)))
     bm, bn, bk = launch.block_m, launch.block_n, launch.block_k
     groups = {
         "B": Group(tuple(a.shape[d] for d in lb), (1,) * nb),

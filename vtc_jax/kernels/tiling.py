@@ -408,6 +408,7 @@ _DECODE_WAVES = 2          # split-K until the grid fills this many waves of SMs
 _DECODE_B_TILE = 16384     # ... streaming weight tiles of about this many bytes (bk x bn)
 _DECODE_STAGES = 4         # pipeline depth of the decode path (3 tiles in flight per CTA)
 _DECODE_SMEM = 128 * 1024  # cap on the staged A + B tiles of the decode path (sm_90: 227 KiB)
+_PIECES_SMEM = 200 * 1024  # ... of operands read from several buffers, each piece staged apart
 
 # Prefill tiles by operand width: (block_m, block_n, block_k, num_warps), 3 stages. Measured on an
 # H100 (benchmarks/gemm_tiles.py, rows in benchmarks/measured/h100-2026-11-27-gemm-tiles.jsonl;
@@ -531,7 +532,7 @@ def prefill_tiles(m: int, n: int, *, batch: int = 1, itemsize: int = 2,
 def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, b_itemsize: int = 2,
                 block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None, split_k: int | None = None,
-                sms: int = NUM_SMS, b_parts: int = 1) -> GemmConfig:
+                sms: int = NUM_SMS, b_parts: int = 1, pieces: tuple[int, int] = (1, 1)) -> GemmConfig:
     """The launch the matmul template uses for these sizes (``None`` = the template's choice).
 
     Why three regimes: a 16-bit prefill GEMM with enough big tiles takes :func:`prefill_tiles`
@@ -552,11 +553,18 @@ def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, 
     and ``x @ W_up`` side by side for its epilogue, ``silu(g) * u``): the staged weight bytes are
     budgeted over all of them — a decode tile of ~16 KB across the parts, the shared-memory cap on
     their sum — and the prefill tiles, sized for one B tile, are not taken. ``n`` is one part's.
+
+    ``pieces``: how many buffers the A and the B operand are read from (a virtual operand's
+    pieces: weights side by side, a concatenation). Each piece is loaded under its own mask and
+    staged in its own shared-memory buffers, so the pipeline is budgeted for all of them (capped
+    at :data:`_PIECES_SMEM`: the side-by-side q/k/v weights of a decode layer, three pieces, keep
+    their 16 KB tiles) and the prefill tiles are not taken (three B pieces of 128 x 256 x 64 over
+    3 stages asked ptxas for 448 KB).
     """
     decode = m <= DECODE_MAX_M
     big = (prefill_tiles(m, n, batch=batch, itemsize=max(a_itemsize, b_itemsize), sms=sms)
            if block_m is None and block_n is None and block_k is None and num_warps is None
-           and b_parts == 1 else None)
+           and b_parts == 1 and pieces == (1, 1) else None)
     if big is not None:
         block_m, block_n, block_k, num_warps = big
     block_m = _SMALL_TILES[0] if block_m is None else block_m
@@ -576,8 +584,9 @@ def gemm_config(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, 
     # A wide K tile is for a narrow N: with M up to 64 rows and f32 the staged A tiles dominate;
     # halve the automatic bk until the pipeline fits the budget (EfficientViT's f32 attention
     # matmuls asked for 288 KB at bk 256).
-    while auto_k and bk > 32 and \
-            max(1, num_stages - 1) * bk * (bm * a_itemsize + bn * b_itemsize * b_parts) > _DECODE_SMEM:
+    cap = _DECODE_SMEM if pieces == (1, 1) else _PIECES_SMEM
+    while auto_k and bk > 32 and max(1, num_stages - 1) * bk * (
+            bm * a_itemsize * pieces[0] + bn * b_itemsize * b_parts * pieces[1]) > cap:
         bk //= 2
     k_tiles = cdiv(k, bk)
     base = batch * cdiv(m, bm) * cdiv(n, bn) * b_parts   # (a program streaming two parts counts twice)

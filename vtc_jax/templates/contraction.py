@@ -31,6 +31,7 @@ statistic's summand over the K tiles it loads anyway, and scales the accumulator
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -45,7 +46,7 @@ from ..kernels.matmul import Fold, matmul
 from ..kernels.pointwise import f32_math
 from ..kernels.vio import VTensor
 from ..kernels.vio import broadcast_input as rows_of
-from ..kernels.tiling import dtype_unsupported, precision_unsupported
+from ..kernels.tiling import DECODE_MAX_M, dtype_unsupported, precision_unsupported
 from ..primitives import TABLE, Kind, Role, block_safe, role_of
 from .base import Decline, Run, Step, Template
 from .stage2 import block_fn, block_supported, broadcast_input, buffers_of, kernel_inputs
@@ -280,8 +281,12 @@ def _side_by_side(graph: Graph, c: Cluster, dots: list[Any]) -> ContractionMatch
            for d in dots) or len(differ) > 1 or not set(differ) <= set(rf):
         raise Decline("several results that are not one A operand's products with weights side by side")
     d = next(iter(differ)) if differ else rf[-1]
-    n_lf = len(graph.tensors[op.inputs[0]].shape) - len(lc) - len(lb)
+    a_shape = graph.tensors[op.inputs[0]].shape
+    n_lf = len(a_shape) - len(lc) - len(lb)
     out_dim = len(lb) + n_lf + rf.index(d)
+    if math.prod(n for k, n in enumerate(a_shape) if k not in lc and k not in lb) > DECODE_MAX_M:
+        raise Decline("sibling dots of more rows than a decode step's: XLA's merged GEMM takes the large "
+                      "tiles a kernel loading each weight under its own mask cannot")
     chains = [epilogue_chain(graph, c.ops, x) for x in dots]
     if any(ch is None or ch[1] != chains[0][1] for ch in chains):
         raise Decline("sibling dots with different epilogues")
