@@ -1,4 +1,6 @@
 """Offline rung: compile for an H100 (sm_90) with XLA, no GPU — public jax APIs on every version."""
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -61,6 +63,23 @@ def test_compile_program_in_place_update_counts_the_update_only():
     assert x.in_place_bytes == 64 * 1024 * 4       # the cache: updated in place, not counted
     assert x.write_bytes == 1024 * 4               # the row written
     assert p.memory["alias_size_in_bytes"] == 64 * 1024 * 4
+
+
+def test_a_dynamic_slice_fusion_is_counted_once_by_the_launch_inside_it():
+    """XLA runs a copy at a runtime offset beside a kernel call in a loop body as a dynamic-slice
+    fusion thunk wrapping the copy; the listing prints both, the wrapper launching nothing
+    (counted, it made VTC's program of a scanned sliding window one launch longer than jit's)."""
+    import vtc_jax
+    from tests.zoo.styles import CASES
+    step, args = CASES["scan_sliding_window"]()
+    p = compile_program(vtc_jax.optimize(step, backend="triton", guard=None), *args, kernels=False)
+    listed = [line for line in p.thunks.splitlines() if re.match(r"\s*\d+:\s+k\w+", line)]
+    assert [line for line in listed if "kDynamicSliceFusion" in line], p.thunks   # (what this is about)
+    named = [x.name for x in p.launches]
+    assert not [n for n in named if "=" in n], named
+    assert len(named) == len([line for line in listed if not re.match(
+        r"\s*\d+:\s+k(DynamicSliceFusion|CommandBuffer|Sequential|Conditional)\b", line)]), (named, p.thunks)
+    assert len(named) <= len(compile_program(jax.jit(step), *args, kernels=False).launches)
 
 
 def test_a_gather_is_charged_the_rows_it_takes_not_its_table():
