@@ -256,3 +256,26 @@ def test_scanned_gemma_cond_writes_the_stacked_cache_in_place():
     for op in ("stablehlo.dynamic_update_slice", "stablehlo.concatenate", "stablehlo.gather", "stablehlo.scatter"):
         assert dflt.text.count(op) == 0, op
     assert dflt.movement_into_consumers() == [] != base.movement_into_consumers()
+
+
+@pytest.mark.parametrize("loop", ["fori", "while", "cond"])
+def test_a_body_with_nothing_to_gain_is_no_fallback(loop):
+    """Found by probing: a ``fori_loop`` with a tuple carry adding a loop-invariant ``x @ a`` (no
+    kernel pays in its body: a GEMM plus its sum, XLA's) warned "unsupported primitive scan left
+    to XLA". A body analysed with nothing to gain is a decision, as a shard_map body's: no
+    fallback warning, the results equal jit's."""
+    def f(x, a):
+        body = lambda i, s: (s[0] + x @ a, s[1] + 1.0)  # noqa: E731
+        init = (jnp.zeros((3, 40)), jnp.zeros((3, 24)))
+        if loop == "fori":
+            return lax.fori_loop(0, 2, body, init)
+        if loop == "while":
+            return lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, *body(0, c[1:])), (0, *init))[1:]
+        return lax.cond(x[0, 0] > 0, lambda s: body(0, s), lambda s: s, init)
+    x = jax.random.normal(jax.random.PRNGKey(0), (3, 48))
+    a = 0.2 * jax.random.normal(jax.random.PRNGKey(1), (48, 40))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", vtc_jax.VTCFallbackWarning)
+        out = vtc_jax.optimize(f, guard=None)(x, a)
+    for o, r in zip(out, jax.jit(f)(x, a)):
+        np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=0, atol=1e-5 * max(1.0, float(np.abs(r).max())))

@@ -51,7 +51,7 @@ class BuildOptions:
     analysis: dict[str, Any]                         # objective, cost_model, gpu
     warn: Callable[[str], None]
     error: type[Exception]                           # VTCError (raised in strict mode)
-    bodies: list[str] = field(default_factory=list)  # control-flow bodies optimised (for reports)
+    bodies: list[str] = field(default_factory=list)  # control-flow bodies optimised or with nothing to gain (for reports)
     guard: str | None = "model"                      # guard.GUARDS: how the plan is priced against jit
     function: Callable[..., Any] | None = None       # the function being built (the guard compiles it plainly)
 
@@ -307,19 +307,23 @@ def optimize_body(op: Op, opts: BuildOptions) -> Callable[..., Sequence[Any]] | 
             impl = _stacked_cache_scan(op, opts)
             opts.bodies.append(f"{op.primitive} #{op.id}")
             return impl
+        # a body analysed with nothing to gain (no kernel) is a decision as well, not a fallback
         if op.primitive == "scan":
             new = _optimize_closed(p["jaxpr"], opts)
             if new is None:
+                opts.bodies.append(f"{op.primitive} #{op.id}")
                 return None
             p["jaxpr"] = new
         elif op.primitive == "while":
             new = _optimize_closed(p["body_jaxpr"], opts)
             if new is None:
+                opts.bodies.append(f"{op.primitive} #{op.id}")
                 return None
             p["body_jaxpr"] = new
         else:  # cond: every branch on its own; the outputs stay physical, so they always agree
             branches = [_optimize_closed(b, opts) for b in p["branches"]]
             if all(b is None for b in branches):
+                opts.bodies.append(f"{op.primitive} #{op.id}")
                 return None
             p["branches"] = tuple(b if b is not None else old for b, old in zip(branches, p["branches"]))
     except GuardedBody:   # the guard chose plain XLA for the body: a decision, not a fallback
