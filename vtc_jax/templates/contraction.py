@@ -46,7 +46,7 @@ from ..kernels.matmul import Fold, matmul
 from ..kernels.pointwise import f32_math
 from ..kernels.vio import VTensor
 from ..kernels.vio import broadcast_input as rows_of
-from ..kernels.tiling import DECODE_MAX_M, dtype_unsupported, precision_unsupported
+from ..kernels.tiling import DECODE_MAX_M, dtype_unsupported, precision_unsupported, prefill_tiles
 from ..primitives import TABLE, Kind, Role, block_safe, role_of
 from .base import Decline, Run, Step, Template
 from .stage2 import block_fn, block_supported, broadcast_input, buffers_of, kernel_inputs
@@ -135,6 +135,9 @@ def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
             parts, cuts = _sibling_parts(graph, c, op, siblings, pb), ()
         else:
             parts, cuts = _parts(graph, c, op) if primitive == "dot_general" else ((), ())
+        if len(parts) > 1 and _big_tiles(graph, op, len(parts) if siblings else 1):
+            raise Decline("a gated GEMM of prefill size: XLA's GEMM takes the large tiles a kernel dotting "
+                          "each A tile with several parts cannot (its epilogue saves less than they gain)")
         rest = tuple(o for o in rest if o not in cuts and (fold is None or o not in fold.ops))
         why = block_supported(graph, rest + pa + pb)
         if why:
@@ -329,6 +332,17 @@ def _side_by_side(graph: Graph, c: Cluster, dots: list[Any]) -> ContractionMatch
         raise Decline("the epilogue reads a tensor that does not broadcast to its result")
     side = SideBySide(tuple(ends), tuple(x.inputs[1] for x in dots), d, out_dim, tuple(extras), tuple(out_shape))
     return ContractionMatch(op.id, chains[0][0], chains[0][2], (lhs, op.inputs[1]), (pa, ()), (), fold, side)
+
+
+def _big_tiles(graph: Graph, op: Any, copies: int) -> bool:
+    """Whether XLA's GEMM (and a kernel of one part) of dot ``op``'s result, ``copies`` times as
+    wide, takes the large prefill tiles (``tiling.prefill_tiles``: a 16-bit GEMM of many rows)."""
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    a, b = (graph.tensors[x] for x in op.inputs[:2])
+    m = math.prod(n for k, n in enumerate(a.shape) if k not in lc and k not in lb)
+    n = math.prod(n for k, n in enumerate(b.shape) if k not in rc and k not in rb) * copies
+    return prefill_tiles(m, n, batch=math.prod(a.shape[k] for k in lb),
+                         itemsize=max(a.dtype.itemsize, b.dtype.itemsize)) is not None
 
 
 def _siblings(graph: Graph, c: Cluster, dots: list[Any]) -> list[Any]:
