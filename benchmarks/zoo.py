@@ -59,15 +59,18 @@ def models() -> dict:
 
 # What is left in each model and why (checked by hand against explain() and the lowered module;
 # keep in step with the code: a row whose figures change needs its note re-checked).
-_LLAMA = ("none of activation size. K: the complex RoPE is traced as real pairs "
+_LLAMA = ("none of activation size. The q, k and v projections (three weights) are one GEMM "
+          "reading the weights side by side, the norm folded in, writing q, k and v "
+          "(cluster.sibling_projections); the MLP's `silu(h @ w1) * (h @ w3)` is one GEMM with both "
+          "weights, its norm folded in (cluster.gated_epilogues); w2 stays XLA's split-K GEMM, the "
+          "residual in its reduce. K: the complex RoPE is traced as real pairs "
           "(canonical.split_complex) and, with the stack of its real and imaginary parts, is one "
           "fused pointwise kernel (cluster.fuse_islands) that recomputes cos/sin from `pos` and writes "
           "the rotated row into the cache in place; V: `.at[:, pos].set` is traced as a guarded update "
           "(canonical.py: an out-of-range pos writes back the old window, as `.at[].set` drops it) "
           "and its select (which reads the old window too) joins the K RoPE kernel: one launch writes "
           "both rows of the step in place (xla.pointwise_islands: same-shape kernels whose "
-          "outputs only update caches are one island; the V projection itself stays XLA's split-K "
-          "GEMM, which the cost model prices lower than the template). The two movement ops left are "
+          "outputs only update caches are one island). The two movement ops left are "
           "a scalar position's broadcast/squeeze (glue)")
 NOTES = {
     "llama_pure (where -inf)": _LLAMA,
