@@ -259,7 +259,7 @@ def test_paper_size_on_h100s(program, style, n):
     20) and the guard, compiling the shard_map body as each device runs it (``guard._alone``),
     undoes them: shard_map_psum is then jit's program launch for launch, and the GSPMD layer the
     per-shard program (``spmd.per_shard``), which moves about a third fewer bytes than GSPMD's
-    (Llama's keeps the kernels its guard finds paying there: q/k/v and gate/up side by side)."""
+    (Llama's keeps some of its kernels there)."""
     from vtc_jax import offline
     devices = offline.h100_devices(n)
     step = tp.make(program, style, devices=devices)
