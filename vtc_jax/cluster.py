@@ -771,8 +771,8 @@ def gated_epilogues(graph: Graph, clusters: Sequence[Cluster], kernels: frozense
             continue
         ms = {made_by[t].id: made_by[t] for t in p.inputs
               if t in made_by and made_by[t].kind == Kind.MATMUL and made_by[t].id in kernels}
-        if len(ms) < 2 or len({_dot_lhs(graph, m) for m in ms.values()} - {None}) != 1 \
-                or any(_dot_lhs(graph, m) is None for m in ms.values()):
+        lhs = {_dot_lhs(graph, m) for m in ms.values()}
+        if len(ms) < 2 or len(lhs) != 1 or None in lhs:
             continue
         if all(len(m.outputs) == 1 and m.outputs[0] not in graph.outputs
                and {of_op[u.id] for u in graph.consumers(m.outputs[0])} == {p.id} for m in ms.values()):
