@@ -278,9 +278,11 @@ def h100_device() -> Any:
 
 
 # thunks that launch nothing themselves (a dynamic-slice fusion wraps the copy or GEMM it runs at
-# offsets it reads; the thunk listing prints that inner thunk on its own line, counted there)
+# offsets it reads; an async start/done pair (jax 0.12's XLA) runs the thunks between them on
+# another stream: the listing prints each inner thunk on its own line, counted there)
 _NON_LAUNCH_THUNKS = frozenset({"kCommandBuffer", "kSequential", "kConditional", "kWaitForStreams",
-                                "kWaitForStream", "kHostSendDone", "kHostRecvDone", "kDynamicSliceFusion"})
+                                "kWaitForStream", "kHostSendDone", "kHostRecvDone", "kDynamicSliceFusion",
+                                "kAsyncStart", "kAsyncDone"})
 _THUNK_RE = re.compile(r"^\s*\d+:\s+(k\w+)\s*(?:\[[^\]]*\])?\s*(.*)$")
 _KERNEL_RE = re.compile(r"(\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+shared_memory: (\d+)")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
