@@ -780,6 +780,50 @@ def gated_epilogues(graph: Graph, clusters: Sequence[Cluster], kernels: frozense
     return out
 
 
+# movement that only views a GEMM result's parts: what carries each part to where it goes
+_PART_VIEWS = frozenset({"split", "slice", "reshape", "squeeze", "expand_dims"})
+
+
+def reduce_islands(graph: Graph, clusters: Sequence[Cluster], kernels: frozenset[int]) -> list[set[int]]:
+    """``{matmul cluster, island kernel, view clusters...}`` groups where one island kernel (a
+    pointwise kernel with movement inside: a decode step's q and k rotations,
+    :func:`sibling_islands`) reads a one-dot matmul kernel's result through views of its parts
+    (split, slices, reshapes), and the result's other parts only go through views to movement
+    outside (the v part's reshape into its cache row's write). A decode GEMM splits K, and its
+    reduce kernel writes the result the island kernel reads back; merged (:func:`fuse_islands`,
+    ``union=True``: the island's outputs and the other parts' views are one grid), the matmul
+    template runs the split-K kernel and the island's kernel summing the partials where it reads
+    the result (``templates.contraction``: ``ContractionMatch.island``), the views carrying the
+    other parts into the island's outputs — or declines (the GEMM does not split) and the group
+    stays apart. ``kernels``: the clusters with a kernel verdict."""
+    by_id = {c.id: c for c in clusters}
+    of_op = {o: c.id for c in clusters for o in c.ops}
+    out: list[set[int]] = []
+    for m in clusters:
+        if m.kind != Kind.MATMUL or m.id not in kernels or len(m.outputs) != 1 or m.outputs[0] in graph.outputs \
+                or sum(graph.ops[o].primitive == "dot_general" for o in m.ops) != 1:
+            continue
+        group, islands, ok = {m.id}, set(), True
+        stack = [m.outputs[0]]
+        while stack and ok:
+            t = stack.pop()
+            for u in graph.consumers(t):
+                k = by_id[of_op[u.id]]
+                if k.id in group or k.id in islands:
+                    continue
+                if k.kind == Kind.MOVEMENT and all(graph.ops[o].primitive in _PART_VIEWS for o in k.ops):
+                    group.add(k.id)
+                    stack.extend(k.outputs)
+                elif k.kind == Kind.POINTWISE and k.id in kernels and any(is_movement_op(graph.ops[o], graph)
+                                                                         for o in k.ops):
+                    islands.add(k.id)
+                else:
+                    ok = k.kind == Kind.MOVEMENT and t != m.outputs[0]   # a part's view ends in a write
+        if ok and len(islands) == 1:
+            out.append(group | islands)
+    return out
+
+
 def sibling_projections(graph: Graph, clusters: Sequence[Cluster], kernels: frozenset[int]) -> list[set[int]]:
     """Groups of matmul kernels that are one dot each of one A operand, with weights of one shape
     but along one dim, each followed by the same epilogue (:func:`epilogue_chain`: none, a bias,

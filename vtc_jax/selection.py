@@ -28,7 +28,10 @@ compute cluster with its verdict (:class:`~vtc_jax.templates.Match`, or
    each result where it goes; and one whose A operand a row-norm kernel computes
    (a pre-norm's ``rms_norm(x) @ W``, ``cluster.norm_prologues``) folds the norm into its K loop,
    after each matmul kernel has taken the element-wise kernel reading only its result and rows of
-   its size (a residual sum, ``cluster.residual_epilogues``) as its epilogue;
+   its size (a residual sum, ``cluster.residual_epilogues``) as its epilogue; last, a one-dot
+   matmul kernel whose result's parts an island kernel reads (a decode layer's QKV projection
+   and its rotations, ``cluster.reduce_islands``) takes the island, whose kernel sums the GEMM's
+   split-K partials where it reads them (no reduce kernel);
 5. **XLA verdicts** (``xla.xla_fuses``): pointwise work XLA fuses better is rejected with the
    reason, recorded in ``xla_fused`` (XLA's by choice, not a fallback); so is a cluster touching a
    tensor with no elements (``templates.empty_problem``: nothing for a kernel to do).
@@ -44,7 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .cluster import (Cluster, cluster, fuse_islands, gated_epilogues, norm_prologues, query_prologue_islands,
-                      residual_epilogues, sibling_islands, sibling_projections)
+                      reduce_islands, residual_epilogues, sibling_islands, sibling_projections)
 from .graph import Graph
 from .primitives import Kind, is_movement_op
 from .templates import Match, Reject, empty_problem, match_all
@@ -96,6 +99,7 @@ def select(graph: Graph, rejected: Rejections | None = None, *, xla_fusion: bool
         clusters, verdicts = _fuse_residuals(graph, clusters, verdicts, rejected)
         clusters, verdicts = _fuse_projections(graph, clusters, verdicts, rejected)
         clusters, verdicts = _fuse_norms(graph, clusters, verdicts, rejected)
+        clusters, verdicts = _fuse_reduce_islands(graph, clusters, verdicts, rejected)
         fused = xla_fuses(graph, clusters, verdicts, not_fused)
     fused.update({c.id: why for c in clusters if isinstance(verdicts.get(c.id), Match)
                   for why in [empty_problem(graph, c)] if why is not None})
@@ -166,6 +170,17 @@ def _fuse_norms(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int,
     kernels = frozenset(k for k, v in verdicts.items() if isinstance(v, Match))
     return _fuse_groups(graph, clusters, verdicts, rejected, norm_prologues(graph, clusters, kernels),
                         union=True)   # (sibling projections side by side write results of several shapes)
+
+
+def _fuse_reduce_islands(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],
+                         rejected: Rejections) -> tuple[tuple[Cluster, ...], dict[int, Match | Reject]]:
+    """Each one-dot matmul kernel with the island kernel reading its result's parts
+    (``cluster.reduce_islands``: a decode layer's QKV projection and its rotations, the v part's
+    view into its cache row) as one matmul cluster, where the matmul template takes it (the GEMM
+    splits K: the island's kernel sums the partials); a group it declines stays its kernels."""
+    kernels = frozenset(k for k, v in verdicts.items() if isinstance(v, Match))
+    return _fuse_groups(graph, clusters, verdicts, rejected, reduce_islands(graph, clusters, kernels),
+                        union=True)
 
 
 def _fuse_groups(graph: Graph, clusters: tuple[Cluster, ...], verdicts: dict[int, Match | Reject],

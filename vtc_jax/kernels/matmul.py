@@ -76,7 +76,7 @@ from .tiling import (MIN_DOT_BLOCK, GemmConfig, Group, InBounds, check_pow2, cho
                      gemm_config, interpreter_dtype, normalize_split, program_id, split_block)
 from .vio import Plan, VTensor, epilogue_input, output, pack_results
 
-__all__ = ["matmul", "MIN_DOT_BLOCK", "choose_blocks"]
+__all__ = ["matmul", "splits", "MIN_DOT_BLOCK", "choose_blocks"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,6 +387,26 @@ def _reduce_kernel(c: _Config, ins: list[Any], outs: list[Any]) -> None:
     _finish(c, accs, e_refs, o_ref, origins)
 
 
+def _splitk(c: _Config, a: VTensor, bs: Sequence[VTensor], folded: Sequence[VTensor], out: VTensor,
+            backend: str) -> list[VTensor]:
+    """The split-K kernel's workspaces: the partial sums ``(split * parts, *out.shape)`` (f32) and,
+    with a folded norm, each split's partial statistic per row ``(split, batch tiles, *M dims)``."""
+    wss = [VTensor.fresh((c.split * c.parts, *out.shape), c.acc_dtype)]
+    if c.fold is not None:
+        wss.append(VTensor.fresh((c.split, c.groups["B"].ntiles, *c.groups["M"].sizes), jnp.float32))
+    got = Plan.build([a, *bs, *folded], wss).call(
+        functools.partial(_splitk_kernel, c), grid=c.grid, backend=backend,
+        num_warps=c.launch.num_warps, num_stages=c.launch.num_stages, name="vtc_matmul_splitk")
+    return [VTensor.physical(x[0]) for x in got]
+
+
+def splits(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, b_itemsize: int = 2) -> int:
+    """How many K splits :func:`matmul` launches for a GEMM of these sizes with one weight and
+    operands of one buffer each, left to its own choice (1: one kernel, no reduce)."""
+    launch = gemm_config(m, n, k, batch=batch, a_itemsize=a_itemsize, b_itemsize=b_itemsize)
+    return normalize_split(-(-k // launch.block_k), launch.split_k)
+
+
 # --------------------------------------------------------------------------------------------
 # The template
 # --------------------------------------------------------------------------------------------
@@ -397,7 +417,8 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
            block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
            num_warps: int | None = None, num_stages: int | None = None, split_k: int | None = None,
            prologue: tuple[Any, Any] = (None, None), prologue_dtypes: tuple[Any, Any] = (None, None),
-           rhs_parts: Sequence[Any] = (), fold: Fold | None = None, backend: str = "interpret") -> Any:
+           rhs_parts: Sequence[Any] = (), fold: Fold | None = None, partial_sums: bool = False,
+           backend: str = "interpret") -> Any:
     """``lax.dot_general(a, b, dimension_numbers)`` (+ ``epilogue``) as Pallas Triton kernels:
     one kernel, or a split-K kernel plus a reduce kernel (decode shapes, see the module docstring).
 
@@ -440,11 +461,18 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
     fold: a row norm folded into ``a`` (:class:`Fold`; ``a`` is then the norm's input, and
         ``prologue_dtypes[0]`` the dtype of the norm's result the dot reads): ``a``'s only
         contracting dim is its last, and it has no batch dims.
+    partial_sums: launch only the split-K kernel and return its workspaces as VTensors (the f32
+        partial sums ``(split, *result shape)``, and with ``fold`` the partial row statistics
+        ``(split, 1, *M dims)``) for a kernel that sums them where it reads the result
+        (``templates.contraction``: an island epilogue); needs sizes that split (:func:`splits`),
+        no ``rhs_parts``, no epilogue. ``out`` then only names the result's shape and dtype.
     backend: "interpret" (CPU) or "triton".
 
     Returns what ``Plan.unflatten`` gives for ``out``: the array for a fresh physical output,
     else the tuple of ``out``'s physical buffers (updated).
     """
+    if partial_sums and (rhs_parts or epilogue is not None):
+        raise ValueError("partial_sums takes a GEMM of one weight and no epilogue")
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if v is not None:
             check_pow2(name, v)
@@ -466,20 +494,16 @@ def matmul(a: Any, b: Any, *, dimension_numbers: Any, out: VTensor | None = None
             raise ValueError(f"a folded norm's rows must have the operand's shape {a.shape}")
         cfg = dataclasses.replace(cfg, fold=fold)
     cfg = dataclasses.replace(cfg, compute_dtype=interpreter_dtype(cfg.compute_dtype, backend))
-    stages, num_warps = cfg.launch.num_stages, cfg.launch.num_warps
     if cfg.split == 1:
+        if partial_sums:
+            raise ValueError("partial_sums asks for a split-K GEMM; these sizes take one kernel")
         plan = Plan.build([a, *bs, *folded, *extras], [out])
         bufs = plan.call(functools.partial(_matmul_kernel, cfg), grid=cfg.grid, backend=backend,
-                         num_warps=num_warps, num_stages=stages, name="vtc_matmul")
+                         num_warps=cfg.launch.num_warps, num_stages=cfg.launch.num_stages, name="vtc_matmul")
         return pack_results(bufs)[0]
-    ws = VTensor.fresh((cfg.split * cfg.parts, *out.shape), cfg.acc_dtype)
-    wss = [ws]
-    if fold is not None:   # each split's partial statistic per row: (split, batch tiles, *M dims)
-        wss.append(VTensor.fresh((cfg.split, cfg.groups["B"].ntiles, *cfg.groups["M"].sizes), jnp.float32))
-    got = Plan.build([a, *bs, *folded], wss).call(
-        functools.partial(_splitk_kernel, cfg), grid=cfg.grid, backend=backend,
-        num_warps=num_warps, num_stages=stages, name="vtc_matmul_splitk")
-    sums = [VTensor.physical(x[0]) for x in got]
+    sums = _splitk(cfg, a, bs, folded, out, backend)
+    if partial_sums:
+        return tuple(sums)
     plan = Plan.build([*sums, *extras], [out])
     bufs = plan.call(functools.partial(_reduce_kernel, cfg), grid=cfg.out_grid, backend=backend,
                      num_warps=4, num_stages=1, name="vtc_matmul_reduce")

@@ -42,13 +42,17 @@ import numpy as np
 from ..cluster import Cluster, epilogue_chain
 from ..graph import Graph
 from ..kernels.conv import conv
-from ..kernels.matmul import Fold, matmul
-from ..kernels.pointwise import f32_math
+from ..kernels.matmul import Fold, matmul, splits
+from ..kernels.pointwise import choose_block, f32_math, pointwise
 from ..kernels.vio import VTensor
 from ..kernels.vio import broadcast_input as rows_of
 from ..kernels.tiling import DECODE_MAX_M, dtype_unsupported, precision_unsupported, prefill_tiles
-from ..primitives import TABLE, Kind, Role, block_safe, role_of
+from ..primitives import TABLE, Kind, Role, block_safe, is_movement_op, role_of
 from .base import Decline, Run, Step, Template
+from .island import IslandPlan, Load, Partial, leaf_vtensor, summed
+from .island import plan as island_plan
+from .island import program as island_program
+from .pointwise import ISLAND_BLOCK
 from .stage2 import block_fn, block_supported, broadcast_input, buffers_of, kernel_inputs
 
 __all__ = ["MATMUL", "CONV"]
@@ -92,6 +96,9 @@ class ContractionMatch:
     parts: tuple[tuple[int, int, int, int, int], ...] = ()
     fold: FoldMatch | None = None   # the row norm A is, folded in
     side: SideBySide | None = None  # sibling dots with a result each (q, k, v of three weights)
+    # the movement and element-wise ops after the dot as an island (its rotary embedding, its
+    # parts written to caches), run on the split-K partials by the kernel that sums them
+    island: IslandPlan | None = None
 
 
 def _prologue(graph: Graph, c: Cluster, x: int) -> tuple[int, tuple[int, ...]]:
@@ -106,52 +113,77 @@ def _prologue(graph: Graph, c: Cluster, x: int) -> tuple[int, tuple[int, ...]]:
 def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
     def match(graph: Graph, c: Cluster) -> ContractionMatch:
         found = [o for o in c.ops if graph.ops[o].primitive == primitive]
-        if not found or len(found) > 1 and primitive != "dot_general" \
-                or len(c.outputs) != 1 and len(c.outputs) != len(found):
+        if not found:
             raise Decline(f"needs exactly one {primitive} and one output")
         op = graph.ops[found[0]]
-        if len(c.outputs) > 1:
-            return _side_by_side(graph, c, [graph.ops[o] for o in found])
-        siblings = _siblings(graph, c, [graph.ops[o] for o in found])
-        if primitive == "conv_general_dilated" and op.params.get("batch_group_count", 1) != 1:
-            raise Decline("batch_group_count != 1")
-        why = precision_unsupported(op.params.get("precision"))
-        if why:
-            raise Decline(why)
-        fold = _fold(graph, c, op) if primitive == "dot_general" else None
-        (lhs, pa), (rhs, pb) = (_prologue(graph, c, x) for x in op.inputs[:2])
-        if fold is not None:
-            lhs, pa = fold.inputs[0], ()
-        for t in dict.fromkeys((lhs, rhs, *op.inputs[:2], *(d.inputs[1] for d in siblings))):   # loaded, dotted
-            dt = np.dtype(graph.tensors[t].dtype)
-            if not jnp.issubdtype(dt, jnp.floating):
-                raise Decline(f"{primitive} of {dt.name} operands: the kernel's dot takes floating "
-                              "operands only (integer and boolean dots run in XLA)")
-            if primitive == "conv_general_dilated" and (why := dtype_unsupported(dt)):
-                raise Decline(why)
-        rest = tuple(o for o in c.ops if o != op.id and o not in pa and o not in pb
-                     and all(o != d.id for d in siblings))
-        if siblings:
-            parts, cuts = _sibling_parts(graph, c, op, siblings, pb), ()
-        else:
-            parts, cuts = _parts(graph, c, op) if primitive == "dot_general" else ((), ())
-        if len(parts) > 1 and _big_tiles(graph, op, len(parts) if siblings else 1):
-            raise Decline("a gated GEMM of prefill size: XLA's GEMM takes the large tiles a kernel dotting "
-                          "each A tile with several parts cannot (its epilogue saves less than they gain)")
-        rest = tuple(o for o in rest if o not in cuts and (fold is None or o not in fold.ops))
-        why = block_supported(graph, rest + pa + pb)
-        if why:
-            raise Decline(why)
-        if pa and pb and not all(_keeps_zero(graph, ch, base, x) for ch, base, x in
-                                 ((pa, lhs, op.inputs[0]), (pb, rhs, op.inputs[1]))):
-            raise Decline("both operands' prologues map 0 elsewhere (masked lanes would count)")
-        read = {t for o in rest for t in graph.ops[o].inputs}   # (the A operand too: x + rms(x) @ W)
-        extras = tuple(t for t in kernel_inputs(graph, c) if t in read)
-        out_shape = tuple(graph.tensors[c.outputs[0]].shape)
-        if any(not _broadcasts_to(tuple(graph.tensors[t].shape), out_shape) for t in extras):
-            raise Decline("the epilogue reads a tensor that does not broadcast to its result")
-        return ContractionMatch(op.id, rest, extras, (lhs, rhs), (pa, pb), parts, fold)
+        if primitive == "dot_general" and len(found) == 1 and _moves_result(graph, c, op):
+            try:   # (a gated epilogue's split is movement after the dot too)
+                return _epilogue_match(graph, c, op, found, primitive)
+            except Decline:
+                return _island_epilogue(graph, c, op)
+        return _epilogue_match(graph, c, op, found, primitive)
     return match
+
+
+def _moves_result(graph: Graph, c: Cluster, op: Any) -> bool:
+    """Whether the cluster moves the dot's result (movement ops downstream of it)."""
+    own, stack, seen = set(c.ops), [op.outputs[0]], set()
+    while stack:
+        for u in graph.consumers(stack.pop()):
+            if u.id in own and u.id not in seen:
+                if is_movement_op(u, graph):
+                    return True
+                seen.add(u.id)
+                stack.extend(u.outputs)
+    return False
+
+
+def _epilogue_match(graph: Graph, c: Cluster, op: Any, found: list[int], primitive: str) -> ContractionMatch:
+    """The match of a contraction with an element-wise epilogue (and its variants: sibling dots
+    side by side or as a gated epilogue's parts, a split's parts, a folded norm)."""
+    if len(found) > 1 and primitive != "dot_general" or len(c.outputs) != 1 and len(c.outputs) != len(found):
+        raise Decline(f"needs exactly one {primitive} and one output")
+    if len(c.outputs) > 1:
+        return _side_by_side(graph, c, [graph.ops[o] for o in found])
+    siblings = _siblings(graph, c, [graph.ops[o] for o in found])
+    if primitive == "conv_general_dilated" and op.params.get("batch_group_count", 1) != 1:
+        raise Decline("batch_group_count != 1")
+    why = precision_unsupported(op.params.get("precision"))
+    if why:
+        raise Decline(why)
+    fold = _fold(graph, c, op) if primitive == "dot_general" else None
+    (lhs, pa), (rhs, pb) = (_prologue(graph, c, x) for x in op.inputs[:2])
+    if fold is not None:
+        lhs, pa = fold.inputs[0], ()
+    for t in dict.fromkeys((lhs, rhs, *op.inputs[:2], *(d.inputs[1] for d in siblings))):   # loaded, dotted
+        dt = np.dtype(graph.tensors[t].dtype)
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise Decline(f"{primitive} of {dt.name} operands: the kernel's dot takes floating "
+                          "operands only (integer and boolean dots run in XLA)")
+        if primitive == "conv_general_dilated" and (why := dtype_unsupported(dt)):
+            raise Decline(why)
+    rest = tuple(o for o in c.ops if o != op.id and o not in pa and o not in pb
+                 and all(o != d.id for d in siblings))
+    if siblings:
+        parts, cuts = _sibling_parts(graph, c, op, siblings, pb), ()
+    else:
+        parts, cuts = _parts(graph, c, op) if primitive == "dot_general" else ((), ())
+    if len(parts) > 1 and _big_tiles(graph, op, len(parts) if siblings else 1):
+        raise Decline("a gated GEMM of prefill size: XLA's GEMM takes the large tiles a kernel dotting "
+                      "each A tile with several parts cannot (its epilogue saves less than they gain)")
+    rest = tuple(o for o in rest if o not in cuts and (fold is None or o not in fold.ops))
+    why = block_supported(graph, rest + pa + pb)
+    if why:
+        raise Decline(why)
+    if pa and pb and not all(_keeps_zero(graph, ch, base, x) for ch, base, x in
+                             ((pa, lhs, op.inputs[0]), (pb, rhs, op.inputs[1]))):
+        raise Decline("both operands' prologues map 0 elsewhere (masked lanes would count)")
+    read = {t for o in rest for t in graph.ops[o].inputs}   # (the A operand too: x + rms(x) @ W)
+    extras = tuple(t for t in kernel_inputs(graph, c) if t in read)
+    out_shape = tuple(graph.tensors[c.outputs[0]].shape)
+    if any(not _broadcasts_to(tuple(graph.tensors[t].shape), out_shape) for t in extras):
+        raise Decline("the epilogue reads a tensor that does not broadcast to its result")
+    return ContractionMatch(op.id, rest, extras, (lhs, rhs), (pa, pb), parts, fold)
 
 
 def _fold(graph: Graph, c: Cluster, op: Any) -> FoldMatch | None:
@@ -334,6 +366,48 @@ def _side_by_side(graph: Graph, c: Cluster, dots: list[Any]) -> ContractionMatch
     return ContractionMatch(op.id, chains[0][0], chains[0][2], (lhs, op.inputs[1]), (pa, ()), (), fold, side)
 
 
+def _island_epilogue(graph: Graph, c: Cluster, op: Any) -> ContractionMatch:
+    """The match of a dot followed by an island (``cluster.reduce_islands``: a decode layer's QKV
+    projection, its split into q, k and v, the rotations of q and k and the reshapes taking each
+    to its cache row): the GEMM's split-K kernel writes its partial sums and the island's kernel
+    sums them where it reads the dot's result (``island.summed``) — the reduce kernel and the
+    result's round trip through memory go. Only where the GEMM splits K (a decode GEMM, M <= 64):
+    unsplit, the dot's result is written once anyway and the island is its own kernel."""
+    why = precision_unsupported(op.params.get("precision"))
+    if why:
+        raise Decline(why)
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    a, b = (graph.tensors[x] for x in op.inputs[:2])
+    if tuple(lb) or len(lc) != 1:
+        raise Decline("an island after a batched dot or one of several contracting dims")
+    m = math.prod(n for k, n in enumerate(a.shape) if k not in lc)
+    n = math.prod(n for k, n in enumerate(b.shape) if k not in rc)
+    if m == a.size or n == b.size:
+        raise Decline("an island after a matrix-vector dot")
+    fold = _fold(graph, c, op)
+    lhs, pa = _prologue(graph, c, op.inputs[0])
+    rhs, pb = _prologue(graph, c, op.inputs[1])
+    if fold is not None:
+        lhs, pa = fold.inputs[0], ()
+    if pa or pb:
+        raise Decline("an operand prologue beside an island epilogue")
+    for t in dict.fromkeys((lhs, *op.inputs[:2])):
+        if not jnp.issubdtype(np.dtype(graph.tensors[t].dtype), jnp.floating):
+            raise Decline("dot_general of non-floating operands: the kernel's dot takes floating operands only")
+    if splits(m, n, a.shape[lc[0]], a_itemsize=a.dtype.itemsize, b_itemsize=b.dtype.itemsize) < 2:
+        raise Decline("the GEMM does not split K at these sizes: its result is written once anyway, and an "
+                      "island after it is a kernel of its own")
+    d = op.outputs[0]
+    if d in graph.outputs or d in c.outputs:
+        raise Decline("the dot's result is a result of the cluster")
+    rest = tuple(o for o in c.ops if o != op.id and (fold is None or o not in fold.ops))
+    inputs = [t for t in kernel_inputs(graph, c) if any(t in graph.ops[o].inputs for o in rest)]
+    plan = island_plan(graph, rest, [d, *inputs], c.outputs)
+    if not any(isinstance(x, Load) and x.tensor == d for x in plan.steps):
+        raise Decline("the island does not read the dot's result")
+    return ContractionMatch(op.id, rest, tuple(inputs), (lhs, rhs), ((), ()), (), fold, island=plan)
+
+
 def _big_tiles(graph: Graph, op: Any, copies: int) -> bool:
     """Whether XLA's GEMM (and a kernel of one part) of dot ``op``'s result, ``copies`` times as
     wide, takes the large prefill tiles (``tiling.prefill_tiles``: a 16-bit GEMM of many rows)."""
@@ -432,6 +506,8 @@ def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, Contrac
     def build(graph: Graph, c: Cluster, m: ContractionMatch, backend: str) -> Step:
         op = graph.ops[m.op]
         lhs, rhs = m.operands or op.inputs[:2]
+        if m.island is not None:
+            return _island_step(graph, c, m, op, lhs, rhs, backend)
         pro = tuple(f32_math(block_fn(graph, ch, [base], [x])) if ch else None
                     for ch, base, x in zip(m.prologue, (lhs, rhs), op.inputs[:2]))
         kw_pro = {"prologue": pro} if any(f is not None for f in pro) else {}
@@ -459,11 +535,8 @@ def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, Contrac
 
         fm = m.fold
         if fm is not None:
-            (u, summand), (stat, r, factor_ops) = fm.summand, fm.factor
             a_shape = tuple(graph.tensors[fm.inputs[0]].shape)
-            factor = f32_math(block_fn(graph, factor_ops, [stat], [r], views=_STAT_VIEWS))
-            fns = (f32_math(_unit_factor(graph, fm)), f32_math(block_fn(graph, summand, list(fm.inputs), [u])),
-                   (lambda s: 1.0 / factor(s).astype(jnp.float32)) if fm.divides else factor)
+            fns = _fold_fns(graph, fm)
             kw_pro["prologue_dtypes"] = (graph.tensors[op.inputs[0]].dtype, None)
 
         def step(run: Run) -> None:
@@ -491,6 +564,44 @@ def _build(call_kernel: Callable[..., Any]) -> Callable[[Graph, Cluster, Contrac
     return build
 
 
+def _fold_fns(graph: Graph, fm: FoldMatch) -> tuple[Callable[..., Any], ...]:
+    """A folded norm's ``kernels.matmul.Fold`` functions: the A tile with the factor taken as 1,
+    the statistic's summand, the row factor from the summed statistic."""
+    (u, summand), (stat, r, factor_ops) = fm.summand, fm.factor
+    factor = f32_math(block_fn(graph, factor_ops, [stat], [r], views=_STAT_VIEWS))
+    return (f32_math(_unit_factor(graph, fm)), f32_math(block_fn(graph, summand, list(fm.inputs), [u])),
+            (lambda s: 1.0 / factor(s).astype(jnp.float32)) if fm.divides else factor)
+
+
+def _island_step(graph: Graph, c: Cluster, m: ContractionMatch, op: Any, lhs: int, rhs: int, backend: str) -> Step:
+    """A dot with an island epilogue (:func:`_island_epilogue`): the split-K kernel's partials,
+    then the island's kernel (``templates.pointwise``'s, stage 2 ``island.program``) summing them
+    where it reads the dot's result."""
+    fm, d = m.fold, op.outputs[0]
+    a_shape = tuple(graph.tensors[lhs].shape)
+    fns = _fold_fns(graph, fm) if fm is not None else None
+
+    def step(run: Run) -> None:
+        kw: dict[str, Any] = {}
+        if fm is not None:
+            kw["prologue_dtypes"] = (graph.tensors[op.inputs[0]].dtype, None)
+            kw["fold"] = Fold(*fns, inputs=tuple(rows_of(run.vtensor(t), a_shape) for t in fm.inputs[1:]))
+        sums = _matmul(run.vtensor(lhs), run.vtensor(rhs), op.params, backend,
+                       out=VTensor.fresh(tuple(graph.tensors[d].shape), graph.tensors[d].dtype),
+                       partial_sums=True, **kw)
+        plan = summed(m.island, d, sums[0].shape[0], stats=fm is not None)
+        fn = island_program(graph, plan, scale=fns[2] if fm is not None else None)
+        ins = [leaf_vtensor(sums[1] if x.stat else sums[0], x) if isinstance(x, Partial)
+               else leaf_vtensor(run.vtensor(x.tensor) if isinstance(x, Load) else None, x) for x in plan.inputs]
+        outs = [run.out_vtensor(o) for o in c.outputs]
+        res = pointwise(fn, ins, out_shape=plan.shape, outs=outs, backend=backend, index_args=plan.uses_index,
+                        block=choose_block(plan.shape, 4, ISLAND_BLOCK))
+        for o, v, r in zip(c.outputs, outs, (res,) if len(outs) == 1 else res):
+            run.written(o, v, buffers_of(r))
+
+    return step
+
+
 def _matmul(a: Any, b: Any, p: Mapping[str, Any], backend: str, **kw: Any) -> Any:
     return matmul(a, b, dimension_numbers=p["dimension_numbers"],
                   preferred_element_type=p.get("preferred_element_type"), precision=p.get("precision"),
@@ -506,5 +617,6 @@ def _conv(x: Any, w: Any, p: Mapping[str, Any], backend: str, **kw: Any) -> Any:
 
 
 MATMUL = Template(Kind.MATMUL, library=True, match=_match("dot_general"), build=_build(_matmul),
-                  fuses_beyond_xla=lambda m: len(m.parts) > 1 or m.fold is not None or m.side is not None)
+                  fuses_beyond_xla=lambda m: len(m.parts) > 1 or m.fold is not None or m.side is not None
+                  or m.island is not None)
 CONV = Template(Kind.CONV, library=True, match=_match("conv_general_dilated"), build=_build(_conv))

@@ -43,7 +43,8 @@ from ..movement import rules
 from ..primitives import TABLE, Direction, block_safe, is_movement_op
 from .base import Decline
 
-__all__ = ["IslandPlan", "Load", "Mask", "Index", "Apply", "Select", "Fill", "plan", "program", "leaf_vtensor"]
+__all__ = ["IslandPlan", "Load", "Mask", "Index", "Apply", "Select", "Fill", "Partial", "Summed", "plan", "summed",
+           "program", "leaf_vtensor"]
 
 # movement primitives whose value is a pure read of their operand(s): what a kernel can recompute
 READ_ONLY = frozenset(n for n, r in TABLE.items() if r.read_only)
@@ -95,15 +96,36 @@ class Fill:
 
 
 @dataclass(frozen=True)
+class Partial:
+    """Kernel input: split ``split``'s f32 partial sums of a split-K GEMM's result ``tensor`` at
+    ``map(i)`` — or, ``stat``, that split's partial statistic of the row a folded norm scales
+    (``kernels.matmul``'s workspaces; :func:`summed`)."""
+    tensor: int
+    map: IndexMap
+    split: int
+    stat: bool = False
+
+
+@dataclass(frozen=True)
+class Summed:
+    """A split-K GEMM's result ``tensor`` at one map: its partials (steps) summed in split order
+    in f32, scaled by the folded norm's row factor of the summed statistics (``stats``, when the
+    GEMM folds one), rounded to the tensor's dtype — what the GEMM's reduce kernel stores."""
+    tensor: int
+    parts: tuple[int, ...]
+    stats: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class IslandPlan:
     shape: tuple[int, ...]        # the grid's: the outputs' union (indexmap.union_shape)
-    steps: tuple[Load | Mask | Apply | Select | Fill, ...]
+    steps: tuple[Load | Mask | Partial | Apply | Select | Fill | Summed, ...]
     outputs: tuple[int, ...]      # step holding each cluster output, in the cluster's order
 
     @property
-    def inputs(self) -> tuple[Load | Mask, ...]:
+    def inputs(self) -> tuple[Load | Mask | Partial, ...]:
         """Kernel inputs, in the order :func:`program` takes their blocks."""
-        return tuple(s for s in self.steps if isinstance(s, (Load, Mask)))
+        return tuple(s for s in self.steps if isinstance(s, (Load, Mask, Partial)))
 
     @property
     def uses_index(self) -> bool:
@@ -290,6 +312,40 @@ def plan(graph: Graph, ops: Sequence[int], inputs: Sequence[int], outputs: Seque
     return IslandPlan(shape, tuple(steps), outs)
 
 
+def summed(p: IslandPlan, tensor: int, splits: int, stats: bool = False) -> IslandPlan:
+    """``p`` reading ``tensor`` — a split-K GEMM's result the plan loads — from the GEMM's split
+    partials instead: each ``Load`` of it becomes ``splits`` :class:`Partial` loads (and, with
+    ``stats``, as many of the folded norm's partial row statistics) and their :class:`Summed`.
+
+    Why: the GEMM's reduce kernel would sum the partials and write the result for this kernel to
+    read back (a Llama decode layer's QKV projection before its rotary embedding and cache-row
+    writes); summed where they are read, the reduce kernel and the result's round trip go. Each
+    value is read ``splits`` times in f32 instead of once in its own dtype: a decode step's
+    projection is a few hundred KB."""
+    steps: list[Any] = []
+    at: dict[int, int] = {}
+
+    def moved(s: Any) -> Any:
+        if isinstance(s, Apply):
+            return dataclasses.replace(s, args=tuple(("step", at[a[1]]) if isinstance(a, tuple) else a for a in s.args))
+        if isinstance(s, Select):
+            return Select(at[s.mask], at[s.then], at[s.other])
+        return s
+
+    for i, s in enumerate(p.steps):
+        if isinstance(s, Load) and s.tensor == tensor:
+            parts, rows = [], []
+            for flag, into in ((False, parts), (True, rows)) if stats else ((False, parts),):
+                for k in range(splits):
+                    into.append(len(steps))
+                    steps.append(Partial(tensor, s.map, k, flag))
+            steps.append(Summed(tensor, tuple(parts), tuple(rows)))
+        else:
+            steps.append(moved(s))
+        at[i] = len(steps) - 1
+    return IslandPlan(p.shape, tuple(steps), tuple(at[i] for i in p.outputs))
+
+
 def _within(grid: tuple[int, ...], shape: tuple[int, ...]) -> IndexMap:
     """An output of ``shape`` at the origin of the kernel's ``grid`` (their union): the identity,
     reading nothing beyond the output's own extent (those lanes are never stored)."""
@@ -298,9 +354,11 @@ def _within(grid: tuple[int, ...], shape: tuple[int, ...]) -> IndexMap:
     return _with_box(IndexMap(grid, tuple(dim(i) for i in range(len(grid))), shape), [(0, n) for n in shape])
 
 
-def program(graph: Graph, p: IslandPlan) -> Callable[..., Any]:
+def program(graph: Graph, p: IslandPlan, scale: Callable[[Any], Any] | None = None) -> Callable[..., Any]:
     """``f(*input blocks) -> output block(s)``: the plan's steps on the kernel's blocks, in the
-    program's dtypes (loads are cast to their tensor's dtype, as ``stage2.block_fn`` does)."""
+    program's dtypes (loads are cast to their tensor's dtype, as ``stage2.block_fn`` does).
+    ``scale``: a folded norm's row factor from its summed statistic (plans with :class:`Summed`
+    statistics)."""
     n_in = len(p.inputs)
 
     def f(*blocks: Any) -> Any:
@@ -317,6 +375,18 @@ def program(graph: Graph, p: IslandPlan) -> Callable[..., Any]:
                 env.append(b.astype(d) if b.dtype != d else b)
             elif isinstance(s, Mask):
                 env.append(next(it) != 0)
+            elif isinstance(s, Partial):   # f32, summed before any rounding
+                env.append(next(it))
+            elif isinstance(s, Summed):
+                acc = env[s.parts[0]]
+                for k in s.parts[1:]:
+                    acc = acc + env[k]
+                if s.stats:
+                    stat = env[s.stats[0]]
+                    for k in s.stats[1:]:
+                        stat = stat + env[k]
+                    acc = acc * scale(stat).astype(jnp.float32)
+                env.append(acc.astype(graph.tensors[s.tensor].dtype))
             elif isinstance(s, Fill):
                 env.append(jnp.asarray(s.value, s.dtype))
             elif isinstance(s, Select):
@@ -335,14 +405,21 @@ def program(graph: Graph, p: IslandPlan) -> Callable[..., Any]:
     return f
 
 
-def leaf_vtensor(x: Any, load: Load | Mask) -> Any:
+def leaf_vtensor(x: Any, load: Load | Mask | Partial) -> Any:
     """The kernel input of a ``Load`` (``x``: the cluster input as the lowering gives it, an array
-    or a VTensor) or a ``Mask`` (``x`` ignored): a VTensor over the same buffers, read through the
-    composed map."""
+    or a VTensor), a ``Mask`` (``x`` ignored) or a ``Partial`` (``x``: the split-K workspace,
+    ``(splits, *result shape)``, or the partial statistics, ``(splits, 1, *row dims)``, of a result
+    whose leading dims are its rows): a VTensor over the same buffers, read through the composed
+    map."""
     if isinstance(load, Mask):
         return VTensor(load.where, np.dtype(np.int32), (jnp.ones((1,), jnp.int32),))
     v = VTensor.of(x)
     m = load.map
+    if isinstance(load, Partial):
+        lead = (const(load.split), const(0)) if load.stat else (const(load.split),)
+        exprs = m.exprs[:len(v.shape) - len(lead)]
+        m = IndexMap(m.domain, (*lead, *exprs), tuple(v.shape), m.conds, m.fill, m.syms)
+        return v.with_layout(v.layout.compose(m))
     if v.shape == ():   # a scalar: seen as one element of shape (1,)
         v = v.reshape((1,))
         m = IndexMap(m.domain, (const(0),), (1,), m.conds, m.fill, m.syms)
