@@ -23,6 +23,12 @@ whole weight. Or sibling dots of one A operand each with its own result (a layer
 weights side by side (``indexmap.Layout.concatenate`` of their layouts, a view) and writes its
 result side by side into the dots' results, each where the strategy put it (Q, a cache row).
 
+Or a dot followed by an island (``selection`` merges a decode layer's QKV projection with the
+kernel rotating q and k, the v part's view into its cache row along): the GEMM's split-K kernel
+writes its f32 partial sums and the island's kernel (``templates.pointwise``'s, stage 2
+``island.program``) sums them where it reads the dot's result (``island.summed``) — no reduce
+kernel, the projection never written. Only where the GEMM splits K.
+
 And it may hold the row norm its A operand is (``selection`` merges an RMSNorm into the
 projection reading it): one sum over the contraction dim whose statistic enters the norm as one
 row factor ``r`` multiplied in, then only casts and products with rows (``(x * r * w).astype``).
