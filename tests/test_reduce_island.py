@@ -59,6 +59,22 @@ def unnormed(x, nw, w_qkv, kc, vc, pos):
     return q, kc, vc
 
 
+def three_weights(x, nw, wq, wk, wv, kc, vc, pos):
+    """Meta's reference style: three weights (one GEMM over them side by side,
+    ``cluster.sibling_projections``), the rows written with ``dynamic_update_slice``."""
+    h = _rms(x, nw)
+    q = _rotate_half((h @ wq).reshape(B, 1, HQ, HD), pos)
+    k = _rotate_half((h @ wk).reshape(B, 1, HKV, HD), pos)
+    kc = jax.lax.dynamic_update_slice(kc, k, (0, pos, 0, 0))
+    vc = jax.lax.dynamic_update_slice(vc, (h @ wv).reshape(B, 1, HKV, HD), (0, pos, 0, 0))
+    return q, kc, vc
+
+
+def _three(dtype):
+    x, nw, w, kc, vc, pos = _args(dtype)
+    return x, nw, w[:, :HQ * HD], w[:, HQ * HD:(HQ + HKV) * HD], w[:, (HQ + HKV) * HD:], kc, vc, pos
+
+
 def _args(dtype, rows=B):
     ks = jax.random.split(jax.random.PRNGKey(11), 5)
     return (jax.random.normal(ks[0], (rows, D), dtype), (1 + 0.1 * jax.random.normal(ks[1], (D,))).astype(dtype),
@@ -90,6 +106,36 @@ def test_projection_rotations_and_cache_rows_are_two_kernels(layer, dtype):
     assert not {"dot_general", "reduce_sum", "dynamic_update_slice", "concatenate", "slice"} & set(made), made
     shapes = [[tuple(v.aval.shape) for v in e.outvars] for e in _calls(fn, args)]
     assert shapes[0][0][1:] == (B, N) and shapes[0][0][0] >= 2, shapes   # the partials: summed by the second kernel
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_three_weights_side_by_side_feed_the_island(dtype):
+    """q, k and v of three weights: one split-K GEMM over them side by side, the island kernel
+    summing each dot's columns of the partials; equal to jit's."""
+    args = _three(dtype)
+    fn = optimize_kernels(three_weights)
+    for o, r in zip(fn(*args), jax.jit(three_weights)(*args)):
+        assert_close(o, r, TOL[dtype])
+    made = [e.primitive.name for e in eqns(jax.make_jaxpr(fn)(*args).jaxpr)]
+    assert made.count("pallas_call") == 2 and "dot_general" not in made, made
+
+
+def test_a_guarded_cache_write_keeps_the_reduce():
+    """``.at[pos].set`` of rows read back where they are written (the scatter's guarded form
+    reads the cache row it overwrites) inside the island: merged on one grid over the island's
+    union of shapes, the cache would be passed twice and copied (``cluster.reduce_islands`` leaves
+    such an island apart); equal to jit's."""
+    def guarded(x, nw, wq, wk, wv, kc, vc, pos):
+        h = _rms(x, nw)
+        q = _rotate_half((h @ wq).reshape(B, 1, HQ, HD), pos)
+        k = _rotate_half((h @ wk).reshape(B, 1, HKV, HD), pos)
+        return q, kc.at[:, pos].set(k[:, 0]), vc.at[:, pos].set((h @ wv).reshape(B, HKV, HD))
+    args = _three(jnp.bfloat16)
+    fn = optimize_kernels(guarded)
+    for o, r in zip(fn(*args), jax.jit(guarded)(*args)):
+        assert_close(o, r, TOL[jnp.bfloat16])
+    names = [e.params["name"] for e in _calls(fn, args)]
+    assert "vtc_matmul_reduce" in names, names
 
 
 def test_the_sum_matches_the_reduce_kernel_bit_for_bit():

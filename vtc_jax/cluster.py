@@ -782,12 +782,14 @@ def gated_epilogues(graph: Graph, clusters: Sequence[Cluster], kernels: frozense
 
 # movement that only views a GEMM result's parts: what carries each part to where it goes
 _PART_VIEWS = frozenset({"split", "slice", "reshape", "squeeze", "expand_dims"})
+_RUNTIME_WINDOWS = frozenset({"dynamic_slice", "gather"})
 
 
 def reduce_islands(graph: Graph, clusters: Sequence[Cluster], kernels: frozenset[int]) -> list[set[int]]:
-    """``{matmul cluster, island kernel, view clusters...}`` groups where one island kernel (a
-    pointwise kernel with movement inside: a decode step's q and k rotations,
-    :func:`sibling_islands`) reads a one-dot matmul kernel's result through views of its parts
+    """``{matmul cluster, island kernels, view clusters...}`` groups where island kernels (pointwise
+    kernels with movement inside: a decode step's q and k rotations, one kernel or two,
+    :func:`sibling_islands`) read a one-dot matmul kernel's result (or the results of sibling dots
+    side by side, :func:`sibling_projections`: q, k and v of three weights) through views of its parts
     (split, slices, reshapes), and the result's other parts only go through views to movement
     outside (the v part's reshape into its cache row's write). A decode GEMM splits K, and its
     reduce kernel writes the result the island kernel reads back; merged (:func:`fuse_islands`,
@@ -800,11 +802,11 @@ def reduce_islands(graph: Graph, clusters: Sequence[Cluster], kernels: frozenset
     of_op = {o: c.id for c in clusters for o in c.ops}
     out: list[set[int]] = []
     for m in clusters:
-        if m.kind != Kind.MATMUL or m.id not in kernels or len(m.outputs) != 1 or m.outputs[0] in graph.outputs \
-                or sum(graph.ops[o].primitive == "dot_general" for o in m.ops) != 1:
-            continue
+        if m.kind != Kind.MATMUL or m.id not in kernels or any(t in graph.outputs for t in m.outputs) \
+                or sum(graph.ops[o].primitive == "dot_general" for o in m.ops) not in (1, len(m.outputs)):
+            continue   # (one dot, or sibling dots each with its result: sibling_projections)
         group, islands, ok = {m.id}, set(), True
-        stack = [m.outputs[0]]
+        stack = list(m.outputs)
         while stack and ok:
             t = stack.pop()
             for u in graph.consumers(t):
@@ -817,9 +819,15 @@ def reduce_islands(graph: Graph, clusters: Sequence[Cluster], kernels: frozenset
                 elif k.kind == Kind.POINTWISE and k.id in kernels and any(is_movement_op(graph.ops[o], graph)
                                                                          for o in k.ops):
                     islands.add(k.id)
+                    # an island reading a buffer's window at a runtime offset (the guarded write of
+                    # ``.at[pos].set``: the cache row it overwrites) reads it in place only on a grid
+                    # of its own shape (``vio.Plan.build``'s same-place test): on the merged union
+                    # grid XLA would copy the cache twice
+                    ok = not any((p := graph.producer(x)) is not None and p.primitive in _RUNTIME_WINDOWS
+                                 for x in k.inputs)
                 else:
-                    ok = k.kind == Kind.MOVEMENT and t != m.outputs[0]   # a part's view ends in a write
-        if ok and len(islands) == 1:
+                    ok = k.kind == Kind.MOVEMENT and t not in m.outputs   # a part's view ends in a write
+        if ok and islands:   # (q's and k's rotations of three weights' results: two islands, one grid)
             out.append(group | islands)
     return out
 

@@ -400,10 +400,12 @@ def _splitk(c: _Config, a: VTensor, bs: Sequence[VTensor], folded: Sequence[VTen
     return [VTensor.physical(x[0]) for x in got]
 
 
-def splits(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, b_itemsize: int = 2) -> int:
-    """How many K splits :func:`matmul` launches for a GEMM of these sizes with one weight and
-    operands of one buffer each, left to its own choice (1: one kernel, no reduce)."""
-    launch = gemm_config(m, n, k, batch=batch, a_itemsize=a_itemsize, b_itemsize=b_itemsize)
+def splits(m: int, n: int, k: int, *, batch: int = 1, a_itemsize: int = 2, b_itemsize: int = 2,
+           pieces: tuple[int, int] = (1, 1)) -> int:
+    """How many K splits :func:`matmul` launches for a GEMM of these sizes with one weight, its
+    operands read from ``pieces`` buffers each (weights side by side), left to its own choice
+    (1: one kernel, no reduce)."""
+    launch = gemm_config(m, n, k, batch=batch, a_itemsize=a_itemsize, b_itemsize=b_itemsize, pieces=pieces)
     return normalize_split(-(-k // launch.block_k), launch.split_k)
 
 

@@ -122,11 +122,11 @@ def _match(primitive: str) -> Callable[[Graph, Cluster], ContractionMatch]:
         if not found:
             raise Decline(f"needs exactly one {primitive} and one output")
         op = graph.ops[found[0]]
-        if primitive == "dot_general" and len(found) == 1 and _moves_result(graph, c, op):
+        if primitive == "dot_general" and any(_moves_result(graph, c, graph.ops[o]) for o in found):
             try:   # (a gated epilogue's split is movement after the dot too)
                 return _epilogue_match(graph, c, op, found, primitive)
             except Decline:
-                return _island_epilogue(graph, c, op)
+                return _island_epilogue(graph, c, [graph.ops[o] for o in found])
         return _epilogue_match(graph, c, op, found, primitive)
     return match
 
@@ -372,13 +372,16 @@ def _side_by_side(graph: Graph, c: Cluster, dots: list[Any]) -> ContractionMatch
     return ContractionMatch(op.id, chains[0][0], chains[0][2], (lhs, op.inputs[1]), (pa, ()), (), fold, side)
 
 
-def _island_epilogue(graph: Graph, c: Cluster, op: Any) -> ContractionMatch:
+def _island_epilogue(graph: Graph, c: Cluster, dots: list[Any]) -> ContractionMatch:
     """The match of a dot followed by an island (``cluster.reduce_islands``: a decode layer's QKV
     projection, its split into q, k and v, the rotations of q and k and the reshapes taking each
-    to its cache row): the GEMM's split-K kernel writes its partial sums and the island's kernel
-    sums them where it reads the dot's result (``island.summed``) — the reduce kernel and the
-    result's round trip through memory go. Only where the GEMM splits K (a decode GEMM, M <= 64):
-    unsplit, the dot's result is written once anyway and the island is its own kernel."""
+    to its cache row), or of sibling dots of one A operand read side by side (``h @ wq``,
+    ``h @ wk``, ``h @ wv``, as :func:`_side_by_side`) followed by one: the GEMM's split-K kernel
+    writes its partial sums and the island's kernel sums them where it reads a dot's result
+    (``island.summed``) — the reduce kernel and the result's round trip through memory go. The
+    dots' epilogues (a bias, a cast) are island ops. Only where the GEMM splits K (a decode GEMM,
+    M <= 64): unsplit, the result is written once anyway and the island is its own kernel."""
+    op = dots[0]
     why = precision_unsupported(op.params.get("precision"))
     if why:
         raise Decline(why)
@@ -386,32 +389,54 @@ def _island_epilogue(graph: Graph, c: Cluster, op: Any) -> ContractionMatch:
     a, b = (graph.tensors[x] for x in op.inputs[:2])
     if tuple(lb) or len(lc) != 1:
         raise Decline("an island after a batched dot or one of several contracting dims")
+    side = _siblings_side_by_side(graph, dots) if len(dots) > 1 else None
     m = math.prod(n for k, n in enumerate(a.shape) if k not in lc)
-    n = math.prod(n for k, n in enumerate(b.shape) if k not in rc)
-    if m == a.size or n == b.size:
+    n = sum(math.prod(n for k, n in enumerate(graph.tensors[d.inputs[1]].shape) if k not in rc) for d in dots)
+    if m == a.size or n * len(dots) == sum(graph.tensors[d.inputs[1]].size for d in dots):
         raise Decline("an island after a matrix-vector dot")
     fold = _fold(graph, c, op)
     lhs, pa = _prologue(graph, c, op.inputs[0])
-    rhs, pb = _prologue(graph, c, op.inputs[1])
     if fold is not None:
         lhs, pa = fold.inputs[0], ()
-    if pa or pb:
+    if pa or any(_prologue(graph, c, d.inputs[1])[1] for d in dots):
         raise Decline("an operand prologue beside an island epilogue")
-    for t in dict.fromkeys((lhs, *op.inputs[:2])):
+    for t in dict.fromkeys((lhs, op.inputs[0], *(d.inputs[1] for d in dots))):
         if not jnp.issubdtype(np.dtype(graph.tensors[t].dtype), jnp.floating):
             raise Decline("dot_general of non-floating operands: the kernel's dot takes floating operands only")
-    if splits(m, n, a.shape[lc[0]], a_itemsize=a.dtype.itemsize, b_itemsize=b.dtype.itemsize) < 2:
+    if splits(m, n, a.shape[lc[0]], a_itemsize=a.dtype.itemsize, b_itemsize=b.dtype.itemsize,
+              pieces=(1, len(dots))) < 2:
         raise Decline("the GEMM does not split K at these sizes: its result is written once anyway, and an "
                       "island after it is a kernel of its own")
-    d = op.outputs[0]
-    if d in graph.outputs or d in c.outputs:
-        raise Decline("the dot's result is a result of the cluster")
-    rest = tuple(o for o in c.ops if o != op.id and (fold is None or o not in fold.ops))
+    results = [d.outputs[0] for d in dots]
+    if any(t in graph.outputs or t in c.outputs for t in results):
+        raise Decline("a dot's result is a result of the cluster")
+    rest = tuple(o for o in c.ops if all(o != d.id for d in dots) and (fold is None or o not in fold.ops))
     inputs = [t for t in kernel_inputs(graph, c) if any(t in graph.ops[o].inputs for o in rest)]
-    plan = island_plan(graph, rest, [d, *inputs], c.outputs)
-    if not any(isinstance(x, Load) and x.tensor == d for x in plan.steps):
+    plan = island_plan(graph, rest, [*results, *inputs], c.outputs)
+    if not any(isinstance(x, Load) and x.tensor in results for x in plan.steps):
         raise Decline("the island does not read the dot's result")
-    return ContractionMatch(op.id, rest, tuple(inputs), (lhs, rhs), ((), ()), (), fold, island=plan)
+    return ContractionMatch(op.id, rest, tuple(inputs), (lhs, op.inputs[1]), ((), ()), (), fold, side, island=plan)
+
+
+def _siblings_side_by_side(graph: Graph, dots: list[Any]) -> SideBySide:
+    """Sibling dots of one A operand as one GEMM over their weights side by side (their results,
+    before any epilogue, side by side): the weights agree but along one free dim."""
+    op = dots[0]
+    key = ("dimension_numbers", "precision", "preferred_element_type")
+    w0 = graph.tensors[op.inputs[1]]
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    rf = [k for k in range(len(w0.shape)) if k not in rc and k not in rb]
+    differ = {k for d in dots for k, (x, y) in enumerate(zip(graph.tensors[d.inputs[1]].shape, w0.shape)) if x != y}
+    if any(d.inputs[0] != op.inputs[0] or any(d.params.get(k) != op.params.get(k) for k in key)
+           or graph.tensors[d.inputs[1]].dtype != w0.dtype or len(graph.tensors[d.inputs[1]].shape) != len(w0.shape)
+           for d in dots) or len(differ) > 1 or not set(differ) <= set(rf):
+        raise Decline("several dots that are not one A operand's products with weights side by side")
+    d = next(iter(differ)) if differ else rf[-1]
+    n_lf = len(graph.tensors[op.inputs[0]].shape) - len(lc) - len(lb)
+    out_dim = len(lb) + n_lf + rf.index(d)
+    shape = list(graph.tensors[op.outputs[0]].shape)
+    shape[out_dim] = sum(graph.tensors[x.outputs[0]].shape[out_dim] for x in dots)
+    return SideBySide(tuple(x.outputs[0] for x in dots), tuple(x.inputs[1] for x in dots), d, out_dim, (), tuple(shape))
 
 
 def _big_tiles(graph: Graph, op: Any, copies: int) -> bool:
@@ -583,23 +608,28 @@ def _island_step(graph: Graph, c: Cluster, m: ContractionMatch, op: Any, lhs: in
     """A dot with an island epilogue (:func:`_island_epilogue`): the split-K kernel's partials,
     then the island's kernel (``templates.pointwise``'s, stage 2 ``island.program``) summing them
     where it reads the dot's result."""
-    fm, d = m.fold, op.outputs[0]
+    fm, side, d = m.fold, m.side, op.outputs[0]
     a_shape = tuple(graph.tensors[lhs].shape)
     fns = _fold_fns(graph, fm) if fm is not None else None
+    shape = side.shape if side is not None else tuple(graph.tensors[d].shape)
+    columns = {d: (0, 0)}   # each dot's result: (the axis, its offset) in the GEMM's result
+    if side is not None:
+        offsets = np.cumsum([0] + [graph.tensors[t].shape[side.out_dim] for t in side.outputs])
+        columns = {t: (side.out_dim, int(o)) for t, o in zip(side.outputs, offsets)}
 
     def step(run: Run) -> None:
         kw: dict[str, Any] = {}
         if fm is not None:
             kw["prologue_dtypes"] = (graph.tensors[op.inputs[0]].dtype, None)
             kw["fold"] = Fold(*fns, inputs=tuple(rows_of(run.vtensor(t), a_shape) for t in fm.inputs[1:]))
-        sums = _matmul(run.vtensor(lhs), run.vtensor(rhs), op.params, backend,
-                       out=VTensor.fresh(tuple(graph.tensors[d].shape), graph.tensors[d].dtype),
-                       partial_sums=True, **kw)
-        plan = summed(m.island, d, sums[0].shape[0], stats=fm is not None)
+        w = run.concat(side.weights, side.rhs_dim) if side is not None else run.vtensor(rhs)
+        sums = _matmul(run.vtensor(lhs), w, op.params, backend,
+                       out=VTensor.fresh(shape, graph.tensors[d].dtype), partial_sums=True, **kw)
+        plan = summed(m.island, columns, shape, sums[0].shape[0], stats=fm is not None)
         fn = island_program(graph, plan, scale=fns[2] if fm is not None else None)
-        ins = [leaf_vtensor(sums[1] if x.stat else sums[0], x) if isinstance(x, Partial)
+        outs = [run.out_vtensor(o) for o in c.outputs]   # (first: an input read where it writes, as the
+        ins = [leaf_vtensor(sums[1] if x.stat else sums[0], x) if isinstance(x, Partial)   # pointwise template)
                else leaf_vtensor(run.vtensor(x.tensor) if isinstance(x, Load) else None, x) for x in plan.inputs]
-        outs = [run.out_vtensor(o) for o in c.outputs]
         res = pointwise(fn, ins, out_shape=plan.shape, outs=outs, backend=backend, index_args=plan.uses_index,
                         block=choose_block(plan.shape, 4, ISLAND_BLOCK))
         for o, v, r in zip(c.outputs, outs, (res,) if len(outs) == 1 else res):

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -312,10 +312,13 @@ def plan(graph: Graph, ops: Sequence[int], inputs: Sequence[int], outputs: Seque
     return IslandPlan(shape, tuple(steps), outs)
 
 
-def summed(p: IslandPlan, tensor: int, splits: int, stats: bool = False) -> IslandPlan:
-    """``p`` reading ``tensor`` — a split-K GEMM's result the plan loads — from the GEMM's split
-    partials instead: each ``Load`` of it becomes ``splits`` :class:`Partial` loads (and, with
-    ``stats``, as many of the folded norm's partial row statistics) and their :class:`Summed`.
+def summed(p: IslandPlan, columns: Mapping[int, tuple[int, int]], shape: Sequence[int], splits: int,
+           stats: bool = False) -> IslandPlan:
+    """``p`` reading the tensors of ``columns`` — a split-K GEMM's result, or the results of sibling
+    dots it computes side by side, each at ``(axis, offset)`` in the GEMM's result of ``shape`` — from
+    the GEMM's split partials instead: each ``Load`` of one becomes ``splits`` :class:`Partial`
+    loads (and, with ``stats``, as many of the folded norm's partial row statistics, the leading
+    dims of ``shape`` being its rows) and their :class:`Summed`.
 
     Why: the GEMM's reduce kernel would sum the partials and write the result for this kernel to
     read back (a Llama decode layer's QKV projection before its rotary embedding and cache-row
@@ -333,13 +336,16 @@ def summed(p: IslandPlan, tensor: int, splits: int, stats: bool = False) -> Isla
         return s
 
     for i, s in enumerate(p.steps):
-        if isinstance(s, Load) and s.tensor == tensor:
+        if isinstance(s, Load) and s.tensor in columns:
+            axis, offset = columns[s.tensor]
+            exprs = tuple(e + offset if k == axis and offset else e for k, e in enumerate(s.map.exprs))
+            at_result = dataclasses.replace(s.map, exprs=exprs, target=tuple(shape))
             parts, rows = [], []
             for flag, into in ((False, parts), (True, rows)) if stats else ((False, parts),):
                 for k in range(splits):
                     into.append(len(steps))
-                    steps.append(Partial(tensor, s.map, k, flag))
-            steps.append(Summed(tensor, tuple(parts), tuple(rows)))
+                    steps.append(Partial(s.tensor, at_result, k, flag))
+            steps.append(Summed(s.tensor, tuple(parts), tuple(rows)))
         else:
             steps.append(moved(s))
         at[i] = len(steps) - 1
