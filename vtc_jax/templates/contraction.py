@@ -55,10 +55,9 @@ from ..kernels.vio import broadcast_input as rows_of
 from ..kernels.tiling import DECODE_MAX_M, dtype_unsupported, precision_unsupported, prefill_tiles
 from ..primitives import TABLE, Kind, Role, block_safe, is_movement_op, role_of
 from .base import Decline, Run, Step, Template
-from .island import IslandPlan, Load, Partial, leaf_vtensor, summed
+from .island import ISLAND_BLOCK, IslandPlan, Load, Partial, leaf_vtensor, summed
 from .island import plan as island_plan
 from .island import program as island_program
-from .pointwise import ISLAND_BLOCK
 from .stage2 import block_fn, block_supported, broadcast_input, buffers_of, kernel_inputs
 
 __all__ = ["MATMUL", "CONV"]

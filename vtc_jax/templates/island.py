@@ -43,8 +43,10 @@ from ..movement import rules
 from ..primitives import TABLE, Direction, block_safe, is_movement_op
 from .base import Decline
 
-__all__ = ["IslandPlan", "Load", "Mask", "Index", "Apply", "Select", "Fill", "Partial", "Summed", "plan", "summed",
+__all__ = ["ISLAND_BLOCK", "IslandPlan", "Load", "Mask", "Index", "Apply", "Select", "Fill", "Partial", "Summed", "plan", "summed",
            "program", "leaf_vtensor"]
+
+ISLAND_BLOCK = 256   # elements per program of an island kernel (tiling._TARGET is the default)
 
 # movement primitives whose value is a pure read of their operand(s): what a kernel can recompute
 READ_ONLY = frozenset(n for n, r in TABLE.items() if r.read_only)

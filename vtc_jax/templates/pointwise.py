@@ -11,7 +11,7 @@ from ..cluster import Cluster
 from ..graph import Graph
 from ..kernels.pointwise import choose_block, pointwise
 from ..primitives import Kind, is_movement_op
-from .island import IslandPlan, Load, leaf_vtensor
+from .island import ISLAND_BLOCK, IslandPlan, Load, leaf_vtensor
 from .island import plan as island_plan
 from .island import program as island_program
 from .base import Decline, Run, Step, Template
@@ -21,7 +21,6 @@ __all__ = ["TEMPLATE"]
 
 
 IOTA_SHARE = 4   # an iota is computed in XLA and loaded when it is at most 1/4 of the output
-ISLAND_BLOCK = 256   # elements per program of an island kernel (tiling._TARGET is the default)
 
 
 @dataclass(frozen=True)
