@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from .costmodel import Context, cluster_cost, strategy_oracles
 from .primitives import Kind, inplace_operand
-from .xla import xla_plain
+from .xla import xla_clusters, xla_plain
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -39,7 +39,8 @@ def modeled_bytes(graph: "Graph", clusters: Sequence["Cluster"], strategy: "Stra
       its operand's buffer, as XLA's buffer assignment does.
     * ``kernels_*``: kernel launches (clusters plus movement ops that still run).
     * ``kernels_xla`` / ``bytes_xla``: plain ``jax.jit`` as XLA's GPU pipeline fuses it
-      (:func:`xla_plain`) — the baseline to compare with; ``*_baseline`` above is the unfused
+      (:func:`xla_plain` from :func:`xla.xla_clusters`, the guard's ``price_plain``: not from
+      ``clusters``, whose kernels VTC's selection merged) — the baseline to compare with; ``*_baseline`` above is the unfused
       upper bound (every movement op and cluster a kernel) that the greedy's savings start from.
 
     ``donated`` graph inputs are updated in place by dynamic_update_slice (no copy); a kernel
@@ -71,7 +72,7 @@ def modeled_bytes(graph: "Graph", clusters: Sequence["Cluster"], strategy: "Stra
         if not copy and op.inputs[0] in ctx.donated and op.outputs[0] in out_bytes:
             out_bytes[op.outputs[0]] = ctx.nbytes[op.inputs[1]]
     return {
-        **xla_plain(graph, clusters, donated),
+        **xla_plain(graph, xla_clusters(graph), donated),   # (plain jit: not VTC's clusters)
         "bytes_baseline": int(sum(c.raw for c in base)),
         "bytes_optimized": int(sum(c.raw for c in opt)) + copies,
         "bytes_optimized_effective": int(round(sum(c.eff for c in opt))) + copies,
