@@ -120,11 +120,11 @@ def test_three_weights_side_by_side_feed_the_island(dtype):
     assert made.count("pallas_call") == 2 and "dot_general" not in made, made
 
 
-def test_a_guarded_cache_write_keeps_the_reduce():
-    """``.at[pos].set`` of rows read back where they are written (the scatter's guarded form
-    reads the cache row it overwrites) inside the island: merged on one grid over the island's
-    union of shapes, the cache would be passed twice and copied (``cluster.reduce_islands`` leaves
-    such an island apart); equal to jit's."""
+def test_a_guarded_cache_write_reads_its_row_in_place():
+    """``.at[pos].set`` in the island (the scatter's guarded form reads the cache row it
+    overwrites): the island's grid is the union of q's and the rows' shapes, and the cache is read
+    where it is written, at the same lane, masked to the rows' extent — passed once, aliased, not
+    read from a copy (``vio.Plan.build``'s same-place test); two kernels, equal to jit's."""
     def guarded(x, nw, wq, wk, wv, kc, vc, pos):
         h = _rms(x, nw)
         q = _rotate_half((h @ wq).reshape(B, 1, HQ, HD), pos)
@@ -134,8 +134,12 @@ def test_a_guarded_cache_write_keeps_the_reduce():
     fn = optimize_kernels(guarded)
     for o, r in zip(fn(*args), jax.jit(guarded)(*args)):
         assert_close(o, r, TOL[jnp.bfloat16])
-    names = [e.params["name"] for e in _calls(fn, args)]
-    assert "vtc_matmul_reduce" in names, names
+    calls = _calls(fn, args)
+    assert [e.params["name"] for e in calls] == ["vtc_matmul_splitk", "pointwise"], calls
+    island = calls[1]
+    caches = [i for i, v in enumerate(island.invars) if v.aval.size == B * T * HKV * HD and v.aval.dtype == jnp.bfloat16]
+    aliased = dict(island.params["input_output_aliases"])
+    assert len(caches) == 2 and all(i in aliased for i in caches), (caches, aliased)   # each passed once
 
 
 def test_the_sum_matches_the_reduce_kernel_bit_for_bit():

@@ -782,7 +782,6 @@ def gated_epilogues(graph: Graph, clusters: Sequence[Cluster], kernels: frozense
 
 # movement that only views a GEMM result's parts: what carries each part to where it goes
 _PART_VIEWS = frozenset({"split", "slice", "reshape", "squeeze", "expand_dims"})
-_RUNTIME_WINDOWS = frozenset({"dynamic_slice", "gather"})
 
 
 def reduce_islands(graph: Graph, clusters: Sequence[Cluster], kernels: frozenset[int]) -> list[set[int]]:
@@ -819,12 +818,6 @@ def reduce_islands(graph: Graph, clusters: Sequence[Cluster], kernels: frozenset
                 elif k.kind == Kind.POINTWISE and k.id in kernels and any(is_movement_op(graph.ops[o], graph)
                                                                          for o in k.ops):
                     islands.add(k.id)
-                    # an island reading a buffer's window at a runtime offset (the guarded write of
-                    # ``.at[pos].set``: the cache row it overwrites) reads it in place only on a grid
-                    # of its own shape (``vio.Plan.build``'s same-place test): on the merged union
-                    # grid XLA would copy the cache twice
-                    ok = not any((p := graph.producer(x)) is not None and p.primitive in _RUNTIME_WINDOWS
-                                 for x in k.inputs)
                 else:
                     ok = k.kind == Kind.MOVEMENT and t not in m.outputs   # a part's view ends in a write
         if ok and islands:   # (q's and k's rotations of three weights' results: two islands, one grid)

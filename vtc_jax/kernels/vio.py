@@ -81,7 +81,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ..compat import manual_axis_type, triton_compiler_params, vary, varying_axes
 from ..indexmap import (Atom, Dim, Expr, FloorDiv, IndexMap, Layout, Load, Mod, Piece, Sym, all_of,
-                        conds_mask, finish_read, normalise_start, point, row_major_strides)
+                        box_conds, conds_mask, finish_read, normalise_start, point, row_major_strides)
 from ..primitives import READS_IN_PLACE
 from .tiling import InBounds, next_pow2
 
@@ -301,6 +301,25 @@ def _unit_strided(p: Piece) -> tuple[tuple[int | None, int, Expr], ...] | None:
     return sb
 
 
+def _reads_where_written(read: Sequence[IndexMap], wrote: Sequence[IndexMap], shape: tuple[int, ...]) -> bool:
+    """Whether an input reads a buffer only where, at the same lane, an output of ``shape`` writes
+    it: the same maps, or — the output smaller than the grid (islands over a union of shapes,
+    ``kernels.pointwise``) — the output's maps read over the grid, masked to the output's extent:
+    every element read is written by the program reading it, after the read."""
+    if tuple(read) == tuple(wrote):
+        return True
+    if len(read) != len(wrote):
+        return False
+    for r, w in zip(read, wrote):
+        if len(r.domain) != len(shape) or any(a < b for a, b in zip(r.domain, shape)):
+            return False
+        box = set(box_conds([(0, n) for n in shape], r.domain))
+        if (r.exprs, r.target, r.syms) != (w.exprs, w.target, w.syms) or not set(w.conds) | box <= set(r.conds) \
+                or not set(r.conds) <= set(w.conds) | box:
+            return False
+    return True
+
+
 def _reshaped(v: VTensor, written: frozenset[int]) -> VTensor:
     """``v`` re-viewed as a physical reshape of its buffer where its one piece is a row-major
     reshape of the whole buffer (the map's flat offset is the row-major index of ``v``'s logical
@@ -391,8 +410,8 @@ class Plan:
             return tuple(p.map for p in v.layout.pieces if p.target == k)
 
         # buffers written in place that an input reads exactly where an output writes them
-        written = {id(b): (pieces_on(w, k), f) for w in outputs for k, (b, f) in enumerate(zip(w.buffers, flat_flags(w)))
-                   if not _is_fresh(b)} if same_place else {}
+        written = {id(b): (pieces_on(w, k), f, tuple(w.shape)) for w in outputs
+                   for k, (b, f) in enumerate(zip(w.buffers, flat_flags(w))) if not _is_fresh(b)} if same_place else {}
         in_place_arg: dict[int, int] = {}   # id(buffer) -> its (aliased) argument index
         in_flat: dict[int, bool] = {}       # id(buffer) -> how the aliased operand is passed
         read_arg: dict[tuple[int, bool], int] = {}   # (id(buffer), flat) -> its argument index
@@ -401,9 +420,10 @@ class Plan:
         for x in inputs:
             v = _reshaped(VTensor.of(x), outs_b)
             collect_syms(v)
-            flat = flat_flags(v)
+            flat = list(flat_flags(v))
             slots = []
-            for k, (b, f) in enumerate(zip(v.buffers, flat)):
+            for k, b in enumerate(v.buffers):
+                f = flat[k]
                 if _is_fresh(b):
                     raise ValueError("an input VTensor cannot have unallocated (ShapeDtypeStruct) buffers")
                 if id(b) in in_place_arg:
@@ -412,15 +432,18 @@ class Plan:
                 if (id(b), f) in read_arg and id(b) not in outs_b:   # one buffer read through two
                     slots.append(read_arg[(id(b), f)])               # views (a gated GEMM's halves
                     continue                                         # of one weight) is passed once
-                if id(b) in over or (id(b) in written and written[id(b)] == (pieces_on(v, k), f)
-                                     and v.shape == outputs[0].shape):
+                if id(b) in written and v.shape == outputs[0].shape and (written[id(b)][:2] == (pieces_on(v, k), f) or (
+                        _reads_where_written(pieces_on(v, k), written[id(b)][0], written[id(b)][2]))):
+                    f = flat[k] = written[id(b)][1]   # (read as the output passes it: per-dim indices)
+                if id(b) in over or (id(b) in written and v.shape == outputs[0].shape
+                                     and _reads_where_written(pieces_on(v, k), written[id(b)][0], written[id(b)][2])):
                     in_place_arg[id(b)] = len(args)
                     in_flat[id(b)] = f
                 read_arg[(id(b), f)] = len(args)
                 slots.append(len(args))
                 args.append(b.reshape(-1) if f else b)
             in_b.append(_Binding(v.layout, v.dtype, tuple(tuple(b.shape) for b in v.buffers),
-                                 tuple(np.dtype(b.dtype) for b in v.buffers), flat, tuple(slots)))
+                                 tuple(np.dtype(b.dtype) for b in v.buffers), tuple(flat), tuple(slots)))
         # One output slot per distinct buffer object: two outputs written into one buffer (the
         # pieces of a concatenation a multi-output kernel produces) share it, or each would come
         # back as its own copy holding only its own pieces.
