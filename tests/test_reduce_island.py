@@ -203,3 +203,19 @@ def test_island_epilogue_lowers_for_cuda():
     mod = cross_lower(optimize_kernels(merged_qkv, backend="triton"), *args)
     names = [k.name for k in mod.triton_kernels]
     assert len(names) == 2 and names[0].startswith("vtc_matmul_splitk") and names[1].startswith("pointwise"), names
+
+
+def test_the_jit_model_does_not_read_the_merged_clusters():
+    """``Report.modeled``'s plain-jit figures come from the model of XLA on plain jit's groups
+    (``xla.xla_clusters``), whatever VTC's selection merged — the projection, its rotations and
+    views in one cluster here — as the guard's ``price_plain`` prices jit."""
+    from vtc_jax.accounting import modeled_bytes
+    from vtc_jax.analysis import analyze
+    from vtc_jax.xla import xla_clusters, xla_program
+    args = _args(jnp.bfloat16)
+    a = analyze(merged_qkv, args, {})
+    merged = [c for c in a.clusters if c.kind == "matmul" and len(c.outputs) > 1]
+    assert merged, [(c.kind, len(c.ops)) for c in a.clusters]   # (what this is about)
+    m = modeled_bytes(a.graph, a.clusters, a.strategy)
+    plain = xla_program(a.graph, xla_clusters(a.graph))
+    assert (m["kernels_xla"], m["bytes_xla"]) == (plain.launches, plain.bytes)
