@@ -41,8 +41,8 @@ NOTE = ("Reading it: the tensor-parallel layers get kernels at N = 2 and 4; at N
         "the shard_map layers' kernels lose to XLA's fusions and the guard, compiling the shard_map body as each "
         "device runs it, keeps XLA's program (0 Triton launches): shard_map_psum is then jit's program. The GSPMD "
         "layers are the per-shard rewrite of it, which moves about a third fewer bytes than GSPMD's own program "
-        "(Gemma's 1.40× at N = 8 comes from the rewrite alone; Llama's keeps 8 Triton launches there, 18 launches "
-        "against 20). The data-parallel layers keep their kernels at every N. `tests/test_tp.py` checks these "
+        "(Gemma's 1.37× at N = 8 comes from the rewrite alone; Llama's keeps 8 Triton launches there, 18 launches "
+        "against 22). The data-parallel layers keep their kernels at every N. `tests/test_tp.py` checks these "
         "compiles on both CI legs (N = 4 and 8).")
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
