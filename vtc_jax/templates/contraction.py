@@ -311,19 +311,10 @@ def _side_by_side(graph: Graph, c: Cluster, dots: list[Any]) -> ContractionMatch
     all or each its dot's columns of a tensor read side by side, and only the A operand's prologue
     or a folded norm precede them."""
     op = dots[0]
-    key = ("dimension_numbers", "precision", "preferred_element_type")
-    w0 = graph.tensors[op.inputs[1]]
-    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
-    rf = [k for k in range(len(w0.shape)) if k not in rc and k not in rb]
-    differ = {k for d in dots for k, (a, b) in enumerate(zip(graph.tensors[d.inputs[1]].shape, w0.shape)) if a != b}
-    if any(d.inputs[0] != op.inputs[0] or any(d.params.get(k) != op.params.get(k) for k in key)
-           or graph.tensors[d.inputs[1]].dtype != w0.dtype or len(graph.tensors[d.inputs[1]].shape) != len(w0.shape)
-           for d in dots) or len(differ) > 1 or not set(differ) <= set(rf):
-        raise Decline("several results that are not one A operand's products with weights side by side")
-    d = next(iter(differ)) if differ else rf[-1]
+    base = _siblings_side_by_side(graph, dots)   # (the weights side by side: their dim, the results')
+    d, out_dim = base.rhs_dim, base.out_dim
+    (lc, _), (lb, _) = op.params["dimension_numbers"]
     a_shape = graph.tensors[op.inputs[0]].shape
-    n_lf = len(a_shape) - len(lc) - len(lb)
-    out_dim = len(lb) + n_lf + rf.index(d)
     if math.prod(n for k, n in enumerate(a_shape) if k not in lc and k not in lb) > DECODE_MAX_M:
         raise Decline("sibling dots of more rows than a decode step's: XLA's merged GEMM takes the large "
                       "tiles a kernel loading each weight under its own mask cannot")
