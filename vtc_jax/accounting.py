@@ -64,6 +64,7 @@ def modeled_bytes(graph: "Graph", clusters: Sequence["Cluster"], strategy: "Stra
             e = strategy.vtog.edges[i]
             if e.inplace and e.dst in set(graph.inputs) and e.dst not in ctx.donated:
                 copies += 2 * ctx.nbytes[e.dst]
+    written = graph.as_written or graph   # (the program as written: what jit compiles)
     comp_in = [t for t in dict.fromkeys(graph.inputs)]
     comp_out = [t for t in dict.fromkeys(graph.outputs) if t not in set(graph.inputs)]
     out_bytes = {t: ctx.nbytes[t] for t in comp_out}
@@ -72,7 +73,7 @@ def modeled_bytes(graph: "Graph", clusters: Sequence["Cluster"], strategy: "Stra
         if not copy and op.inputs[0] in ctx.donated and op.outputs[0] in out_bytes:
             out_bytes[op.outputs[0]] = ctx.nbytes[op.inputs[1]]
     return {
-        **xla_plain(graph, xla_clusters(graph), donated),   # (plain jit: not VTC's clusters)
+        **xla_plain(written, xla_clusters(written), donated),   # (plain jit: not VTC's clusters)
         "bytes_baseline": int(sum(c.raw for c in base)),
         "bytes_optimized": int(sum(c.raw for c in opt)) + copies,
         "bytes_optimized_effective": int(round(sum(c.eff for c in opt))) + copies,

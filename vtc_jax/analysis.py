@@ -19,7 +19,7 @@ import jax
 from . import costmodel
 from .cluster import Cluster
 from .graph import Graph, trace_with
-from .primitives import Kind
+from .primitives import Kind, is_view
 from .selection import Rejections, Selection, select
 from .strategy import Strategy, plan
 from .templates import Match, Reject
@@ -80,9 +80,12 @@ def analyze(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
     if graph is not None:
         return _analyze_graph(graph, args, kwargs, model, rejected, t0, **donate)
     layout: frozenset[int] = frozenset()
+    written = None   # the first trace: the program as written
     for _ in range(MAX_LAYOUT_PASSES):
-        a = _analyze_graph(trace_with(fn, args, kwargs, channels_last=layout), args, kwargs, model,
-                           rejected, t0, **donate)
+        g = trace_with(fn, args, kwargs, channels_last=layout)
+        written = written or g
+        a = _analyze_graph(g if not layout else dataclasses.replace(g, as_written=written), args, kwargs,
+                           model, rejected, t0, **donate)
         more = xla_layout_convs(a)
         if not more:
             break
@@ -139,7 +142,9 @@ def xla_layout_convs(a: Analysis) -> frozenset[int]:
                     and getattr(dn, "out_spec", (0, 1))[1] == len(a.graph.tensors[op.outputs[0]].shape) - 1):
                 continue   # already channels-last
             src = a.graph.producer(op.inputs[0])
-            if (any(t in read_by_kernel for t in op.outputs)
+            while src is not None and src.id not in kernel_ops and is_view(src, a.graph):
+                src = a.graph.producer(src.inputs[0])   # (a kernel's result reshaped: EfficientViT's heads)
+            if (any(t in read_by_kernel for t in op.outputs) or op.inputs[0] in read_by_kernel
                     or (src is not None and src.id in kernel_ops)):
                 out.add(op.conv_index)
     return frozenset(out)

@@ -675,7 +675,11 @@ class BoundCostModel:
 
     def prefers_library(self, k: int) -> bool:
         """Cluster position ``k`` is a GEMM whose Pallas kernel is modelled slower than XLA's
-        (:func:`decode_gemm_loss`); ``strategy.plan``'s view pass leaves its operands physical."""
+        (:func:`decode_gemm_loss`), or a convolution whose kernel's math is (the library loss:
+        EfficientViT's 1x1 projection, made a Pallas conv by a free reshape of its input and
+        ~2 ms slower than cuDNN); ``strategy.plan``'s view pass leaves its operands physical."""
+        if self.ctx.clusters[k].kind == Kind.CONV:
+            return self.model.objective == "latency" and self.lib(k) > 0
         g = self.ctx.gemm.get(k)
         return (self.model.objective == "latency" and self.model.decode_loss and g is not None
                 and decode_gemm_loss(self.model.gpu, *g) > 0)

@@ -113,6 +113,11 @@ class Graph:
     # per output: whether ``fn``'s result is weakly typed (a Python scalar's promotion, which
     # jax.jit returns and which later promotion reads: ``bf16 + out`` stays bf16)
     weak_outputs: tuple[bool, ...] = ()
+    # the program as the user wrote it, where this graph was traced with convolutions rewritten
+    # channels-last (``trace_with(channels_last=...)``): what plain ``jax.jit`` compiles, and so
+    # what the model of XLA prices jit on (XLA folds those transposes into the conv's layouts;
+    # priced as ops they were two launches over on YOLO's C3k2)
+    as_written: "Graph | None" = None
 
     def origin(self, t: int) -> str | None:
         """The primitive of the user's program that computes ``t``, where the trace wrote it in

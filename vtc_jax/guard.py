@@ -38,7 +38,7 @@ from .primitives import KERNEL_CALLS, is_movement_op
 from .profiling import MAX_CALLS, device_inputs, handed_on, last_positions, threaded, time_interleaved
 from .xla import Price, xla_clusters, xla_program
 
-__all__ = ["GUARDS", "PLAIN", "UNDONE", "PRUNE_MIN", "WIN_MARGIN", "Verdict", "price_plain", "price_emitted", "kernel_math", "emitted_graph", "judge", "clear", "blame", "compiled", "measured", "room_to_time", "calls_that_fit", "timed_loss", "MiB", "apart"]
+__all__ = ["GUARDS", "PLAIN", "UNDONE", "PRUNE_MIN", "WIN_MARGIN", "Verdict", "price_plain", "price_ops", "price_emitted", "kernel_math", "emitted_graph", "judge", "clear", "blame", "compiled", "measured", "room_to_time", "calls_that_fit", "timed_loss", "MiB", "apart"]
 
 GUARDS = ("model", "compile", "measure", None)
 PLAIN = "plain jax.jit"          # how the guard's note starts when the whole program runs as jit
@@ -74,8 +74,17 @@ class Verdict:
 
 
 def price_plain(graph: Graph, donated: frozenset[int]) -> Price:
-    """Plain ``jax.jit`` of the traced function, as XLA fuses it (modelled)."""
+    """Plain ``jax.jit`` of the traced function, as XLA fuses it (modelled): the program as
+    written (``Graph.as_written``), not a trace with convolutions rewritten channels-last."""
+    graph = graph.as_written or graph
     return xla_program(graph, xla_clusters(graph), donated)
+
+
+def price_ops(graph: Graph, donated: frozenset[int], plain: Price) -> Price:
+    """XLA's fusions of ``graph``'s own ops, what :func:`blame` compares cluster by cluster (op
+    ids of this trace): ``plain`` itself unless ``graph`` is a channels-last re-trace, whose ops
+    are not those of the program as written that ``plain`` prices."""
+    return plain if graph.as_written is None else xla_program(graph, xla_clusters(graph), donated)
 
 
 def emitted_graph(closed: Any) -> Graph:

@@ -228,7 +228,8 @@ def _worst(analysis: Analysis, closed: Any, emitted: Graph, verdict: guard.Verdi
            opts: BuildOptions) -> list[tuple[int, float, str]]:
     """The kernels to undo: the worst by :func:`guard.blame`, until what they lose covers VTC's
     deficit in time (at least one; all that lose anything when the program loses on memory)."""
-    ranked = guard.blame(analysis.graph, analysis.clusters, verdict.plain, emitted,
+    ranked = guard.blame(analysis.graph, analysis.clusters,
+                         guard.price_ops(analysis.graph, analysis.donated, verdict.plain), emitted,
                          verdict.vtc, kernel_clusters(closed.jaxpr), _gpu(opts))
     deficit = verdict.seconds_vtc - verdict.seconds_plain
     if verdict.vtc.buffers > verdict.plain.buffers or deficit <= 0:
@@ -264,7 +265,8 @@ def _losers(analysis: Analysis, closed: Any, emitted: Graph, verdict: guard.Verd
     kept". Why not only when the whole program loses: LoRA's attention kernel won 2.5x over XLA's
     attention on an H100 while the projection GEMM beside it ran 5x slower than cuBLAS, and the
     program as a whole, kept, came out 0.94x of jit."""
-    ranked = guard.blame(analysis.graph, analysis.clusters, verdict.plain, emitted,
+    ranked = guard.blame(analysis.graph, analysis.clusters,
+                         guard.price_ops(analysis.graph, analysis.donated, verdict.plain), emitted,
                          verdict.vtc, kernel_clusters(closed.jaxpr), _gpu(opts))
     return [x for x in ranked if x[1] > guard.PRUNE_MIN * verdict.seconds_plain]
 

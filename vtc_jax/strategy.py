@@ -804,14 +804,14 @@ def plan(vtog: VTOG, graph: "Graph", clusters: Sequence["Cluster"], savings: Sav
 
 def _kept_library(s: Strategy, clusters: Sequence["Cluster"],
                   prefers: Callable[[int], bool] | None) -> Callable[[Strategy], frozenset[int]]:
-    """``strategy -> tensors to keep physical``: the operands of the GEMMs the cost model prefers
-    as library calls (``prefers(cluster position)``) and of reductions, that touch no virtual
-    tensor yet (the greedy left them to XLA; a free view must not make them kernels)."""
+    """``strategy -> tensors to keep physical``: the operands of the GEMMs and convolutions the
+    cost model prefers as library calls (``prefers(cluster position)``) and of reductions, that
+    touch no virtual tensor yet (the greedy left them to XLA; a free view must not make them kernels)."""
     if prefers is None:
         return lambda s: frozenset()
     # reductions too: a norm whose only virtual operand would be its weight's free broadcast is
     # one XLA input fusion with the weight's cast; as a Pallas kernel it is two launches
-    lib = [c for k, c in enumerate(clusters) if c.kind == Kind.MATMUL and prefers(k)]
+    lib = [c for k, c in enumerate(clusters) if c.kind in (Kind.MATMUL, Kind.CONV) and prefers(k)]
     norms = [c for c in clusters if c.kind == Kind.REDUCTION]
     made_by = {t: c for c in clusters for t in c.outputs}
 
