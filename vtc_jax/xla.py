@@ -2315,11 +2315,16 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         # concatenation its shortcut convolution reads, one ``input_concatenate_reduce_fusion``)
         riding = {t for t in fed if t not in whole and any(
             kind[u] in (Kind.REDUCTION, Kind.POINTWISE) and not call[u] for u in readers_through_views(t))}
+        # the convolution reads the copy, where its fusion was priced through the movement to its
+        # source: more where the copy is larger than what it reads (a nearest-neighbour upsample's
+        # gathers, 5 MiB read and 20 written, read by the U-Net up block's conv: it reads 20)
+        grown = {t: max(0, ctx.nbytes[t] - read_bytes(t, set())) for t in fed}
         if riding:
-            add((), "copy", 0, sum(ctx.nbytes[t] for t in riding), riding)
+            add((), "copy", 0, sum(ctx.nbytes[t] + grown[t] for t in riding), riding)
         fed -= riding
         if fed:
-            add((), "copy", len(fed), sum(whole.get(t, read_bytes(t, set())) + ctx.nbytes[t] for t in fed), fed)
+            add((), "copy", len(fed), sum(whole.get(t, read_bytes(t, set())) + ctx.nbytes[t] + grown[t]
+                                          for t in fed), fed)
         # cuDNN wants filters OHWI: any other layout (OIHW, a 1-D conv's OIW, HWIO) is transposed
         # once, unless only unit axes move (OIHW 1x1 and depthwise filters; HWIO ones move O)
         for k in convs:
@@ -2453,11 +2458,16 @@ def _conv_epilogue(g: Graph, c: Cluster) -> set[str]:
 
 def _loop_epilogue(g: Graph, c: Cluster) -> bool:
     """Whether a convolution cluster's epilogue is XLA's loop fusion, not cuDNN's: cuDNN fuses
-    bias + ReLU only (an eval BatchNorm's per-channel scale is a multiply it does not take)."""
+    bias + ReLU only (an eval BatchNorm's per-channel scale is a multiply it does not take), and
+    adds alone (a bias, a residual) on an ungrouped conv: the U-Net up block's 3x3 and 1x1 convs,
+    read by GroupNorm kernels, are one ``kConvolution`` each in the compile; a depthwise conv's bias
+    alone is a loop fusion (flax's NHWC block)."""
     if c.kind != Kind.CONV:
         return False
     epi = _conv_epilogue(g, c)
-    return bool(epi) and epi != {"add", "max"}
+    ungrouped = all(g.ops[o].params.get("feature_group_count", 1) == 1 for o in c.ops
+                    if g.ops[o].primitive == "conv_general_dilated")
+    return bool(epi) and epi != {"add", "max"} and not (epi == {"add"} and ungrouped)
 
 
 def _epilogue_reads(g: Graph, t: int, convs: Sequence[Cluster], own: set[int]) -> bool:
