@@ -632,3 +632,32 @@ def test_a_verdicts_figures_are_written_apart_when_they_differ():
     assert apart(0.11 * MiB, 0.1 * MiB, "MiB") == ("112.6 KiB", "102.4 KiB")
     assert apart(300 * MiB, 300.04 * MiB, "MiB") == ("300.00 MiB", "300.04 MiB")
     assert apart(135_031_936, 135_031_696, "MiB") == ("128.776 MiB (+240 B)", "128.776 MiB")
+
+
+def test_jit_is_priced_on_the_program_as_written():
+    """A re-trace with convolutions channels-last (``analysis.xla_layout_convs``) adds transposes
+    XLA folds into cuDNN's layouts; priced as ops they made the model of plain jit two launches
+    over on YOLO's C3k2 (13 against the compile's 11). ``Graph.as_written`` keeps the first trace:
+    ``guard.price_plain`` prices it (equal to pricing a fresh trace of the function), while
+    ``guard.price_ops`` — what ``blame`` compares cluster by cluster — prices the analysed trace's
+    own ops. The model of jit is then within one launch of XLA's deviceless H100 compile."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import yolo11_c3k2 as Y
+    from vtc_jax import guard
+    from vtc_jax.analysis import analyze
+    from vtc_jax.graph import trace
+
+    args = tuple(Y.example_args("small", batch=2))
+    a = analyze(Y.step, args, {})
+    assert a.graph.as_written is not None          # (its convs beside kernels: traced channels-last)
+    fresh = guard.price_plain(trace(Y.step, *args), a.donated)
+    plain = guard.price_plain(a.graph, a.donated)
+    assert (plain.launches, plain.bytes) == (fresh.launches, fresh.bytes)
+    ops = guard.price_ops(a.graph, a.donated, plain)
+    assert ops is not plain and ops.launches > plain.launches   # the re-trace's transposes, as ops
+    compiled = _compiled(jax.jit(Y.step), args)
+    assert abs(plain.launches - len(compiled.launches)) <= 1, (plain.launches, [c.name for c in compiled.launches])
+    g = trace(Y.step, *args)                     # no rewrite: both prices are the one
+    assert guard.price_ops(g, a.donated, plain) is plain
