@@ -19,6 +19,7 @@ and one set of facts now serve both. Everything here is a model read off XLA's c
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -1286,6 +1287,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     q = ctx.producer.get(x)
                     if q is not None and fused_movement(q) and q not in materialised:
                         todo.append((q, cut))
+                    elif cut and q is not None and kind[q] == Kind.CONV and any(
+                            _channels_first(g.ops[o], "out_spec") for o in cl[q].ops
+                            if g.ops[o].primitive == "conv_general_dilated"):
+                        # (an NCHW conv's result lies NHWC in cuDNN's buffer: a channel part of it
+                        # is strided across all of it — EfficientViT's q, k and v)
+                        found = True
             strided_memo[k] = found
         return strided_memo[k]
 
@@ -1952,6 +1959,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     n += 1
                     nbytes += 2 * partials
                     summed_apart.add(m)
+        prologue_loop = False   # (a loop fusion writing a GEMM operand: reads like one, below)
         for m in members:   # a matmul prologue (cluster._grow_prologue) is XLA's loop fusion
             if kind[m] != Kind.MATMUL:   # of its own: it writes the operand the GEMM then reads
                 continue
@@ -1960,6 +1968,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             for x in (x for o in dots for x in g.ops[o].inputs[:2] if x in made_in):
                 n += 1
                 nbytes += 2 * ctx.nbytes[x]
+                prologue_loop = True
             for x in (x for o in dots for x in _gemm_relayouts(g, g.ops[o], from_merged) if x not in made_in):
                 n_, b_ = relayout(x)
                 n, nbytes = n + n_, nbytes + b_
@@ -2234,7 +2243,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         for t in {x for t in ins for x in recomputed_from(t)}:
             part = merged_member(t)
             b = (1, find(part)) if part is not None and part in merged_bytes and n == 1 else (0, buffer_of(t))
-            read[b] = max(read.get(b, 0), read_bytes(t, set(), own, strided=looped or t in relaid))
+            read[b] = max(read.get(b, 0), read_bytes(t, set(), own, strided=looped or prologue_loop or t in relaid))
         nbytes += sum(read.values()) + sum(as_written.get(t, ctx.nbytes[t]) for t in out)
         add(members, what, n, nbytes, made)
         for t in scratch - made:
@@ -2318,13 +2327,18 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         # the convolution reads the copy, where its fusion was priced through the movement to its
         # source: more where the copy is larger than what it reads (a nearest-neighbour upsample's
         # gathers, 5 MiB read and 20 written, read by the U-Net up block's conv: it reads 20)
-        grown = {t: max(0, ctx.nbytes[t] - read_bytes(t, set())) for t in fed}
+        for t in fed:   # (charged to the conv's own launch group: its memory time, beside its math)
+            grown = ctx.nbytes[t] - read_bytes(t, set())
+            i = next((i for i, f in enumerate(fusions) if f.what == "conv" and any(
+                op.inputs[0] == t for m in f.clusters for op in (g.ops[o] for o in cl[m].ops)
+                if op.primitive == "conv_general_dilated")), None)
+            if grown > 0 and i is not None:
+                fusions[i] = dataclasses.replace(fusions[i], bytes=fusions[i].bytes + grown)
         if riding:
-            add((), "copy", 0, sum(ctx.nbytes[t] + grown[t] for t in riding), riding)
+            add((), "copy", 0, sum(ctx.nbytes[t] for t in riding), riding)
         fed -= riding
         if fed:
-            add((), "copy", len(fed), sum(whole.get(t, read_bytes(t, set())) + ctx.nbytes[t] + grown[t]
-                                          for t in fed), fed)
+            add((), "copy", len(fed), sum(whole.get(t, read_bytes(t, set())) + ctx.nbytes[t] for t in fed), fed)
         # cuDNN wants filters OHWI: any other layout (OIHW, a 1-D conv's OIW, HWIO) is transposed
         # once, unless only unit axes move (OIHW 1x1 and depthwise filters; HWIO ones move O)
         for k in convs:
