@@ -1965,10 +1965,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 continue
             dots = [o for o in cl[m].ops if g.ops[o].primitive == "dot_general"]
             made_in = {t for o in cl[m].ops if o not in dots for t in g.ops[o].outputs}
-            for x in (x for o in dots for x in g.ops[o].inputs[:2] if x in made_in):
-                n += 1
-                nbytes += 2 * ctx.nbytes[x]
-                prologue_loop = True
+            for o in dots:   # (both operands made by prologues: one multi-output loop fusion,
+                prologued = [x for x in g.ops[o].inputs[:2] if x in made_in]   # linear attention's
+                if prologued:                                                  # ``input_transpose_fusion``)
+                    n += 1
+                    nbytes += 2 * sum(ctx.nbytes[x] for x in prologued)
+                    prologue_loop = True
             for x in (x for o in dots for x in _gemm_relayouts(g, g.ops[o], from_merged) if x not in made_in):
                 n_, b_ = relayout(x)
                 n, nbytes = n + n_, nbytes + b_
