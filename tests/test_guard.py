@@ -640,7 +640,9 @@ def test_jit_is_priced_on_the_program_as_written():
     over on YOLO's C3k2 (13 against the compile's 11). ``Graph.as_written`` keeps the first trace:
     ``guard.price_plain`` prices it (equal to pricing a fresh trace of the function), while
     ``guard.price_ops`` — what ``blame`` compares cluster by cluster — prices the analysed trace's
-    own ops. The model of jit is then within one launch of XLA's deviceless H100 compile."""
+    own ops (since the model writes a transposed copy of a loop fusion's result for a conv as that
+    fusion's output, ``xla.relaid``, both come to the same launches here). The model of jit is
+    then within one launch of XLA's deviceless H100 compile."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -656,7 +658,7 @@ def test_jit_is_priced_on_the_program_as_written():
     plain = guard.price_plain(a.graph, a.donated)
     assert (plain.launches, plain.bytes) == (fresh.launches, fresh.bytes)
     ops = guard.price_ops(a.graph, a.donated, plain)
-    assert ops is not plain and ops.launches > plain.launches   # the re-trace's transposes, as ops
+    assert ops is not plain and ops.launches >= plain.launches   # the re-trace's own ops
     compiled = _compiled(jax.jit(Y.step), args)
     assert abs(plain.launches - len(compiled.launches)) <= 1, (plain.launches, [c.name for c in compiled.launches])
     g = trace(Y.step, *args)                     # no rewrite: both prices are the one

@@ -549,9 +549,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
       conv, a GEMM or a kernel call reads the result directly (or through bitcasts) or it is
       returned channels-last; it
       runs NHWC, so each channels-first program input a conv reads (and each output one writes)
-      is transposed once, and each filter that is not OHWI up to unit axes (OIHW larger than
-      1×1 and not depthwise; flax's HWIO, any); movement in front of a conv (a split half, a
-      concat) is materialised.
+      is transposed once (a kernel's result too), and each filter that is not OHWI up to unit
+      axes (OIHW larger than 1×1 and not depthwise; flax's HWIO, any); movement in front of a
+      conv (a split half, a concat, behind bitcasts too) is materialised, by a copy computing the
+      element-wise work only such copies read, and a loop fusion's result a conv reads
+      transposed is written in the conv's layout.
     * **PRNG**: the key schedule and the threefry counters are tiny launches of their own
       (:func:`_prng_launches`); the random bits fuse into their readers.
     * **attention left to XLA**: one fusion per reduction (the M=1 dots become reductions) and one
@@ -655,6 +657,18 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
 
     def bitcasts_only(k: int) -> bool:
         return kind[k] == Kind.MOVEMENT and all(ctx.bitcast.get(o) for o in cl[k].ops)
+
+    def bitcast_source(t: int) -> int | None:
+        """The tensor ``t`` is a bitcast view of, one cluster back (None: not a view)."""
+        k = ctx.producer.get(t)
+        srcs = [x for o in cl[k].ops for x in _data(g.ops[o])] if k is not None and bitcasts_only(k) else []
+        return srcs[0] if len(srcs) == 1 else None
+
+    def behind_bitcasts(t: int) -> int:
+        """The tensor ``t`` is a bitcast view of (through bitcast clusters), or ``t``."""
+        while (x := bitcast_source(t)) is not None:
+            t = x
+        return t
 
     # movement and glue that a kernel call reads (directly, or through bitcasts of it: a reshape
     # vio passes a kernel in place of a reshape map, ESPCN's pixel shuffle): XLA materialises them
@@ -1173,6 +1187,23 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 g.tensors[x].size == g.tensors[t].size and g.tensors[x].dtype == g.tensors[t].dtype
                 for x in ops[0].inputs) and len(set(ops[0].inputs)) == 2:
             parent[u] = find(k)
+    # cuDNN's own epilogue applied through bitcasts: a conv with none, whose result only a
+    # bias add (and ReLU) reads through unit-axis reshapes (flax's ``nnx.Conv`` under ``vmap``
+    # adds the bias to a reshaped result), is one ``cudnn-conv-bias-activation`` in the compile,
+    # as if the cluster had taken them (:func:`_loop_epilogue`'s rule on the island's ops)
+    for k in range(len(cl)):
+        if kind[k] != Kind.CONV or call[k] or find(k) != k or len(cl[k].outputs) != 1 or _conv_epilogue(g, cl[k]):
+            continue
+        (t,) = cl[k].outputs
+        users = {find(u) for u in readers_through_views(t)}
+        u = next(iter(users)) if len(users) == 1 else None
+        if t in outs or u not in islands or len(ctx.users.get(t, ())) != 1:
+            continue
+        epi = {g.ops[o].primitive for m in islands[u] for o in cl[m].ops} - CAST_ONLY
+        ungrouped = all(g.ops[o].params.get("feature_group_count", 1) == 1 for o in cl[k].ops
+                        if g.ops[o].primitive == "conv_general_dilated")
+        if epi == {"add", "max"} or epi == {"add"} and ungrouped:
+            parent[u] = find(k)
 
     def _generated(t: int) -> bool:
         """``t`` is an iota (through casts and broadcasts): XLA makes it inside its reader."""
@@ -1633,6 +1664,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
 
     shared = {v for v in holders if reused(v)}
 
+    def in_loop(head: int, op_id: int) -> bool:
+        """Op ``op_id`` is emitted in the loop fusion of launch group ``head``: one of its
+        clusters' ops, or movement XLA fuses into it."""
+        k = ctx.pos.get(op_id)
+        return k is not None and (find(k) == head or fused_movement(k) and k not in materialised
+                                  and kind[k] == Kind.MOVEMENT)
+
     def duplicated(members: Sequence[int], roots: Iterable[int]) -> list[int]:
         """Ops of a loop fusion XLA writes out instead of recomputing (CODE_DUPLICATION), walking
         the fusion from its ``roots`` (the tensors it writes) to its operands as XLA's indexing
@@ -1651,10 +1689,6 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             size = g.tensors[g.ops[o].outputs[0]].size
             return chain_cost(g.ops[o].outputs[0], {q for q in seen if g.tensors[g.ops[q].outputs[0]].size == size})
 
-        def fused(op_id: int) -> bool:
-            k = ctx.pos.get(op_id)
-            return k is not None and (find(k) == head or fused_movement(k) and k not in materialised
-                                      and kind[k] == Kind.MOVEMENT)
 
         indexers: dict[int, set[int]] = {}
         for t in roots:
@@ -1674,7 +1708,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             order.append(o)
             for x in _data(g.ops[o]):
                 p = g.producer(x)
-                if p is not None and p.id not in seen and fused(p.id):
+                if p is not None and p.id not in seen and in_loop(head, p.id):
                     seen.add(p.id)
                     stack.append(p.id)
         repeated: dict[int, int] = {}   # expensive value -> elements its readers compute from it
@@ -1708,6 +1742,36 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 else:
                     indexers.setdefault(p.id, set()).add(o)
         return cuts
+    def cut_rereads(members: Sequence[int], cuts: Sequence[int], roots: Iterable[int]) -> int:
+        """Bytes the fusions a loop fusion is cut into (:func:`duplicated`) read of its operands
+        beyond reading each once: each fusion recomputes what its own ops reach, not through
+        another cut, reading the operands behind it again (RG-LRU's scan: the gates, computed
+        from two GEMMs' results, recomputed and those results read by each level's fusion)."""
+        if not cuts:
+            return 0
+        head = find(members[0])
+
+
+        def operands(starts: Iterable[int]) -> set[int]:
+            found, stack, seen = set(), list(starts), set()
+            while stack:
+                o = stack.pop()
+                for x in _data(g.ops[o]):
+                    p = g.producer(x)
+                    if p is None or not in_loop(head, p.id):
+                        found.add(x)
+                    elif p.id not in seen and p.id not in cut_set:
+                        seen.add(p.id)
+                        stack.append(p.id)
+            return found
+
+        cut_set = set(cuts)
+        starts = [p.id for t in roots if (p := g.producer(t)) is not None]
+        first = operands(starts)
+        everything = first.union(*(operands([o]) for o in cuts))
+        return sum(ctx.nbytes[x] for o in cuts for x in operands([o])) - sum(
+            ctx.nbytes[x] for x in everything - first)
+
     groups: dict[int, list[int]] = {}
     for k in range(len(cl)):
         groups.setdefault(find(k), []).append(k)
@@ -1908,6 +1972,18 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 # layout transpose of a channels-first result too), reading cuDNN's output and
                 # writing the result
                 nbytes += 2 * sum(ctx.nbytes[t] for t in cl[m].outputs)
+                if any(call[u] for u in direct) and _epilogue_rereads(g, cl[m]) and any(
+                        _channels_first(g.ops[o], "out_spec") for o in cl[m].ops
+                        if g.ops[o].primitive == "conv_general_dilated"):
+                    # a kernel call reads the result channels-first (row-major NCHW) and the
+                    # epilogue reads a value twice (SiLU's ``x * sigmoid(x)``): XLA's layout
+                    # assignment gives that value NCHW, so cuDNN's NHWC result is transposed by
+                    # a launch of its own and the epilogue reads it in both layouts (YOLO's C3k2
+                    # under VTC: ``wrapped_transpose.1``, then an ``input_transpose_fusion``
+                    # reading it and cuDNN's buffer; ConvNeXt's depthwise bias, read once, is
+                    # transposed inside its one loop fusion)
+                    n += 1
+                    nbytes += 3 * sum(ctx.nbytes[t] for t in cl[m].outputs)
         for m in members:   # an epilogue XLA's GEMM does not take, in a loop fusion of its own
             if epilogue_apart(m) == "loop":
                 (t,) = cl[m].outputs   # (reading the product, or the merged GEMM's whole result
@@ -1969,7 +2045,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 prologued = [x for x in g.ops[o].inputs[:2] if x in made_in]   # linear attention's
                 if prologued:                                                  # ``input_transpose_fusion``)
                     n += 1
-                    nbytes += 2 * sum(ctx.nbytes[x] for x in prologued)
+                    nbytes += 2 * sum(ctx.nbytes[_before_widening(g, x, made_in)] for x in prologued)
                     prologue_loop = True
             for x in (x for o in dots for x in _gemm_relayouts(g, g.ops[o], from_merged) if x not in made_in):
                 n_, b_ = relayout(x)
@@ -2232,11 +2308,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     "loop")
         made = set(out)
         if all(kind[m] == Kind.POINTWISE or m in dot_reduces for m in members):   # past XLA's duplication limit:
-            for o in duplicated(members, out):                # written out, read back by each reader
+            cuts = duplicated(members, out)
+            for o in cuts:                                    # written out, read back by each reader
                 t = g.ops[o].outputs[0]
                 reads = [min(ctx.nbytes[t], sum(ctx.nbytes[y] for y in u.outputs)) for u in g.consumers(t)]
                 n, nbytes = n + 1, nbytes + ctx.nbytes[t] + sum(reads)
                 made.add(t)
+            nbytes += cut_rereads(members, cuts, out)
         # each buffer once, however many views of it the group reads (a GroupNorm's rows, read
         # as the concatenation and as its reshape to groups: one operand of the loop fusion; two
         # parts of one merged GEMM's result read by one launch: T5's ``gelu(x @ wi_0) * (x @ wi_1)``)
@@ -2278,6 +2356,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         # where they read a channel slice)
         kept = {x: min(ctx.nbytes[x], sum(ctx.nbytes[op.inputs[0]] for op in convs_ops
                                           if x in _inputs_behind(op.inputs[0]))) for x in srcs}
+        # a kernel call's row-major result a channels-first conv reads through bitcasts is
+        # transposed for cuDNN the same way (RG-LRU's depthwise ``Conv1d`` under VTC, reading
+        # the linear's kernel: ``input_transpose_fusion``)
+        srcs |= {x for op in convs_ops if _channels_first(op, "lhs_spec")
+                 for x in [behind_bitcasts(op.inputs[0])] if (k := ctx.producer.get(x)) is not None and call[k]}
         if srcs | made:
             add((), "layout", len(srcs) + len(made),
                 sum(ctx.nbytes[t] + kept.get(t, ctx.nbytes[t]) for t in srcs | made))
@@ -2285,8 +2368,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         # by one fusion, unless it only reshapes or reads a program input (the layout transpose
         # above does it)
         fed, whole = set(), {}
+        fed_at: dict[int, int] = {}   # conv op -> the copy it reads (behind bitcasts)
         for op in convs_ops:
-            t = op.inputs[0]
+            # (back through bitcasts to the movement they view: ShuffleNet's split half of a
+            # channels-last input, reshaped twice on its way to the conv, ``wrapped_slice``)
+            t = op.inputs[0] if ctx.producer.get(behind_bitcasts(op.inputs[0])) is None else behind_bitcasts(op.inputs[0])
             p = ctx.producer.get(t)
             if p is None or kind[p] != Kind.MOVEMENT or is_dus(p) or t in fed or p in materialised:
                 continue
@@ -2314,6 +2400,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 continue   # (a zero pad of a computed buffer is folded into the convolution's own
                 # padding; one of a split half is written by the copy of the half: Mamba's)
             fed.add(t)
+            fed_at[op.id] = t
             if sliced and behind_input:   # the copy reads the whole input (``wrapped_slice``)
                 whole[t] = sum(ctx.nbytes[x] for o in cl[p].ops for x in _data(g.ops[o]))
             if mixed:   # a computed source transposed on its way in: transposed by a launch of
@@ -2321,26 +2408,108 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 moved = _transposed_sources(t)
                 if moved:
                     add((), "layout", len(moved), sum(2 * ctx.nbytes[x] for x in moved), moved)
+        def relaid(t: int) -> list[int]:
+            """``t`` and the tensors it is a relayout of: back through bitcasts and transposes
+            (one source each), whose layout XLA lets the producer choose."""
+            chain = [t]
+            while (k := ctx.producer.get(chain[-1])) is not None and kind[k] == Kind.MOVEMENT and all(
+                    ctx.bitcast.get(o) or g.ops[o].primitive == "transpose" for o in cl[k].ops):
+                srcs = [x for o in cl[k].ops for x in _data(g.ops[o])]
+                if len(srcs) != 1:
+                    break
+                chain.append(srcs[0])
+            return chain
+
+        def to_fed(y: int, copies: set[int]) -> bool:
+            """``y`` is one of the copies convolutions read, what one relays out, or a bitcast
+            view of those."""
+            while y not in copies:
+                if (x := bitcast_source(y)) is None:
+                    return False
+                y = x
+            return True
+
+        dropped: set[int] = set()
+
+        def absorbed_into_copies() -> dict[int, set[int]]:
+            """The results of loop fusions read only through the copies convolutions read (by the
+            convolutions, or by loop fusions reading a copy), each mapped to the buffers its fusion
+            reads. Those fusions' launches are dropped from ``fusions`` and ``written``, their
+            clusters added to ``dropped``."""
+            found: dict[int, set[int]] = {}
+            copies = {x for t in fed for x in relaid(t)}
+            for i, f in enumerate(fusions):
+                if f.what != "loop" or f.launches != 1 or not f.made or any(
+                        call[m] or kind[m] != Kind.POINTWISE for m in f.clusters) or any(x in outs for x in f.made):
+                    continue
+                own, stack, seen, ok = set(f.clusters), list(f.made), set(), True
+                while stack and ok:
+                    y = stack.pop()
+                    for k in ctx.users.get(y, ()):
+                        if k in own or (k, y) in seen:
+                            continue
+                        seen.add((k, y))
+                        if fused_movement(k) and k not in materialised:
+                            stack.extend(cl[k].outputs)
+                        elif call[k] or kind[k] not in (Kind.CONV, Kind.POINTWISE, Kind.REDUCTION) or not to_fed(y, copies):
+                            ok = False
+                if not ok:
+                    continue
+                reads = {b for m in f.clusters for x in cl[m].inputs if ctx.producer.get(x) not in own
+                         for b in _sources_behind(x)} - set(f.made)
+                found.update((x, reads) for x in f.made)
+                dropped.update(f.clusters)
+                for x in f.made:
+                    written.pop(x, None)
+                fusions[i] = dataclasses.replace(f, launches=0, bytes=0, made=())
+            return found
+
+        def copy_reads(t: int, absorbed: Mapping[int, set[int]]) -> int:
+            """Bytes the copy ``t`` reads: the buffers behind it, those of the element-wise work
+            it computes inside in place of that work's results."""
+            if t in whole:
+                return whole[t]
+            srcs = _sources_behind(t)
+            if not srcs & absorbed.keys():
+                return read_bytes(t, set())
+            return sum(ctx.nbytes[b] for b in set().union(*(absorbed.get(x, {x}) for x in srcs)))
+
+        # a copy that only relays out a loop fusion's result read by no kernel call and not
+        # returned is no copy: XLA's layout assignment has that fusion write it in the conv's
+        # layout (the zoo's C3k2 under VTC: the residual sum, ``loop_add_fusion``, written NHWC
+        # for the next conv and read so by the concatenation)
+        for t in list(fed):
+            x = relaid(t)[-1]
+            i = written.get(x)
+            if x != t and x not in outs and i is not None and fusions[i].what == "loop" and fusions[i].launches and not any(
+                    call[u] for u in readers_through_views(x)):
+                fed.discard(t)
+        # element-wise work read only through these copies is computed inside each of them (XLA
+        # fuses a producer into every consumer fusion, a copy too): no launch of its own, and each
+        # copy reads that work's operands (the zoo's C3k2: the first conv's SiLU recomputed by the
+        # copy of the half the next conv reads, ``loop_slice_fusion``, and by the concatenation's
+        # copy, ``input_concatenate_fusion``, which takes the last bottleneck's SiLU and residual in)
+        absorbed = absorbed_into_copies()
         # a copy whose value a reduction or loop fusion reads too is one more output of that
         # fusion (XLA's multi-output fusion: the U-Net up block's GroupNorm statistics and the
         # concatenation its shortcut convolution reads, one ``input_concatenate_reduce_fusion``)
-        riding = {t for t in fed if t not in whole and any(
-            kind[u] in (Kind.REDUCTION, Kind.POINTWISE) and not call[u] for u in readers_through_views(t))}
+        riding = {t for t in fed if t not in whole and not _sources_behind(t) & absorbed.keys() and any(
+            kind[u] in (Kind.REDUCTION, Kind.POINTWISE) and not call[u] and u not in dropped
+            for u in readers_through_views(t))}
         # the convolution reads the copy, where its fusion was priced through the movement to its
         # source: more where the copy is larger than what it reads (a nearest-neighbour upsample's
         # gathers, 5 MiB read and 20 written, read by the U-Net up block's conv: it reads 20)
         for t in fed:   # (charged to the conv's own launch group: its memory time, beside its math)
             grown = ctx.nbytes[t] - read_bytes(t, set())
             i = next((i for i, f in enumerate(fusions) if f.what == "conv" and any(
-                op.inputs[0] == t for m in f.clusters for op in (g.ops[o] for o in cl[m].ops)
-                if op.primitive == "conv_general_dilated")), None)
+                fed_at.get(o) == t for m in f.clusters for o in cl[m].ops)), None)
             if grown > 0 and i is not None:
                 fusions[i] = dataclasses.replace(fusions[i], bytes=fusions[i].bytes + grown)
         if riding:
             add((), "copy", 0, sum(ctx.nbytes[t] for t in riding), riding)
         fed -= riding
         if fed:
-            add((), "copy", len(fed), sum(whole.get(t, read_bytes(t, set())) + ctx.nbytes[t] for t in fed), fed)
+            add((), "copy", len(fed), sum(copy_reads(t, absorbed) + ctx.nbytes[t] for t in fed), fed)
         # cuDNN wants filters OHWI: any other layout (OIHW, a 1-D conv's OIW, HWIO) is transposed
         # once, unless only unit axes move (OIHW 1x1 and depthwise filters; HWIO ones move O)
         for k in convs:
@@ -2470,6 +2639,28 @@ XLA_PROBS_TRANSPOSE_MAX_KEYS = 1024
 def _conv_epilogue(g: Graph, c: Cluster) -> set[str]:
     """The primitives a convolution cluster applies to the convolution's result (casts aside)."""
     return {g.ops[o].primitive for o in c.ops} - {"conv_general_dilated"} - CAST_ONLY
+
+
+def _before_widening(g: Graph, x: int, made: set[int]) -> int:
+    """The value a GEMM prologue's loop fusion writes for operand ``x``: ``x``, or what a final
+    widening cast reads where element-wise work made it (``made``) — XLA's Triton GEMM fusion
+    takes the cast into its operand and reads the narrow value (the zoo's linear attention: the
+    ReLU'd bf16 q and k written, cast to f32 inside ``gemm_fusion_dot``; its padded v, cut by
+    movement, is written f32)."""
+    op = g.producer(x)
+    if op is None or op.primitive != "convert_element_type" or op.inputs[0] not in made:
+        return x
+    src = op.inputs[0]
+    narrow = np.dtype(g.tensors[src].dtype).itemsize < np.dtype(g.tensors[x].dtype).itemsize
+    return src if narrow and not is_view(g.producer(src), g) else x
+
+
+def _epilogue_rereads(g: Graph, c: Cluster) -> bool:
+    """Whether a convolution cluster's epilogue reads one of its values in two ops (SiLU's
+    ``x * sigmoid(x)``), not along one chain (a bias add, ReLU)."""
+    own = set(c.ops)
+    made = {t for o in own for t in g.ops[o].outputs}
+    return any(sum(1 for u in g.consumers(t) if u.id in own) > 1 for t in made)
 
 
 def _loop_epilogue(g: Graph, c: Cluster) -> bool:
