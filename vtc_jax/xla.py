@@ -1287,6 +1287,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             for x, wide in _transposed_operands(g, d):
                 if not XLA_TRANSPOSES_REPEATED_VALUES and (wide != g.tensors[x].dtype.itemsize or wide > 2):
                     continue
+                if XLA_TRANSPOSES_REPEATED_VALUES and _repeats(g, x) * _batch_rows(g, d, x) <= XLA_READS_REPEATED_VALUES_MAX:
+                    continue
                 src = read_bytes(x, set())
                 base, elems = x, g.tensors[x].size
                 while (p := g.producer(base)) is not None and (p.primitive in _FUSED_VIEWS or p.primitive in CAST_ONLY):
@@ -3082,13 +3084,19 @@ def _repeated(g: Graph, t: int) -> bool:
     """Whether the movement XLA fuses into ``t``'s reader (transposes, broadcasts, squeezes,
     reshapes, slices, casts) repeats its buffer's elements: a broadcast that adds elements (a
     GQA group axis, ``jnp.repeat``)."""
-    op = g.producer(t)
+    return _repeats(g, t) > 1
+
+
+def _repeats(g: Graph, t: int) -> int:
+    """How many times the movement XLA fuses into ``t``'s reader repeats its buffer's elements
+    (the broadcasts that add elements: a GQA group of ``G`` query heads per KV head, ``G``)."""
+    op, times = g.producer(t), 1
     while op is not None and (op.primitive in _FUSED_VIEWS or op.primitive in CAST_ONLY):
         src = data_inputs(op)[0]
         if op.primitive == "broadcast_in_dim" and g.tensors[op.outputs[0]].size > g.tensors[src].size:
-            return True
+            times *= g.tensors[op.outputs[0]].size // max(1, g.tensors[src].size)
         op = g.producer(src)
-    return False
+    return times
 
 
 def _repeat_transposed(g: Graph, t: int, batch: Sequence[int]) -> int | None:
@@ -3141,6 +3149,14 @@ def _transposed_operands(g: Graph, op: Any) -> list[tuple[int, int]]:
         if f > 1 and _repeated(g, x) and len(c) == 1 and m is not None and m != c[0]:
             out.append((x, g.tensors[op.outputs[0]].dtype.itemsize))
     return out
+
+
+def _batch_rows(g: Graph, op: Any, x: int) -> int:
+    """The batch of dot ``op``'s operand ``x`` beyond its heads: the product of its batch axes
+    but the last (``(B, H, T, D)``'s B)."""
+    (_, _), (lb, rb) = op.params["dimension_numbers"]
+    batch = tuple(lb) if x == op.inputs[0] else tuple(rb)
+    return math.prod(g.tensors[x].shape[a] for a in batch[:-1])
 
 
 def _physical_order(g: Graph, t: int) -> tuple[int, ...] | None:
@@ -3657,6 +3673,13 @@ def _reread(g: Graph, t: int) -> bool:
 # (``IsMatrixMultiplicationTooSmallForRewriting``): Mamba's ``einsum("bldn,bln->bld")`` read off
 # its compile as an ``input_reduce_fusion`` computing the scan's last level inside it
 XLA_DOT_TO_REDUCE_MAX = 10_000_000
+# jax 0.10.2's XLA reads a repeated value cache in place inside the decode ``p @ v`` reduction
+# (the transpose fused into it) while the group size G (query heads per KV head) times the
+# batch is at most this, and copies it transposed (f32) otherwise: read off the deviceless H100
+# compiles of the Llama-3 decode layer — batch 1, G = 2 no copy (heads / KV heads / head dim
+# 16/8/128, 16/8/256, 8/4/128, 32/16/64, 64/32/128; contexts 4,096 to 65,536); G = 3, 4, 8 at
+# batch 1 and G = 2 at batch 2 to 16 a ``loop_transpose_fusion`` / ``input_transpose_fusion``
+XLA_READS_REPEATED_VALUES_MAX = 2
 
 
 def _strength_reduced(g: Graph, op: Any) -> bool:
