@@ -1744,6 +1744,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 else:
                     indexers.setdefault(p.id, set()).add(o)
         return cuts
+
     def cut_rereads(members: Sequence[int], cuts: Sequence[int], roots: Iterable[int]) -> int:
         """Bytes the fusions a loop fusion is cut into (:func:`duplicated`) read of its operands
         beyond reading each once: each fusion recomputes what its own ops reach, not through
@@ -1752,7 +1753,6 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         if not cuts:
             return 0
         head = find(members[0])
-
 
         def operands(starts: Iterable[int]) -> set[int]:
             found, stack, seen = set(), list(starts), set()
@@ -2374,7 +2374,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         for op in convs_ops:
             # (back through bitcasts to the movement they view: ShuffleNet's split half of a
             # channels-last input, reshaped twice on its way to the conv, ``wrapped_slice``)
-            t = op.inputs[0] if ctx.producer.get(behind_bitcasts(op.inputs[0])) is None else behind_bitcasts(op.inputs[0])
+            t = behind_bitcasts(op.inputs[0])
+            t = t if ctx.producer.get(t) is not None else op.inputs[0]
             p = ctx.producer.get(t)
             if p is None or kind[p] != Kind.MOVEMENT or is_dus(p) or t in fed or p in materialised:
                 continue
@@ -2410,6 +2411,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 moved = _transposed_sources(t)
                 if moved:
                     add((), "layout", len(moved), sum(2 * ctx.nbytes[x] for x in moved), moved)
+
         def relaid(t: int) -> list[int]:
             """``t`` and the tensors it is a relayout of: back through bitcasts and transposes
             (one source each), whose layout XLA lets the producer choose."""
