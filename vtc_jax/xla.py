@@ -679,9 +679,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 p = ctx.producer.get(t)
                 if p is not None and fused_movement(p):
                     feeds_call.add(p)
-                while p is not None and bitcasts_only(p):   # behind a view: movement, not scalar glue
-                    srcs = [x for o in cl[p].ops for x in _data(g.ops[o])]
-                    p = ctx.producer.get(srcs[0]) if len(srcs) == 1 else None
+                while (x := bitcast_source(t)) is not None:   # behind a view: movement, not scalar glue
+                    t, p = x, ctx.producer.get(x)
                     if p is not None and kind[p] == Kind.MOVEMENT and not is_dus(p):
                         feeds_call.add(p)
 
@@ -1190,7 +1189,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     # cuDNN's own epilogue applied through bitcasts: a conv with none, whose result only a
     # bias add (and ReLU) reads through unit-axis reshapes (flax's ``nnx.Conv`` under ``vmap``
     # adds the bias to a reshaped result), is one ``cudnn-conv-bias-activation`` in the compile,
-    # as if the cluster had taken them (:func:`_loop_epilogue`'s rule on the island's ops)
+    # as if the cluster had taken them (:func:`_cudnn_epilogue` on the island's ops)
     for k in range(len(cl)):
         if kind[k] != Kind.CONV or call[k] or find(k) != k or len(cl[k].outputs) != 1 or _conv_epilogue(g, cl[k]):
             continue
@@ -1199,10 +1198,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         u = next(iter(users)) if len(users) == 1 else None
         if t in outs or u not in islands or len(ctx.users.get(t, ())) != 1:
             continue
-        epi = {g.ops[o].primitive for m in islands[u] for o in cl[m].ops} - CAST_ONLY
-        ungrouped = all(g.ops[o].params.get("feature_group_count", 1) == 1 for o in cl[k].ops
-                        if g.ops[o].primitive == "conv_general_dilated")
-        if epi == {"add", "max"} or epi == {"add"} and ungrouped:
+        if _cudnn_epilogue(g, cl[k], {g.ops[o].primitive for m in islands[u] for o in cl[m].ops} - CAST_ONLY):
             parent[u] = find(k)
 
     def _generated(t: int) -> bool:
@@ -1690,7 +1686,6 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             feeding it in the fusion (element-wise, views)."""
             size = g.tensors[g.ops[o].outputs[0]].size
             return chain_cost(g.ops[o].outputs[0], {q for q in seen if g.tensors[g.ops[q].outputs[0]].size == size})
-
 
         indexers: dict[int, set[int]] = {}
         for t in roots:
@@ -2676,9 +2671,16 @@ def _loop_epilogue(g: Graph, c: Cluster) -> bool:
     if c.kind != Kind.CONV:
         return False
     epi = _conv_epilogue(g, c)
+    return bool(epi) and not _cudnn_epilogue(g, c, epi)
+
+
+def _cudnn_epilogue(g: Graph, c: Cluster, epi: set[str]) -> bool:
+    """Whether cuDNN takes the element-wise primitives ``epi`` (casts aside) as convolution
+    cluster ``c``'s epilogue: bias + ReLU, or adds alone on an ungrouped conv
+    (:func:`_loop_epilogue`)."""
     ungrouped = all(g.ops[o].params.get("feature_group_count", 1) == 1 for o in c.ops
                     if g.ops[o].primitive == "conv_general_dilated")
-    return bool(epi) and epi != {"add", "max"} and not (epi == {"add"} and ungrouped)
+    return epi == {"add", "max"} or epi == {"add"} and ungrouped
 
 
 def _epilogue_reads(g: Graph, t: int, convs: Sequence[Cluster], own: set[int]) -> bool:
