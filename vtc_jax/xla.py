@@ -33,7 +33,7 @@ from .compat import (XLA_BROADCASTS_BIAS_OF_MERGED_GEMMS, XLA_COPIES_PART_OF_ROW
                      XLA_DOT_MERGER_JOINS_ONE_WITHIN, XLA_DOT_MERGER_MAX_BYTES, XLA_EPILOGUE_READS_OTHER_GEMMS,
                      XLA_GEMM_REORDERS_BATCHES, XLA_MASKS_REGROUPED_SCORES_APART, XLA_RELAYS_SPLIT_FREE_RHS, XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA,
                      XLA_TRANSPOSES_REPEATED_VALUES, XLA_WRITES_REPEATED_GEMM_OPERANDS)
-from .graph import Graph, Speculated
+from .graph import Graph, Speculated, is_extended
 from .kernels.tiling import resolve_precision
 from .primitives import (KERNEL_CALLS, TABLE, Kind, Role, data_inputs, inplace_operand, is_expensive, is_fill,
                          is_view, kernel_aliases, kernel_reads_in_place)
@@ -510,7 +510,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
 
     * **movement fuses into its consumer**: a transpose / slice / concat / broadcast / reshape /
       pad costs no launch; the fusion reading it reads its source (a broadcast: its small input,
-      a slice: what it keeps). It costs a launch and a write only where it is a program output.
+      a slice: what it keeps). It costs a launch and a write only where it is a program output
+      (one launch for all the outputs filled with one constant in one shape and dtype:
+      :func:`_fill_key`), or a GEMM contracts a concatenation's axis (:func:`_concatenation`).
     * **a kernel call fuses with nothing**: XLA cannot look inside a custom call, so movement
       feeding one is materialised (a bitcast excepted): fused into the producing loop fusion as
       one more output, or a copy of its own (reading every buffer behind it whole, as the
@@ -1495,6 +1497,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             written[t] = len(fusions) - 1
 
     relaid: set[int] = set()   # GEMM operands already copied into GEMM layout (XLA's CSE: once)
+    filled: set[tuple[Any, ...]] = set()   # constants returned filled (:func:`_fill_key`)
 
     def split_of(k: int) -> int:
         """How many parts XLA splits cluster ``k``'s GEMM along K (1: not split)."""
@@ -1918,8 +1921,14 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                            and k not in materialised and fused_movement(k)):
                         chain.append(g.producer(_data(chain[-1])[0]))
                     if not all(ctx.bitcast.get(q.id) or _gemm_writes_transposed(g, q) for q in chain):
-                        add(members, "copy", 1, sum(ctx.nbytes[t] for t in op.outputs)
+                        # one constant filled in one shape and dtype is one launch however many
+                        # outputs take it (XLA's CSE and a multi-output loop fusion: the zero
+                        # gradients of unused or frozen weights of one shape, ``loop_broadcast_fusion``)
+                        key = _fill_key(g, op) if len(chain) == 1 else None
+                        add(members, "copy", int(key is None or key not in filled), sum(ctx.nbytes[t] for t in op.outputs)
                             + sum(read_bytes(x, set()) for x in _data(chain[-1])), op.outputs)
+                        if key is not None:
+                            filled.add(key)
             continue
         if len(members) == 1 and is_dus(head):
             add(members, "update", 1, sum(ctx.base.get(o, 0) for o in cl[head].ops), cl[head].outputs)
@@ -2544,6 +2553,19 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             add((), "conditional", n, nbytes, c.outputs)
     return Price(sum(f.launches for f in fusions), sum(f.bytes for f in fusions),
                  _buffers(ctx, fusions, written), tuple(fusions))
+
+
+def _fill_key(g: Graph, op: Any) -> tuple[Any, ...] | None:
+    """What makes two returned fills one value to XLA: the shape, the dtype and the constant
+    (a literal's value, else the scalar's own value); None where ``op`` is no fill."""
+    if not is_fill(op, g):
+        return None
+    x = op.inputs[0]
+    const = g.tensors[x].const
+    literal = const is not None and not is_extended(g.tensors[x].dtype)   # (a key's value: numpy holds none)
+    value = ("literal", np.asarray(const).item()) if literal else ("value", g.same_value(x))
+    out = g.tensors[op.outputs[0]]
+    return tuple(out.shape), str(out.dtype), value
 
 
 def _bias_epilogue(g: Graph, op: Any, inputs: Any) -> bool:
@@ -3450,6 +3472,19 @@ def _made_elementwise_from(g: Graph, t: int) -> int | None:
     return t if computed else None
 
 
+def _concatenation(g: Graph, t: int, contracted: Sequence[int]) -> bool:
+    """``t``, a GEMM operand contracted on axes ``contracted``, is a concatenation along one of them
+    (directly, or through casts): XLA's GEMM fusion takes no concatenation of the contracted axis
+    into its operand, a loop fusion writes it first (``input_concatenate_fusion``: GPT-2's q, k and
+    v gradients, each moved back from heads, concatenated for the fused QKV weight's input
+    gradient; read off the deviceless H100 compile of that backward pass, one per layer). Along a
+    free axis the GEMM reads the parts where they are (rows concatenated: one launch)."""
+    op = g.producer(t)
+    while op is not None and op.primitive in CAST_ONLY:
+        op = g.producer(data_inputs(op)[0])
+    return op is not None and op.primitive == "concatenate" and op.params["dimension"] in contracted
+
+
 def _gemm_relayouts(g: Graph, op: Any, fixed: Any = None) -> list[int]:
     """The operands of a GEMM (a ``dot_general`` XLA runs as a GEMM, not a reduction) that XLA
     writes out in another layout first: its GEMMs want the batch axes major, in order, and any
@@ -3459,14 +3494,15 @@ def _gemm_relayouts(g: Graph, op: Any, fixed: Any = None) -> list[int]:
     prefill attention: heads moved next to the batch by a transpose of ``(B, S, H, D)`` are an
     ``input_transpose_fusion`` in front of the score GEMM, and the merged-heads output a
     ``loop_transpose_fusion`` in front of the output projection); a repeated (broadcast) operand
-    is written out too (``wrapped_broadcast``), and a gathered one (:func:`_gathered`)."""
+    is written out too (``wrapped_broadcast``), a gathered one (:func:`_gathered`), and a
+    concatenation along a contracted axis (:func:`_concatenation`)."""
     if op.primitive != "dot_general" or _vector_dot(g, op):
         return []
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
     out = []
     for x, c, b in zip(op.inputs[:2], (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))):
         shape = g.tensors[x].shape
-        if _repeated(g, x) or _gathered(g, x):
+        if _repeated(g, x) or _gathered(g, x) or _concatenation(g, x, c):
             out.append(x)
             continue
         # element-wise work on a buffer whose layout is fixed (an int8 cache dequantised by
