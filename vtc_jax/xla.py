@@ -774,6 +774,27 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             return gather_index(op.outputs[0])
         return False
 
+    def element_index(t: int) -> bool:
+        """``t`` is read only as the indices of gathers and scatters of single elements, directly
+        or through views (:func:`_element_gather`; a scatter whose updates are one element an
+        index)."""
+        users = g.consumers(t)
+        if t in outs or not users:
+            return False
+        for op in users:
+            if is_view(op, g) or op.primitive in _FUSED_VIEWS:
+                if not all(element_index(y) for y in op.outputs):
+                    return False
+            elif op.primitive == "gather":
+                if t in _data(op) or not _element_gather(op):
+                    return False
+            elif op.primitive.startswith("scatter"):
+                if op.inputs[1] != t or t in _data(op) or g.tensors[op.inputs[2]].size > g.tensors[t].size:
+                    return False
+            else:
+                return False
+        return True
+
     def called_through_gathers(y: int) -> bool:
         """A kernel call reads ``y``, through views and gathers of it (as their table)."""
         for u in readers_through_views(y):
@@ -930,6 +951,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 continue
         if any(t in outs for m in members for t in cl[m].outputs):
             continue
+        if all(element_index(t) for m in members for t in cl[m].outputs):
+            # index arithmetic only gathers and scatters of single elements read (a target
+            # token's index wrapped, read by ``take_along_axis`` and by its gradient's scatter):
+            # computed inside each of them, no launch (the compile's GPT-2 loss: none)
+            recomputed.add(find(members[0]))
+            continue
         if all(gather_index(t) for m in members for t in cl[m].outputs):
             users = sorted({find(u) for m in members for t in cl[m].outputs
                             for u in consumers_through_movement(t, set())} - {find(members[0])})
@@ -1009,6 +1036,18 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             # (a copy reading a kernel call's result too waits for the call: YOLO's concat of a
             # split half with the kernels' outputs is a launch of its own after them)
             parent[find(k)] = find(next(iter(behind & materialised)))
+    # a reduction XLA emits element by element (:func:`_elemental_reduction`) that only a
+    # scatter reads, as its updates: inside the scatter's fusion, which reads the rows unreduced
+    # (GPT-2's position-embedding gradient, ``input_scatter_fusion`` reading ``f32[8,1024,768]``)
+    for k, c in enumerate(cl):
+        if kind[k] != Kind.REDUCTION or call[k] or find(k) != k or any(t in outs for t in c.outputs):
+            continue
+        readers = {u for t in c.outputs for u in readers_through_views(t)}
+        if len(readers) == 1 and scatters(u := next(iter(readers))) and all(
+                _elemental_reduction(g, g.ops[o]) for o in c.ops if g.ops[o].primitive.startswith("reduce_")) and all(
+                behind_bitcasts(g.ops[o].inputs[2]) in c.outputs and behind_bitcasts(g.ops[o].inputs[0]) not in c.outputs
+                for o in cl[u].ops):
+            parent[k] = find(u)
     for k, gk in index_of_copy:
         if (into := materialised_behind(gk)) is not None:
             parent[find(k)] = find(into)
@@ -1411,6 +1450,30 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 numerators[e] = sorted(rows)
                 norm_rows.add(e)
 
+    # a reduction XLA emits element by element (:func:`_elemental_reduction`) that only a
+    # scatter reads, as its updates, where its cluster computes more (a LayerNorm's backward
+    # making the rows it sums): the scatter's fusion reduces the rows itself, so the reduction
+    # is no launch and its result is never written (GPT-2's position-embedding gradient, the
+    # batch sum of the input gradient: ``input_scatter_fusion_1`` reading ``f32[8,1024,768]``)
+    into_scatter: set[int] = set()   # those reductions (and reshapes on the way), by op
+    for k, c in enumerate(cl):
+        if kind[k] != Kind.REDUCTION or call[k] or len(c.outputs) < 2:
+            continue
+        for e in c.outputs:
+            readers = readers_through_views(e)
+            if e in outs or e in numerators or len(readers) != 1 or not scatters(u := next(iter(readers))) or any(
+                    behind_bitcasts(g.ops[o].inputs[2]) != e or behind_bitcasts(g.ops[o].inputs[0]) == e
+                    for o in cl[u].ops):
+                continue
+            chain, x = [], e   # back through reshapes and reductions to the rows
+            while (op := g.producer(x)) is not None and op.id in c.ops and (
+                    op.primitive == "reshape" or _elemental_reduction(g, op)):
+                chain.append(op.id)
+                x = _data(op)[0]
+            if any(g.ops[o].primitive.startswith("reduce_") for o in chain) and x in c.outputs:
+                numerators[e] = [x]
+                into_scatter.update(chain)
+
     def stat_apart(k: int) -> bool:
         """Reduction cluster ``k`` writes only statistics once the rows its readers recompute
         are set aside (``norm_rows``: VTC's LayerNorm between kernels, ``x - mean`` kept for
@@ -1474,6 +1537,15 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         if narrowest < ctx.nbytes[t]:
             as_written[t] = narrowest
 
+    # a scatter into zeros added to a fusion's result (:func:`_added_into`): XLA scatters into that
+    # result in place, so no launch writes the zeros, none reads the scatter's result for the add
+    folded_adds: dict[int, int] = {}   # the add -> the addend scattered into
+    for k in range(len(cl)):
+        for o in cl[k].ops if scatters(k) else ():
+            if (a := _added_into(g, g.ops[o])) is not None:
+                folded_adds[a.id] = next(x for x in a.inputs if x != g.ops[o].outputs[0])
+    folded = {x for a in folded_adds for x in g.ops[a].inputs if x not in folded_adds.values()}
+    as_written.update(dict.fromkeys(folded, 0))
     written: dict[int, int] = {}     # materialised tensor -> group position that writes it
 
     call_ops = [op.id for op in g.ops if op.primitive in KERNEL_CALLS]
@@ -2060,6 +2132,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             if kind[m] != Kind.REDUCTION:   # fusion per statistic and a loop fusion applying them,
                 continue                    # each reading the rows again
             reds = [g.ops[o] for o in cl[m].ops if g.ops[o].primitive.startswith("reduce_")
+                    and o not in into_scatter   # (inside a scatter's fusion, above)
                     and not _column_tree(g, g.ops[o])   # (column trees: below; a reduction over
                     and g.tensors[_data(g.ops[o])[0]].size > g.tensors[g.ops[o].outputs[0]].size]
             # unit axes alone is a bitcast to XLA, no statistic: ``jax.grad`` of a log-softmax's
@@ -2069,7 +2142,10 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             row = max(g.tensors[x].size // max(1, g.tensors[r.outputs[0]].size) for r in reds for x in _data(r))
             rows = min(g.tensors[r.outputs[0]].size for r in reds)
             minor = all(_reduces_minor(g, r) for r in reds)
-            if not any(g.tensors[t].size > g.tensors[reds[-1].outputs[0]].size for t in cl[m].outputs):
+            if not any(g.tensors[t].size > g.tensors[reds[-1].outputs[0]].size and not (
+                    t in norm_rows and row > TRITON_NORM_MAX_ROW) for t in cl[m].outputs):
+                # (statistics alone, or with rows over long rows that every reader recomputes from
+                # them: a log-softmax over a 50,304-word vocabulary read by ``take_along_axis``)
                 for t in _expensive_per_row(g, {o for c in members for o in cl[c].ops}, reds):
                     n, nbytes = n + 1, nbytes + 2 * ctx.nbytes[t]   # (see below)
                 if minor and row > TRITON_NORM_MAX_ROW:   # statistics alone over long rows: each
@@ -2286,13 +2362,45 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                         continue   # a gathered GEMM operand (relaid above), or indices
                     n, nbytes = n + 1, nbytes + 2 * sum(ctx.nbytes[y] for y in op.outputs)
         # a scatter into a buffer of one value (``jax.grad`` of a gather: a zero buffer scattered
-        # into): a loop fusion writes the buffer, the scatter updates it in place
-        # (``loop_broadcast_fusion``, ``input_scatter_fusion``)
+        # into): a loop fusion writes the buffer, the scatter updates it in place, writing the
+        # rows its updates hold (``loop_broadcast_fusion``, ``input_scatter_fusion``)
         for o in (o for m in members if kind[m] == Kind.OPAQUE for o in cl[m].ops):
             op = g.ops[o]
             fill = g.producer(op.inputs[0]) if op.primitive.startswith("scatter") else None
             if fill is not None and is_fill(fill, g):
-                n += 1
+                n, nbytes = n + (op.outputs[0] not in folded), nbytes + ctx.update_bytes(op)
+                x = next((folded_adds[u.id] for u in g.consumers(op.outputs[0]) if u.id in folded_adds), None)
+                if x is not None and g.producer(x) is None and x not in ctx.donated:   # an input: copied
+                    n, nbytes = n + 1, nbytes + 2 * ctx.nbytes[x]
+        group_ops = {o for m in members for o in cl[m].ops}
+        # a gather of single elements (a target token's log-probability, ``take_along_axis``)
+        # read by a reduction: XLA fuses no such gather into a reduction fusion (a gather of rows
+        # it does); a loop fusion of its own writes the elements, with the element-wise work
+        # between them and the reduction (``loop_select_fusion``), which the reduction reads
+        if any(op.primitive.startswith("reduce_") and g.tensors[_data(op)[0]].size > g.tensors[op.outputs[0]].size
+               for op in (g.ops[o] for m in members if kind[m] == Kind.REDUCTION for o in cl[m].ops)):
+            for t in ins:
+                op = g.producer(behind_bitcasts(t))
+                if op is not None and op.id not in group_ops and _element_gather(op):
+                    n, nbytes = n + 1, nbytes + 2 * ctx.nbytes[t]
+        # the add a scatter was folded into is gone: work after it in the group is a loop fusion
+        # of its own, after the scatter, reading the scattered buffer (the work before it writing
+        # the buffer); a group that was the add alone is no launch
+        for a in (g.ops[o] for o in group_ops if o in folded_adds):
+            todo, after = [a.outputs[0]], set()   # (the group's ops reading the add's result)
+            while todo:
+                for u in g.consumers(todo.pop()):
+                    if u.id in group_ops and u.id not in after:
+                        after.add(u.id)
+                        todo.extend(u.outputs)
+            before = {o for o in group_ops - after - {a.id}
+                      if not is_view(g.ops[o], g) and g.ops[o].primitive not in CAST_ONLY}
+            if before and after:
+                x = folded_adds[a.id]
+                n, nbytes = n + 1, nbytes + ctx.nbytes[x] + ctx.nbytes[a.outputs[0]]
+            elif not before and not any(not is_view(g.ops[o], g) and g.ops[o].primitive not in CAST_ONLY
+                                        for o in after):
+                n = 0
         # a full reduction's element-wise epilogue (a loss's mean, its negation): a small loop
         # fusion of its own (a statistic of one row applied back to the row is a norm: below)
         for m in members:
@@ -2331,7 +2439,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             b = (1, find(part)) if part is not None and part in merged_bytes and n == 1 else (0, buffer_of(t))
             read[b] = max(read.get(b, 0), read_bytes(t, set(), own, strided=looped or prologue_loop or t in relaid))
         nbytes += sum(read.values()) + sum(as_written.get(t, ctx.nbytes[t]) for t in out)
-        add(members, what, n, nbytes, made)
+        add(members, what, n, nbytes if n else 0, made)
         for t in scratch - made:
             written.setdefault(t, len(fusions) - 1)
     for members in concatenated:   # weights of widths the GEMM fusion cannot concatenate in its
@@ -2566,6 +2674,36 @@ def _fill_key(g: Graph, op: Any) -> tuple[Any, ...] | None:
     value = ("literal", np.asarray(const).item()) if literal else ("value", g.same_value(x))
     out = g.tensors[op.outputs[0]]
     return tuple(out.shape), str(out.dtype), value
+
+
+def _element_gather(op: Any) -> bool:
+    """``op`` gathers single elements: every slice one element (``take_along_axis``, a table
+    looked up per element), not rows."""
+    return op.primitive == "gather" and math.prod(op.params["slice_sizes"]) == 1
+
+
+def _added_into(g: Graph, op: Any) -> Any:
+    """The ``add`` that XLA's algebraic simplifier folds the scatter ``op`` into, else None:
+    ``x + scatter_add(zeros, i, u)`` is ``scatter_add(x, i, u)``, the scatter updating ``x``'s
+    buffer in place — no zero buffer, no add (``x``'s other readers scheduled first; a program
+    input is copied first: ``kCopy``). GPT-2's tied embedding: the LM head's weight gradient, a
+    GEMM, then the lookup's gradient scattered into its result (``gemm_fusion_dot.1``,
+    ``input_scatter_fusion``)."""
+    if op.primitive not in ("scatter-add", "scatter_add"):
+        return None
+    fill = g.producer(op.inputs[0])
+    key = _fill_key(g, fill) if fill is not None else None
+    users = g.consumers(op.outputs[0])
+    if key is None or key[2] != ("literal", 0) or len(users) != 1 or users[0].primitive not in ("add", "add_any"):
+        return None
+    add = users[0]
+    others = [x for x in add.inputs if x != op.outputs[0]]
+    if len(others) != 1:
+        return None
+    x, y = g.tensors[others[0]], g.tensors[op.outputs[0]]
+    if (x.shape, x.dtype) != (y.shape, y.dtype):
+        return None
+    return add
 
 
 def _bias_epilogue(g: Graph, op: Any, inputs: Any) -> bool:
@@ -3029,6 +3167,32 @@ def _reduces_minor(g: Graph, op: Any) -> bool:
     axes = {a for a in op.params["axes"] if shape[a] != 1}
     live = [a for a in range(len(shape)) if shape[a] != 1]
     return set(live[len(live) - len(axes):]) == axes if axes else True
+
+
+def _elemental_reduction(g: Graph, op: Any) -> bool:
+    """XLA emits the reduction element by element, as a loop op (``IsReductionFromOrToContiguous
+    Dimensions`` false: not a reduction hero), so it fuses into its consumer like element-wise
+    work. Its axes (unit axes aside) one run: a row reduction (the run minor) over fewer than a
+    warp's 32 elements that do not divide 32, or a column reduction (kept axes minor to the run)
+    over few rows — under 32; under 64 with fewer than 32 kept minor elements, under 128 with
+    fewer than 8, under 256 with fewer than 3 (``IsUnnestedReductionFasterThanElemental``). The
+    position embedding's gradient, a batch of 8 summed over ``(8, 1024, 768)``: inside the
+    scatter's ``input_scatter_fusion``."""
+    if not op.primitive.startswith("reduce_") or op.primitive == "reduce_precision":
+        return False
+    shape = g.tensors[data_inputs(op)[0]].shape
+    live = [a for a in range(len(shape)) if shape[a] != 1]
+    axes = [a for a in live if a in op.params["axes"]]
+    if not axes:   # over unit axes alone: a bitcast
+        return True
+    if _finished_apart(g, op):
+        return False
+    reduced = math.prod(shape[a] for a in axes)
+    minor = math.prod(shape[a] for a in live[live.index(axes[-1]) + 1:])
+    if minor == 1:   # a row reduction
+        return reduced < 32 and 32 % reduced != 0
+    return reduced < 32 or (reduced < 64 and minor < 32) or (reduced < 128 and minor < 8) or (
+        reduced < 256 and minor < 3)
 
 
 def _finished_apart(g: Graph, op: Any) -> int:
