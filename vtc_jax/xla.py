@@ -564,7 +564,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
     * **norms and losses**: rows a reduction cluster makes from its statistics with cheap
       element-wise work are recomputed by their readers (:func:`_rows_recomputed`); statistics
       over rows past TRITON_NORM_MAX_ROW are trees of two launches; a full reduction's epilogue
-      and a scatter's filled buffer are launches of their own. A norm's backward whose row sums
+      and a scatter's filled buffer are launches of their own — no fill where the scatter-add
+      into zeros is added to a value, which XLA scatters into in place (:func:`_added_into`); a
+      reduction XLA emits element by element (:func:`_elemental_reduction`) that only a scatter
+      reads runs inside the scatter's fusion; a gather of single elements a reduction reads is
+      a loop fusion of its own (:func:`_element_gather`), its index arithmetic inside it. A norm's backward whose row sums
       meet the forward's statistics (written by other fusions) is no Triton fusion: per depth of
       row sums a reduction fusion (joining a statistic's fusion that reduces the same rows or
       reads a common operand no GEMM makes; riding in the loop fusion writing its rows) and a
@@ -774,19 +778,22 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             return gather_index(op.outputs[0])
         return False
 
-    def element_index(t: int) -> bool:
-        """``t`` is read only as the indices of gathers and scatters of single elements, directly
-        or through views (:func:`_element_gather`; a scatter whose updates are one element an
-        index)."""
-        users = g.consumers(t)
-        if t in outs or not users:
+    def element_index(t: int, island: set[int]) -> bool:
+        """``t`` is read only as the indices of scatters of single elements (updates one element
+        an index) and of gathers of single elements that reductions read (:func:`_element_gather`:
+        a loop fusion of their own), directly or through views, or by the ``island`` of ops making
+        the indices. (Read by gathers XLA fuses into their readers it is a launch of its own: the
+        MoE dispatch's permuted ids, ``flat_e[order]``.)"""
+        if t in outs:
             return False
+        users = [op for op in g.consumers(t) if op.id not in island]
         for op in users:
             if is_view(op, g) or op.primitive in _FUSED_VIEWS:
-                if not all(element_index(y) for y in op.outputs):
+                if not all(element_index(y, island) for y in op.outputs):
                     return False
-            elif op.primitive == "gather":
-                if t in _data(op) or not _element_gather(op):
+            elif op.primitive == "gather":   # (a loop fusion of its own: read by reductions)
+                if t in _data(op) or not _element_gather(op) or not all(
+                        kind[u] == Kind.REDUCTION for u in readers_through_views(op.outputs[0])):
                     return False
             elif op.primitive.startswith("scatter"):
                 if op.inputs[1] != t or t in _data(op) or g.tensors[op.inputs[2]].size > g.tensors[t].size:
@@ -951,7 +958,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 continue
         if any(t in outs for m in members for t in cl[m].outputs):
             continue
-        if all(element_index(t) for m in members for t in cl[m].outputs):
+        island = {o for m in members for o in cl[m].ops}
+        if all(element_index(t, island) for m in members for t in cl[m].outputs):
             # index arithmetic only gathers and scatters of single elements read (a target
             # token's index wrapped, read by ``take_along_axis`` and by its gradient's scatter):
             # computed inside each of them, no launch (the compile's GPT-2 loss: none)
@@ -1308,8 +1316,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         # ``loop_slice_fusion`` reading all of it)
         if any(ctx.producer.get(x) in merged_bytes for x in xs) or strided and strided_cut(k):
             return src
-        if any(x in numerators for x in xs):   # (gathered from rows it recomputes: the compile
-            return src                          # charges the rows whole — GPT-2's picked log-probs)
+        if any(x in numerators for x in xs) or all(ctx.bitcast.get(o) for o in cl[k].ops):
+            return src   # (gathered from rows it recomputes: the compile charges the rows whole —
+            # GPT-2's picked log-probs —, also through a view after the gather: ``[..., 0]``)
         return min(ctx.nbytes[t], src)
 
     def transposed_copies(dots: Sequence[Any]) -> tuple[int, int]:
@@ -2376,13 +2385,22 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         # a gather of single elements (a target token's log-probability, ``take_along_axis``)
         # read by a reduction: XLA fuses no such gather into a reduction fusion (a gather of rows
         # it does); a loop fusion of its own writes the elements, with the element-wise work
-        # between them and the reduction (``loop_select_fusion``), which the reduction reads
+        # between them and the reduction (``loop_select_fusion``), which the reduction reads —
+        # riding in another reduction reading the same indices' source where there is one (XLA's
+        # sibling multi-output fusion: LoRA's ``input_reduce_select_fusion``, with the count of
+        # valid labels)
         if any(op.primitive.startswith("reduce_") and g.tensors[_data(op)[0]].size > g.tensors[op.outputs[0]].size
                for op in (g.ops[o] for m in members if kind[m] == Kind.REDUCTION for o in cl[m].ops)):
             for t in ins:
                 op = g.producer(behind_bitcasts(t))
-                if op is not None and op.id not in group_ops and _element_gather(op):
-                    n, nbytes = n + 1, nbytes + 2 * ctx.nbytes[t]
+                if op is None or op.id in group_ops or not _element_gather(op):
+                    continue
+                behind = _walk([op.inputs[1]], lambda x: _data(p) if (p := g.producer(x)) is not None and (
+                    p.id in group_ops or is_view(p, g) or p.primitive in _FUSED_VIEWS
+                    or find(ctx.pos[p.id]) in recomputed) else ())   # (through the indices' arithmetic)
+                sibling = any(find(u) != find(head) and any(kind[c] == Kind.REDUCTION for c in groups[find(u)])
+                              for x in behind for u in [*ctx.users.get(x, ()), ctx.producer.get(x, find(head))])
+                n, nbytes = n + (not sibling), nbytes + 2 * ctx.nbytes[t]
         # the add a scatter was folded into is gone: work after it in the group is a loop fusion
         # of its own, after the scatter, reading the scattered buffer (the work before it writing
         # the buffer); a group that was the add alone is no launch
