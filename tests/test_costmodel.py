@@ -2643,3 +2643,32 @@ def test_xla_a_gather_of_elements_read_by_a_reduction_is_a_loop_fusion(fn, launc
     assert price.launches == len(compiled.launches) == launches, detail
     if compiled.bytes > 2**20:
         assert abs(price.bytes - compiled.bytes) <= 0.1 * compiled.bytes, (detail, price.bytes, compiled.bytes)
+
+
+@pytest.mark.offline
+def test_xla_lora_steps_norms_whose_row_values_the_backward_reads_against_xlas_compile():
+    """Plain jit's LoRA fine-tuning step (corpus, paper size): its final RMSNorm, whose ``rsqrt``
+    the backward reads too, is no Triton fusion but a reduction fusion and the fusion applying it
+    (``escaped``), and on jax 0.12 a ``loop_rsqrt_fusion`` writing the scale between them
+    (``compat.XLA_WRITES_ESCAPING_ROW_SCALE``); the masked loss's gathered log-probabilities ride
+    in the valid-label count's reduction (``_element_gather``'s sibling). Launches within one of
+    the compile's, bytes within 5% (before, on jax 0.12: 80 launches against 82)."""
+    from tests.zoo.corpus import CORPUS
+    e = CORPUS["lora_finetune_train_step"]("paper")
+    plain, _, pj, _ = model_and_compile_of_both(e.step, e.args, e.donate_argnums)
+    names = [l.name for l in pj.launches]
+    assert abs(plain.launches - len(names)) <= 1, (plain.launches, names)
+    assert abs(plain.bytes - pj.bytes) <= 0.05 * pj.bytes, (plain.bytes, pj.bytes)
+
+
+def test_cluster_an_lm_heads_gradient_through_its_softmax_is_no_attention():
+    """``cluster._attention``: ``logits = h @ W``, a log-softmax, and the input gradient
+    ``dlogits @ W.T`` look like dot → softmax → dot, but keys and values are one tensor (the LM
+    head's weight): no attention cluster (XLA's compile runs it as two GEMMs around the softmax's
+    reductions; priced as attention the model was six launches short)."""
+    def loss(h, w, t):
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(h @ w, -1), t[..., None], -1))
+    g = trace(jax.grad(loss), jnp.ones((64, 32)), jnp.ones((32, 256)), jnp.zeros((64,), jnp.int32))
+    kinds = [Kind(c.kind) for c in cluster(g)]
+    assert Kind.ATTENTION not in kinds, kinds
+    assert kinds.count(Kind.MATMUL) == 2, kinds

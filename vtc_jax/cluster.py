@@ -223,6 +223,12 @@ def _attention(graph: Graph, roles: list[Kind], d1: Op) -> set[int] | None:
                     stack.append(p)
         if not {"exp", "reduce_sum"} <= {graph.ops[o].primitive for o in path}:
             continue
+        d2_other = {_behind_views(graph, t) for t in graph.ops[d2].inputs
+                    if (p := graph.producer(t)) is None or p.id not in path}
+        if d2_other & {_behind_views(graph, t) for t in d1.inputs}:
+            # keys and values one tensor: an LM head's logits and the input gradient through
+            # their softmax (``dlogits @ W.T``), no attention
+            continue
         ops = path | {d1.id, d2}
         scores = {t for o in ops - {d2} for t in graph.ops[o].outputs}
         if not scores & set(graph.outputs) and all(c.id in ops for t in scores for c in graph.consumers(t)):
@@ -235,6 +241,13 @@ def _attention(graph: Graph, roles: list[Kind], d1: Op) -> set[int] | None:
                 t = users[0].outputs[0]
             return ops | _attention_prologues(graph, roles, ops, d1, graph.ops[d2])
     return None
+
+
+def _behind_views(graph: Graph, t: int) -> int:
+    """The tensor ``t`` is a transpose, reshape or copy of (through any number of them), or ``t``."""
+    while (p := graph.producer(t)) is not None and p.primitive in ("transpose", "reshape", "copy") and len(p.inputs) == 1:
+        t = p.inputs[0]
+    return t
 
 
 def operand_chain(graph: Graph, x: int, member: Callable[[Op], bool]) -> tuple[int, tuple[int, ...], tuple[int, ...]]:

@@ -103,6 +103,12 @@ XLA_TRANSPOSES_REPEATED_VALUES = JAX_VERSION < (0, 11)
 XLA_RELAYS_SPLIT_FREE_RHS = JAX_VERSION < (0, 11)
 XLA_EPILOGUE_READS_OTHER_GEMMS = JAX_VERSION >= (0, 11)
 
+# A norm XLA runs as a reduction fusion and a loop fusion applying it (no Triton fusion: its
+# per-row values escape to a training step's backward), read off the deviceless H100 compiles of
+# an RMSNorm's gradient: jax 0.10.2's XLA computes the ``rsqrt`` of the statistic inside each
+# reader; jax 0.12's writes it by a loop fusion of its own (``loop_rsqrt_fusion``).
+XLA_WRITES_ESCAPING_ROW_SCALE = JAX_VERSION >= (0, 11)
+
 # XLA's stable-sort expander makes a stable sort's ties break by position with one more int32
 # operand (an iota): jax 0.10.2's XLA adds it even where the sort already carries an iota
 # (``argsort``); jax 0.12's uses that one.

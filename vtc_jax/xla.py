@@ -32,7 +32,7 @@ from .cluster import Cluster, cluster
 from .compat import (XLA_BROADCASTS_BIAS_OF_MERGED_GEMMS, XLA_COPIES_PART_OF_ROWS, XLA_COPIES_SCATTERED_CACHE_AGAIN,
                      XLA_DOT_MERGER_JOINS_ONE_WITHIN, XLA_DOT_MERGER_MAX_BYTES, XLA_EPILOGUE_READS_OTHER_GEMMS,
                      XLA_GEMM_REORDERS_BATCHES, XLA_MASKS_REGROUPED_SCORES_APART, XLA_RELAYS_SPLIT_FREE_RHS, XLA_STABLE_SORT_ADDS_IOTA_TO_AN_IOTA,
-                     XLA_TRANSPOSES_REPEATED_VALUES, XLA_WRITES_REPEATED_GEMM_OPERANDS)
+                     XLA_TRANSPOSES_REPEATED_VALUES, XLA_WRITES_ESCAPING_ROW_SCALE, XLA_WRITES_REPEATED_GEMM_OPERANDS)
 from .graph import Graph, Speculated, is_extended
 from .kernels.tiling import resolve_precision
 from .primitives import (KERNEL_CALLS, TABLE, Kind, Role, data_inputs, inplace_operand, is_expensive, is_fill,
@@ -2215,7 +2215,19 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     applied_in_loop.add(m)
                 renormed = any(kind[k] == Kind.REDUCTION for r in reds for b in rows_behind(_data(r)[0], set(cl[m].ops))
                                for k in producers_through_movement(b, set()))
-                if not stat and not renormed and m not in applied_in_loop and not _diamond(g, group_ops, reds):
+                # a norm applied in the cluster whose per-row values other fusions read too (a
+                # training step's backward reading an RMSNorm's ``rsqrt`` and its derivative):
+                # XLA's Triton fusion writes the normalised rows alone, so there is none (LoRA's
+                # final RMSNorm on both jax versions: ``input_add_reduce_fusion`` and
+                # ``loop_convert_fusion_2``; a softmax's statistics, applied by another cluster,
+                # are its statistics fusion already)
+                own_ops = set(cl[m].ops)
+                escaped = any(g.tensors[t].size > rows and _made_from(g, t, own_ops, {reds[-1].id})
+                              for t in cl[m].outputs) and any(
+                    g.tensors[t].size == rows and any(not call[u] and find(u) != find(m) for u in ctx.users.get(t, ()))
+                    for t in cl[m].outputs)
+                if not stat and not renormed and m not in applied_in_loop and (
+                        escaped or not _diamond(g, group_ops, reds)):
                     # no diamond, no Triton fusion: a reduction fusion reading the rows (reductions
                     # of the same rows in one), the cluster's launch applying its result, and a
                     # loop fusion for each expensive per-row value made elsewhere (a Triton fusion
@@ -2228,6 +2240,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                         nbytes += sum(read_bytes(x, set()) for x in {x for b in rows_ for x in recomputed_from(b)})
                     for t in _expensive_per_row(g, group_ops, reds):
                         n, nbytes = n + 1, nbytes + 2 * ctx.nbytes[t]
+                    for t in cl[m].outputs if escaped and XLA_WRITES_ESCAPING_ROW_SCALE else ():
+                        if g.tensors[t].size == rows and is_expensive(g.producer(t)):   # (the rsqrt)
+                            n, nbytes = n + 1, nbytes + 2 * ctx.nbytes[t]
                     applied_in_loop.add(m)
                 continue
             # one row: a reduction fusion per statistic; rows longer than the Triton fusion takes,
