@@ -2224,8 +2224,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 own_ops = set(cl[m].ops)
                 escaped = any(g.tensors[t].size > rows and _made_from(g, t, own_ops, {reds[-1].id})
                               for t in cl[m].outputs) and any(
-                    g.tensors[t].size == rows and any(not call[u] and find(u) != find(m) for u in ctx.users.get(t, ()))
-                    for t in cl[m].outputs)
+                    g.tensors[t].size == rows and any(kind[u] in (Kind.POINTWISE, Kind.REDUCTION) and not call[u]
+                                                      and find(u) != find(m) for u in ctx.users.get(t, ()))
+                    for t in cl[m].outputs)   # (a cache update writing an int8 cache's scale: no reader)
                 if not stat and not renormed and m not in applied_in_loop and (
                         escaped or not _diamond(g, group_ops, reds)):
                     # no diamond, no Triton fusion: a reduction fusion reading the rows (reductions
