@@ -2672,3 +2672,14 @@ def test_cluster_an_lm_heads_gradient_through_its_softmax_is_no_attention():
     kinds = [Kind(c.kind) for c in cluster(g)]
     assert Kind.ATTENTION not in kinds, kinds
     assert kinds.count(Kind.MATMUL) == 2, kinds
+
+
+def test_cluster_one_tensor_as_keys_and_values_through_a_softmax_is_attention():
+    """The other side of ``cluster._gradient_of_softmax``: MLA's absorbed decode reads its latent
+    cache as keys and as values (``softmax(q @ c.T) @ c``) — attention, kernels and all; only a
+    softmax's gradient between the dots (an LM head's) makes one tensor no attention."""
+    def mla(q, c):
+        return jnp.einsum("bht,btr->bhr", jax.nn.softmax(jnp.einsum("bhr,btr->bht", q, c) * 0.125, -1), c)
+    g = trace(mla, jnp.ones((2, 4, 16)), jnp.ones((2, 32, 16)))
+    kinds = [Kind(c.kind) for c in cluster(g)]
+    assert kinds.count(Kind.ATTENTION) == 1 and Kind.MATMUL not in kinds, kinds

@@ -225,9 +225,11 @@ def _attention(graph: Graph, roles: list[Kind], d1: Op) -> set[int] | None:
             continue
         d2_other = {_behind_views(graph, t) for t in graph.ops[d2].inputs
                     if (p := graph.producer(t)) is None or p.id not in path}
-        if d2_other & {_behind_views(graph, t) for t in d1.inputs}:
-            # keys and values one tensor: an LM head's logits and the input gradient through
-            # their softmax (``dlogits @ W.T``), no attention
+        if d2_other & {_behind_views(graph, t) for t in d1.inputs} and _gradient_of_softmax(graph, path, d1):
+            # keys and values one tensor, a softmax's gradient between: an LM head's logits and
+            # the input gradient through them (``dlogits @ W.T``), no attention. One tensor
+            # through a softmax is attention: MLA's absorbed latent cache, a cache read as keys
+            # and as values
             continue
         ops = path | {d1.id, d2}
         scores = {t for o in ops - {d2} for t in graph.ops[o].outputs}
@@ -241,6 +243,28 @@ def _attention(graph: Graph, roles: list[Kind], d1: Op) -> set[int] | None:
                 t = users[0].outputs[0]
             return ops | _attention_prologues(graph, roles, ops, d1, graph.ops[d2])
     return None
+
+
+def _gradient_of_softmax(graph: Graph, path: set[int], d1: Op) -> bool:
+    """Whether, past an ``exp`` on ``path``, two tensors of the scores' size are added or
+    subtracted: a softmax's gradient (``p * sum(g) - g``, the labels' one-hot or scatter added),
+    where attention only scales its probabilities (the normalisation, dropout's mask)."""
+    size = graph.tensors[d1.outputs[0]].size
+    after = set(_walk_forward(graph, [o for o in path if graph.ops[o].primitive == "exp"], path))
+    return any(graph.ops[o].primitive in ("add", "sub", "add_any")
+               and sum(graph.tensors[t].size == size for t in graph.ops[o].inputs) >= 2 for o in after)
+
+
+def _walk_forward(graph: Graph, starts: list[int], within: set[int]) -> set[int]:
+    """Ops of ``within`` reading, directly or through others of ``within``, the ops ``starts``."""
+    seen: set[int] = set()
+    stack = list(starts)
+    while stack:
+        for c in (c for t in graph.ops[stack.pop()].outputs for c in graph.consumers(t)):
+            if c.id in within and c.id not in seen:
+                seen.add(c.id)
+                stack.append(c.id)
+    return seen
 
 
 def _behind_views(graph: Graph, t: int) -> int:

@@ -89,8 +89,14 @@ XLA_LAUNCH_BYTES = 3_350_000
 # times (``FusionNodeIndexingEvaluation::kAllowedCodeDuplication``: each distinct indexing of a
 # value — a slice, a pad, a concatenation reading it — emits it again); past it the producer is
 # written out and read back (an associative scan's tree of strided slices: a fusion every level
-# or two instead of one; read off the compiles of 2048-step scans. On small arrays XLA's cost
-# model fuses further — a 64-step scan is 3 fusions, the model says 8 — which this does not model)
+# or two instead of one; read off the compiles of 2048-step scans). Right for scans of about 4 Ki
+# elements a step only: XLA's priority fusion also prices each fusion with its GPU performance model
+# (re-reads of a buffer that fits the L2 or the SMs' L1 priced at the caches' speed-ups, 1 us a
+# launch), which cuts more levels the wider each step and fewer the narrower. A linear recurrence
+# (``lax.associative_scan`` of ``(a, b)``, f32, jax 0.10.2) compiles to, at 256 / 1 Ki / 2 Ki / 4 Ki /
+# 8 Ki / 16 Ki / 32 Ki / 64 Ki / 256 Ki elements a step: 5 6 7 7 8 10 11 13 15 launches over 512
+# steps, 9 9 9 13 13 16 17 17 18 over 2,048, 12 12 14 15 18 20 20 21 21 over 8,192; this bound gives
+# 10, 12 and 15 at every width (Mamba's 65,536-wide scan: 5 launches under). Not modelled.
 CODE_DUPLICATION = 15
 # A column reduction (the minor axis kept: a bias's or a LayerNorm scale's gradient, BatchNorm's
 # training statistics) over more than this many rows is split by XLA's tree reduction rewriter: a
