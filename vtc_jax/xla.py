@@ -85,15 +85,16 @@ XLA_REPEATED_EXPENSIVE_MAX = {"div": 13 << 20, "integer_pow": 13 << 20, "exp": 1
                               "sqrt": 17 << 20, "log": 3 << 20, "logistic": 6 << 20, "tanh": 80 << 10}
 XLA_REPEATED_EXPENSIVE_DEFAULT = 64 << 10
 XLA_LAUNCH_BYTES = 3_350_000
-# XLA fuses a producer into a loop fusion only while the fusion would emit it at most this many
-# times (``FusionNodeIndexingEvaluation::kAllowedCodeDuplication``: each distinct indexing of a
-# value — a slice, a pad, a concatenation reading it — emits it again); past it the producer is
-# written out and read back (an associative scan's tree of strided slices: a fusion every level
-# or two instead of one; read off the compiles of 2048-step scans). Right for scans of about 4 Ki
-# elements a step only: XLA's priority fusion also prices each fusion with its GPU performance model
-# (re-reads of a buffer that fits the L2 or the SMs' L1 priced at the caches' speed-ups, 1 us a
-# launch), which cuts more levels the wider each step and fewer the narrower. A linear recurrence
-# (``lax.associative_scan`` of ``(a, b)``, f32, jax 0.10.2) compiles to, at 256 / 1 Ki / 2 Ki / 4 Ki /
+# The model writes out a value of a loop fusion once the fusion would emit it more than this many
+# times (each distinct indexing of a value — a slice, a pad, a concatenation reading it — emits it
+# again): an associative scan's tree of strided slices is a fusion every level or two instead of
+# one. A proxy, not XLA's rule: XLA's priority fusion (jax 0.10.2) refuses no fusion for code size
+# on these trees; it fuses producers greedily by the time its GPU performance model says each
+# fusion saves (a launch 1 us against the operands every reader re-reads), so the tree is cut
+# more the wider each step (``benchmarks/priority_fusion.py`` simulates the pass on XLA's own HLO
+# and checks its prices against the pass's dump; BENCHMARKS.md, "XLA's priority fusion,
+# simulated"). The bound is right for scans of about 4 Ki elements a step only. A linear
+# recurrence (``lax.associative_scan`` of ``(a, b)``, f32, jax 0.10.2) compiles to, at 256 / 1 Ki / 2 Ki / 4 Ki /
 # 8 Ki / 16 Ki / 32 Ki / 64 Ki / 256 Ki elements a step: 5 6 7 7 8 10 11 13 15 launches over 512
 # steps, 9 9 9 13 13 16 17 17 18 over 2,048, 12 12 14 15 18 20 20 21 21 over 8,192; this bound gives
 # 10, 12 and 15 at every width (Mamba's 65,536-wide scan: 5 launches under). Not modelled.
@@ -2461,7 +2462,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         what = next((str(kind[m]) for m in members if kind[m] not in (Kind.POINTWISE, Kind.MOVEMENT, Kind.GLUE)),
                     "loop")
         made = set(out)
-        if all(kind[m] == Kind.POINTWISE or m in dot_reduces for m in members):   # past XLA's duplication limit:
+        if all(kind[m] == Kind.POINTWISE or m in dot_reduces for m in members):   # past the duplication bound:
             cuts = duplicated(members, out)
             for o in cuts:                                    # written out, read back by each reader
                 t = g.ops[o].outputs[0]
