@@ -115,7 +115,7 @@ def cycles(opcode: str, itemsize: int) -> int:
     """The flops XLA's cost analysis charges an element of ``opcode`` (4-byte floats: the f32
     profile; narrower: the f16 one)."""
     return (_CYCLES_F32 if itemsize >= 4 else _CYCLES_F16).get(opcode, 3)
-KINDS = frozenset({"elementwise", "bitcast", "broadcast", "slice", "pad", "concatenate", "transpose", "reduce"})
+KINDS = frozenset({"elementwise", "broadcast", "slice", "pad", "concatenate", "transpose", "reduce"})
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ class _Fusion:
             for inner, r in refs:
                 o = (inner, r)
                 osize = body[r][0].size if inner else sizes[r]
-                if node.kind in ("elementwise", "bitcast"):
+                if node.kind == "elementwise":
                     roots_of[o] |= roots_of[n]
                     continue
                 roots_of[o].add(o)
