@@ -508,14 +508,19 @@ def simulated_kernels(program: Program) -> tuple[int, int]:
 
 
 def compile_with_dump(fn: Callable, args: Sequence[Any], where: Path) -> Path:
-    """Compile ``jax.jit(fn)`` deviceless for an H100, XLA dumping its priority fusion to ``where``."""
+    """Compile ``fn`` (a function, wrapped in ``jax.jit``, or anything with ``lower``: a
+    ``vtc_jax.optimize`` object) deviceless for an H100, XLA dumping its priority fusion to ``where``."""
+    import warnings
+
     import jax
 
     from vtc_jax.offline import cuda_lowering, h100_device
     sharding = jax.sharding.SingleDeviceSharding(h100_device())
     sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), args)
-    with cuda_lowering():
-        jax.jit(fn).lower(*sds).compile(compiler_options={
+    target = fn if hasattr(fn, "lower") else jax.jit(fn)
+    with cuda_lowering(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        target.lower(*sds).compile(compiler_options={
             "xla_dump_to": str(where), "xla_dump_hlo_pass_re": "priority-fusion"})
     return where
 
@@ -574,6 +579,7 @@ def main() -> None:
     p.add_argument("--recurrence", nargs=2, type=int, action="append", metavar=("STEPS", "WIDTH"), default=[])
     p.add_argument("--grid", action="store_true", help="the linear recurrence at the widths of the table")
     p.add_argument("--corpus", action="append", default=[], help="a program of benchmarks/guard.py's corpus")
+    p.add_argument("--vtc", action="store_true", help="with --corpus: VTC's unguarded program too")
     p.add_argument("--write", action="store_true", help="the grid and the corpus's scans, into BENCHMARKS.md")
     a = p.parse_args()
     print(HEADER)
@@ -586,14 +592,21 @@ def main() -> None:
             print(str(rows[-1]), flush=True)
         for name in a.corpus + (SCANS if a.write else []):
             import guard as corpus_guard
-            step, make_args, _ = corpus_guard.corpus()[name]
-            where = compile_with_dump(step, make_args(), Path(tmp) / re.sub(r"\W", "_", name))
-            rows.append(report(name, where))
-            print(str(rows[-1]), flush=True)
+
+            import vtc_jax
+            step, make_args, donate = corpus_guard.corpus()[name]
+            programs = [(name, step)]
+            if a.vtc or a.write:   # VTC's program: its kernels, and the scan left to XLA
+                programs.append((f"{name}, VTC unguarded",
+                                 vtc_jax.optimize(step, backend="triton", guard=None, donate_argnums=donate)))
+            for label, fn in programs:
+                where = compile_with_dump(fn, make_args(), Path(tmp) / re.sub(r"\W", "_", label))
+                rows.append(report(label, where))
+                print(str(rows[-1]), flush=True)
     if a.write:
         import jax
         from blocks import write_block
-        grid = rows[:len(recurrences)]
+        grid, scans = rows[:len(recurrences)], rows[len(recurrences):]
         write_block("\n".join([
             BEGIN, "## XLA's priority fusion, simulated (compiled, deviceless H100)", "",
             f"`JAX_PLATFORMS=cpu python benchmarks/priority_fusion.py --write`. Python {platform.python_version()}, "
@@ -607,12 +620,11 @@ def main() -> None:
             f"producer agrees with XLA's to {max(r.worst for r in grid):.3f} µs, and its kernels are the "
             f"compile's within one on {sum(abs(r.simulated - r.compiled) <= 1 for r in grid)} of {len(grid)} "
             f"widths ({', '.join(f'{r.compiled}/{r.simulated}' for r in grid)}, compiled/simulated). On the "
-            f"corpus's scans: Mamba {rows[-2].xla_after_priority} kernels after XLA's priority fusion, "
-            f"{rows[-2].after_priority} simulated, {rows[-2].compiled} compiled, {rows[-2].simulated} simulated; "
-            f"RG-LRU {rows[-1].xla_after_priority}, {rows[-1].after_priority}, {rows[-1].compiled}, "
-            f"{rows[-1].simulated}. Mamba's largest first-price difference ({rows[-2].worst:.0f} µs, "
-            f"{rows[-2].worst_at}) is on a producer a GEMM reads through a bitcast (XLA prices the bitcast as a "
-            "user; neither fuses it). The simulation runs on XLA's HLO here; it is not the model's rule yet.", "",
+            "corpus's scans, plain jit and VTC's program: loop and input fusions compiled/simulated "
+            f"{', '.join(f'{r.compiled}/{r.simulated}' for r in scans)} ({'; '.join(r.name for r in scans)}). "
+            f"Mamba's largest first-price difference ({scans[0].worst:.0f} µs, {scans[0].worst_at}) is on a "
+            "producer a GEMM reads through a bitcast (XLA prices the bitcast as a user; neither fuses it). The "
+            "simulation runs on XLA's HLO here; it is not the model's rule yet.", "",
             HEADER, *map(str, rows), END]), BEGIN, END, after="<!-- guard:end -->")
     elif not rows:
         p.print_help()
