@@ -4,9 +4,9 @@ pass's own dump: why a fixed duplication bound cannot say how many kernels a sca
 
     JAX_PLATFORMS=cpu python benchmarks/priority_fusion.py --recurrence 2048 65536   # one program
     JAX_PLATFORMS=cpu python benchmarks/priority_fusion.py --grid                    # the table
-    JAX_PLATFORMS=cpu python benchmarks/priority_fusion.py --corpus "corpus mamba_selective_scan"
-    JAX_PLATFORMS=cpu python benchmarks/priority_fusion.py --write   # the grid and the corpus's two scans,
-                                                                      # its block of BENCHMARKS.md
+    JAX_PLATFORMS=cpu python benchmarks/priority_fusion.py --corpus "corpus mamba_selective_scan" --vtc
+    JAX_PLATFORMS=cpu python benchmarks/priority_fusion.py --write   # the grid and the corpus's two scans
+                                                                      # (jit and VTC): BENCHMARKS.md
 
 A diagnostic for whoever works on ``vtc_jax/xla.py`` (``CODE_DUPLICATION``: the model writes out
 a loop fusion's value once it would be emitted more than 15 times). Each program is compiled
@@ -28,29 +28,37 @@ What cuts an associative scan's tree is the performance model: a producer read b
 recomputed by each, each re-reading its operands from DRAM, against one 1 us launch saved and
 its result written and read once; at 1 Ki elements a step the launch wins and the tree fuses
 (9 kernels over 2,048 steps), at 64 Ki the re-reads win and each level of the up-sweep is a
-kernel of its own (17). The simulation, a greedy on XLA's prices, reproduces that. Two of XLA's
-rules it needed for Mamba's scan: a concatenation along an axis that is not the outermost, whose
-first operand's extent along it is not a multiple of 32, is charged 400 flops an element
-(``GpuHloCostAnalysis::HandleConcatenate``: Mamba's (1, L, 4096, 16) levels, each with one row
-concatenated in front) — 100 us of compute on the 1,024-row level, which first looked like
-uncoalesced reads; and a reduction of 16 elements or more is fused with no other reduction and
-into no consumer that would make it a loop fusion (``CanFuse``). Re-reads of a buffer under XLA's L1 (2 KiB an SM) are priced 20x
-faster (Mamba's readout coefficients); a kernel rooted at a concatenation (XLA's concatenate
-emitter) takes no part in multi-output fusion. With these, the simulation on Mamba's own HLO
-writes out the same tensors as XLA's priority fusion and makes as many kernels as the compile.
-What it does not reproduce yet: mid widths (2 Ki - 8 Ki a step) where the priorities are within
-a fraction of a microsecond of zero come out a kernel or two off; and it runs on XLA's HLO here,
-not yet on the model's graph (``xla.py``).
+kernel of its own (17). The simulation, a greedy on XLA's prices, reproduces that. XLA's rules
+it needed for the corpus's scans (Mamba's and RG-LRU's), each read off the dump or XLA's verbose
+log (``TF_CPP_VMODULE=gpu_performance_model_base=8,gpu_performance_model=8``):
+
+* a concatenation along an axis that is not the outermost, whose first operand's extent along it
+  is not a multiple of 32, is charged 400 flops an element
+  (``GpuHloCostAnalysis::HandleConcatenate``: Mamba's (1, L, 4096, 16) levels, each with one row
+  concatenated in front — 100 us of compute on the 1,024-row level, which first looked like
+  uncoalesced reads);
+* re-reads of a buffer under XLA's L1 (2 KiB an SM) are priced 20x faster than from DRAM
+  (Mamba's readout coefficients, re-read 4,096 times);
+* a reduction of 16 elements or more is fused with no other reduction and into no consumer that
+  would make it a loop fusion (``CanFuse``);
+* a kernel rooted at a concatenation (XLA's concatenate emitter) takes no part in multi-output
+  fusion.
+
+With these the simulation, on the HLO XLA fuses, writes out the same tensors as XLA's priority
+fusion for Mamba and makes as many kernels as the compile for the four scan programs. What it
+does not reproduce yet: mid widths (2 Ki - 8 Ki a step), where priorities sit within a fraction
+of a microsecond of zero, come out a kernel or two off; and it runs on XLA's HLO here, not on the
+model's graph (``xla.py``).
 
 The simulation follows ``xla/service/gpu/transforms/priority_fusion.cc`` (the greedy: the
 producer of the largest priority first, fused into all its users, priorities of the new fusion
 and its operands recomputed — in full, where XLA updates them incrementally to the same sums;
 ties to the later instruction), ``model/gpu_performance_model{,_base}.cc`` (a launch 1 us; a
 kernel's reads by operand, the first from DRAM and re-reads from the L2 at 2.5x where the buffer
-fits it, 20x where it fits the L1 as XLA counts it; compute at the SMs' rate, overlapped at 0.95) and ``model/gpu_hlo_cost_analysis.cc``
-(``FusionCalculateUtilizations``: the elements of each operand a fusion reads, through slices,
-broadcasts and repeated uses). Multi-output fusion, after it, merges kernels of one result shape
-that share an operand or read one another.
+fits it, 20x where it fits the L1 as XLA counts it; compute at the SMs' rate, overlapped at 0.95)
+and ``model/gpu_hlo_cost_analysis.cc`` (``FusionCalculateUtilizations``: the elements of each
+operand a fusion reads, through slices, broadcasts and repeated uses). Multi-output fusion, after
+it, merges kernels of one result shape that share an operand or read one another.
 """
 from __future__ import annotations
 
@@ -70,6 +78,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 
 @dataclass(frozen=True)
 class Device:
