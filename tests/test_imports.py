@@ -31,7 +31,7 @@ STAGES: tuple[str, ...] = (
     "templates.base", "templates.stage2", "templates.island", "templates.contraction",
     "templates.pointwise", "templates.reduction", "templates.attention", "templates",
     # the one model of XLA, selection, VTOG, cost model, strategy, accounting
-    "xla", "selection", "vtog", "costmodel", "profiling", "strategy", "accounting",
+    "xla_priority", "xla", "selection", "vtog", "costmodel", "profiling", "strategy", "accounting",
     # the analysis, lowering, the build loop, the report, the user surface
     "analysis", "lower", "guard", "program", "plancache", "report", "api",
     # the package and its command line

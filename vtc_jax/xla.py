@@ -38,6 +38,10 @@ from .kernels.tiling import resolve_precision
 from .primitives import (KERNEL_CALLS, TABLE, Kind, Role, data_inputs, inplace_operand, is_expensive, is_fill,
                          is_view, kernel_aliases, kernel_reads_in_place)
 from .templates import TEMPLATES, Match
+from .xla_priority import Node as PriorityNode
+from .xla_priority import concatenate_cycles
+from .xla_priority import cycles as priority_cycles
+from .xla_priority import fuse as priority_fuse
 
 __all__ = ["xla_clusters", "Facts", "LIBRARY_KINDS", "CAST_ONLY", "MATH_CLASSES", "Fusion", "Price", "op_flops", "math_class",
            "pointwise_islands", "xla_fuses", "xla_plain", "xla_program"]
@@ -91,14 +95,14 @@ XLA_LAUNCH_BYTES = 3_350_000
 # one. A proxy, not XLA's rule: XLA's priority fusion (jax 0.10.2) refuses no fusion for code size
 # on these trees; it fuses producers greedily by the time its GPU performance model says each
 # fusion saves (a launch 1 us against the operands every reader re-reads), so the tree is cut
-# more the wider each step (``benchmarks/priority_fusion.py`` simulates the pass on XLA's own HLO
-# and checks its prices against the pass's dump; BENCHMARKS.md, "XLA's priority fusion,
-# simulated"). The bound is right for scans of about 4 Ki elements a step only. A linear
-# recurrence (``lax.associative_scan`` of ``(a, b)``, f32, jax 0.10.2) compiles to, at 256 / 1 Ki / 2 Ki / 4 Ki /
-# 8 Ki / 16 Ki / 32 Ki / 64 Ki / 256 Ki elements a step: 5 6 7 7 8 10 11 13 15 launches over 512
-# steps, 9 9 9 13 13 16 17 17 18 over 2,048, 12 12 14 15 18 20 20 21 21 over 8,192; this bound gives
-# 10, 12 and 15 at every width (Mamba's 65,536-wide scan: 5 launches under). Not modelled.
+# more the wider each step. So the bound only says *that* an island is a tree XLA cuts: where,
+# and into how many kernels, is XLA's priority fusion replayed (``simulated``, with
+# :mod:`xla_priority`: Mamba's 65,536-wide scan 33 launches modelled against 32 compiled, where the
+# bound gave 27; ``benchmarks/priority_fusion.py`` checks the simulation against XLA's dump).
 CODE_DUPLICATION = 15
+# jaxpr primitives whose HLO opcode is named otherwise (the flops of ``xla_priority.cycles`` are by opcode)
+HLO_OPCODE = {"mul": "multiply", "sub": "subtract", "div": "divide", "exp": "exponential", "log1p": "log-plus-one",
+              "expm1": "exponential-minus-one", "pow": "power", "cos": "cosine", "sin": "sine"}
 # A column reduction (the minor axis kept: a bias's or a LayerNorm scale's gradient, BatchNorm's
 # training statistics) over more than this many rows is split by XLA's tree reduction rewriter: a
 # fusion reducing blocks of rows into partial sums (about sqrt(rows) of them), and one reducing
@@ -1789,6 +1793,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         # level and by the readout's reduction, is fused into both
         count: dict[int, dict[int, int]] = {-1 - t: {-1 - t: 1} for t in roots}
         cuts: list[int] = []
+        bounded.clear()
         order: list[int] = []
         stack, seen = [o for o in indexers], set(indexers)
         while stack:
@@ -1806,11 +1811,13 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             for i in indexers.get(o, ()):
                 for r, k in count[i].items():
                     per[r] = per.get(r, 0) + k
-            if (max(per.values(), default=0) > CODE_DUPLICATION and op.primitive != "broadcast_in_dim"
-                    or o in repeated and repeats_too_much(cost(o), repeated[o], g.tensors[op.outputs[0]].size,
-                                                          np.dtype(g.tensors[op.outputs[0]].dtype).itemsize)
+            bound = max(per.values(), default=0) > CODE_DUPLICATION and op.primitive != "broadcast_in_dim"
+            if (bound or o in repeated and repeats_too_much(cost(o), repeated[o], g.tensors[op.outputs[0]].size,
+                                                            np.dtype(g.tensors[op.outputs[0]].dtype).itemsize)
                     ) and not any(g.same_value(t) in shared for t in op.outputs):   # (shared
                 cuts.append(o)                                                       # tables: their own rule)
+                if bound:
+                    bounded.append(o)
                 root = -1 - op.outputs[0]
                 per, indexers[o] = {root: 1}, {root}
                 count[root] = dict(per)
@@ -1830,6 +1837,109 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                 else:
                     indexers.setdefault(p.id, set()).add(o)
         return cuts
+
+    bounded: list[int] = []   # the cuts of the last ``duplicated`` walk made by CODE_DUPLICATION
+
+    def summed_parts(m: int) -> list[int] | None:
+        """The parts a split-K GEMM's sum is cut into when slices and splits are all that read it
+        (None otherwise): each is summed apart from the partials (XLA's ``loop_slice_fusion``)."""
+        parts = [y for t in cl[m].outputs for op in g.consumers(t) for y in op.outputs
+                 if op.primitive in ("split", "slice")]
+        if parts and all(op.primitive in ("split", "slice") for t in cl[m].outputs for op in g.consumers(t)) \
+                and not any(t in outs for t in cl[m].outputs):
+            return parts
+        return None
+
+    def simulated(members: Sequence[int], roots: Iterable[int], written: Sequence[int]
+                  ) -> tuple[list[int], int, int] | None:
+        """XLA's priority and multi-output fusion of a loop fusion's ops, simulated with its
+        performance model (:mod:`xla_priority`), for a fusion CODE_DUPLICATION would cut (an
+        associative scan's tree: where XLA writes out levels depends on how wide each step is,
+        which no bound on emissions captures). ``written``: ops written out for reasons of their
+        own (an expensive value, :func:`repeats_too_much`), kept written. ``(ops written out
+        beyond the roots, launches beyond one, bytes beyond reading each operand once and writing
+        the roots)``; None where an op is not one the simulation prices (a reduction, a gather)."""
+        head = find(members[0])
+        roots = list(roots)
+        alias: dict[int, int] = {}
+
+        def inside(o: int) -> bool:
+            """Op ``o`` is one of the group's, and not a part of a split-K GEMM's sum (a reduce
+            fusion of its own writes that, priced with the GEMM: a buffer here)."""
+            op = g.ops[o]
+            k = ctx.producer.get(op.inputs[0]) if op.primitive in ("split", "slice") and op.inputs else None
+            return in_loop(head, o) and not (k is not None and kind[k] == Kind.MATMUL and split_of(k) > 1
+                                              and summed_parts(k) is not None)
+        found, stack = set(), [p.id for t in roots if (p := g.producer(t)) is not None and inside(p.id)]
+        while stack:
+            o = stack.pop()
+            if o in found:
+                continue
+            found.add(o)
+            stack.extend(p.id for x in _data(g.ops[o]) if (p := g.producer(x)) is not None and inside(p.id))
+        read = {x for o in found for x in _data(g.ops[o])} | set(roots)
+        nodes: list[PriorityNode] = []
+        inputs: dict[int, tuple[int, int]] = {}
+        common: dict[tuple, int] = {}
+        for o in sorted(found):
+            op = g.ops[o]
+            # XLA's simplifier drops what has no elements: an operand of a concatenation (the one
+            # row an associative scan's last level puts in front of nothing), ops computing it
+            xs = [alias.get(x, x) for x in _data(op) if g.tensors[x].size]
+            if not any(g.tensors[t].size for t in op.outputs):
+                continue
+            if is_view(op, g) or op.primitive == "concatenate" and len(xs) == 1:
+                alias[op.outputs[0]] = xs[0]
+                continue
+            row = TABLE.get(op.primitive)
+            what = ("elementwise" if row is not None and row.role in (Role.ELEMENTWISE, Role.GENERATOR) else
+                    "broadcast" if op.primitive == "broadcast_in_dim" else
+                    "transpose" if op.primitive in ("transpose", "rev") else
+                    "slice" if op.primitive in ("split", "dynamic_slice") else   # (each part of a split)
+                    # a reduction in the loop (Mamba's readout contracting 16 states, computed by
+                    # XLA as a reduce fusion with the scan's last level inside it)
+                    "reduce" if row is not None and row.role in (Role.REDUCTION, Role.CONTRACTION) else
+                    op.primitive if op.primitive in ("slice", "pad", "concatenate") else None)
+            if what is None or len(op.outputs) != 1 and op.primitive != "split":
+                return None
+            for x in xs:
+                if (q := g.producer(x)) is None or q.id not in found:
+                    inputs[x] = (g.tensors[x].size, ctx.nbytes[x])
+            out_t = op.outputs[0]
+            if what == "elementwise":   # an operand of fewer elements is broadcast (XLA's broadcast op)
+                full = []
+                for x in xs:
+                    if g.tensors[x].size < g.tensors[out_t].size:
+                        bid = -1 - len(nodes)
+                        nodes.append(PriorityNode(bid, "broadcast", g.tensors[out_t].size, ctx.nbytes[out_t], (x,),
+                                                  tuple(g.tensors[out_t].shape), 3))
+                        full.append(bid)
+                    else:
+                        full.append(x)
+                xs = full
+            per = priority_cycles(HLO_OPCODE.get(op.primitive, op.primitive), np.dtype(g.tensors[out_t].dtype).itemsize) \
+                if what == "elementwise" else priority_cycles("add", 4) if what == "reduce" else \
+                concatenate_cycles(int(op.params["dimension"]), g.tensors[xs[0]].shape[int(op.params["dimension"])]) \
+                if what == "concatenate" else 3
+            for t, window in zip(op.outputs, windows(g, op)):
+                # XLA's CSE: one instruction for equal ones (the scan's slices of one level, cut
+                # the same way for the odd and the even steps)
+                key = (op.primitive if op.primitive != "split" else "slice", tuple(xs), window,
+                       tuple(g.tensors[t].shape), repr(sorted(op.params.items())) if not window else "")
+                if key in common:
+                    alias[t] = common[key]
+                elif t in read:   # (a split's part the group does not read: not its to write)
+                    common[key] = t
+                    nodes.append(PriorityNode(t, what, g.tensors[t].size, ctx.nbytes[t], tuple(xs),
+                                              tuple(g.tensors[t].shape), per, window))
+        ids = {n.id for n in nodes}
+        pinned = {alias.get(t, t) for t in roots} | {g.ops[o].outputs[0] for o in written}
+        kernels = priority_fuse(nodes, inputs, pinned & ids)
+        writes = {t for k in kernels for t in k.writes if t >= 0}
+        total = sum(ctx.nbytes[x] for k in kernels for x in k.reads) + sum(ctx.nbytes[t] for t in writes)
+        once = sum(ctx.nbytes[x] for x in inputs) + sum(ctx.nbytes[t] for t in roots)
+        cut = sorted({g.producer(t).id for t in writes - {alias.get(t, t) for t in roots}})
+        return cut, len(kernels) - 1, total - once
 
     def cut_rereads(members: Sequence[int], cuts: Sequence[int], roots: Iterable[int]) -> int:
         """Bytes the fusions a loop fusion is cut into (:func:`duplicated`) read of its operands
@@ -2114,10 +2224,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     return kind[u] in (Kind.REDUCTION, Kind.MATMUL) and not call[u] and not softmax_alone
 
                 partials = split * sum(g.tensors[t].size * 4 for t in cl[m].outputs)
-                parts = [y for t in cl[m].outputs for op in g.consumers(t) for y in op.outputs
-                         if op.primitive in ("split", "slice")]
-                if parts and all(op.primitive in ("split", "slice") for t in cl[m].outputs for op in g.consumers(t)) \
-                        and not any(t in outs for t in cl[m].outputs):
+                parts = summed_parts(m)
+                if parts is not None:
                     # the sum cut into parts read apart (Mamba's ``dt, B, C`` out of x_proj): each
                     # part a fusion that cannot take the reduce in reads is reduced by a fusion of
                     # its own, reading all the partials (``loop_slice_fusion``, one per part)
@@ -2464,6 +2572,12 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         made = set(out)
         if all(kind[m] == Kind.POINTWISE or m in dot_reduces for m in members):   # past the duplication bound:
             cuts = duplicated(members, out)
+            sim = simulated(members, out, [o for o in cuts if o not in bounded]) if bounded else None
+            if sim is not None:   # XLA's own greedy decides where a tree of indexings is cut
+                cuts, more, extra = sim
+                n, nbytes = n + more, nbytes + extra
+                made.update(g.ops[o].outputs[0] for o in cuts)
+                cuts = []
             for o in cuts:                                    # written out, read back by each reader
                 t = g.ops[o].outputs[0]
                 reads = [min(ctx.nbytes[t], sum(ctx.nbytes[y] for y in u.outputs)) for u in g.consumers(t)]
@@ -3833,6 +3947,21 @@ def _bucket(x: int, keys: Sequence[int]) -> int:
     """The one of ``keys`` nearest ``x`` on a log scale (28,672 columns are 32,768's, 14,336 are
     16,384's: XLA counts output tiles, so a size behaves as the power of two it is nearest)."""
     return min(keys, key=lambda k: abs(math.log2(k) - math.log2(max(x, 1))))
+
+
+def windows(g: Graph, op: Any) -> list[tuple[tuple[int, int], ...]]:
+    """Each output's ``(start, limit)`` per axis of ``op``'s operand, where ``op`` is a static
+    slice or a split (XLA's slices: multi-output fusion tells disjoint parts of one buffer apart by
+    them); ``()`` for any other op's outputs."""
+    if op.primitive == "slice" and all(s in (None, 1) for s in op.params.get("strides") or ()):
+        return [tuple(zip(map(int, op.params["start_indices"]), map(int, op.params["limit_indices"])))]
+    if op.primitive == "split":
+        shape, axis, start, out = g.tensors[op.inputs[0]].shape, int(op.params["axis"]), 0, []
+        for size in op.params["sizes"]:
+            out.append(tuple((start, start + int(size)) if a == axis else (0, n) for a, n in enumerate(shape)))
+            start += int(size)
+        return out
+    return [()] * len(op.outputs)
 
 
 def _xla_split_k(g: Graph, op: Any, width: int = 0) -> int:
