@@ -290,8 +290,9 @@ def main() -> None:
             BEGIN, "## XLA's priority fusion, simulated (compiled, deviceless H100)", "",
             f"`JAX_PLATFORMS=cpu python benchmarks/priority_fusion.py --write`. Python {platform.python_version()}, "
             f"jax {jax.__version__}, on {platform.machine()} ({os.cpu_count()} cores), no GPU.", "",
-            "Why the model of XLA (`vtc_jax/xla.py`) is off on Mamba's scan (the guard's only program outside "
-            "±1 launch), read off XLA's own priority-fusion dump: each program compiled with "
+            "Why the model of XLA (`vtc_jax/xla.py`) replays XLA's priority fusion where an associative scan's "
+            "tree is cut (with a bound on emissions alone, Mamba's scan was the guard's only program outside ±1 "
+            "launch: 27 against 32), read off XLA's own priority-fusion dump: each program compiled with "
             "`--xla_dump_hlo_pass_re=priority-fusion`, and XLA's priority fusion simulated on the HLO the pass "
             "fused, with XLA's performance model (the script's docstring has the sources). The pass refused no "
             "fusion for code size (its only ineligibility reason: \"No users to fuse\"): no bound on emissions "
