@@ -38,10 +38,9 @@ from .kernels.tiling import resolve_precision
 from .primitives import (KERNEL_CALLS, TABLE, Kind, Role, data_inputs, inplace_operand, is_expensive, is_fill,
                          is_view, kernel_aliases, kernel_reads_in_place)
 from .templates import TEMPLATES, Match
+from .xla_priority import Fused, Problem, canonical, concatenate_cycles
 from .xla_priority import Node as PriorityNode
-from .xla_priority import concatenate_cycles
 from .xla_priority import cycles as priority_cycles
-from .xla_priority import fuse as priority_fuse
 
 __all__ = ["xla_clusters", "Facts", "LIBRARY_KINDS", "CAST_ONLY", "MATH_CLASSES", "Fusion", "Price", "op_flops", "math_class",
            "pointwise_islands", "xla_fuses", "xla_plain", "xla_program"]
@@ -1850,6 +1849,8 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
             return parts
         return None
 
+    simulations: dict[Problem, list[Fused]] = {}   # each distinct island's kernels, simulated once
+
     def simulated(members: Sequence[int], roots: Iterable[int], written: Sequence[int]
                   ) -> tuple[list[int], int, int] | None:
         """XLA's priority and multi-output fusion of a loop fusion's ops, simulated with its
@@ -1934,7 +1935,11 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                                               tuple(g.tensors[t].shape), per, window))
         ids = {n.id for n in nodes}
         pinned = {alias.get(t, t) for t in roots} | {g.ops[o].outputs[0] for o in written}
-        kernels = priority_fuse(nodes, inputs, pinned & ids)
+        problem, back = canonical(nodes, inputs, pinned & ids)
+        if problem not in simulations:   # (a model's layers: one simulation for all)
+            simulations[problem] = problem.fuse()
+        kernels = [Fused(tuple(back[t] for t in k.writes), frozenset(back[x] for x in k.reads))
+                   for k in simulations[problem]]
         writes = {t for k in kernels for t in k.writes if t >= 0}
         total = sum(ctx.nbytes[x] for k in kernels for x in k.reads) + sum(ctx.nbytes[t] for t in writes)
         once = sum(ctx.nbytes[x] for x in inputs) + sum(ctx.nbytes[t] for t in roots)

@@ -336,6 +336,36 @@ def multi_output(insts: Mapping[int, _Fusion], order: Mapping[int, int], sizes: 
 
 
 
+@dataclass(frozen=True)
+class Problem:
+    """One simulation's input with its ids renumbered by first appearance (nodes in order, then
+    their operands): equal for islands equal up to the ids of their tensors — a model's layers —
+    so a caller can price each distinct island once (:func:`canonical`)."""
+    nodes: tuple[Node, ...]
+    inputs: tuple[tuple[int, tuple[int, int]], ...]
+    outputs: frozenset[int]
+
+    def fuse(self, device: Device = H100) -> list[Fused]:
+        return fuse(self.nodes, dict(self.inputs), self.outputs, device)
+
+
+def canonical(nodes: Sequence[Node], inputs: Mapping[int, tuple[int, int]], outputs: Iterable[int]
+              ) -> tuple[Problem, dict[int, int]]:
+    """``(problem, back)``: the :class:`Problem` of ``nodes`` and the map from its ids to the
+    caller's (the kernels of ``problem.fuse()`` are the caller's through ``back``)."""
+    new: dict[int, int] = {}
+    for n in nodes:
+        new.setdefault(n.id, len(new))
+    for n in nodes:
+        for x in n.operands:
+            new.setdefault(x, len(new))
+    problem = Problem(tuple(Node(new[n.id], n.kind, n.size, n.nbytes, tuple(new[x] for x in n.operands), n.shape,
+                                 n.cycles, n.window) for n in nodes),
+                      tuple(sorted((new[e], v) for e, v in inputs.items() if e in new)),
+                      frozenset(new[t] for t in outputs if t in new))
+    return problem, {v: k for k, v in new.items()}
+
+
 def first_gains(nodes: Sequence[Node], inputs: Mapping[int, tuple[int, int]], d: Device = H100
                 ) -> dict[int, float]:
     """Each producer's first priority (seconds): the time unfused minus the time fused into all its
