@@ -1859,7 +1859,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         which no bound on emissions captures). ``written``: ops written out for reasons of their
         own (an expensive value, :func:`repeats_too_much`), kept written. ``(ops written out
         beyond the roots, launches beyond one, bytes beyond reading each operand once and writing
-        the roots)``; None where an op is not one the simulation prices (a reduction, a gather)."""
+        the roots)``; None where an op is not one the simulation prices (a gather, a cumulative op)."""
         head = find(members[0])
         roots = list(roots)
         alias: dict[int, int] = {}
