@@ -1763,8 +1763,9 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         return k is not None and (find(k) == head or fused_movement(k) and k not in materialised
                                   and kind[k] == Kind.MOVEMENT)
 
-    def duplicated(members: Sequence[int], roots: Iterable[int]) -> list[int]:
-        """Ops of a loop fusion XLA writes out instead of recomputing (CODE_DUPLICATION), walking
+    def duplicated(members: Sequence[int], roots: Iterable[int]) -> tuple[list[int], list[int]]:
+        """Ops of a loop fusion XLA writes out instead of recomputing, and those of them cut by
+        CODE_DUPLICATION (where XLA's priority fusion is replayed instead: :func:`simulated`), walking
         the fusion from its ``roots`` (the tensors it writes) to its operands as XLA's indexing
         evaluation does: an operand of the op's own shape (or transposed) is indexed as the op
         is; any other read (slice, pad, concatenation, reshape) indexes it anew, once per
@@ -1792,7 +1793,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
         # level and by the readout's reduction, is fused into both
         count: dict[int, dict[int, int]] = {-1 - t: {-1 - t: 1} for t in roots}
         cuts: list[int] = []
-        bounded.clear()
+        bounded: list[int] = []
         order: list[int] = []
         stack, seen = [o for o in indexers], set(indexers)
         while stack:
@@ -1835,9 +1836,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     indexers.setdefault(p.id, set()).update(indexers.get(o, ()))
                 else:
                     indexers.setdefault(p.id, set()).add(o)
-        return cuts
-
-    bounded: list[int] = []   # the cuts of the last ``duplicated`` walk made by CODE_DUPLICATION
+        return cuts, bounded
 
     def summed_parts(m: int) -> list[int] | None:
         """The parts a split-K GEMM's sum is cut into when slices and splits are all that read it
@@ -2576,7 +2575,7 @@ def xla_program(graph: Graph, clusters: Sequence[Cluster], donated: Iterable[int
                     "loop")
         made = set(out)
         if all(kind[m] == Kind.POINTWISE or m in dot_reduces for m in members):   # past the duplication bound:
-            cuts = duplicated(members, out)
+            cuts, bounded = duplicated(members, out)
             sim = simulated(members, out, [o for o in cuts if o not in bounded]) if bounded else None
             if sim is not None:   # XLA's own greedy decides where a tree of indexings is cut
                 cuts, more, extra = sim
